@@ -1,0 +1,416 @@
+"""Lossless verification of drafted tokens: chain, multi-candidate and split (DSSD) rejection sampling.
+
+Convention for the whole repository: ``p`` is the TARGET distribution (edge, LLM, ``M_p``) and ``q``
+the DRAFT distribution (device, SLM, ``M_q``). Every ``q`` passed here must be exactly the
+distribution the draft token was sampled from (after compression: the decoded packet, densified), or
+the output is no longer distributed as the target alone.
+
+References
+- Chain speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192) Alg. 1; Chen et al. 2023
+  (arXiv 2302.01318) Alg. 2. TSLT paper (``tslt-mc-dsd.txt``) Alg. 3 with its erratum fixed: accept
+  draft ``x`` with probability ``min(1, p(x)/q(x))`` (the paper writes ``q/p``), the target ``M_p`` is
+  run (the paper writes ``M_q``), on rejection sample from ``norm(max(0, p - q))``, and if all ``L``
+  drafts are accepted sample a bonus token from ``p_{L+1}``.
+- Multi-candidate recursive rejection sampling: TSLT Alg. 4-5 (eq. 25), after Yang et al. 2024
+  (MCSD, arXiv 2401.06706): candidates drawn i.i.d. from one ``q``; after each rejected candidate
+  ``p <- norm(max(0, p - q))``. The without-replacement variant (SpecTr, Sun et al. 2023; MCSD;
+  Recursive Speculative Decoding, Jeon et al. 2024) also updates ``q <- norm(q with x zeroed)``.
+- Split verification (DSSD, Ning et al. 2025, ``dssd-summary.txt``) in the sampled-downlink form of
+  DESIGN.md "DSSD, exactly": the edge sends ``m`` samples ``y ~ p_j`` with ``p_j(y)``; the device
+  accepts ``y`` with probability ``max(0, p_j(y) - q_j(y)) / p_j(y)`` (first success wins), which is
+  exactly a sample of ``norm(max(0, p_j - q_j))``.
+
+Randomness: every function takes a CPU ``torch.Generator`` and draws float64 uniforms in ``[0, 1)``
+one at a time with ``torch.rand(1, generator=g, dtype=torch.float64)``; each docstring lists the
+exact order of the draws, so results are reproducible draw for draw. All arithmetic is float64.
+Bad input raises ``ValueError``; ``assert`` is used only for internal invariants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Rows of a probability matrix must sum to 1 within this (float64) tolerance. Decoded packets are
+# normalised in float64, so anything looser than this is a caller bug, not rounding.
+PROB_SUM_ATOL = 1e-6
+
+# ---------------------------------------------------------------------------------------------
+# Input validation (shared by tree.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_prob_rows(name: str, x: torch.Tensor, rows: int | None = None, vocab: int | None = None) -> None:
+    """Raise ValueError unless ``x`` is a float64 matrix [rows, vocab] of probability rows."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [rows, vocab], got shape {tuple(x.shape)}")
+    if x.dtype != torch.float64:
+        raise ValueError(f"{name} must be float64 (verification works in float64), got {x.dtype}")
+    if rows is not None and x.shape[0] != rows:
+        raise ValueError(f"{name} must have {rows} rows, got shape {tuple(x.shape)}")
+    if vocab is not None and x.shape[1] != vocab:
+        raise ValueError(f"{name} must have vocab size {vocab}, got shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} has an empty vocabulary")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    if (x < 0).any():
+        raise ValueError(f"{name} contains negative probabilities")
+    sums = x.sum(dim=-1)
+    bad = (sums - 1.0).abs() > PROB_SUM_ATOL
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name} row {row} sums to {float(sums[row])!r}, not 1 (tol {PROB_SUM_ATOL})")
+
+
+def check_prob_vector(name: str, x: torch.Tensor, vocab: int | None = None) -> None:
+    """Raise ValueError unless ``x`` is a float64 probability vector [vocab]."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 1:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 1-D tensor [vocab], got {shape}")
+    check_prob_rows(name, x.unsqueeze(0), 1, vocab)
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab: int, length: int | None = None) -> None:
+    """Raise ValueError unless ``ids`` is a non-empty int64 vector of ids in ``[0, vocab)``."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.dtype != torch.int64:
+        raise ValueError(f"{name} must be int64, got {ids.dtype}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty")
+    if length is not None and ids.numel() != length:
+        raise ValueError(f"{name} must have {length} entries, got {ids.numel()}")
+    if (ids < 0).any() or (ids >= vocab).any():
+        raise ValueError(f"{name} has ids out of range [0, {vocab}): {ids.tolist()}")
+
+
+def _check_generator(generator: torch.Generator) -> None:
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+
+def _check_drafts_sampleable(name: str, ids: torch.Tensor, q_of_ids: torch.Tensor) -> None:
+    """A drafted token with q(x) == 0 could not have been sampled from q: the packet and the draft
+    disagree, and verifying would divide by zero."""
+    zero = q_of_ids <= 0
+    if zero.any():
+        i = int(zero.nonzero()[0, 0])
+        raise ValueError(f"{name}[{i}] = {int(ids[i])} has draft probability 0: it cannot have been sampled from q")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling primitives
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_uniform(generator: torch.Generator) -> float:
+    """One float64 uniform in [0, 1); the only way this module consumes randomness."""
+    return float(torch.rand(1, generator=generator, dtype=torch.float64))
+
+
+def sample_from_uniform(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of ``probs`` [V] (float64, non-negative, sum > 0) with one uniform ``u``.
+
+    Returns the first index whose cumulative mass exceeds ``u * total``; a token of probability 0
+    is never returned (the CDF does not step there), also when rounding pushes ``u * total`` past
+    the last step.
+    """
+    cdf = torch.cumsum(probs, dim=0)  # [V]
+    total = cdf[-1]
+    assert total > 0, "sampling from a zero vector"
+    idx = int(torch.searchsorted(cdf, u * total, right=True))
+    if idx >= probs.numel():  # rounding: u * total == total; fall back to the last positive token
+        idx = int(probs.nonzero()[-1, 0])
+    return idx
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Sample one token from ``probs`` [V] float64; draws exactly one uniform."""
+    return sample_from_uniform(probs, draw_uniform(generator))
+
+
+def _accepts(u: float, p_x: float, q_x: float) -> bool:
+    """Rejection-sampling test ``u < min(1, p(x)/q(x))`` written as ``u * q(x) < p(x)``: equal for
+    ``u`` in [0, 1) and ``q(x) > 0``, and it needs no division."""
+    return u * q_x < p_x
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))``, the distribution to resample from after a rejection (TSLT eq. 25).
+
+    Args:
+        p: [V] float64 target distribution.
+        q: [V] float64 draft distribution.
+
+    Returns:
+        [V] float64. If the positive part is all zero (then p == q up to rounding and a rejection
+        had probability 0), returns a copy of ``p``.
+    """
+    check_prob_vector("p", p)
+    check_prob_vector("q", q, p.shape[0])
+    return _residual(p, q)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    diff = torch.clamp(p - q, min=0.0)  # [V]
+    total = diff.sum()
+    if total <= 0:
+        return p.clone()
+    return diff / total
+
+
+# ---------------------------------------------------------------------------------------------
+# Chain verification (Leviathan et al. 2023 Alg. 1; TSLT Alg. 3, erratum fixed)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    """Outcome of one chain verification round."""
+
+    num_accepted: int  # n in [0, L]: draft_ids[:n] are accepted
+    next_token: int  # correction token from norm(max(0, p_{n+1} - q_{n+1})) if n < L, else bonus from p_{L+1}
+
+
+def chain_verify(
+    draft_ids: torch.Tensor,  # [L] int64, L >= 1
+    q: torch.Tensor,  # [L, V] float64, row i: the exact distribution draft_ids[i] was sampled from
+    p: torch.Tensor,  # [L+1, V] float64, row i: target after prefix + draft_ids[:i]
+    generator: torch.Generator,
+) -> ChainResult:
+    """Speculative sampling of a drafted chain (Leviathan et al. 2023 Alg. 1; TSLT Alg. 3 fixed).
+
+    For i = 1..L: accept ``x_i`` with probability ``min(1, p_i(x_i)/q_i(x_i))``; at the first
+    rejection emit a token from ``norm(max(0, p_i - q_i))`` and stop; if all are accepted emit a
+    bonus token from ``p_{L+1}``. The emitted sequence is distributed exactly as sampling the target.
+
+    Random draws, in order: one uniform per accept test for positions 1..n+1 (n+1 tests if a
+    rejection happens at position n+1, L tests if all are accepted), then exactly one uniform for
+    the inverse-CDF sample of the correction (or bonus) token. Total: n + 2 draws, or L + 1.
+
+    Raises:
+        ValueError: on malformed input (shapes, dtypes, NaN, negative or unnormalised rows, ids out
+            of range, empty draft, a draft token with q(x) == 0).
+    """
+    _check_generator(generator)
+    if not isinstance(draft_ids, torch.Tensor) or draft_ids.ndim != 1 or draft_ids.numel() == 0:
+        raise ValueError("draft_ids must be a non-empty 1-D int64 tensor [L]")
+    L = draft_ids.numel()
+    check_prob_rows("q", q, rows=L)
+    V = q.shape[1]
+    check_prob_rows("p", p, rows=L + 1, vocab=V)
+    check_token_ids("draft_ids", draft_ids, V)
+    q_of_draft = q.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [L]
+    _check_drafts_sampleable("draft_ids", draft_ids, q_of_draft)
+    p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [L]
+
+    for i in range(L):
+        if not _accepts(draw_uniform(generator), float(p_of_draft[i]), float(q_of_draft[i])):
+            return ChainResult(num_accepted=i, next_token=sample_token(_residual(p[i], q[i]), generator))
+    return ChainResult(num_accepted=L, next_token=sample_token(p[L], generator))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-candidate verification (TSLT Alg. 4-5, eq. 25)
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_candidates(
+    q: torch.Tensor,  # [V] float64 draft distribution
+    k: int,
+    generator: torch.Generator,
+    with_replacement: bool = True,
+) -> torch.Tensor:  # [k] int64
+    """Draw ``k`` draft candidates from ``q`` (TSLT Alg. 4 MCSample).
+
+    ``with_replacement=True``: i.i.d. draws from ``q``. ``with_replacement=False``: candidate i is
+    drawn from ``q`` with candidates 1..i-1 zeroed and renormalised (needs ``k`` <= the size of
+    q's support). Random draws: exactly ``k`` uniforms, one per candidate, in candidate order.
+    """
+    _check_generator(generator)
+    check_prob_vector("q", q)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    support = int((q > 0).sum())
+    if not with_replacement and k > support:
+        raise ValueError(f"cannot draw {k} distinct candidates from a q with support size {support}")
+    current = q  # [V], the law of the next draw
+    out: list[int] = []
+    for _ in range(k):
+        x = sample_token(current, generator)
+        out.append(x)
+        if not with_replacement and len(out) < k:
+            current = _remove_and_renormalise(current, x)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _remove_and_renormalise(q: torch.Tensor, x: int) -> torch.Tensor:
+    """q with token x zeroed, renormalised: the law of the next without-replacement draw."""
+    out = q.clone()
+    out[x] = 0.0
+    total = out.sum()
+    assert total > 0, "without-replacement draft exhausted q's support"
+    return out / total
+
+
+def mc_verify(
+    candidates: torch.Tensor,  # [k] int64, drawn by sample_candidates(q, k, ..., with_replacement)
+    q: torch.Tensor,  # [V] float64, the exact draft distribution the candidates were drawn from
+    p: torch.Tensor,  # [V] float64 target distribution
+    generator: torch.Generator,
+    *,
+    with_replacement: bool = True,
+) -> tuple[int, int]:
+    """Recursive rejection sampling over ``k`` candidates (TSLT Alg. 5, eq. 25; MCSD).
+
+    For i = 1..k: accept candidate ``x_i`` with probability ``min(1, p^(i)(x_i) / q^(i)(x_i))``;
+    on rejection ``p^(i+1) = norm(max(0, p^(i) - q^(i)))``. With replacement ``q^(i) = q``; without,
+    ``q^(i+1) = norm(q^(i) with x_i zeroed)``. If all are rejected sample from ``p^(k+1)``. The
+    output is distributed exactly as ``p`` (induction on the standard rejection-sampling identity
+    ``min(q, p) + max(0, p - q) = p``).
+
+    Random draws, in order: one uniform per accept test (i+1 tests if candidate i+1 is accepted,
+    k if all are rejected), then, only if all are rejected, one uniform for sampling ``p^(k+1)``.
+
+    Returns:
+        (index of the accepted candidate or -1, output token).
+    """
+    _check_generator(generator)
+    check_prob_vector("q", q)
+    V = q.shape[0]
+    check_prob_vector("p", p, V)
+    check_token_ids("candidates", candidates, V)
+    _check_drafts_sampleable("candidates", candidates, q[candidates])
+    if not with_replacement and torch.unique(candidates).numel() != candidates.numel():
+        raise ValueError(f"without-replacement candidates must be distinct, got {candidates.tolist()}")
+
+    p_i, q_i = p, q
+    for i, x in enumerate(candidates.tolist()):
+        if _accepts(draw_uniform(generator), float(p_i[x]), float(q_i[x])):
+            return i, x
+        p_i = _residual(p_i, q_i)
+        if not with_replacement and i + 1 < candidates.numel():
+            q_i = _remove_and_renormalise(q_i, x)
+    return -1, sample_token(p_i, generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split verification (DSSD; DESIGN.md "DSSD, exactly")
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DssdEdgeResult:
+    """What the edge learns and sends back after its half of DSSD verification."""
+
+    num_accepted: int  # n in [0, L]
+    bonus_token: int | None  # sampled from p_{L+1}; set iff all L drafts were accepted
+    reject_samples: torch.Tensor  # [m] int64, y_k ~ p_j i.i.d. at the first rejected position j (empty if all accepted)
+    reject_sample_probs: torch.Tensor  # [m] float64, p_j(y_k)
+    reject_p: torch.Tensor | None  # [V] float64, the full p_j, kept by the edge for the device's fallback
+
+
+def dssd_edge_verify(
+    draft_ids: torch.Tensor,  # [L] int64
+    q_of_draft: torch.Tensor,  # [L] float64, q_i(x_i) as sent uplink by the device
+    p: torch.Tensor,  # [L+1, V] float64, row i: target after prefix + draft_ids[:i]
+    generator: torch.Generator,
+    num_samples: int,
+) -> DssdEdgeResult:
+    """Edge half of DSSD: the accept tests of chain verification, using only the scalars q_i(x_i).
+
+    At the first rejected position j the edge cannot form ``norm(max(0, p_j - q_j))`` (only the
+    device holds ``q_j``), so it draws ``m = num_samples`` i.i.d. samples ``y_k ~ p_j`` and returns
+    them with ``p_j(y_k)``; the device finishes with ``dssd_device_resolve`` (or, if all fail,
+    ``dssd_device_residual`` on the full ``p_j``).
+
+    Random draws, in order: one uniform per accept test exactly as ``chain_verify`` (so for the same
+    generator state ``num_accepted`` agrees with it), then either one uniform for the bonus token
+    (all accepted) or ``m`` uniforms for ``y_1..y_m`` (a rejection).
+    """
+    _check_generator(generator)
+    if not isinstance(num_samples, int) or num_samples < 0:
+        raise ValueError(f"num_samples must be an int >= 0, got {num_samples!r}")
+    if not isinstance(draft_ids, torch.Tensor) or draft_ids.ndim != 1 or draft_ids.numel() == 0:
+        raise ValueError("draft_ids must be a non-empty 1-D int64 tensor [L]")
+    L = draft_ids.numel()
+    check_prob_rows("p", p, rows=L + 1)
+    check_token_ids("draft_ids", draft_ids, p.shape[1])
+    _check_scalar_probs("q_of_draft", q_of_draft, L)
+    _check_drafts_sampleable("draft_ids", draft_ids, q_of_draft)
+    p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [L]
+
+    for j in range(L):
+        if not _accepts(draw_uniform(generator), float(p_of_draft[j]), float(q_of_draft[j])):
+            samples = torch.tensor([sample_token(p[j], generator) for _ in range(num_samples)], dtype=torch.int64)
+            return DssdEdgeResult(
+                num_accepted=j,
+                bonus_token=None,
+                reject_samples=samples,
+                reject_sample_probs=p[j][samples].clone(),
+                reject_p=p[j].clone(),
+            )
+    return DssdEdgeResult(
+        num_accepted=L,
+        bonus_token=sample_token(p[L], generator),
+        reject_samples=torch.empty(0, dtype=torch.int64),
+        reject_sample_probs=torch.empty(0, dtype=torch.float64),
+        reject_p=None,
+    )
+
+
+def _check_scalar_probs(name: str, x: torch.Tensor, length: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.ndim != 1 or x.numel() != length:
+        raise ValueError(f"{name} must be a 1-D tensor of {length} probabilities")
+    if x.dtype != torch.float64:
+        raise ValueError(f"{name} must be float64, got {x.dtype}")
+    if not torch.isfinite(x).all() or (x < 0).any() or (x > 1 + PROB_SUM_ATOL).any():
+        raise ValueError(f"{name} must hold probabilities in [0, 1], got {x.tolist()}")
+
+
+def dssd_device_resolve(
+    samples: torch.Tensor,  # [m] int64, y_k ~ p_j from the edge
+    sample_probs: torch.Tensor,  # [m] float64, p_j(y_k) from the edge
+    q_j: torch.Tensor,  # [V] float64, the device's draft distribution at the rejected position
+    generator: torch.Generator,
+) -> int | None:
+    """Device half of DSSD: turn samples of ``p_j`` into one sample of ``norm(max(0, p_j - q_j))``.
+
+    Accepts ``y_k`` with probability ``max(0, p_j(y_k) - q_j(y_k)) / p_j(y_k)``; the first success
+    wins. Each trial succeeds on ``y`` with probability ``max(0, p_j(y) - q_j(y))``, so a success
+    is distributed as the residual, independently of how many trials failed. Returns None if all
+    ``m`` trials fail (then call ``dssd_device_residual``; that fallback is also lossless).
+
+    Random draws: one uniform per trial, in sample order, stopping at the first success.
+    """
+    _check_generator(generator)
+    check_prob_vector("q_j", q_j)
+    V = q_j.shape[0]
+    if not isinstance(samples, torch.Tensor) or samples.ndim != 1:
+        raise ValueError("samples must be a 1-D int64 tensor [m]")
+    m = samples.numel()
+    if m > 0:
+        check_token_ids("samples", samples, V)
+    _check_scalar_probs("sample_probs", sample_probs, m)
+    if (sample_probs <= 0).any():
+        raise ValueError("sample_probs must be > 0: a sample of p_j has p_j(y) > 0")
+    for y, p_y in zip(samples.tolist(), sample_probs.tolist()):
+        # u < (p - q) / p  <=>  u * p < p - q, false whenever p <= q
+        if draw_uniform(generator) * p_y < p_y - float(q_j[y]):
+            return y
+    return None
+
+
+def dssd_device_residual(
+    p_j: torch.Tensor,  # [V] float64, the full target distribution at the rejected position
+    q_j: torch.Tensor,  # [V] float64, the device's draft distribution there
+    generator: torch.Generator,
+) -> int:
+    """DSSD fallback: sample ``norm(max(0, p_j - q_j))`` on the device. Draws exactly one uniform."""
+    _check_generator(generator)
+    return sample_token(residual_distribution(p_j, q_j), generator)

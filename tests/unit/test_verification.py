@@ -1,0 +1,326 @@
+"""Hand-built and edge-case tests for specdec.common.verification (chain, MC, DSSD halves).
+
+The statistical losslessness tests live in test_lossless.py.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.common.verification import (
+    ChainResult,
+    chain_verify,
+    dssd_device_residual,
+    dssd_device_resolve,
+    dssd_edge_verify,
+    mc_verify,
+    residual_distribution,
+    sample_candidates,
+)
+
+V = 5
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def dist(*values: float) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64)
+    return t / t.sum()
+
+
+def one_hot(i: int, vocab: int = V) -> torch.Tensor:
+    t = torch.zeros(vocab, dtype=torch.float64)
+    t[i] = 1.0
+    return t
+
+
+def ids(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+Q_ROW = dist(1, 2, 3, 4, 5)
+P_ROW = dist(5, 1, 1, 2, 1)
+
+
+# --- chain_verify ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("L", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(5))
+def test_perfect_match_accepts_all_and_samples_bonus(L: int, seed: int) -> None:
+    q = Q_ROW.repeat(L, 1)
+    p = torch.cat([q, one_hot(3).unsqueeze(0)])  # bonus row is one-hot: bonus must be 3
+    draft = ids(*[(seed + i) % V for i in range(L)])
+    res = chain_verify(draft, q, p, gen(seed))
+    assert res == ChainResult(num_accepted=L, next_token=3)
+
+
+@pytest.mark.parametrize("reject_at", [0, 1, 2])
+def test_target_zero_at_draft_rejects_there(reject_at: int) -> None:
+    L = 3
+    draft = ids(1, 2, 3)
+    q = Q_ROW.repeat(L, 1)
+    p = Q_ROW.repeat(L + 1, 1)
+    # p_j(x_j) = 0: rejection is certain; the rest of the row goes to token 0 only, so the residual
+    # norm(max(0, p - q)) is one-hot at 0.
+    p[reject_at] = one_hot(0)
+    for seed in range(20):
+        res = chain_verify(draft, q, p, gen(seed))
+        assert res == ChainResult(num_accepted=reject_at, next_token=0)
+
+
+def test_q_equal_p_always_accepts() -> None:
+    torch.manual_seed(0)
+    for seed in range(200):
+        rows = torch.softmax(torch.randn(4, V, dtype=torch.float64, generator=gen(seed)), dim=-1)
+        draft = torch.multinomial(rows[:3], 1, generator=gen(seed)).squeeze(1)
+        assert chain_verify(draft, rows[:3], rows, gen(seed)).num_accepted == 3
+
+
+def test_draw_order_is_documented_order() -> None:
+    """n + 1 accept uniforms, then one inverse-CDF uniform for the correction token."""
+    draft = ids(0, 1)
+    q = torch.stack([dist(1, 1, 1, 1, 1), dist(1, 1, 1, 1, 1)])
+    p = torch.stack([dist(2, 1, 1, 1, 1), dist(1, 1, 1, 1, 2), dist(1, 1, 1, 1, 1)])
+    for seed in range(50):
+        g = gen(seed)
+        u = torch.rand(4, generator=gen(seed), dtype=torch.float64).tolist()
+        res = chain_verify(draft, q, p, g)
+        # position 0: p/q = 2/6 / (1/5) > 1 -> always accepted; position 1: p/q = (1/6)/(1/5) = 5/6
+        if u[1] < 5 / 6:
+            expected_next = int(torch.searchsorted(torch.cumsum(p[2], 0), u[2], right=True))
+            assert res == ChainResult(2, expected_next)
+        else:
+            residual = residual_distribution(p[1], q[1])
+            expected_next = int(torch.searchsorted(torch.cumsum(residual, 0), u[2], right=True))
+            assert res == ChainResult(1, expected_next)
+            assert expected_next == 4  # the only token with p > q at position 1
+
+
+def test_residual_is_renormalised_positive_part() -> None:
+    p, q = dist(4, 3, 2, 1, 0), dist(1, 1, 1, 1, 1)
+    r = residual_distribution(p, q)
+    expected = torch.clamp(p - q, min=0)
+    torch.testing.assert_close(r, expected / expected.sum(), rtol=0, atol=1e-15)
+    assert math.isclose(float(r.sum()), 1.0, abs_tol=1e-15)
+    assert r[3] == 0 and r[4] == 0
+
+
+def test_residual_of_identical_distributions_is_p() -> None:
+    torch.testing.assert_close(residual_distribution(P_ROW, P_ROW), P_ROW)
+
+
+def argmax_path(table: dict[tuple[int, ...], int], prefix: tuple[int, ...], n: int) -> list[int]:
+    out = list(prefix)
+    for _ in range(n):
+        out.append(table[tuple(out[-2:])])
+    return out[len(prefix):]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_one_hot_equals_target_argmax(seed: int) -> None:
+    """Temperature 0: one-hot p and q; the output is the target's argmax decode token for token."""
+    rng = torch.Generator().manual_seed(seed)
+    contexts = [(a, b) for a in range(V) for b in range(V)]
+    tgt = {c: int(torch.randint(V, (1,), generator=rng)) for c in contexts}
+    dft = {c: (tgt[c] if torch.rand(1, generator=rng) < 0.6 else int(torch.randint(V, (1,), generator=rng))) for c in contexts}
+    want = argmax_path(tgt, (0, 1), 12)
+    seq = [0, 1]
+    L = 3
+    while len(seq) < 14:
+        draft = []
+        for _ in range(L):
+            draft.append(dft[tuple((seq + draft)[-2:])])
+        q = torch.stack([one_hot(dft[tuple((seq + draft[:i])[-2:])]) for i in range(L)])
+        p = torch.stack([one_hot(tgt[tuple((seq + draft[:i])[-2:])]) for i in range(L + 1)])
+        res = chain_verify(ids(*draft), q, p, gen(seed))
+        seq += draft[: res.num_accepted] + [res.next_token]
+    assert seq[2:14] == want
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def _good() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ids(1, 2), Q_ROW.repeat(2, 1), P_ROW.repeat(3, 1)
+
+
+def _nan_p(d, q, p):
+    p = p.clone()
+    p[1, 0] = float("nan")
+    return d, q, p
+
+
+def _neg_q(d, q, p):
+    q = q.clone()
+    q[0, 0] = -0.1
+    q[0, 1] += 0.1
+    return d, q, p
+
+
+def _unnorm_p(d, q, p):
+    return d, q, p * 1.01
+
+
+def _q_zero_at_draft(d, q, p):
+    q = q.clone()
+    q[1] = dist(1, 1, 0, 1, 1)  # draft_ids[1] == 2
+    return d, q, p
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d, q, p: (d, q.float(), p), "float64"),
+        (lambda d, q, p: (d.int(), q, p), "int64"),
+        (lambda d, q, p: (ids(), q[:0], p[:1]), "non-empty"),
+        (lambda d, q, p: (ids(1, V), q, p), "out of range"),
+        (lambda d, q, p: (ids(-1, 2), q, p), "out of range"),
+        (lambda d, q, p: (d, q, p[:2]), "rows"),
+        (lambda d, q, p: (d, q, p[:, :4] / p[:, :4].sum(-1, keepdim=True)), "vocab"),
+        (lambda d, q, p: (d, q[0], p), "2-D"),
+        (_nan_p, "NaN"),
+        (_neg_q, "negative"),
+        (_unnorm_p, "sums to"),
+        (_q_zero_at_draft, "cannot have been sampled"),
+    ],
+)
+def test_chain_verify_rejects_bad_input(mutate, match) -> None:
+    d, q, p = mutate(*_good())
+    with pytest.raises(ValueError, match=match):
+        chain_verify(d, q, p, gen())
+
+
+def test_rejects_non_generator() -> None:
+    with pytest.raises(ValueError, match="Generator"):
+        chain_verify(*_good(), 0)
+
+
+def test_tolerance_is_1e6_in_float64() -> None:
+    d, q, p = _good()
+    p = p.clone()
+    p[0, 0] += 5e-7  # within tolerance
+    chain_verify(d, q, p, gen())
+    p[0, 0] += 1e-6
+    with pytest.raises(ValueError, match="sums to"):
+        chain_verify(d, q, p, gen())
+
+
+# --- mc_verify / sample_candidates ---------------------------------------------------------------
+
+
+def test_mc_single_candidate_matches_chain_of_length_one() -> None:
+    for seed in range(100):
+        x = sample_candidates(Q_ROW, 1, gen(seed + 1000))
+        mc = mc_verify(x, Q_ROW, P_ROW, gen(seed))
+        ch = chain_verify(x, Q_ROW.unsqueeze(0), torch.stack([P_ROW, one_hot(0)]), gen(seed))
+        if ch.num_accepted == 1:
+            assert mc == (0, int(x[0]))
+        else:
+            assert mc == (-1, ch.next_token)
+
+
+@pytest.mark.parametrize("with_replacement", [True, False])
+def test_mc_all_rejected_samples_updated_target(with_replacement: bool) -> None:
+    # p puts no mass on the candidates: every test rejects; the final residual is p restricted off
+    # the candidates' excess, here exactly one-hot at 4.
+    q = dist(1, 1, 1, 1, 0)
+    p = one_hot(4)
+    for seed in range(20):
+        cands = sample_candidates(q, 3, gen(seed), with_replacement=with_replacement)
+        assert mc_verify(cands, q, p, gen(seed), with_replacement=with_replacement) == (-1, 4)
+
+
+def test_mc_accepts_first_when_p_dominates() -> None:
+    q = dist(1, 1, 1, 1, 1)
+    p = dist(10, 10, 10, 10, 10)
+    assert mc_verify(ids(2, 3), q, p, gen()) == (0, 2)
+
+
+def test_sample_candidates_without_replacement_distinct_and_limited() -> None:
+    q = dist(1, 2, 0, 3, 4)
+    for seed in range(50):
+        c = sample_candidates(q, 4, gen(seed), with_replacement=False)
+        assert sorted(c.tolist()) == [0, 1, 3, 4]
+    with pytest.raises(ValueError, match="distinct candidates"):
+        sample_candidates(q, 5, gen(), with_replacement=False)
+    with pytest.raises(ValueError, match="k must be"):
+        sample_candidates(q, 0, gen())
+
+
+def test_sample_candidates_draws_k_uniforms_in_order() -> None:
+    g = gen(7)
+    c = sample_candidates(Q_ROW, 3, g)
+    u = torch.rand(4, generator=gen(7), dtype=torch.float64)
+    cdf = torch.cumsum(Q_ROW, 0)
+    assert c.tolist() == [int(torch.searchsorted(cdf, u[i], right=True)) for i in range(3)]
+    assert float(torch.rand(1, generator=g, dtype=torch.float64)) == float(u[3])
+
+
+def test_mc_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        mc_verify(ids(1, 1), Q_ROW, P_ROW, gen(), with_replacement=False)
+    with pytest.raises(ValueError, match="cannot have been sampled"):
+        mc_verify(ids(2), dist(1, 1, 0, 1, 1), P_ROW, gen())
+    with pytest.raises(ValueError, match="empty"):
+        mc_verify(ids(), Q_ROW, P_ROW, gen())
+    with pytest.raises(ValueError, match="vocab"):
+        mc_verify(ids(1), Q_ROW, dist(1, 1, 1, 1), gen())
+
+
+# --- DSSD ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dssd_edge_accept_tests_match_chain(seed: int) -> None:
+    L = 3
+    q = torch.stack([Q_ROW, P_ROW, dist(1, 1, 1, 1, 1)])
+    p = torch.stack([P_ROW, Q_ROW, dist(3, 1, 1, 1, 1), dist(1, 2, 1, 1, 1)])
+    draft = sample_candidates(Q_ROW, L, gen(seed + 500))
+    q_of_draft = q.gather(1, draft.unsqueeze(1)).squeeze(1)
+    edge = dssd_edge_verify(draft, q_of_draft, p, gen(seed), num_samples=4)
+    chain = chain_verify(draft, q, p, gen(seed))
+    assert edge.num_accepted == chain.num_accepted
+    if edge.num_accepted == L:
+        assert edge.bonus_token == chain.next_token  # same draws: bonus uses the next uniform
+        assert edge.reject_samples.numel() == 0 and edge.reject_p is None
+    else:
+        j = edge.num_accepted
+        assert edge.bonus_token is None
+        assert edge.reject_samples.dtype == torch.int64 and edge.reject_samples.shape == (4,)
+        torch.testing.assert_close(edge.reject_sample_probs, p[j][edge.reject_samples])
+        torch.testing.assert_close(edge.reject_p, p[j])
+
+
+def test_dssd_device_never_accepts_where_q_covers_p() -> None:
+    p_j, q_j = dist(1, 1, 1, 1, 6), dist(2, 2, 2, 2, 2)  # residual is one-hot at 4
+    samples = ids(0, 1, 2, 3, 0, 1)
+    for seed in range(20):
+        assert dssd_device_resolve(samples, p_j[samples], q_j, gen(seed)) is None
+        assert dssd_device_residual(p_j, q_j, gen(seed)) == 4
+    always = ids(0, 4)
+    hits = [dssd_device_resolve(always, p_j[always], q_j, gen(s)) for s in range(200)]
+    # p(4) = 0.6, q(4) = 0.2: accepted with probability 2/3 each time it is tried
+    assert set(hits) <= {4, None} and hits.count(4) > 100
+
+
+def test_dssd_device_resolve_empty_samples_is_none() -> None:
+    empty = torch.empty(0, dtype=torch.int64)
+    assert dssd_device_resolve(empty, torch.empty(0, dtype=torch.float64), Q_ROW, gen()) is None
+
+
+def test_dssd_bad_input() -> None:
+    with pytest.raises(ValueError, match="cannot have been sampled"):
+        dssd_edge_verify(ids(1), torch.tensor([0.0], dtype=torch.float64), P_ROW.repeat(2, 1), gen(), 2)
+    with pytest.raises(ValueError, match="probabilities in"):
+        dssd_edge_verify(ids(1), torch.tensor([1.5], dtype=torch.float64), P_ROW.repeat(2, 1), gen(), 2)
+    with pytest.raises(ValueError, match="num_samples"):
+        dssd_edge_verify(ids(1), torch.tensor([0.5], dtype=torch.float64), P_ROW.repeat(2, 1), gen(), -1)
+    with pytest.raises(ValueError, match="> 0"):
+        dssd_device_resolve(ids(1), torch.tensor([0.0], dtype=torch.float64), Q_ROW, gen())
+    with pytest.raises(ValueError, match="out of range"):
+        dssd_device_resolve(ids(9), torch.tensor([0.5], dtype=torch.float64), Q_ROW, gen())
