@@ -89,7 +89,7 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab: int, length: int | None
         raise ValueError(f"{name} has ids out of range [0, {vocab}): {ids.tolist()}")
 
 
-def _check_generator(generator: torch.Generator) -> None:
+def check_generator(generator: torch.Generator) -> None:
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
@@ -197,7 +197,7 @@ def chain_verify(
         ValueError: on malformed input (shapes, dtypes, NaN, negative or unnormalised rows, ids out
             of range, empty draft, a draft token with q(x) == 0).
     """
-    _check_generator(generator)
+    check_generator(generator)
     if not isinstance(draft_ids, torch.Tensor) or draft_ids.ndim != 1 or draft_ids.numel() == 0:
         raise ValueError("draft_ids must be a non-empty 1-D int64 tensor [L]")
     L = draft_ids.numel()
@@ -232,7 +232,7 @@ def sample_candidates(
     drawn from ``q`` with candidates 1..i-1 zeroed and renormalised (needs ``k`` <= the size of
     q's support). Random draws: exactly ``k`` uniforms, one per candidate, in candidate order.
     """
-    _check_generator(generator)
+    check_generator(generator)
     check_prob_vector("q", q)
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
@@ -280,7 +280,7 @@ def mc_verify(
     Returns:
         (index of the accepted candidate or -1, output token).
     """
-    _check_generator(generator)
+    check_generator(generator)
     check_prob_vector("q", q)
     V = q.shape[0]
     check_prob_vector("p", p, V)
@@ -333,7 +333,7 @@ def dssd_edge_verify(
     generator state ``num_accepted`` agrees with it), then either one uniform for the bonus token
     (all accepted) or ``m`` uniforms for ``y_1..y_m`` (a rejection).
     """
-    _check_generator(generator)
+    check_generator(generator)
     if not isinstance(num_samples, int) or num_samples < 0:
         raise ValueError(f"num_samples must be an int >= 0, got {num_samples!r}")
     if not isinstance(draft_ids, torch.Tensor) or draft_ids.ndim != 1 or draft_ids.numel() == 0:
@@ -388,7 +388,7 @@ def dssd_device_resolve(
 
     Random draws: one uniform per trial, in sample order, stopping at the first success.
     """
-    _check_generator(generator)
+    check_generator(generator)
     check_prob_vector("q_j", q_j)
     V = q_j.shape[0]
     if not isinstance(samples, torch.Tensor) or samples.ndim != 1:
@@ -412,5 +412,5 @@ def dssd_device_residual(
     generator: torch.Generator,
 ) -> int:
     """DSSD fallback: sample ``norm(max(0, p_j - q_j))`` on the device. Draws exactly one uniform."""
-    _check_generator(generator)
+    check_generator(generator)
     return sample_token(residual_distribution(p_j, q_j), generator)
