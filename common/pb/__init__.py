@@ -1,0 +1,1 @@
+"""Generated protobuf code (`make proto`); the files here are git-ignored."""

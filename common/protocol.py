@@ -1,0 +1,94 @@
+"""Domain types of the wire contract (``proto/specdec/v1``), free of protobuf.
+
+The servicer and the client convert protobuf messages to these dataclasses with
+:mod:`specdec.common.wire` and hand them to the engines, which never see ``*_pb2``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.common.codecs import Mode
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    draft_len: int = 4            # tokens drafted per round (upper bound when bit_budget > 0)
+    bit_budget: int = 0           # 0 = off; else the per-round uplink budget B in bits (SQS sec. 4)
+    top_k: int = 64               # tslt / ksqs K
+    top_p: float = 0.0            # tslt nucleus mass; 0 = off
+    lattice: int = 1000           # ksqs / csqs lattice resolution l
+    dense_dtype: str = "fp16"     # dense payload dtype: fp32 | fp16 | bf16
+    csqs_alpha: float = 0.01      # C-SQS target deviation alpha (SQS eq. 7)
+    csqs_eta: float = 0.001       # C-SQS learning rate eta (SQS eq. 8)
+    csqs_beta0: float = 0.001     # C-SQS initial threshold beta_1^1
+    max_k: int = 4096             # C-SQS support cap
+    dssd_samples: int = 8         # DSSD: target samples sent downlink after a rejection
+
+
+@dataclass(frozen=True)
+class Hello:
+    mode: Mode
+    vocab_fingerprint: str
+    vocab_size: int
+    temperature: float
+    draft: DraftSettings
+    seed: int = 0
+    max_new_tokens: int = 256
+    target_top_p: float = 0.0     # 0 = off; applied to the target distribution
+    target_top_k: int = 0         # 0 = off; applied to the target distribution
+    auth_token: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Welcome:
+    session_id: str
+    model_name: str
+    vocab_size: int
+    max_context: int
+    max_draft_len: int
+    max_k: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    round_id: int
+    token_ids: tuple[int, ...]                 # [L] drafted tokens x_1..x_L
+    distributions: tuple[bytes, ...] = ()      # [L] codec payloads (not in DSSD)
+    dssd_scalars: bytes = b""                  # DSSD: q_i(x_i), float32 each
+    correction_token: int | None = None        # DSSD: device-sampled token for the last rejection
+
+
+@dataclass(frozen=True)
+class Verdict:
+    round_id: int
+    num_accepted: int
+    next_token: int | None                     # correction / bonus; None in DSSD after a rejection
+    reject_samples: tuple[int, ...] = ()       # DSSD: y_k ~ p_j
+    reject_sample_probs: tuple[float, ...] = ()  # DSSD: p_j(y_k)
+    verify_seconds: float = 0.0
+    queue_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ResidualReply:
+    round_id: int
+    target_probs: bytes                        # DSSD fallback: p_j over V, float64 little-endian
+
+
+@dataclass(frozen=True)
+class ResidualRequest:
+    round_id: int
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Close:
+    pass

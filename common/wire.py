@@ -1,0 +1,166 @@
+"""Protobuf <-> domain conversion. The only module besides the servicer and client that imports ``*_pb2``.
+
+Every ``*_from_pb`` function validates what protobuf cannot (enums, ranges) and raises ``ValueError``
+with a message that the servicer turns into ``INVALID_ARGUMENT``.
+"""
+from __future__ import annotations
+
+from specdec.common import protocol as P
+from specdec.common.codecs import Mode
+from specdec.common.pb import speculative_pb2 as pb
+
+_MODE_TO_PB = {
+    Mode.DENSE: pb.MODE_DENSE,
+    Mode.TSLT: pb.MODE_TSLT,
+    Mode.KSQS: pb.MODE_KSQS,
+    Mode.CSQS: pb.MODE_CSQS,
+    Mode.DSSD: pb.MODE_DSSD,
+}
+_PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
+_DTYPE_TO_PB = {"fp32": pb.DENSE_DTYPE_FP32, "fp16": pb.DENSE_DTYPE_FP16, "bf16": pb.DENSE_DTYPE_BF16}
+_PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+
+def _mode_from_pb(value: int) -> Mode:
+    if value not in _PB_TO_MODE:
+        raise ValueError(f"unknown or unspecified draft mode {value}")
+    return _PB_TO_MODE[value]
+
+
+def settings_to_pb(s: P.DraftSettings) -> pb.DraftSettings:
+    return pb.DraftSettings(
+        draft_len=s.draft_len, bit_budget=s.bit_budget, top_k=s.top_k, top_p=s.top_p,
+        lattice=s.lattice, dense_dtype=_DTYPE_TO_PB[s.dense_dtype], csqs_alpha=s.csqs_alpha,
+        csqs_eta=s.csqs_eta, csqs_beta0=s.csqs_beta0, max_k=s.max_k, dssd_samples=s.dssd_samples,
+    )
+
+
+def settings_from_pb(m: pb.DraftSettings) -> P.DraftSettings:
+    if m.dense_dtype not in _PB_TO_DTYPE:
+        raise ValueError(f"unknown dense dtype {m.dense_dtype}")
+    return P.DraftSettings(
+        draft_len=m.draft_len, bit_budget=m.bit_budget, top_k=m.top_k, top_p=m.top_p,
+        lattice=m.lattice, dense_dtype=_PB_TO_DTYPE[m.dense_dtype], csqs_alpha=m.csqs_alpha,
+        csqs_eta=m.csqs_eta, csqs_beta0=m.csqs_beta0, max_k=m.max_k, dssd_samples=m.dssd_samples,
+    )
+
+
+def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
+    return pb.DeviceMessage(hello=pb.Hello(
+        protocol_version=h.protocol_version, mode=_MODE_TO_PB[h.mode],
+        vocab_fingerprint=h.vocab_fingerprint, vocab_size=h.vocab_size, temperature=h.temperature,
+        target_top_p=h.target_top_p, target_top_k=h.target_top_k, draft=settings_to_pb(h.draft),
+        seed=h.seed, max_new_tokens=h.max_new_tokens, auth_token=h.auth_token,
+    ))
+
+
+def hello_from_pb(m: pb.Hello) -> P.Hello:
+    return P.Hello(
+        protocol_version=m.protocol_version, mode=_mode_from_pb(m.mode),
+        vocab_fingerprint=m.vocab_fingerprint, vocab_size=m.vocab_size, temperature=m.temperature,
+        target_top_p=m.target_top_p, target_top_k=m.target_top_k, draft=settings_from_pb(m.draft),
+        seed=m.seed, max_new_tokens=m.max_new_tokens, auth_token=m.auth_token,
+    )
+
+
+def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
+    return pb.EdgeMessage(welcome=pb.Welcome(
+        session_id=w.session_id, protocol_version=w.protocol_version, model_name=w.model_name,
+        vocab_size=w.vocab_size, max_context=w.max_context, max_draft_len=w.max_draft_len,
+        max_k=w.max_k,
+    ))
+
+
+def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
+    return P.Welcome(
+        session_id=m.session_id, protocol_version=m.protocol_version, model_name=m.model_name,
+        vocab_size=m.vocab_size, max_context=m.max_context, max_draft_len=m.max_draft_len,
+        max_k=m.max_k,
+    )
+
+
+def prompt_to_pb(p: P.Prompt) -> pb.DeviceMessage:
+    return pb.DeviceMessage(prompt=pb.Prompt(token_ids=list(p.token_ids)))
+
+
+def prompt_from_pb(m: pb.Prompt) -> P.Prompt:
+    return P.Prompt(token_ids=tuple(m.token_ids))
+
+
+def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
+    msg = pb.Draft(round_id=d.round_id, token_ids=list(d.token_ids),
+                   distributions=list(d.distributions), dssd_scalars=d.dssd_scalars)
+    if d.correction_token is not None:
+        msg.correction_token = d.correction_token
+    return pb.DeviceMessage(draft=msg)
+
+
+def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
+    return P.DraftBlock(
+        round_id=m.round_id, token_ids=tuple(m.token_ids), distributions=tuple(m.distributions),
+        dssd_scalars=m.dssd_scalars,
+        correction_token=m.correction_token if m.HasField("correction_token") else None,
+    )
+
+
+def residual_request_to_pb(r: P.ResidualRequest) -> pb.DeviceMessage:
+    return pb.DeviceMessage(residual_request=pb.ResidualRequest(round_id=r.round_id))
+
+
+def close_to_pb() -> pb.DeviceMessage:
+    return pb.DeviceMessage(close=pb.Close())
+
+
+def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
+    msg = pb.Verdict(
+        round_id=v.round_id, num_accepted=v.num_accepted, reject_samples=list(v.reject_samples),
+        reject_sample_probs=list(v.reject_sample_probs),
+        timings=pb.EdgeTimings(verify_seconds=v.verify_seconds, queue_seconds=v.queue_seconds),
+    )
+    if v.next_token is not None:
+        msg.next_token = v.next_token
+    return pb.EdgeMessage(verdict=msg)
+
+
+def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
+    return P.Verdict(
+        round_id=m.round_id, num_accepted=m.num_accepted,
+        next_token=m.next_token if m.HasField("next_token") else None,
+        reject_samples=tuple(m.reject_samples), reject_sample_probs=tuple(m.reject_sample_probs),
+        verify_seconds=m.timings.verify_seconds, queue_seconds=m.timings.queue_seconds,
+    )
+
+
+def residual_to_pb(r: P.ResidualReply) -> pb.EdgeMessage:
+    return pb.EdgeMessage(residual=pb.ResidualReply(round_id=r.round_id, target_probs=r.target_probs))
+
+
+def residual_from_pb(m: pb.ResidualReply) -> P.ResidualReply:
+    return P.ResidualReply(round_id=m.round_id, target_probs=m.target_probs)
+
+
+def device_message_from_pb(m: pb.DeviceMessage):
+    """Return the domain object carried by a DeviceMessage (ValueError if empty)."""
+    kind = m.WhichOneof("kind")
+    converters = {
+        "hello": lambda: hello_from_pb(m.hello),
+        "prompt": lambda: prompt_from_pb(m.prompt),
+        "draft": lambda: draft_from_pb(m.draft),
+        "residual_request": lambda: P.ResidualRequest(round_id=m.residual_request.round_id),
+        "close": lambda: P.Close(),
+    }
+    if kind is None:
+        raise ValueError("empty DeviceMessage")
+    return converters[kind]()
+
+
+def edge_message_from_pb(m: pb.EdgeMessage):
+    kind = m.WhichOneof("kind")
+    converters = {
+        "welcome": lambda: welcome_from_pb(m.welcome),
+        "verdict": lambda: verdict_from_pb(m.verdict),
+        "residual": lambda: residual_from_pb(m.residual),
+    }
+    if kind is None:
+        raise ValueError("empty EdgeMessage")
+    return converters[kind]()

@@ -1,0 +1,97 @@
+"""`device-client` command line: parse flags, load the drafter, run sessions against the edge."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdec.common.codecs import Mode
+from specdec.common.modeling import DTYPES
+from specdec.common.runtime import run_async
+from specdec.device.runner import DeviceConfig, run_device
+
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, non-zero exit
+        sys.stderr.write(f"device-client: error: {message}\n")
+        sys.exit(2)
+
+
+def _bounded(kind, low, high=None, *, low_open=False):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            rng = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{text} is outside {rng}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="device-client", description="specdec device client: drafts locally, verifies on the edge")
+    p.add_argument("--edge", required=True, help="edge server HOST:PORT")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--draft-model", help="drafter: HF directory or hub id (default: interim embedded drafter)")
+    p.add_argument("--draft-gguf-file", help="drafter GGUF file (inside --draft-model, or a path)")
+    p.add_argument("--draft-layers", type=_bounded(int, 1), help="keep only the first N drafter layers")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--mode", default="tslt", choices=[m.value for m in Mode])
+    p.add_argument("--top-k", type=_bounded(int, 1), default=64, help="tslt / ksqs support size K")
+    p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=None,
+                   help="tslt nucleus mass (instead of top-K)")
+    p.add_argument("--lattice", type=_bounded(int, 1), default=1000, help="ksqs / csqs lattice resolution")
+    p.add_argument("--dense-dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--alpha", type=_bounded(float, 0.0, 1.0, low_open=True), default=0.01, help="C-SQS target deviation")
+    p.add_argument("--eta", type=_bounded(float, 0.0, low_open=True), default=0.001, help="C-SQS learning rate")
+    p.add_argument("--beta0", type=_bounded(float, 0.0, 1.0), default=0.001, help="C-SQS initial threshold")
+    p.add_argument("--max-k", type=_bounded(int, 1), default=4096, help="C-SQS support cap")
+    p.add_argument("--dssd-samples", type=_bounded(int, 1), default=8)
+    p.add_argument("--draft-len", type=_bounded(int, 1), default=4)
+    p.add_argument("--bit-budget", type=_bounded(int, 1), default=None, help="per-round uplink bits B")
+    p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0)
+    p.add_argument("--target-top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=None)
+    p.add_argument("--target-top-k", type=_bounded(int, 1), default=None)
+    p.add_argument("--seed", type=_bounded(int, 0), default=0)
+    p.add_argument("--max-new-tokens", type=_bounded(int, 1), default=128)
+    p.add_argument("--num-samples", type=_bounded(int, 1), default=1)
+    p.add_argument("--timeout", type=_bounded(float, 0.0, low_open=True), default=600.0,
+                   help="seconds allowed per session")
+    p.add_argument("--json", action="store_true", help="print one JSON object per session instead of text")
+    p.add_argument("--metrics-port", type=_bounded(int, 0), default=0)
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def config_from_args(a) -> DeviceConfig:
+    return DeviceConfig(
+        edge=a.edge, prompt=a.prompt, raw=a.raw, draft_model=a.draft_model,
+        draft_gguf_file=a.draft_gguf_file, draft_layers=a.draft_layers, device=a.device, dtype=a.dtype,
+        mode=Mode(a.mode), top_k=a.top_k, top_p=a.top_p or 0.0, lattice=a.lattice,
+        dense_dtype=a.dense_dtype, csqs_alpha=a.alpha, csqs_eta=a.eta, csqs_beta0=a.beta0,
+        max_k=a.max_k, dssd_samples=a.dssd_samples, draft_len=a.draft_len, bit_budget=a.bit_budget or 0,
+        temperature=a.temperature, target_top_p=a.target_top_p or 0.0, target_top_k=a.target_top_k or 0,
+        seed=a.seed, max_new_tokens=a.max_new_tokens, num_samples=a.num_samples, timeout=a.timeout,
+        json=a.json, metrics_port=a.metrics_port,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_from_args(args)
+    try:
+        run_async(run_device(cfg, out=sys.stdout))
+    except Exception as exc:  # any failure: one line and a non-zero status
+        sys.stderr.write(f"device-client: error: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The device's per-session drafter: draft KV cache, drafting with compression, rollback.
+
+No grpc here: :mod:`specdec.device.client` moves :class:`DraftBlock` / :class:`Verdict` over the
+stream. Lossless rule (DESIGN.md): each draft token is sampled from exactly the distribution the edge
+will verify against, i.e. the DECODED packet, so the device encodes, decodes, then samples.
+
+State invariant (same as the edge's): ``tokens`` is the verified sequence; the KV cache holds
+``tokens[:cache_len]`` plus, during a round, the drafted tokens fed so far.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.common import verification as V
+from specdec.common.budget import MIN_DRAFT_LEN, fits_budget
+from specdec.common.codecs import (Mode, decode_distribution, dssd_theoretical_bits,
+                                   encode_distribution, encode_dssd_scalars)
+from specdec.common.conformal import ConformalController
+from specdec.common.distributions import densify, sample_token
+from specdec.common.engine import codec_config, model_probs
+from specdec.common.modeling import CachedLM, LoadedModel
+from specdec.common.protocol import DraftBlock, Hello, Verdict
+
+# The device's generator is seeded apart from the edge's so the two streams of uniforms differ.
+DEVICE_SEED_OFFSET = 0x5DEECE66D
+
+
+@dataclass
+class RoundDraft:
+    """One round's draft and what the device keeps to finish it."""
+    block: DraftBlock
+    q_rows: list[torch.Tensor]      # [V] float64 per position: the q each token was sampled from
+    theoretical_bits: int
+    support_sizes: list[int]
+    draft_seconds: float            # drafter forwards + sampling
+    encode_seconds: float           # codec encode + decode
+
+
+@dataclass
+class DeviceStats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    theoretical_uplink_bits: int = 0
+    draft_seconds: float = 0.0
+    encode_seconds: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class DraftSession:
+    """Drafts rounds for one generation and applies the edge's verdicts. Blocking (torch)."""
+
+    def __init__(self, drafter: LoadedModel, hello: Hello):
+        self.hello = hello
+        self.vocab_size = drafter.vocab_size
+        self.codec = None if hello.mode is Mode.DSSD else codec_config(hello.mode, hello.draft, self.vocab_size)
+        self.generator = torch.Generator().manual_seed((int(hello.seed) + DEVICE_SEED_OFFSET) % 2**63)
+        self.lm = CachedLM(drafter.model, drafter.device)
+        d = hello.draft
+        self.controller = (ConformalController(d.csqs_alpha, d.csqs_eta, d.csqs_beta0)
+                           if hello.mode is Mode.CSQS else None)
+        self.tokens: list[int] = []
+        self.round_id = 0
+        self.stats = DeviceStats()
+        self.pending_correction: int | None = None
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.tokens = list(prompt_ids)
+
+    def draft(self, max_tokens: int) -> RoundDraft:
+        """Draft up to ``min(draft_len, max_tokens)`` tokens (at least one), encoding each q."""
+        limit = max(MIN_DRAFT_LEN, min(self.hello.draft.draft_len, max_tokens))
+        if self.controller is not None:
+            self.controller.start_round()
+        ids: list[int] = []
+        payloads: list[bytes] = []
+        q_rows: list[torch.Tensor] = []
+        sizes: list[int] = []
+        bits = 0
+        t_draft = t_encode = 0.0
+        while len(ids) < limit:
+            t0 = time.perf_counter()
+            q = self._next_q(ids)
+            t1 = time.perf_counter()
+            step = self._encode_and_sample(q)
+            t2 = time.perf_counter()
+            t_draft += t1 - t0
+            t_encode += t2 - t1
+            token, row, payload, nbits, support, dropped = step
+            if self.hello.draft.bit_budget and len(ids) >= MIN_DRAFT_LEN and \
+                    not fits_budget(bits, nbits, self.hello.draft.bit_budget):
+                break  # this position would overflow the round's bit budget B (SQS sec. 4)
+            if self.controller is not None:
+                self.controller.observe(dropped)
+            ids.append(token)
+            payloads.append(payload)
+            q_rows.append(row)
+            sizes.append(support)
+            bits += nbits
+        return self._round(ids, payloads, q_rows, sizes, bits, t_draft, t_encode)
+
+    def _round(self, ids, payloads, q_rows, sizes, bits, t_draft, t_encode) -> RoundDraft:
+        self.round_id += 1
+        if self.hello.mode is Mode.DSSD:
+            scalars = torch.stack([row[t] for row, t in zip(q_rows, ids)]).float()
+            block = DraftBlock(round_id=self.round_id, token_ids=tuple(ids),
+                               dssd_scalars=encode_dssd_scalars(scalars),
+                               correction_token=self.pending_correction)
+            bits = dssd_theoretical_bits(len(ids), self.vocab_size)
+        else:
+            block = DraftBlock(round_id=self.round_id, token_ids=tuple(ids), distributions=tuple(payloads))
+        self.pending_correction = None
+        return RoundDraft(block=block, q_rows=q_rows, theoretical_bits=bits, support_sizes=sizes,
+                          draft_seconds=t_draft, encode_seconds=t_encode)
+
+    def _next_q(self, drafted: list[int]) -> torch.Tensor:
+        """The drafter's distribution after tokens + drafted: [V] float64."""
+        seq = self.tokens + drafted
+        logits = self.lm.forward(seq[self.lm.cache_len:], num_logits=1)[0]
+        return model_probs(logits.cpu(), self.hello.temperature)
+
+    def _encode_and_sample(self, q: torch.Tensor):
+        """(token, q row it was sampled from, payload, bits, support size, dropped mass)."""
+        if self.hello.mode is Mode.DSSD:
+            token = sample_token(q, self.generator)
+            return token, q, b"", 0, self.vocab_size, 0.0
+        threshold = self.controller.beta if self.controller is not None else None
+        enc = encode_distribution(q.float(), self.codec, threshold=threshold)
+        q_hat = decode_distribution(enc.payload, self.codec)  # exactly what the edge will decode
+        token = sample_token(q_hat, self.generator)
+        return token, densify(q_hat), enc.payload, enc.theoretical_bits, enc.support_size, enc.dropped_mass
+
+    # -- verdicts ----------------------------------------------------------------------------------
+    def resolve_dssd(self, rd: RoundDraft, verdict: Verdict) -> int | None:
+        """DSSD device half: accept one of the edge's samples y ~ p_j, or None (fallback needed)."""
+        q_j = rd.q_rows[verdict.num_accepted]
+        samples = torch.tensor(verdict.reject_samples, dtype=torch.long)
+        probs = torch.tensor(verdict.reject_sample_probs, dtype=torch.float64)
+        return V.dssd_device_resolve(samples, probs, q_j, self.generator)
+
+    def residual_from_full(self, rd: RoundDraft, verdict: Verdict, p_j: torch.Tensor) -> int:
+        return V.dssd_device_residual(p_j, rd.q_rows[verdict.num_accepted], self.generator)
+
+    def commit(self, rd: RoundDraft, verdict: Verdict, next_token: int, *, dssd_correction: bool) -> list[int]:
+        """Apply a verdict: keep the accepted prefix, roll the draft cache back, return new tokens."""
+        n = verdict.num_accepted
+        ids = list(rd.block.token_ids)
+        if not 0 <= n <= len(ids) or verdict.round_id != rd.block.round_id:
+            raise ValueError(f"verdict does not match round {rd.block.round_id}")
+        new = ids[:n] + [int(next_token)]
+        self.lm.truncate(min(self.lm.cache_len, len(self.tokens) + n))
+        self.tokens.extend(new)
+        if dssd_correction:
+            self.pending_correction = int(next_token)
+        if self.controller is not None:
+            self.controller.on_verdict(n)
+        self._count(rd, n)
+        return new
+
+    def _count(self, rd: RoundDraft, n: int) -> None:
+        s = self.stats
+        s.rounds += 1
+        s.draft_tokens += len(rd.block.token_ids)
+        s.accepted_tokens += n
+        s.theoretical_uplink_bits += rd.theoretical_bits
+        s.draft_seconds += rd.draft_seconds
+        s.encode_seconds += rd.encode_seconds
+        while len(s.accepted_per_position) < len(rd.block.token_ids):
+            s.accepted_per_position.append(0)
+        for i in range(n):
+            s.accepted_per_position[i] += 1

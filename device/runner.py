@@ -1,0 +1,148 @@
+"""The one-shot device run: load the drafter, open a channel, run sessions, print text or JSON."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import TextIO
+
+import grpc
+
+from specdec.common.codecs import Mode
+from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
+from specdec.common.protocol import DraftSettings, Hello
+from specdec.device.client import GenerationResult, generate
+from specdec.device.drafter import DraftSession
+
+# Interim default drafter for the embedded target until a trained one ships: the target's own first
+# layers with its final norm and head (early exit). Measured acceptance is low (DESIGN.md: ~0.1 at
+# 12 layers); it keeps the demo self-contained on a fresh machine, not fast.
+INTERIM_DRAFT_LAYERS = 12
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same bound as the edge (dense fp32 rounds over big vocabularies)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    edge: str = "127.0.0.1:50051"       # edge HOST:PORT
+    prompt: str = ""
+    raw: bool = False                   # skip the chat template
+    draft_model: str | None = None      # HF dir / hub id; None = interim embedded drafter
+    draft_gguf_file: str | None = None
+    draft_layers: int | None = None     # keep the first N drafter layers
+    device: str = "cpu"
+    dtype: str = "float32"
+    mode: Mode = Mode.TSLT
+    top_k: int = 64
+    top_p: float = 0.0
+    lattice: int = 1000
+    dense_dtype: str = "fp16"
+    csqs_alpha: float = 0.01
+    csqs_eta: float = 0.001
+    csqs_beta0: float = 0.001
+    max_k: int = 4096
+    dssd_samples: int = 8
+    draft_len: int = 4
+    bit_budget: int = 0
+    temperature: float = 0.0
+    target_top_p: float = 0.0
+    target_top_k: int = 0
+    seed: int = 0
+    max_new_tokens: int = 128
+    num_samples: int = 1
+    timeout: float = 600.0              # seconds per session
+    json: bool = False
+    metrics_port: int = 0
+
+    def model_spec(self) -> ModelSpec:
+        if self.draft_model is None and self.draft_gguf_file is None:
+            layers = self.draft_layers or INTERIM_DRAFT_LAYERS
+            return ModelSpec(device=self.device, dtype=self.dtype, num_layers=layers)
+        return ModelSpec(model=self.draft_model, gguf_file=self.draft_gguf_file, device=self.device,
+                         dtype=self.dtype, num_layers=self.draft_layers)
+
+    def hello(self, fingerprint: str, vocab_size: int, seed: int) -> Hello:
+        settings = DraftSettings(
+            draft_len=self.draft_len, bit_budget=self.bit_budget, top_k=min(self.top_k, vocab_size),
+            top_p=self.top_p, lattice=self.lattice, dense_dtype=self.dense_dtype,
+            csqs_alpha=self.csqs_alpha, csqs_eta=self.csqs_eta, csqs_beta0=self.csqs_beta0,
+            max_k=self.max_k, dssd_samples=self.dssd_samples)
+        return Hello(mode=self.mode, vocab_fingerprint=fingerprint, vocab_size=vocab_size,
+                     temperature=self.temperature, draft=settings, seed=seed,
+                     max_new_tokens=self.max_new_tokens, target_top_p=self.target_top_p,
+                     target_top_k=self.target_top_k)
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+def result_json(cfg: DeviceConfig, drafter: LoadedModel, session: DraftSession, r: GenerationResult) -> dict:
+    s = session.stats
+    text = drafter.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    n = len(r.token_ids)
+    return {
+        "token_ids": r.token_ids,
+        "text": text,
+        "mode": cfg.mode.value,
+        "draft_model": drafter.name,
+        "edge_model": r.welcome.model_name,
+        "stats": {
+            "rounds": s.rounds,
+            "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0,
+            "mean_accepted_length": s.accepted_tokens / s.rounds if s.rounds else 0.0,
+            "accepted_per_position": s.accepted_per_position,
+            "generated_tokens": n,
+            "uplink_bytes": r.uplink_bytes,
+            "downlink_bytes": r.downlink_bytes,
+            "setup_bytes": r.setup_bytes,
+            "uplink_bytes_per_token": r.uplink_bytes / n if n else 0.0,
+            "theoretical_uplink_bits": s.theoretical_uplink_bits,
+            "dssd_fallbacks": r.dssd_fallbacks,
+            "wall_seconds": r.wall_seconds,
+            "tokens_per_second": n / r.wall_seconds if r.wall_seconds > 0 else 0.0,
+            "time": {"draft": s.draft_seconds, "encode": s.encode_seconds,
+                     "network": r.network_seconds, "verify": r.verify_seconds},
+        },
+    }
+
+
+class _TextStreamer:
+    """Prints verified text as it arrives (decode-all-and-diff handles multi-token characters)."""
+
+    def __init__(self, tokenizer, out: TextIO):
+        self.tokenizer = tokenizer
+        self.out = out
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids.extend(new)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.startswith(self.printed):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+
+async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
+    """Load the drafter, run ``num_samples`` sessions, write text or JSON lines to ``out``."""
+    drafter = await asyncio.to_thread(load_model, cfg.model_spec())
+    prompt_ids = encode_prompt(drafter.tokenizer, cfg.prompt, raw=cfg.raw)
+    fingerprint = vocab_fingerprint(drafter.tokenizer)
+    results = []
+    async with open_channel(cfg.edge) as channel:
+        for i in range(cfg.num_samples):
+            hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i)
+            session = DraftSession(drafter, hello)
+            streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
+            r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids,
+                               on_tokens=streamer, timeout=cfg.timeout)
+            record = result_json(cfg, drafter, session, r)
+            results.append(record)
+            out.write(json.dumps(record) + "\n" if cfg.json else "\n")
+            out.flush()
+    return results

@@ -1,0 +1,69 @@
+"""`edge-server` command line: parse flags into an EdgeConfig and run the server."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdec.common.modeling import DTYPES, ModelSpec
+from specdec.common.runtime import run_async
+from specdec.edge.server import EdgeConfig, serve
+from specdec.edge.verifier import EdgeLimits
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, non-zero exit
+        sys.stderr.write(f"edge-server: error: {message}\n")
+        sys.exit(2)
+
+
+def _positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="edge-server", description="specdec edge server: verifies drafts with the target model")
+    p.add_argument("--model", help="target: HF directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--gguf-file", help="GGUF file (inside --model, or a path)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
+    p.add_argument("--workers", type=_positive(int), default=4)
+    p.add_argument("--max-sessions", type=_positive(int), default=64)
+    p.add_argument("--max-context", type=int, default=0, help="0 = the model's context length")
+    p.add_argument("--max-draft-len", type=_positive(int), default=32)
+    p.add_argument("--max-k", type=_positive(int), default=8192)
+    p.add_argument("--idle-timeout", type=_positive(float), default=120.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(a) -> EdgeConfig:
+    limits = EdgeLimits(max_sessions=a.max_sessions, max_context=a.max_context,
+                        max_draft_len=a.max_draft_len, max_k=a.max_k, idle_timeout_s=a.idle_timeout)
+    spec = ModelSpec(model=a.model, gguf_file=a.gguf_file, device=a.device, dtype=a.dtype)
+    return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
+                      workers=a.workers, limits=limits)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_from_args(args)
+    try:
+        run_async(serve(cfg))
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"edge-server: error: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The edge's per-session verifier: target KV cache, verification of each draft, rollback.
+
+No grpc here: the servicer converts messages to :mod:`specdec.common.protocol` dataclasses and calls
+:class:`VerifierSession` off the event loop. The accept/reject math is in
+:mod:`specdec.common.verification`; this module only runs the target and keeps state.
+
+State invariant: ``tokens`` is the verified sequence (prompt + generated); the KV cache holds
+``tokens[:cache_len]`` with ``cache_len < len(tokens)`` between rounds, so every verification
+forward feeds ``tokens[cache_len:] + draft`` and reads the last ``L + 1`` logits: row i is
+``p_{i+1}``, the target distribution after ``prefix + draft[:i]``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdec.common import verification as V
+from specdec.common.codecs import Mode, decode_distribution, decode_dssd_scalars
+from specdec.common.distributions import densify
+from specdec.common.engine import codec_config, encode_target_probs, model_probs, validate_hello
+from specdec.common.modeling import CachedLM, LoadedModel
+from specdec.common.protocol import (PROTOCOL_VERSION, DraftBlock, Hello, Prompt, ResidualReply,
+                                     ResidualRequest, Verdict, Welcome)
+
+
+class RefusedError(ValueError):
+    """A Hello the edge will not serve (version, vocabulary or limits); maps to FAILED_PRECONDITION."""
+
+
+class LimitError(ValueError):
+    """A request beyond a configured limit; maps to RESOURCE_EXHAUSTED / OUT_OF_RANGE."""
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    max_sessions: int = 64          # concurrent sessions; more get RESOURCE_EXHAUSTED
+    max_context: int = 0            # tokens per session; 0 = the model's max_position_embeddings
+    max_draft_len: int = 32         # draft tokens per round
+    max_k: int = 8192               # transmitted support size per distribution
+    max_prompt_tokens: int = 0      # 0 = max_context
+    idle_timeout_s: float = 120.0   # a session silent this long is closed and freed
+    dssd_max_samples: int = 64      # downlink samples per DSSD rejection
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the servicer needs to know about the loaded target without touching the model."""
+    name: str
+    vocab_size: int
+    fingerprint: str
+    max_context: int
+
+
+class VerifierSession:
+    """One generation session on the edge. Methods are blocking (torch); call them off the loop."""
+
+    def __init__(self, target: LoadedModel, info: TargetInfo, hello: Hello, limits: EdgeLimits,
+                 session_id: str):
+        self._check_hello(info, hello, limits)
+        self.hello = hello
+        self.info = info
+        self.limits = limits
+        self.session_id = session_id
+        self.max_context = min(limits.max_context or info.max_context, info.max_context)
+        self.codec = None if hello.mode is Mode.DSSD else codec_config(hello.mode, hello.draft, info.vocab_size)
+        # Per-session generator seeded from the session seed: a seeded run is reproducible.
+        self.generator = torch.Generator().manual_seed(int(hello.seed))
+        self.lm = CachedLM(target.model, target.device)
+        self.tokens: list[int] = []
+        self.round_id = 0
+        self._pending_reject: tuple[int, torch.Tensor] | None = None  # DSSD: (round, p_j)
+
+    @staticmethod
+    def _check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise RefusedError(f"protocol version {hello.protocol_version} not supported "
+                               f"(edge speaks {PROTOCOL_VERSION})")
+        if hello.vocab_fingerprint != info.fingerprint or hello.vocab_size != info.vocab_size:
+            raise RefusedError(
+                f"vocabulary mismatch: device {hello.vocab_fingerprint[:12]}/{hello.vocab_size}, "
+                f"edge {info.fingerprint[:12]}/{info.vocab_size} ({info.name})")
+        validate_hello(hello)
+        if hello.draft.draft_len > limits.max_draft_len:
+            raise LimitError(f"draft_len {hello.draft.draft_len} exceeds the edge limit {limits.max_draft_len}")
+        uses_k = hello.mode in (Mode.TSLT, Mode.KSQS)
+        if uses_k and hello.draft.top_k > min(limits.max_k, info.vocab_size):
+            raise LimitError(f"top_k {hello.draft.top_k} exceeds the edge limit "
+                             f"{min(limits.max_k, info.vocab_size)}")
+        if hello.mode is Mode.CSQS and hello.draft.max_k > limits.max_k:
+            raise LimitError(f"C-SQS max_k {hello.draft.max_k} exceeds the edge limit {limits.max_k}")
+        if hello.mode is Mode.DSSD and hello.draft.dssd_samples > limits.dssd_max_samples:
+            raise LimitError(f"dssd_samples exceeds the edge limit {limits.dssd_max_samples}")
+
+    def welcome(self) -> Welcome:
+        return Welcome(session_id=self.session_id, model_name=self.info.name,
+                       vocab_size=self.info.vocab_size, max_context=self.max_context,
+                       max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k)
+
+    # -- prompt ----------------------------------------------------------------------------------
+    def prefill(self, prompt: Prompt) -> None:
+        ids = list(prompt.token_ids)
+        if not ids:
+            raise ValueError("empty prompt")
+        max_prompt = self.limits.max_prompt_tokens or self.max_context
+        if len(ids) >= min(max_prompt, self.max_context):
+            raise LimitError(f"prompt of {len(ids)} tokens exceeds the limit {min(max_prompt, self.max_context) - 1}")
+        self._check_ids(ids, "prompt")
+        if self.tokens:
+            raise ValueError("prompt sent twice")
+        self.tokens = ids
+        if len(ids) > 1:
+            self.lm.forward(ids[:-1], num_logits=1)
+
+    # -- rounds ----------------------------------------------------------------------------------
+    def verify(self, draft: DraftBlock) -> Verdict:
+        start = time.perf_counter()
+        self._check_round(draft)
+        self._apply_correction(draft)
+        draft_ids = list(draft.token_ids)
+        q = self._decode_q(draft)
+        p = self._target_probs(draft_ids)
+        ids = torch.tensor(draft_ids, dtype=torch.long)
+        if self.hello.mode is Mode.DSSD:
+            verdict = self._finish_dssd(draft, ids, q, p)
+        else:
+            result = V.chain_verify(ids, q, p, self.generator)
+            self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
+            verdict = Verdict(round_id=draft.round_id, num_accepted=result.num_accepted,
+                              next_token=result.next_token)
+        self.round_id = draft.round_id
+        return _with_time(verdict, time.perf_counter() - start)
+
+    def residual(self, request: ResidualRequest) -> ResidualReply:
+        """DSSD fallback: the full p_j of the pending rejection (float64, exactly what was verified)."""
+        if self._pending_reject is None or request.round_id != self._pending_reject[0]:
+            raise ValueError(f"no pending DSSD rejection for round {request.round_id}")
+        p_j = self._pending_reject[1]
+        return ResidualReply(round_id=request.round_id, target_probs=encode_target_probs(p_j))
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_ids(self, ids, what: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"{what} token id {bad[0]} out of range [0, {self.info.vocab_size})")
+
+    def _check_round(self, draft: DraftBlock) -> None:
+        if not self.tokens:
+            raise ValueError("draft before prompt")
+        if draft.round_id != self.round_id + 1:
+            raise ValueError(f"round id {draft.round_id} out of order (expected {self.round_id + 1})")
+        n = len(draft.token_ids)
+        if not 1 <= n <= self.hello.draft.draft_len:
+            raise LimitError(f"draft of {n} tokens; allowed 1..{self.hello.draft.draft_len}")
+        self._check_ids(draft.token_ids, "draft")
+        extra = 1 if draft.correction_token is not None else 0
+        if len(self.tokens) + extra + n + 1 > self.max_context:
+            raise LimitError(f"context limit {self.max_context} tokens reached")
+
+    def _apply_correction(self, draft: DraftBlock) -> None:
+        if self._pending_reject is not None:
+            if draft.correction_token is None:
+                raise ValueError("DSSD: this draft must carry the correction token of the last rejection")
+            self._check_ids([draft.correction_token], "correction")
+            self.tokens.append(int(draft.correction_token))
+            self._pending_reject = None
+        elif draft.correction_token is not None:
+            raise ValueError("unexpected correction token: no rejection is pending")
+
+    def _decode_q(self, draft: DraftBlock) -> torch.Tensor:
+        n = len(draft.token_ids)
+        if self.hello.mode is Mode.DSSD:
+            return decode_dssd_scalars(draft.dssd_scalars, n)
+        if len(draft.distributions) != n:
+            raise ValueError(f"{len(draft.distributions)} distributions for {n} draft tokens")
+        rows = [densify(decode_distribution(payload, self.codec)) for payload in draft.distributions]
+        return torch.stack(rows)
+
+    def _target_probs(self, draft_ids: list[int]) -> torch.Tensor:
+        feed = self.tokens[self.lm.cache_len:] + draft_ids
+        logits = self.lm.forward(feed, num_logits=len(draft_ids) + 1)
+        h = self.hello
+        return model_probs(logits.cpu(), h.temperature, h.target_top_k, h.target_top_p)
+
+    def _commit(self, accepted: list[int], num_accepted: int, next_token: int | None) -> None:
+        """Keep KV only for the verified prefix; append the accepted tokens (and the next one)."""
+        self.lm.truncate(len(self.tokens) + num_accepted)
+        self.tokens.extend(accepted)
+        if next_token is not None:
+            self.tokens.append(int(next_token))
+
+    def _finish_dssd(self, draft: DraftBlock, ids, q_of_draft, p) -> Verdict:
+        res = V.dssd_edge_verify(ids, q_of_draft, p, self.generator, self.hello.draft.dssd_samples)
+        n = res.num_accepted
+        self._commit(list(draft.token_ids[:n]), n, res.bonus_token)
+        if res.bonus_token is not None:
+            return Verdict(round_id=draft.round_id, num_accepted=n, next_token=res.bonus_token)
+        self._pending_reject = (draft.round_id, res.reject_p)
+        return Verdict(round_id=draft.round_id, num_accepted=n, next_token=None,
+                       reject_samples=tuple(int(y) for y in res.reject_samples),
+                       reject_sample_probs=tuple(float(v) for v in res.reject_sample_probs))
+
+
+def _with_time(v: Verdict, seconds: float) -> Verdict:
+    return replace(v, verify_seconds=seconds)

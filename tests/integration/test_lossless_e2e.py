@@ -1,0 +1,100 @@
+"""Statistical losslessness end to end: many seeded sessions over real gRPC vs the exact target law.
+
+A tiny 8-token vocabulary lets us enumerate the target's exact distribution over the first
+``N_TOKENS`` generated tokens (EOS ends a sequence early). Each mode must match it (chi-square,
+merged cells, p > 1e-4); a device that samples from a different q than the one it sends must not.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+
+import pytest
+import torch
+
+from harness import device_config, edge, load, run, run_sessions
+from specdec.common.codecs import Mode
+from specdec.common.engine import model_probs
+from specdec.common.modeling import encode_prompt
+from specdec.device.drafter import DraftSession
+from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+
+PROMPT = "w1 w2"
+N_TOKENS = 3
+TEMPERATURE = 1.0
+NUM_SESSIONS = 1500  # ~20-40 s per mode here; controls fall far below the cut at this size
+
+MODES = {
+    "dense": dict(mode=Mode.DENSE, dense_dtype="bf16"),
+    "tslt": dict(mode=Mode.TSLT, top_k=3),
+    "ksqs": dict(mode=Mode.KSQS, top_k=3, lattice=8),
+    "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.05, csqs_alpha=0.05, csqs_eta=0.05, lattice=8, max_k=8),
+    "dssd": dict(mode=Mode.DSSD, dssd_samples=1),
+}
+
+
+@lru_cache(maxsize=2)
+def exact_law(target_dir: str, prompt_ids: tuple[int, ...]) -> dict[tuple[int, ...], float]:
+    """P(first N_TOKENS generated tokens = s) for the target alone, by enumeration."""
+    m = load(target_dir)
+    eos = set(m.eos_token_ids)
+    law: dict[tuple[int, ...], float] = {}
+
+    def visit(seq: tuple[int, ...], prob: float) -> None:
+        if len(seq) == N_TOKENS or (seq and seq[-1] in eos):
+            law[seq] = law.get(seq, 0.0) + prob
+            return
+        with torch.inference_mode():
+            logits = m.model(torch.tensor([list(prompt_ids) + list(seq)])).logits[0, -1].float()
+        p = model_probs(logits, TEMPERATURE)
+        for tok, pt in enumerate(p.tolist()):
+            if pt > 0:
+                visit(seq + (tok,), prob * pt)
+
+    visit((), 1.0)
+    return law
+
+
+def _counts(target_dir, drafter_dir, session_factory=DraftSession, **kw) -> tuple[Counter, dict]:
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=2, **kw)
+    tok = load(str(drafter_dir)).tokenizer
+    law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)))
+
+    async def main():
+        async with edge(target_dir) as address:
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(NUM_SESSIONS), session_factory)
+
+    counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
+    return counts, law
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_mode_is_lossless_end_to_end(tiny_pair_v8, name) -> None:
+    counts, law = _counts(*tiny_pair_v8, **MODES[name])
+    assert set(counts) <= set(law), "generated a sequence the target cannot produce"
+    fit = goodness_of_fit(counts, law)
+    assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
+
+
+class SamplesUncompressedQ(DraftSession):
+    """Classic bug: sample the draft token from the raw q while sending the compressed q_hat."""
+
+    def _encode_and_sample(self, q):
+        token, row, payload, bits, support, dropped = super()._encode_and_sample(q)
+        token = int(torch.multinomial(q.float(), 1, generator=self.generator))
+        return token, row, payload, bits, support, dropped
+
+
+def test_control_device_sampling_other_q_is_detected(tiny_pair_v8) -> None:
+    counts, law = _counts(*tiny_pair_v8, session_factory=SamplesUncompressedQ, **MODES["tslt"])
+    fit = goodness_of_fit(counts, law)
+    assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
+
+
+def test_exact_law_is_a_distribution(tiny_pair_v8) -> None:
+    target_dir, drafter_dir = tiny_pair_v8
+    tok = load(str(drafter_dir)).tokenizer
+    law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)))
+    assert abs(sum(law.values()) - 1.0) < 1e-9
+    assert all(len(s) == N_TOKENS or s[-1] == 1 for s in law)
+    assert len(law) <= sum(8 ** k for k in range(1, N_TOKENS + 1))

@@ -1,0 +1,51 @@
+"""Tiny random causal LMs (Llama architecture) saved as real HF checkpoints for tests.
+
+Target and drafter are different models sharing one word-level vocabulary, written to a directory
+with ``save_pretrained`` and loaded back through the same loading code as real checkpoints.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+EOS_ID = 1  # "<eos>"; id 0 is "<unk>"
+
+
+def make_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": EOS_ID}
+    vocab.update({f"w{i}": i + 2 for i in range(vocab_size - 2)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def make_model(path: Path, vocab_size: int, *, seed: int, hidden: int = 32, layers: int = 2,
+               logit_scale: float = 4.0, max_positions: int = 256) -> Path:
+    """Save a random Llama with peaky, context-dependent next-token distributions to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, eos_token_id=EOS_ID, bos_token_id=None,
+        pad_token_id=0, tie_word_embeddings=False, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharpen the head so distributions are far from uniform
+        model.lm_head.weight.mul_(logit_scale)
+    model.save_pretrained(path)
+    make_tokenizer(vocab_size).save_pretrained(path)
+    return path
+
+
+def make_pair(root: Path, vocab_size: int, *, target_seed: int = 1, draft_seed: int = 2,
+              **kw) -> tuple[Path, Path]:
+    """A target and a (different) drafter over the same vocabulary."""
+    target = make_model(root / f"target-v{vocab_size}", vocab_size, seed=target_seed, layers=2, **kw)
+    drafter = make_model(root / f"draft-v{vocab_size}", vocab_size, seed=draft_seed, layers=1, **kw)
+    return target, drafter
