@@ -23,10 +23,10 @@ from typing import Sequence
 import torch
 
 from specdec.common.verification import (
+    _mc_verify_prevalidated,  # tree_verify validates the whole tree once, not once per node
     check_generator,
     check_prob_rows,
     check_token_ids,
-    mc_verify,
     sample_token,
 )
 
@@ -158,7 +158,7 @@ def tree_verify(
 ) -> TreeResult:
     """Lossless token-tree verification (TSLT Alg. 8 with Alg. 5 per node).
 
-    Starting at the root: run ``mc_verify`` on the node's children with the node's ``q`` and ``p``;
+    Starting at the root: run ``mc_verify`` (verification.py) on the node's children with the node's ``q`` and ``p``;
     if a child is accepted append its token and descend into it (the accepted candidate's index
     picks the child, which matters when siblings drawn with replacement share a token); otherwise
     emit the output token (a correction from the recursive residual, never a sibling's token) and
@@ -192,6 +192,7 @@ def tree_verify(
             if torch.unique(node_tokens[kids.start : kids.stop]).numel() != len(kids):
                 raise ValueError(f"children of node {parent} must be distinct without replacement")
 
+    tokens_list = node_tokens.tolist()
     accepted: list[int] = []
     tokens: list[int] = []
     node = ROOT
@@ -200,9 +201,7 @@ def tree_verify(
         if len(kids) == 0:
             tokens.append(sample_token(p[node], generator))  # bonus token from p after the leaf
             return TreeResult(accepted_nodes=accepted, tokens=tokens)
-        idx, token = mc_verify(
-            node_tokens[kids.start : kids.stop], q[node], p[node], generator, with_replacement=with_replacement
-        )
+        idx, token = _mc_verify_prevalidated(tokens_list[kids.start : kids.stop], q[node], p[node], generator, with_replacement)
         tokens.append(token)
         if idx < 0:
             return TreeResult(accepted_nodes=accepted, tokens=tokens)

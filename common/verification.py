@@ -21,8 +21,10 @@ References
   exactly a sample of ``norm(max(0, p_j - q_j))``.
 
 Randomness: every function takes a CPU ``torch.Generator`` and draws float64 uniforms in ``[0, 1)``
-one at a time with ``torch.rand(1, generator=g, dtype=torch.float64)``; each docstring lists the
-exact order of the draws, so results are reproducible draw for draw. All arithmetic is float64.
+one at a time with ``torch.rand((), generator=g, dtype=torch.float64)``: one per accept test, and
+one per sampled token (``distributions.sample_token``: inverse CDF, first token whose cumulative
+mass exceeds ``u * total``). Each docstring lists the exact order of the draws, so results are
+reproducible draw for draw. All arithmetic is float64.
 Bad input raises ``ValueError``; ``assert`` is used only for internal invariants.
 """
 from __future__ import annotations
@@ -30,6 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# Inverse-CDF sampling with one float64 uniform, shared with the device's drafting code so both
+# sides sample identically (re-exported here for callers of the verification API).
+from specdec.common.distributions import sample_token, sample_token_from_uniform
 
 # Rows of a probability matrix must sum to 1 within this (float64) tolerance. Decoded packets are
 # normalised in float64, so anything looser than this is a caller bug, not rounding.
@@ -54,13 +60,13 @@ def check_prob_rows(name: str, x: torch.Tensor, rows: int | None = None, vocab: 
         raise ValueError(f"{name} must have vocab size {vocab}, got shape {tuple(x.shape)}")
     if x.shape[1] == 0:
         raise ValueError(f"{name} has an empty vocabulary")
-    if not torch.isfinite(x).all():
+    sums = x.sum(dim=-1)  # [rows]; NaN or inf anywhere in a row makes its sum non-finite
+    if not bool(torch.isfinite(sums).all()):
         raise ValueError(f"{name} contains NaN or inf")
-    if (x < 0).any():
+    if float(x.min()) < 0:
         raise ValueError(f"{name} contains negative probabilities")
-    sums = x.sum(dim=-1)
-    bad = (sums - 1.0).abs() > PROB_SUM_ATOL
-    if bad.any():
+    if float((sums - 1.0).abs().max()) > PROB_SUM_ATOL:
+        bad = (sums - 1.0).abs() > PROB_SUM_ATOL
         row = int(bad.nonzero()[0, 0])
         raise ValueError(f"{name} row {row} sums to {float(sums[row])!r}, not 1 (tol {PROB_SUM_ATOL})")
 
@@ -85,7 +91,7 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab: int, length: int | None
         raise ValueError(f"{name} is empty")
     if length is not None and ids.numel() != length:
         raise ValueError(f"{name} must have {length} entries, got {ids.numel()}")
-    if (ids < 0).any() or (ids >= vocab).any():
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ValueError(f"{name} has ids out of range [0, {vocab}): {ids.tolist()}")
 
 
@@ -97,8 +103,8 @@ def check_generator(generator: torch.Generator) -> None:
 def _check_drafts_sampleable(name: str, ids: torch.Tensor, q_of_ids: torch.Tensor) -> None:
     """A drafted token with q(x) == 0 could not have been sampled from q: the packet and the draft
     disagree, and verifying would divide by zero."""
-    zero = q_of_ids <= 0
-    if zero.any():
+    if float(q_of_ids.min()) <= 0:
+        zero = q_of_ids <= 0
         i = int(zero.nonzero()[0, 0])
         raise ValueError(f"{name}[{i}] = {int(ids[i])} has draft probability 0: it cannot have been sampled from q")
 
@@ -109,29 +115,9 @@ def _check_drafts_sampleable(name: str, ids: torch.Tensor, q_of_ids: torch.Tenso
 
 
 def draw_uniform(generator: torch.Generator) -> float:
-    """One float64 uniform in [0, 1); the only way this module consumes randomness."""
-    return float(torch.rand(1, generator=generator, dtype=torch.float64))
-
-
-def sample_from_uniform(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF sample of ``probs`` [V] (float64, non-negative, sum > 0) with one uniform ``u``.
-
-    Returns the first index whose cumulative mass exceeds ``u * total``; a token of probability 0
-    is never returned (the CDF does not step there), also when rounding pushes ``u * total`` past
-    the last step.
-    """
-    cdf = torch.cumsum(probs, dim=0)  # [V]
-    total = cdf[-1]
-    assert total > 0, "sampling from a zero vector"
-    idx = int(torch.searchsorted(cdf, u * total, right=True))
-    if idx >= probs.numel():  # rounding: u * total == total; fall back to the last positive token
-        idx = int(probs.nonzero()[-1, 0])
-    return idx
-
-
-def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Sample one token from ``probs`` [V] float64; draws exactly one uniform."""
-    return sample_from_uniform(probs, draw_uniform(generator))
+    """One float64 uniform in [0, 1) for an accept test; samples use ``sample_token``, which
+    draws exactly one such uniform from the same generator (distributions.py)."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
 def _accepts(u: float, p_x: float, q_x: float) -> bool:
@@ -207,10 +193,11 @@ def chain_verify(
     check_token_ids("draft_ids", draft_ids, V)
     q_of_draft = q.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [L]
     _check_drafts_sampleable("draft_ids", draft_ids, q_of_draft)
-    p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [L]
+    p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1).tolist()  # [L]
+    q_of_draft = q_of_draft.tolist()
 
     for i in range(L):
-        if not _accepts(draw_uniform(generator), float(p_of_draft[i]), float(q_of_draft[i])):
+        if not _accepts(draw_uniform(generator), p_of_draft[i], q_of_draft[i]):
             return ChainResult(num_accepted=i, next_token=sample_token(_residual(p[i], q[i]), generator))
     return ChainResult(num_accepted=L, next_token=sample_token(p[L], generator))
 
@@ -289,12 +276,19 @@ def mc_verify(
     if not with_replacement and torch.unique(candidates).numel() != candidates.numel():
         raise ValueError(f"without-replacement candidates must be distinct, got {candidates.tolist()}")
 
-    p_i, q_i = p, q
-    for i, x in enumerate(candidates.tolist()):
+    return _mc_verify_prevalidated(candidates.tolist(), q, p, generator, with_replacement)
+
+
+def _mc_verify_prevalidated(
+    candidates: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator, with_replacement: bool
+) -> tuple[int, int]:
+    """mc_verify on inputs already validated by the caller (tree_verify validates a whole tree once)."""
+    p_i, q_i = p, q  # [V], [V]: p^(i) and q^(i)
+    for i, x in enumerate(candidates):
         if _accepts(draw_uniform(generator), float(p_i[x]), float(q_i[x])):
             return i, x
         p_i = _residual(p_i, q_i)
-        if not with_replacement and i + 1 < candidates.numel():
+        if not with_replacement and i + 1 < len(candidates):
             q_i = _remove_and_renormalise(q_i, x)
     return -1, sample_token(p_i, generator)
 
@@ -343,10 +337,11 @@ def dssd_edge_verify(
     check_token_ids("draft_ids", draft_ids, p.shape[1])
     _check_scalar_probs("q_of_draft", q_of_draft, L)
     _check_drafts_sampleable("draft_ids", draft_ids, q_of_draft)
-    p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [L]
+    p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1).tolist()  # [L]
+    q_list = q_of_draft.tolist()
 
     for j in range(L):
-        if not _accepts(draw_uniform(generator), float(p_of_draft[j]), float(q_of_draft[j])):
+        if not _accepts(draw_uniform(generator), p_of_draft[j], q_list[j]):
             samples = torch.tensor([sample_token(p[j], generator) for _ in range(num_samples)], dtype=torch.int64)
             return DssdEdgeResult(
                 num_accepted=j,

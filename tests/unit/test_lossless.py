@@ -1,0 +1,280 @@
+"""Statistical losslessness harness: every verification mode must sample exactly the target.
+
+A tiny vocabulary (V = 4) with context-dependent toy target ``p`` and draft ``q`` tables (see
+toy_models.py), so the exact law of the next N = 3 tokens is known by enumeration. Each test runs
+draft-then-verify rounds through the REAL library functions until N tokens are generated, many
+times, and compares the empirical law of the N-token continuation with the exact one by a
+chi-square test (p-value cut 1e-4, fixed seeds) and a total-variation bound.
+
+Negative controls run the same harness on deliberately broken verifiers (defined here, never in
+the library) and assert that the test rejects them, so the harness demonstrably has power.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from specdec.common.tree import TreeSpec, tree_verify
+from specdec.common.verification import (
+    ChainResult,
+    chain_verify,
+    dssd_device_residual,
+    dssd_device_resolve,
+    dssd_edge_verify,
+    mc_verify,
+    residual_distribution,
+    sample_candidates,
+    sample_token,
+)
+
+
+def _load_toy_models():
+    # --import-mode=importlib puts no test directory on sys.path; load the sibling helper by path.
+    name = "specdec_tests_toy_models"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("toy_models.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+tm = _load_toy_models()
+
+VOCAB = 4
+PROMPT = [0, 1]
+N_TOKENS = 3  # 4**3 = 64 sequence cells
+NUM_SEQS = 5_000  # 2-6 s per test on a shared 2-core machine; chi2 noncentrality grows linearly with it
+CONTROL_SEQS = 2_000  # every broken verifier below is rejected at p < 1e-20 already at this size
+PAIR_SEED = 1
+
+
+@pytest.fixture(scope="module")
+def pair() -> "tm.ToyPair":
+    return tm.make_pair(VOCAB, PAIR_SEED)
+
+
+@pytest.fixture(scope="module")
+def exact(pair) -> dict:
+    return tm.exact_distribution(pair, PROMPT, N_TOKENS)
+
+
+def fit(round_fn, exact, num_seqs: int = NUM_SEQS) -> "tm.FitResult":
+    return tm.goodness_of_fit(tm.generate_counts(round_fn, PROMPT, N_TOKENS, num_seqs), exact)
+
+
+def assert_lossless(result: "tm.FitResult") -> None:
+    print(f"lossless check: {result}")
+    assert result.p_value > tm.P_VALUE_CUT, f"output law differs from the target: {result}"
+    assert result.tv < result.tv_bound, f"output law differs from the target: {result}"
+
+
+def assert_rejected(result: "tm.FitResult") -> None:
+    print(f"negative control: {result}")
+    assert result.p_value < tm.P_VALUE_CUT, f"negative control NOT rejected, harness too weak: {result}"
+
+
+# --- round builders (the device + edge loop, inlined) --------------------------------------------
+
+ChainVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], ChainResult]
+
+
+def chain_round(pair, L: int, g: torch.Generator, verify: ChainVerifier = chain_verify, draft_law=None):
+    """Draft L tokens from q (or from ``draft_law(q)`` for a control), verify against q and p."""
+
+    def round_fn(seq: list[int]) -> list[int]:
+        draft: list[int] = []
+        q_rows = []
+        for _ in range(L):
+            q = pair.q(seq + draft)  # [V]
+            q_rows.append(q)
+            draft.append(sample_token(q if draft_law is None else draft_law(q), g))
+        p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])  # [L+1, V]
+        res = verify(torch.tensor(draft), torch.stack(q_rows), p, g)
+        return draft[: res.num_accepted] + [res.next_token]
+
+    return round_fn
+
+
+def mc_round(pair, k: int, g: torch.Generator, with_replacement: bool, verify=mc_verify):
+    def round_fn(seq: list[int]) -> list[int]:
+        q, p = pair.q(seq), pair.p(seq)
+        cands = sample_candidates(q, k, g, with_replacement=with_replacement)
+        _, token = verify(cands, q, p, g, with_replacement=with_replacement)
+        return [token]
+
+    return round_fn
+
+
+def tree_round(pair, config, g: torch.Generator, with_replacement: bool = True):
+    spec = TreeSpec.from_config(config)
+
+    def round_fn(seq: list[int]) -> list[int]:
+        paths: dict[int, list[int]] = {0: []}
+        node_tokens = [0] * spec.num_nodes
+        q_rows = []
+        for node in spec.internal_nodes:  # layer order: a parent is drafted before its children (Alg. 7)
+            q = pair.q(seq + paths[node])
+            q_rows.append(q)
+            kids = spec.children(node)
+            for kid, tok in zip(kids, sample_candidates(q, len(kids), g, with_replacement).tolist()):
+                node_tokens[kid] = tok
+                paths[kid] = paths[node] + [tok]
+        p = torch.stack([pair.p(seq + paths[n]) for n in range(spec.num_nodes)])  # [N, V]
+        res = tree_verify(spec, torch.tensor(node_tokens), torch.stack(q_rows), p, g, with_replacement=with_replacement)
+        return res.tokens
+
+    return round_fn
+
+
+def dssd_round(pair, L: int, m: int, g: torch.Generator, stats: dict, residual_fallback=dssd_device_residual):
+    """Device drafts and sends ids + q_i(x_i); edge verifies and samples m y ~ p_j; device resolves."""
+    g_edge = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=g)))
+
+    def round_fn(seq: list[int]) -> list[int]:
+        draft: list[int] = []
+        q_rows = []
+        for _ in range(L):
+            q = pair.q(seq + draft)
+            q_rows.append(q)
+            draft.append(sample_token(q, g))
+        ids = torch.tensor(draft)
+        q_of_draft = torch.stack(q_rows).gather(1, ids.unsqueeze(1)).squeeze(1)  # [L], the uplink scalars
+        p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])
+        edge = dssd_edge_verify(ids, q_of_draft, p, g_edge, num_samples=m)
+        if edge.bonus_token is not None:
+            return draft + [edge.bonus_token]
+        j = edge.num_accepted
+        y = dssd_device_resolve(edge.reject_samples, edge.reject_sample_probs, q_rows[j], g)
+        if y is None:  # all m samples failed: the edge sends the full p_j
+            stats["fallbacks"] = stats.get("fallbacks", 0) + 1
+            y = residual_fallback(edge.reject_p, q_rows[j], g)
+        else:
+            stats["resolved"] = stats.get("resolved", 0) + 1
+        return draft[:j] + [y]
+
+    return round_fn
+
+
+# --- null tests: every real mode is lossless -----------------------------------------------------
+
+
+def test_harness_sanity(pair, exact) -> None:
+    """Plain target sampling passes; the draft's own law (q != p) is rejected."""
+    g = torch.Generator().manual_seed(10)
+    assert_lossless(fit(lambda seq: [sample_token(pair.p(seq), g)], exact))
+    assert_rejected(fit(lambda seq: [sample_token(pair.q(seq), g)], exact, num_seqs=CONTROL_SEQS))
+
+
+@pytest.mark.parametrize("L", [1, 2, 4])
+def test_chain_is_lossless(pair, exact, L: int) -> None:
+    assert_lossless(fit(chain_round(pair, L, torch.Generator().manual_seed(100 + L)), exact))
+
+
+@pytest.mark.parametrize("k, with_replacement", [(2, True), (3, False)])
+def test_multi_candidate_is_lossless(pair, exact, k: int, with_replacement: bool) -> None:
+    g = torch.Generator().manual_seed(200 + k + 10 * with_replacement)
+    assert_lossless(fit(mc_round(pair, k, g, with_replacement), exact))
+
+
+@pytest.mark.parametrize("config, with_replacement", [((2, 2), True), ((3, 1), True), ((2, 2), False)])
+def test_tree_is_lossless(pair, exact, config, with_replacement: bool) -> None:
+    g = torch.Generator().manual_seed(300 + sum(config))
+    assert_lossless(fit(tree_round(pair, config, g, with_replacement), exact))
+
+
+@pytest.mark.parametrize("L, m", [(2, 1), (3, 4)])
+def test_dssd_is_lossless(pair, exact, L: int, m: int) -> None:
+    stats: dict = {}
+    assert_lossless(fit(dssd_round(pair, L, m, torch.Generator().manual_seed(400 + m), stats), exact))
+    assert stats["fallbacks"] > 100 and stats["resolved"] > 100, stats  # both device paths exercised
+
+
+# --- negative controls ----------------------------------------------------------------------------
+
+
+def chain_inverted_accept(draft_ids, q, p, g) -> ChainResult:
+    """BROKEN (TSLT Alg. 3 as printed): accept with min(1, q/p)."""
+    for i, x in enumerate(draft_ids.tolist()):
+        if float(torch.rand(1, generator=g, dtype=torch.float64)) * float(p[i, x]) >= float(q[i, x]):
+            return ChainResult(i, sample_token(residual_distribution(p[i], q[i]), g))
+    return ChainResult(len(draft_ids), sample_token(p[-1], g))
+
+
+def chain_unnormalised_residual(draft_ids, q, p, g) -> ChainResult:
+    """BROKEN: inverse CDF on the unnormalised max(0, p - q); the missing mass falls to token 0."""
+    for i, x in enumerate(draft_ids.tolist()):
+        if float(torch.rand(1, generator=g, dtype=torch.float64)) * float(q[i, x]) < float(p[i, x]):
+            continue
+        cdf = torch.cumsum(torch.clamp(p[i] - q[i], min=0), 0)
+        idx = int(torch.searchsorted(cdf, float(torch.rand(1, generator=g, dtype=torch.float64)), right=True))
+        return ChainResult(i, idx if idx < cdf.numel() else 0)
+    return ChainResult(len(draft_ids), sample_token(p[-1], g))
+
+
+def chain_residual_falls_back_to_p(draft_ids, q, p, g) -> ChainResult:
+    """BROKEN: on rejection resample from p itself instead of the residual."""
+    for i, x in enumerate(draft_ids.tolist()):
+        if float(torch.rand(1, generator=g, dtype=torch.float64)) * float(q[i, x]) >= float(p[i, x]):
+            return ChainResult(i, sample_token(p[i], g))
+    return ChainResult(len(draft_ids), sample_token(p[-1], g))
+
+
+def mc_without_p_update(candidates, q, p, g, *, with_replacement: bool = True):
+    """BROKEN: every candidate is tested against the original p; only the final sample uses the residual."""
+    for i, x in enumerate(candidates.tolist()):
+        if float(torch.rand(1, generator=g, dtype=torch.float64)) * float(q[x]) < float(p[x]):
+            return i, x
+    return -1, sample_token(residual_distribution(p, q), g)
+
+
+def residual_fallback_to_p(p_j, q_j, g) -> int:
+    """BROKEN DSSD device fallback: samples p_j instead of norm(max(0, p_j - q_j))."""
+    return sample_token(p_j, g)
+
+
+@pytest.mark.parametrize(
+    "name, verify",
+    [
+        ("inverted accept test min(1, q/p)", chain_inverted_accept),
+        ("residual not renormalised", chain_unnormalised_residual),
+        ("residual replaced by p", chain_residual_falls_back_to_p),
+    ],
+)
+def test_control_broken_chain_is_rejected(pair, exact, name: str, verify) -> None:
+    assert_rejected(fit(chain_round(pair, 2, torch.Generator().manual_seed(500), verify=verify), exact, num_seqs=CONTROL_SEQS))
+
+
+@pytest.mark.parametrize("t", [0.5, 2.0])
+def test_control_draft_sampled_from_other_q_is_rejected(pair, exact, t: float) -> None:
+    """BROKEN pipeline: tokens drawn from q at another temperature, verifier sees q."""
+    g = torch.Generator().manual_seed(600)
+    assert_rejected(fit(chain_round(pair, 2, g, draft_law=lambda q: tm.temperature(q, t)), exact, num_seqs=CONTROL_SEQS))
+
+
+def test_control_mc_without_p_update_is_rejected(pair, exact) -> None:
+    g = torch.Generator().manual_seed(700)
+    assert_rejected(fit(mc_round(pair, 3, g, True, verify=mc_without_p_update), exact, num_seqs=CONTROL_SEQS))
+
+
+def test_control_without_replacement_draft_verified_as_iid_is_rejected(pair, exact) -> None:
+    """BROKEN pipeline: candidates drawn without replacement, verifier keeps q fixed (i.i.d. rule)."""
+    g = torch.Generator().manual_seed(750)
+
+    def round_fn(seq: list[int]) -> list[int]:
+        q, p = pair.q(seq), pair.p(seq)
+        cands = sample_candidates(q, 3, g, with_replacement=False)
+        return [mc_verify(cands, q, p, g, with_replacement=True)[1]]
+
+    assert_rejected(fit(round_fn, exact, num_seqs=CONTROL_SEQS))
+
+
+def test_control_dssd_fallback_to_p_is_rejected(pair, exact) -> None:
+    stats: dict = {}
+    g = torch.Generator().manual_seed(800)
+    assert_rejected(fit(dssd_round(pair, 2, 1, g, stats, residual_fallback=residual_fallback_to_p), exact, num_seqs=CONTROL_SEQS))
