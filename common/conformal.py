@@ -1,0 +1,94 @@
+"""C-SQS threshold controller: online conformal update with checkpoint and backtrack.
+
+Reference: SQS paper (``sqs-conformal.txt``) section 3, eq. (6) (support ``{x : q(x) >= beta}``),
+eq. (8) (update ``beta <- beta - eta (dropped - alpha)``), Alg. 1 (checkpoint/backtrack per
+batch), Lemma 2 / Theorem 2 (average dropped mass over accepted tokens tends to alpha).
+
+The sign of eq. (8) works because a larger threshold keeps fewer tokens: when the dropped mass
+exceeds alpha the threshold goes down (more tokens kept), otherwise it creeps up.
+
+Reading of Alg. 1 implemented here (lines 8 and 11-13): during a round the device applies eq. (8)
+after every drafted position, so position n+1 is drafted with the threshold that already saw
+positions 1..n. When the verdict arrives with T accepted positions, the threshold returns to its
+value after the T accepted positions' updates ("the value of the last accepted token"); if a
+drafted position was rejected (T < L), one more update is applied with that position's dropped
+mass ("a further iteration is done for the new, (T+1)-th token"): its draft distribution was
+computed on an accepted prefix, so it belongs to the stream the guarantee is about. If all L
+were accepted, the bonus token was not drafted and nothing more is applied. Updates for
+positions after the first rejection are discarded: their contexts never happened.
+
+Guarantee (exact telescoping, SQS Lemma 2): over the T updates that survive,
+``sum_t (dropped_t - alpha) = (beta_0 - beta_T) / eta``. Since a threshold <= 0 keeps every
+token (dropped = 0), beta never falls below ``-eta (1 - alpha)`` (SQS Lemma 3-4), so the average
+dropped mass is at most ``alpha + (beta_0 + eta (1 - alpha)) / (eta T)``, which is within the
+paper's eq. (9) bound ``alpha + (|beta_0| + 1 + eta alpha) / (eta T)`` for eta <= 1. (Lemma 4's
+upper bound on beta does not hold for peaked distributions -- dropping all but the argmax drops
+``1 - max q``, not 1 -- but only the lower bound is needed for the average.)
+"""
+from __future__ import annotations
+
+import math
+
+
+def conformal_update(beta: float, dropped: float, alpha: float, eta: float) -> float:
+    """One step of SQS eq. (8): ``beta - eta (dropped - alpha)``."""
+    return beta - eta * (dropped - alpha)
+
+
+def _check_unit(value: object, name: str, *, closed: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    ok = 0.0 <= value <= 1.0 if closed else 0.0 < value < 1.0
+    if not ok:
+        raise ValueError(f"{name} must be in {'[0, 1]' if closed else '(0, 1)'}, got {value}")
+    return float(value)
+
+
+class ConformalController:
+    """Threshold state for C-SQS (SQS Alg. 1). No randomness, no clock: state is explicit.
+
+    Usage per round: ``start_round()``; for each drafted position use ``beta`` for the support,
+    then ``observe(dropped_mass)``; on the verdict ``on_verdict(num_accepted)``.
+    """
+
+    def __init__(self, alpha: float, eta: float, beta0: float):
+        self.alpha = _check_unit(alpha, "alpha", closed=False)  # target average dropped mass
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta <= 0:
+            raise ValueError(f"eta must be a finite real > 0, got {eta!r}")
+        self.eta = float(eta)  # learning rate of eq. (8)
+        if isinstance(beta0, bool) or not isinstance(beta0, (int, float)) or not math.isfinite(beta0):
+            raise ValueError(f"beta0 must be a finite real number, got {beta0!r}")
+        self.beta = float(beta0)  # threshold for the next drafted position
+        self.checkpoint: float | None = None  # beta at the start of the open round, None if none
+        self.round_dropped: list[float] = []  # dropped mass of each position drafted this round
+
+    def start_round(self) -> None:
+        """Checkpoint the threshold before drafting a round (Alg. 1 line 3)."""
+        self.checkpoint = self.beta
+        self.round_dropped = []
+
+    def observe(self, dropped_mass: float) -> float:
+        """Apply eq. (8) for one drafted position (Alg. 1 line 8); returns the new beta.
+
+        Outside a round (no start_round) the update is applied to a plain stream.
+        """
+        dropped_mass = _check_unit(dropped_mass, "dropped_mass", closed=True)
+        self.beta = conformal_update(self.beta, dropped_mass, self.alpha, self.eta)
+        if self.checkpoint is not None:
+            self.round_dropped.append(dropped_mass)
+        return self.beta
+
+    def on_verdict(self, num_accepted: int) -> float:
+        """Backtrack to the accepted prefix and update once for the rejected position (Alg. 1
+        lines 11-13, see module docstring); closes the round and returns the new beta."""
+        if self.checkpoint is None:
+            raise ValueError("on_verdict without start_round")
+        drafted = len(self.round_dropped)
+        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) or not 0 <= num_accepted <= drafted:
+            raise ValueError(f"num_accepted must be an int in [0, {drafted}], got {num_accepted!r}")
+        survivors = num_accepted + 1 if num_accepted < drafted else drafted
+        beta = self.checkpoint
+        for dropped in self.round_dropped[:survivors]:
+            beta = conformal_update(beta, dropped, self.alpha, self.eta)
+        self.beta, self.checkpoint, self.round_dropped = beta, None, []
+        return beta

@@ -1,0 +1,120 @@
+"""Oracle-call latency model of distributed speculative decoding, as plain functions.
+
+Reference: TSLT paper (``tslt-mc-dsd.txt``) eq. (1)-(10) for a single-candidate chain and
+eq. (26)-(28) for token trees. Times are in seconds, rates in bits per second.
+
+Errata handled here (checked against the definitions they come from):
+  * eq. (9) prints ``(1 - alpha^{L+1}) / ((1 - alpha) L (T_SLM + ...) + T_LLM)``; with
+    ``Theta = N_oracle / T_oracle`` (its own first line) the ``(1 - alpha)`` multiplies the whole
+    denominator. We compute ``N_oracle / T_oracle``.
+  * eq. (28) prints ``1 / ((L T_SLM + |Q| T_V) / ((L alpha + 1) T_LLM) + 1)``; from eq. (10) and
+    (26), ``S = N T_LLM / T_oracle`` with ``N = L alpha + 1`` gives ``+ 1 / (L alpha + 1)`` in
+    place of the final ``+ 1``. We compute ``N T_LLM / T_oracle``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def _nonneg(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite real >= 0, got {value!r}")
+    return float(value)
+
+
+def _positive(value: object, name: str) -> float:
+    if _nonneg(value, name) == 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _count(value: object, name: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _acceptance(alpha: object) -> float:
+    if _nonneg(alpha, "alpha") > 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    return float(alpha)
+
+
+def comm_time(bits: float, rate_bps: float) -> float:
+    """Eq. (1): T_comm = D_up / R_up."""
+    return _nonneg(bits, "bits") / _positive(rate_bps, "rate_bps")
+
+
+def dense_uplink_bits(L: int, V: int, b_prob: int, b_idx: int | None = None) -> int:
+    """Eq. (2)-(3): D_up = L |V| (b_prob + b_idx), with b_idx = ceil(log2 |V|) by default."""
+    _count(L, "L", 0)
+    _count(V, "V")
+    _count(b_prob, "b_prob", 0)
+    b_idx = (V - 1).bit_length() if b_idx is None else _count(b_idx, "b_idx", 0)
+    return L * V * (b_prob + b_idx)
+
+
+def oracle_time(L: int, t_slm: float, t_comm: float, t_llm: float) -> float:
+    """Eq. (5): T_oracle = L T_SLM + T_comm + T_LLM (one draft-send-verify round)."""
+    return _count(L, "L", 0) * _nonneg(t_slm, "t_slm") + _nonneg(t_comm, "t_comm") + _nonneg(t_llm, "t_llm")
+
+
+def expected_tokens_per_call(alpha: float, L: int) -> float:
+    """Eq. (8): N_oracle = (1 - alpha^{L+1}) / (1 - alpha); L + 1 at alpha = 1 (the limit)."""
+    alpha, L = _acceptance(alpha), _count(L, "L", 0)
+    if alpha == 1.0:
+        return float(L + 1)
+    return (1.0 - alpha ** (L + 1)) / (1.0 - alpha)
+
+
+def dsd_throughput(alpha: float, L: int, t_slm: float, t_llm: float, V: int, b_prob: int,
+                   rate_bps: float, b_idx: int | None = None) -> float:
+    """Eq. (9), erratum fixed: tokens per second = N_oracle / T_oracle with dense uplink."""
+    t_comm = comm_time(dense_uplink_bits(L, V, b_prob, b_idx), rate_bps)
+    return expected_tokens_per_call(alpha, L) / oracle_time(L, t_slm, t_comm, t_llm)
+
+
+def speedup(throughput: float, t_llm: float) -> float:
+    """Eq. (10): S = Theta_DSD / Theta_LLM with Theta_LLM = 1 / T_LLM."""
+    return _nonneg(throughput, "throughput") * _positive(t_llm, "t_llm")
+
+
+def predicted_speedup(alpha: float, L: int, t_slm: float, t_llm: float, uplink_seconds: float,
+                      downlink_seconds: float = 0.0) -> float:
+    """N_oracle T_LLM / T_oracle (eq. 5, 8, 10) with measured uplink and downlink times."""
+    t_comm = _nonneg(uplink_seconds, "uplink_seconds") + _nonneg(downlink_seconds, "downlink_seconds")
+    return expected_tokens_per_call(alpha, L) * _positive(t_llm, "t_llm") / oracle_time(L, t_slm, t_comm, t_llm)
+
+
+def _check_config(config: Sequence[int]) -> list[int]:
+    ks = [_count(k, f"config[{i}]") for i, k in enumerate(config)]
+    if not ks:
+        raise ValueError("expansion configuration must be non-empty")
+    return ks
+
+
+def tree_num_distributions(config: Sequence[int]) -> int:
+    """Eq. (27): |Q| = 1 + sum_{i=1}^{L-1} prod_{j<=i} k_j for config <k_1, ..., k_L>.
+
+    One distribution per node that has children: the root plus every node of layers 1..L-1.
+    """
+    ks = _check_config(config)
+    total, width = 1, 1
+    for k in ks[:-1]:
+        width *= k
+        total += width
+    return total
+
+
+def tree_oracle_time(config: Sequence[int], t_slm: float, t_v: float, t_llm: float) -> float:
+    """Eq. (26): T_oracle = L T_SLM + |Q| T_V + T_LLM, T_V = time to send one distribution."""
+    ks = _check_config(config)
+    return oracle_time(len(ks), t_slm, tree_num_distributions(ks) * _nonneg(t_v, "t_v"), t_llm)
+
+
+def tree_speedup(config: Sequence[int], alpha: float, t_slm: float, t_v: float, t_llm: float) -> float:
+    """Eq. (28), erratum fixed (module docstring): (L alpha + 1) T_LLM / T_oracle(tree)."""
+    ks = _check_config(config)
+    tokens = len(ks) * _acceptance(alpha) + 1.0
+    return tokens * _positive(t_llm, "t_llm") / tree_oracle_time(ks, t_slm, t_v, t_llm)
