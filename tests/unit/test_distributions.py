@@ -1,0 +1,357 @@
+"""Tests for specdec.common.distributions: temperature, truncation, sparse <-> dense, sampling."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.common.distributions import (
+    SparseDist,
+    check_sparse_dist,
+    densify,
+    dropped_mass,
+    filter_target_probs,
+    probs_from_logits,
+    sample_token,
+    sample_token_from_uniform,
+    sparsify,
+    support,
+    top_k_ids,
+    truncate_threshold,
+    truncate_top_k,
+    truncate_top_p,
+    tv_distance,
+)
+
+HYPOTHESIS = settings(max_examples=60, deadline=None)
+
+
+def dist(values, dtype=torch.float64):
+    t = torch.tensor(values, dtype=torch.float64)
+    return (t / t.sum()).to(dtype)
+
+
+@st.composite
+def distributions(draw, min_size=1, max_size=60, zeros=True):
+    """Random probability vectors with ties and exact zeros (float32 or float64)."""
+    size = draw(st.integers(min_size, max_size))
+    levels = [0.0, 1.0, 2.0, 0.5, 1e-6, 3.0] if zeros else [1.0, 2.0, 0.5, 1e-6, 3.0]
+    raw = draw(st.lists(st.one_of(st.sampled_from(levels), st.floats(1e-9, 10.0)), min_size=size, max_size=size))
+    if sum(raw) == 0:
+        raw[draw(st.integers(0, size - 1))] = 1.0
+    return dist(raw, draw(st.sampled_from([torch.float32, torch.float64])))
+
+
+def brute_force_order(q):
+    """Ids by descending q, ties by ascending id (the documented tie-break)."""
+    return sorted(range(q.numel()), key=lambda i: (-float(q[i]), i))
+
+
+# ----------------------------------------------------------------------------- probs_from_logits
+
+
+def test_greedy_is_one_hot_at_first_maximum():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.0, 0.0, 0.0, 0.0]])
+    probs = probs_from_logits(logits, 0.0)
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+
+
+def test_greedy_uses_original_precision():
+    # Two float64 logits that collapse to the same float32 value: the argmax must stay at 1.
+    logits = torch.tensor([1.0, 1.0 + 1e-12, 0.0], dtype=torch.float64)
+    assert int(probs_from_logits(logits, 0.0).argmax()) == 1
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_softmax_matches_reference(temperature):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 5
+    probs = probs_from_logits(logits, temperature)
+    assert probs.dtype == torch.float32
+    expected = torch.softmax(logits / temperature, dim=-1)
+    assert torch.allclose(probs.double(), expected, atol=1e-6)
+
+
+def test_tiny_temperature_and_huge_logits_stay_finite():
+    logits = torch.tensor([1e30, -1e30, 0.0], dtype=torch.float32)
+    probs = probs_from_logits(logits, 1e-30)
+    assert torch.isfinite(probs).all() and float(probs[0]) == 1.0
+
+
+@pytest.mark.parametrize("bad", [
+    (torch.tensor([1.0, float("nan")]), 1.0),
+    (torch.tensor([1.0, float("inf")]), 1.0),
+    (torch.tensor([1.0, float("-inf")]), 0.0),
+    (torch.tensor([1.0, 2.0]), -0.1),
+    (torch.tensor([1.0, 2.0]), float("nan")),
+    (torch.tensor([1, 2]), 1.0),
+    (torch.zeros(0), 1.0),
+    ([1.0, 2.0], 1.0),
+])
+def test_probs_from_logits_rejects_bad_input(bad):
+    with pytest.raises(ValueError):
+        probs_from_logits(*bad)
+
+
+# ----------------------------------------------------------------------------- truncation
+
+
+def test_top_k_hand_built_with_ties_and_zeros():
+    q = dist([0.1, 0.3, 0.0, 0.3, 0.2, 0.1])
+    sd = truncate_top_k(q, 3)
+    assert sd.ids.tolist() == [1, 3, 4]
+    assert torch.allclose(sd.probs, torch.tensor([0.375, 0.375, 0.25], dtype=torch.float64))
+    # Tie at the boundary: the lower id wins.
+    assert truncate_top_k(q, 4).ids.tolist() == [0, 1, 3, 4]
+    # Zero-probability tokens are never kept: only 5 non-zero tokens exist.
+    assert truncate_top_k(q, 6).ids.tolist() == [0, 1, 3, 4, 5]
+
+
+def test_top_k_of_greedy_one_hot_keeps_one_token():
+    q = probs_from_logits(torch.randn(1000, generator=torch.Generator().manual_seed(0)), 0.0)
+    sd = truncate_top_k(q, 64)
+    assert sd.ids.tolist() == [int(q.argmax())] and sd.probs.tolist() == [1.0]
+
+
+def test_top_k_ids_keeps_zero_tokens_in_order():
+    q = dist([0.0, 0.5, 0.0, 0.5])
+    assert top_k_ids(q, 4).tolist() == [1, 3, 0, 2]
+
+
+@HYPOTHESIS
+@given(q=distributions(), data=st.data())
+def test_top_k_matches_brute_force(q, data):
+    k = data.draw(st.integers(1, q.numel()))
+    sd = truncate_top_k(q, k)
+    check_sparse_dist(sd)
+    expected = sorted(i for i in brute_force_order(q)[:k] if float(q[i]) > 0)
+    assert sd.ids.tolist() == expected
+    assert sd.probs.dtype == torch.float64 and abs(float(sd.probs.sum()) - 1.0) < 1e-12
+
+
+def test_top_p_hand_built():
+    q = dist([0.15, 0.5, 0.05, 0.3])
+    assert truncate_top_p(q, 0.75).ids.tolist() == [1, 3]
+    assert truncate_top_p(q, 0.81).ids.tolist() == [0, 1, 3]
+    assert truncate_top_p(q, 0.5).ids.tolist() == [1]
+    assert truncate_top_p(q, 1e-9).ids.tolist() == [1]
+    assert truncate_top_p(q, 1.0).ids.tolist() == [0, 1, 2, 3]
+
+
+@HYPOTHESIS
+@given(q=distributions(), top_p=st.floats(1e-6, 1.0))
+def test_top_p_is_smallest_prefix_reaching_mass(q, top_p):
+    sd = truncate_top_p(q, top_p)
+    check_sparse_dist(sd)
+    order = [i for i in brute_force_order(q) if float(q[i]) > 0]
+    q64 = q.double() / q.double().sum()
+    cum = torch.cumsum(q64[order], 0)
+    n = int((cum < top_p * float(cum[-1])).sum()) + 1
+    assert sd.ids.tolist() == sorted(order[: min(n, len(order))])
+
+
+def test_top_p_beyond_first_partial_selection():
+    # A flat distribution whose nucleus is far larger than the first top-K guess.
+    q = dist([1.0] * 5000)
+    assert truncate_top_p(q, 0.89995).ids.numel() == 4500  # off the float rounding boundary
+
+
+def test_threshold_support():
+    q = dist([0.1, 0.4, 0.0, 0.25, 0.25])
+    assert truncate_threshold(q, 0.25).ids.tolist() == [1, 3, 4]
+    assert truncate_threshold(q, 0.3).ids.tolist() == [1]
+    assert truncate_threshold(q, 2.0).ids.tolist() == [1]  # above every q: the argmax survives
+    assert truncate_threshold(q, -0.5).ids.tolist() == [0, 1, 3, 4]  # never the zero token
+    assert truncate_threshold(q, 0.0, max_k=2).ids.tolist() == [1, 3]  # cap keeps the largest
+
+
+def test_threshold_compares_exact_float32_values():
+    q = torch.tensor([0.1, 0.9], dtype=torch.float32)
+    beta = float(q[0])  # the float32 value of 0.1, not the float64 literal 0.1
+    assert truncate_threshold(q, beta).ids.tolist() == [0, 1]
+    assert truncate_threshold(q, math.nextafter(beta, 1.0)).ids.tolist() == [1]
+
+
+@pytest.mark.parametrize("call", [
+    lambda q: truncate_top_k(q, 0),
+    lambda q: truncate_top_k(q, 5),
+    lambda q: truncate_top_k(q, 1.5),
+    lambda q: truncate_top_p(q, 0.0),
+    lambda q: truncate_top_p(q, 1.5),
+    lambda q: truncate_top_p(q, float("nan")),
+    lambda q: truncate_threshold(q, float("nan")),
+    lambda q: truncate_threshold(q, 0.1, max_k=0),
+])
+def test_truncation_rejects_bad_parameters(call):
+    with pytest.raises(ValueError):
+        call(dist([0.25] * 4))
+
+
+@pytest.mark.parametrize("q", [
+    torch.tensor([0.5, float("nan"), 0.5]),
+    torch.tensor([0.5, float("inf"), 0.5]),
+    torch.tensor([1.5, -0.5]),
+    torch.tensor([0.5, 0.4]),  # sums to 0.9
+    torch.tensor([0.5, 0.5001, 0.0]) * 2,
+    torch.tensor([[0.5, 0.5]]),
+    torch.tensor([], dtype=torch.float32),
+    torch.tensor([1, 0]),
+])
+def test_truncation_rejects_bad_distributions(q):
+    with pytest.raises(ValueError):
+        truncate_top_k(q, 1)
+
+
+def test_float32_sum_tolerance():
+    q = torch.full((4,), 0.25, dtype=torch.float32)
+    q[0] += 5e-4  # within 1e-3
+    assert truncate_top_k(q, 1).ids.tolist() == [0]
+    q[0] += 1e-3  # now 1.5e-3 off
+    with pytest.raises(ValueError):
+        truncate_top_k(q, 1)
+
+
+# ----------------------------------------------------------------------------- sparse <-> dense
+
+
+@HYPOTHESIS
+@given(q=distributions())
+def test_sparsify_densify_round_trip(q):
+    dense = densify(sparsify(q, support(q)))
+    expected = q.double() / q.double().sum()
+    assert dense.dtype == torch.float64
+    assert float((dense - expected).abs().max()) <= 1e-12
+
+
+@HYPOTHESIS
+@given(q=distributions(), data=st.data())
+def test_dropped_mass_is_tv_to_truncation(q, data):
+    # SQS Lemma 1: the dropped mass equals TV(q, q restricted and renormalised).
+    k = data.draw(st.integers(1, q.numel()))
+    sd = truncate_top_k(q, k)
+    q64 = q.double() / q.double().sum()
+    assert abs(dropped_mass(q, sd.ids) - tv_distance(q64, densify(sd))) <= 1e-12
+    assert abs(dropped_mass(q, sd.ids) - (1.0 - float(q64[sd.ids].sum()))) <= 1e-12
+
+
+def test_dropped_mass_hand_built():
+    q = dist([0.1, 0.2, 0.3, 0.4])
+    assert dropped_mass(q, torch.tensor([1, 3])) == pytest.approx(0.4, abs=1e-15)
+    assert dropped_mass(q, torch.arange(4)) == 0.0
+
+
+@pytest.mark.parametrize("ids", [
+    torch.tensor([2, 1]),
+    torch.tensor([1, 1]),
+    torch.tensor([0, 4]),
+    torch.tensor([-1, 2]),
+    torch.tensor([0.0, 1.0]),
+    torch.tensor([], dtype=torch.int64),
+    torch.tensor([[0, 1]]),
+    torch.tensor([0], dtype=torch.int32),
+])
+def test_sparsify_rejects_bad_ids(ids):
+    with pytest.raises(ValueError):
+        sparsify(dist([0.25] * 4), ids)
+
+
+def test_sparsify_rejects_zero_mass_support():
+    with pytest.raises(ValueError):
+        sparsify(dist([0.0, 1.0]), torch.tensor([0]))
+
+
+def test_densify_rejects_broken_sparse_dist():
+    with pytest.raises(ValueError):
+        densify(SparseDist(ids=torch.tensor([1, 0]), probs=torch.tensor([0.5, 0.5], dtype=torch.float64), vocab_size=2))
+    with pytest.raises(ValueError):
+        densify(SparseDist(ids=torch.tensor([0, 1]), probs=torch.tensor([0.5, 0.5]), vocab_size=2))  # float32
+
+
+def test_tv_distance():
+    a, b = dist([0.5, 0.5, 0.0]), dist([0.0, 0.5, 0.5])
+    assert tv_distance(a, b) == 0.5 and tv_distance(b, a) == 0.5 and tv_distance(a, a) == 0.0
+    assert tv_distance(a, SparseDist(torch.tensor([0]), torch.tensor([1.0], dtype=torch.float64), 3)) == 0.5
+    with pytest.raises(ValueError):
+        tv_distance(a, dist([0.5, 0.5]))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_inverse_cdf_boundaries():
+    probs = torch.tensor([0.25, 0.0, 0.75], dtype=torch.float64)
+    assert sample_token_from_uniform(probs, 0.0) == 0
+    assert sample_token_from_uniform(probs, 0.2499) == 0
+    assert sample_token_from_uniform(probs, 0.25) == 2  # never the zero-probability token 1
+    assert sample_token_from_uniform(probs, math.nextafter(1.0, 0.0)) == 2
+
+
+def test_inverse_cdf_falls_back_to_last_nonzero():
+    probs = torch.tensor([0.3, 0.7, 0.0, 0.0], dtype=torch.float64)
+    assert sample_token_from_uniform(probs, math.nextafter(1.0, 0.0)) == 1
+    sd = SparseDist(ids=torch.tensor([5, 9]), probs=torch.tensor([0.5, 0.5], dtype=torch.float64), vocab_size=10)
+    assert sample_token_from_uniform(sd, 0.7) == 9 and sample_token_from_uniform(sd, 0.1) == 5
+
+
+@pytest.mark.parametrize("u", [1.0, -0.1, float("nan"), 2])
+def test_inverse_cdf_rejects_bad_uniform(u):
+    with pytest.raises(ValueError):
+        sample_token_from_uniform(torch.tensor([1.0], dtype=torch.float64), u)
+
+
+def test_sample_token_uses_exactly_one_float64_uniform():
+    probs = dist([0.1, 0.2, 0.3, 0.4])
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    token = sample_token(probs, g1)
+    u = float(torch.rand((), dtype=torch.float64, generator=g2))
+    assert token == sample_token_from_uniform(probs, u)
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_sample_token_frequencies():
+    probs = dist([0.1, 0.0, 0.2, 0.3, 0.4])
+    g = torch.Generator().manual_seed(123)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([sample_token(probs, g) for _ in range(n)]), minlength=5).double()
+    assert counts[1] == 0
+    # 5 sigma of a binomial count around n p.
+    sigma = torch.sqrt(n * probs * (1 - probs))
+    assert bool(((counts - n * probs).abs() <= 5 * sigma + 1e-9).all())
+
+
+def test_sample_token_rejects_non_generator():
+    with pytest.raises(ValueError):
+        sample_token(dist([1.0]), 0)
+
+
+# ----------------------------------------------------------------------------- target filtering
+
+
+def test_filter_target_top_k_then_top_p():
+    p = dist([0.05, 0.4, 0.3, 0.15, 0.1])
+    assert torch.allclose(filter_target_probs(p, 2, None), dist([0, 0.4, 0.3, 0, 0]))
+    assert torch.allclose(filter_target_probs(p, None, 0.6), dist([0, 0.4, 0.3, 0, 0]))
+    # top-p on the renormalised top-3 (0.4, 0.3, 0.15 -> 0.47, 0.35, 0.18): 0.8 needs two,
+    # 0.85 all three (on the unfiltered p, 0.8 would need three and 0.85 four).
+    assert torch.allclose(filter_target_probs(p, 3, 0.8), dist([0, 0.4, 0.3, 0, 0]))
+    assert torch.allclose(filter_target_probs(p, 3, 0.85), dist([0, 0.4, 0.3, 0.15, 0]))
+    assert torch.allclose(filter_target_probs(p, 100, None), p)  # top_k clamped to V
+    assert torch.equal(filter_target_probs(p, None, None), p)
+
+
+def test_filter_target_batched_shape_and_dtype():
+    p = probs_from_logits(torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(3)), 1.0)
+    out = filter_target_probs(p, 5, 0.9)
+    assert out.shape == p.shape and out.dtype == torch.float32
+    assert bool(((out > 0).sum(-1) <= 5).all())
+    assert torch.allclose(out.double().sum(-1), torch.ones(2, 3, dtype=torch.float64), atol=1e-6)
+    one_hot = probs_from_logits(torch.randn(2, 40), 0.0)
+    assert torch.equal(filter_target_probs(one_hot, 3, 0.5), one_hot)
+
+
+@pytest.mark.parametrize("args", [(0, None), (None, 0.0), (None, 1.2), (2.5, None)])
+def test_filter_target_rejects_bad_parameters(args):
+    with pytest.raises(ValueError):
+        filter_target_probs(dist([0.5, 0.5]), *args)
