@@ -36,9 +36,9 @@ import torch
 from . import lattice
 from .distributions import (
     SparseDist,
+    _dropped_mass,
+    _top_ids_ordered,
     check_probs,
-    dropped_mass,
-    top_k_ids,
     truncate_threshold,
     truncate_top_k,
     truncate_top_p,
@@ -233,21 +233,24 @@ def _encode_dense(q: torch.Tensor, cfg: CodecConfig) -> EncodedDist:
 
 
 def _decode_dense(payload: bytes, cfg: CodecConfig) -> SparseDist:
-    dtype, b_prob = _DENSE_DTYPES[cfg.dense_dtype]
+    b_prob = _DENSE_DTYPES[cfg.dense_dtype][1]
     if len(payload) != cfg.vocab_size * b_prob // 8:
         raise ValueError(f"dense payload must be {cfg.vocab_size * b_prob // 8} bytes, got {len(payload)}")
-    array = np.frombuffer(payload, dtype=_DENSE_WIRE[cfg.dense_dtype])
-    if dtype == torch.bfloat16:
-        values = torch.from_numpy(array.astype(np.int16)).view(torch.bfloat16).to(torch.float64)
-    else:
-        values = torch.from_numpy(array.astype(np.float64))
-    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+    raw = np.frombuffer(payload, dtype=_DENSE_WIRE[cfg.dense_dtype])
+    raw = raw.astype(raw.dtype.newbyteorder("="))  # a writable copy in native order, for torch
+    # torch converts 16-bit floats to float64 far faster than numpy's software float16.
+    tensor = torch.from_numpy(raw)
+    if cfg.dense_dtype == "bf16":
+        tensor = tensor.view(torch.bfloat16)
+    values = tensor.to(torch.float64).numpy()  # [V]
+    total = float(values.sum())  # NaN and inf propagate into the sum
+    if not math.isfinite(total) or float(values.min()) < 0:
         raise ValueError("dense payload holds NaN, inf or negative probabilities")
-    total = float(values.sum())
     if abs(total - 1.0) > _DENSE_SUM_TOL:
         raise ValueError(f"dense probabilities sum to {total:.6g}, not 1")
-    ids = values.nonzero().squeeze(1)
-    return SparseDist(ids=ids, probs=values[ids] / values[ids].sum(), vocab_size=cfg.vocab_size)
+    ids = np.flatnonzero(values)
+    return SparseDist(ids=torch.from_numpy(ids.astype(np.int64)), probs=torch.from_numpy(values[ids] / total),
+                      vocab_size=cfg.vocab_size)
 
 
 # ----------------------------------------------------------------------------- tslt
@@ -271,7 +274,7 @@ def _encode_tslt(q: torch.Tensor, cfg: CodecConfig) -> EncodedDist:
     payload = _encode_varint(K) + _pack_ids(kept.ids, cfg.id_bits) + values.tobytes()
     bits = K * (_TSLT_VALUE_BITS + cfg.id_bits)
     return EncodedDist(payload=payload, theoretical_bits=bits, support_size=K,
-                       dropped_mass=dropped_mass(q, kept.ids))
+                       dropped_mass=_dropped_mass(q, kept.ids))
 
 
 def _decode_tslt(payload: bytes, cfg: CodecConfig) -> SparseDist:
@@ -300,13 +303,13 @@ def _ksqs_sizes(cfg: CodecConfig) -> tuple[int, int]:
 
 
 def _encode_ksqs(q: torch.Tensor, cfg: CodecConfig) -> EncodedDist:
-    ids = top_k_ids(q, cfg.top_k).sort().values  # [K], may include q = 0 tokens (count 0)
+    ids = _top_ids_ordered(q, cfg.top_k).sort().values  # [K], may include q = 0 tokens (count 0)
     counts = lattice.quantize(q[ids].to(torch.float64) / q[ids].double().sum(), cfg.lattice)
     subset_bits, comp_bits = _ksqs_sizes(cfg)
     payload = (lattice.int_to_bytes(lattice.encode_subset(ids, cfg.vocab_size), subset_bits)
                + lattice.int_to_bytes(lattice.encode_composition(counts, cfg.lattice), comp_bits))
     return EncodedDist(payload=payload, theoretical_bits=subset_bits + comp_bits, support_size=cfg.top_k,
-                       dropped_mass=dropped_mass(q, ids))
+                       dropped_mass=_dropped_mass(q, ids))
 
 
 def _decode_ksqs(payload: bytes, cfg: CodecConfig) -> SparseDist:
@@ -342,7 +345,7 @@ def _encode_csqs(q: torch.Tensor, cfg: CodecConfig, threshold: float) -> Encoded
                + lattice.int_to_bytes(lattice.encode_composition(counts, cfg.lattice), comp_bits))
     bits = cfg.id_bits + K * cfg.id_bits + comp_bits  # SQS section 3: K, the ids, eq. (2)
     return EncodedDist(payload=payload, theoretical_bits=bits, support_size=K,
-                       dropped_mass=dropped_mass(q, kept.ids))
+                       dropped_mass=_dropped_mass(q, kept.ids))
 
 
 def _decode_csqs(payload: bytes, cfg: CodecConfig) -> SparseDist:

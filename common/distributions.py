@@ -63,15 +63,19 @@ def check_probs(q: torch.Tensor, name: str = "q") -> None:
 
 
 def _check_prob_values(q: torch.Tensor, name: str) -> None:
-    """Checks dtype, finiteness, sign and per-row sum (last dim) of a probability tensor."""
+    """Checks dtype, finiteness, sign and per-row sum (last dim) of a probability tensor.
+
+    Two passes over the data: a float64 sum (NaN and inf propagate into it; a sum overflowing
+    to inf is rejected too, rightly) and a minimum.
+    """
     if not q.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {q.dtype}")
-    if not bool(torch.isfinite(q).all()):
+    sums = q.sum(dim=-1, dtype=torch.float64)
+    if not bool(torch.isfinite(sums).all()):
         raise ValueError(f"{name} contains NaN or inf")
-    if bool((q < 0).any()):
+    if bool(q.min() < 0):
         raise ValueError(f"{name} contains negative probabilities")
     atol = PROB_SUM_ATOL_16BIT if q.dtype in _SIXTEEN_BIT else PROB_SUM_ATOL
-    sums = q.double().sum(dim=-1)
     if bool(((sums - 1.0).abs() > atol).any()):
         worst = float(sums.flatten()[(sums.flatten() - 1.0).abs().argmax()])
         raise ValueError(f"{name} must sum to 1 (tolerance {atol}), got a sum of {worst:.6g}")
@@ -163,10 +167,14 @@ def _top_ids_ordered(q: torch.Tensor, k: int) -> torch.Tensor:
     ``torch.topk`` does not define which of several tied values it returns, so it only locates
     the k-th largest value; the tokens above it plus the lowest-id ties at it are then taken.
     """
-    kth = torch.topk(q, k, sorted=False).values.min()
-    above = (q > kth).nonzero().squeeze(1)
-    ties = (q == kth).nonzero().squeeze(1)[: k - above.numel()]
-    ids = torch.cat([above, ties]).sort().values  # ascending id, so the stable sort breaks ties
+    values, ids = torch.topk(q, k, sorted=False)
+    kth = values.min()
+    if int((q == kth).sum()) != int((values == kth).sum()):
+        # Some tokens tied at the k-th value were left out: take the lowest-id ties instead.
+        above = (q > kth).nonzero().squeeze(1)
+        ties = (q == kth).nonzero().squeeze(1)[: k - above.numel()]
+        ids = torch.cat([above, ties])
+    ids = ids.sort().values  # ascending id, so the stable sort below breaks ties by id
     order = torch.sort(q[ids], descending=True, stable=True).indices
     return ids[order]
 
@@ -309,7 +317,7 @@ def dropped_mass(q: torch.Tensor, ids: torch.Tensor) -> float:
     """sum_{x not in ids} q(x), with q normalised in float64.
 
     This is the C-SQS update input (SQS eq. 8) and equals TV(q, q truncated to ids), SQS Lemma 1
-    (eq. 22). Summed directly over the dropped tokens, not as 1 - kept, to keep tiny values exact.
+    (eq. 22).
 
     Args:
         q: [V] float probabilities summing to 1.
@@ -317,10 +325,16 @@ def dropped_mass(q: torch.Tensor, ids: torch.Tensor) -> float:
     """
     check_probs(q)
     check_ids(ids, q.numel())
-    q64 = q.to(torch.float64)
-    outside = torch.ones(q.numel(), dtype=torch.bool)
-    outside[ids] = False
-    return float(q64[outside].sum() / q64.sum())
+    return _dropped_mass(q, ids)
+
+
+def _dropped_mass(q: torch.Tensor, ids: torch.Tensor) -> float:
+    """dropped_mass without input checks (for callers that validated q and built ids)."""
+    if ids.numel() == q.numel():
+        return 0.0
+    total = float(q.sum(dtype=torch.float64))
+    # 1 - kept/total: the float64 rounding (~1e-16) is far below any alpha C-SQS targets.
+    return max(0.0, (total - float(q[ids].sum(dtype=torch.float64))) / total)
 
 
 def tv_distance(a: torch.Tensor | SparseDist, b: torch.Tensor | SparseDist) -> float:
