@@ -226,14 +226,28 @@ def sample_candidates(
     support = int((q > 0).sum())
     if not with_replacement and k > support:
         raise ValueError(f"cannot draw {k} distinct candidates from a q with support size {support}")
+    if with_replacement:
+        return _iid_inverse_cdf(q, k, generator)
     current = q  # [V], the law of the next draw
     out: list[int] = []
     for _ in range(k):
-        x = sample_token(current, generator)
+        x = int(_iid_inverse_cdf(current, 1, generator)[0])  # one uniform, as sample_token
         out.append(x)
-        if not with_replacement and len(out) < k:
+        if len(out) < k:
             current = _remove_and_renormalise(current, x)
     return torch.tensor(out, dtype=torch.int64)
+
+
+def _iid_inverse_cdf(q: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """k i.i.d. draws from a validated q [V], vectorised. Identical, draw for draw, to k calls of
+    ``sample_token(q, generator)``: ``torch.rand(k)`` consumes the generator exactly like k scalar
+    draws, and the inverse CDF (first cumulative sum exceeding ``u * total``, a zero-probability
+    token never chosen) is the one of distributions.sample_token_from_uniform (tested)."""
+    u = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]
+    cdf = torch.cumsum(q, dim=0)  # [V]
+    idx = torch.searchsorted(cdf, u * cdf[-1], right=True)  # [k]
+    # rounding can put u * total at the last cumulative sum: take the last positive token
+    return torch.where(idx >= q.shape[0], q.nonzero()[-1, 0], idx)
 
 
 def _remove_and_renormalise(q: torch.Tensor, x: int) -> torch.Tensor:

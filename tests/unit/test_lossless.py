@@ -19,6 +19,14 @@ from typing import Callable
 import pytest
 import torch
 
+from specdec.common.codecs import (
+    CodecConfig,
+    decode_distribution,
+    decode_dssd_scalars,
+    encode_distribution,
+    encode_dssd_scalars,
+)
+from specdec.common.distributions import densify
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.verification import (
     ChainResult,
@@ -49,7 +57,7 @@ tm = _load_toy_models()
 VOCAB = 4
 PROMPT = [0, 1]
 N_TOKENS = 3  # 4**3 = 64 sequence cells
-NUM_SEQS = 5_000  # 2-6 s per test on a shared 2-core machine; chi2 noncentrality grows linearly with it
+NUM_SEQS = 4_000  # 1.5-4 s per test on a shared 2-core machine; chi2 noncentrality grows linearly with it
 CONTROL_SEQS = 2_000  # every broken verifier below is rejected at p < 1e-20 already at this size
 PAIR_SEED = 1
 
@@ -132,8 +140,10 @@ def tree_round(pair, config, g: torch.Generator, with_replacement: bool = True):
     return round_fn
 
 
-def dssd_round(pair, L: int, m: int, g: torch.Generator, stats: dict, residual_fallback=dssd_device_residual):
-    """Device drafts and sends ids + q_i(x_i); edge verifies and samples m y ~ p_j; device resolves."""
+def dssd_round(pair, L: int, m: int, g: torch.Generator, stats: dict, residual_fallback=dssd_device_residual,
+               scalar_wire=None):
+    """Device drafts and sends ids + q_i(x_i) (through ``scalar_wire`` if given); edge verifies and
+    samples m y ~ p_j; device resolves."""
     g_edge = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=g)))
 
     def round_fn(seq: list[int]) -> list[int]:
@@ -145,6 +155,8 @@ def dssd_round(pair, L: int, m: int, g: torch.Generator, stats: dict, residual_f
             draft.append(sample_token(q, g))
         ids = torch.tensor(draft)
         q_of_draft = torch.stack(q_rows).gather(1, ids.unsqueeze(1)).squeeze(1)  # [L], the uplink scalars
+        if scalar_wire is not None:
+            q_of_draft = scalar_wire(q_of_draft)
         p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])
         edge = dssd_edge_verify(ids, q_of_draft, p, g_edge, num_samples=m)
         if edge.bonus_token is not None:
@@ -188,11 +200,118 @@ def test_tree_is_lossless(pair, exact, config, with_replacement: bool) -> None:
     assert_lossless(fit(tree_round(pair, config, g, with_replacement), exact))
 
 
-@pytest.mark.parametrize("L, m", [(2, 1), (3, 4)])
-def test_dssd_is_lossless(pair, exact, L: int, m: int) -> None:
+def test_dssd_is_lossless(pair, exact) -> None:
+    """m = 4 samples per rejection (the m = 1 case runs through the wire codec below)."""
     stats: dict = {}
-    assert_lossless(fit(dssd_round(pair, L, m, torch.Generator().manual_seed(400 + m), stats), exact))
-    assert stats["fallbacks"] > 100 and stats["resolved"] > 100, stats  # both device paths exercised
+    assert_lossless(fit(dssd_round(pair, 3, 4, torch.Generator().manual_seed(404), stats), exact))
+    assert stats["fallbacks"] > 50 and stats["resolved"] > 50, stats  # both device paths exercised
+
+
+# --- compressed draft modes: the device samples from the decoded packet, the edge verifies it ---
+
+SMALL_LATTICE = 8  # coarse on purpose: q_hat differs visibly from q, some counts round to 0
+CODEC_TOP_K = 2
+CSQS_BETA = 0.15  # fixed C-SQS threshold when no ConformalController is available
+
+
+def codec_config(mode: str) -> "CodecConfig":
+    return CodecConfig(mode=mode, vocab_size=VOCAB, dense_dtype="fp16", top_k=CODEC_TOP_K,
+                       lattice=SMALL_LATTICE, max_k=VOCAB)
+
+
+def codec_round(pair, cfg, L: int, g: torch.Generator, threshold_fn=None, draft_law=None):
+    """Chain rounds through the real codecs. ``draft_law(q, q_hat)`` (controls only) overrides
+    the law the device samples from; the verifier always sees densify(q_hat).
+
+    Encoding and decoding are pure functions of (q, threshold) and the toy q depends only on the
+    context, so packets are memoised per (context, threshold) to keep the test fast."""
+    packets: dict = {}
+
+    def packet(seq: list[int], threshold):
+        key = (pair.context(seq), threshold)
+        if key not in packets:
+            payload = encode_distribution(pair.q(seq), cfg, threshold=threshold).payload
+            q_hat = decode_distribution(payload, cfg)  # what the device samples from ...
+            packets[key] = (q_hat, densify(decode_distribution(payload, cfg)))  # ... and the edge decodes
+        return packets[key]
+
+    def round_fn(seq: list[int]) -> list[int]:
+        draft: list[int] = []
+        q_rows = []
+        for _ in range(L):
+            threshold = threshold_fn() if threshold_fn is not None else None
+            q_hat, q_edge = packet(seq + draft, threshold)
+            q_rows.append(q_edge)
+            law = q_hat if draft_law is None else draft_law(pair.q(seq + draft), q_hat)
+            draft.append(sample_token(law, g))
+        p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])
+        res = chain_verify(torch.tensor(draft), torch.stack(q_rows), p, g)
+        return draft[: res.num_accepted] + [res.next_token]
+
+    return round_fn
+
+
+@pytest.mark.parametrize("mode", ["dense", "tslt", "ksqs", "csqs"])
+def test_compressed_modes_are_lossless(pair, exact, mode: str) -> None:
+    g = torch.Generator().manual_seed(900 + len(mode))
+    threshold_fn = (lambda: CSQS_BETA) if mode == "csqs" else None
+    assert_lossless(fit(codec_round(pair, codec_config(mode), 2, g, threshold_fn), exact))
+
+
+def test_dssd_with_wire_scalars_is_lossless(pair, exact) -> None:
+    """DSSD through the real scalar codec: the edge sees decode(encode(q_i(x_i)))."""
+    stats: dict = {}
+    g = torch.Generator().manual_seed(950)
+    round_fn = dssd_round(pair, 2, 1, g, stats, scalar_wire=lambda s: decode_dssd_scalars(encode_dssd_scalars(s), s.numel()))
+    assert_lossless(fit(round_fn, exact))
+    assert stats["fallbacks"] > 100 and stats["resolved"] > 100, stats
+
+
+# --- greedy: temperature 0 reproduces the target's argmax decode token for token -----------------
+
+GREEDY_TOKENS = 24
+
+
+def greedy_rounds(pair, g):
+    stats: dict = {}
+    return {
+        "chain L=1": chain_round(pair, 1, g),
+        "chain L=3": chain_round(pair, 3, g),
+        "mc k=3": mc_round(pair, 3, g, True),
+        "mc k=1 without replacement": mc_round(pair, 1, g, False),
+        "tree <2,2>": tree_round(pair, (2, 2), g),
+        "tree <3,1,2>": tree_round(pair, (3, 1, 2), g),
+        "dssd L=3 m=1": dssd_round(pair, 3, 1, g, stats),
+    }
+
+
+GREEDY_SEEDS = [1, 2, 5, 6]  # toy pairs whose argmax path meets wrong drafts at drafted positions
+
+
+def run_greedy(round_fn) -> list[int]:
+    seq = list(PROMPT)
+    while len(seq) < len(PROMPT) + GREEDY_TOKENS:
+        seq += round_fn(seq)
+    return seq[len(PROMPT) : len(PROMPT) + GREEDY_TOKENS]
+
+
+@pytest.mark.parametrize("pair_seed", GREEDY_SEEDS)
+def test_greedy_equals_target_argmax(pair_seed: int) -> None:
+    greedy = tm.greedy_pair(tm.make_pair(VOCAB, pair_seed))
+    want = tm.argmax_decode(greedy, PROMPT, GREEDY_TOKENS)
+    assert len(set(want)) > 1  # a non-trivial path
+    for name, round_fn in greedy_rounds(greedy, torch.Generator().manual_seed(pair_seed)).items():
+        assert run_greedy(round_fn) == want, name
+
+
+@pytest.mark.parametrize("pair_seed", GREEDY_SEEDS)
+def test_control_greedy_check_catches_inverted_accept(pair_seed: int) -> None:
+    """The greedy check has teeth: with min(1, q/p) a wrong one-hot draft is always accepted."""
+    greedy = tm.greedy_pair(tm.make_pair(VOCAB, pair_seed))
+    want = tm.argmax_decode(greedy, PROMPT, GREEDY_TOKENS)
+    g = torch.Generator().manual_seed(pair_seed)
+    for L in (1, 3):
+        assert run_greedy(chain_round(greedy, L, g, verify=chain_inverted_accept)) != want
 
 
 # --- negative controls ----------------------------------------------------------------------------
@@ -272,6 +391,31 @@ def test_control_without_replacement_draft_verified_as_iid_is_rejected(pair, exa
         return [mc_verify(cands, q, p, g, with_replacement=True)[1]]
 
     assert_rejected(fit(round_fn, exact, num_seqs=CONTROL_SEQS))
+
+
+def test_control_sampled_before_quantization_is_rejected(pair, exact) -> None:
+    """BROKEN pipeline (K-SQS): the device samples from its truncated q before lattice quantization
+    (restricted to the transmitted support), the edge verifies against the quantized q_hat."""
+
+    def unquantized(q, q_hat):
+        kept = torch.zeros_like(q)
+        kept[q_hat.ids] = q[q_hat.ids]
+        return kept / kept.sum()
+
+    # ell = 3 over K = 3 tokens: quantization moves q by up to 1/3, which the harness must see
+    cfg = CodecConfig(mode="ksqs", vocab_size=VOCAB, top_k=3, lattice=3)
+    g = torch.Generator().manual_seed(760)
+    assert_rejected(fit(codec_round(pair, cfg, 2, g, draft_law=unquantized), exact, num_seqs=3_000))
+
+
+def test_control_sampled_from_uncompressed_q_is_refused(pair) -> None:
+    """BROKEN pipeline (TSLT): the device samples from the full q, the edge verifies q_hat on the
+    top-2 support. A draft outside the packet's support cannot have been sampled from it: the
+    verifier refuses it with ValueError instead of silently biasing the output."""
+    g = torch.Generator().manual_seed(770)
+    round_fn = codec_round(pair, codec_config("tslt"), 2, g, draft_law=lambda q, q_hat: q)
+    with pytest.raises(ValueError, match="cannot have been sampled"):
+        tm.generate_counts(round_fn, PROMPT, N_TOKENS, CONTROL_SEQS)
 
 
 def test_control_dssd_fallback_to_p_is_rejected(pair, exact) -> None:

@@ -18,6 +18,7 @@ from specdec.common.verification import (
     mc_verify,
     residual_distribution,
     sample_candidates,
+    sample_token,
 )
 
 V = 5
@@ -259,6 +260,26 @@ def test_sample_candidates_draws_k_uniforms_in_order() -> None:
     cdf = torch.cumsum(Q_ROW, 0)
     assert c.tolist() == [int(torch.searchsorted(cdf, u[i], right=True)) for i in range(3)]
     assert float(torch.rand(1, generator=g, dtype=torch.float64)) == float(u[3])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sample_candidates_equals_repeated_sample_token(seed: int) -> None:
+    """The vectorised i.i.d. path is draw-for-draw distributions.sample_token."""
+    q = torch.softmax(3 * torch.randn(7, generator=gen(seed), dtype=torch.float64), 0)
+    q[seed % 7] = 0.0  # a zero-probability token must never be drawn
+    q = q / q.sum()
+    fast = sample_candidates(q, 6, gen(seed + 1)).tolist()
+    g = gen(seed + 1)
+    assert fast == [sample_token(q, g) for _ in range(6)]
+    assert seed % 7 not in fast
+    # without replacement: draw i is sample_token on q with earlier draws removed, renormalised
+    distinct = sample_candidates(q, 4, gen(seed + 2), with_replacement=False).tolist()
+    g, rest, want = gen(seed + 2), q.clone(), []
+    for _ in range(4):
+        want.append(sample_token(rest, g))
+        rest[want[-1]] = 0.0
+        rest = rest / rest.sum()
+    assert distinct == want
 
 
 def test_mc_rejects_bad_input() -> None:

@@ -51,6 +51,25 @@ def make_pair(vocab: int = 4, seed: int = 0) -> ToyPair:
     return ToyPair(vocab, p, q)
 
 
+def greedy_pair(pair: ToyPair, disagree_every: int = 2) -> ToyPair:
+    """Temperature 0: one-hot tables at the argmax. The draft's argmax is the target's except in
+    every ``disagree_every``-th context, where it is deliberately a different token."""
+    v = pair.vocab
+    p_arg = pair.p_table.argmax(dim=-1)  # [C]
+    wrong = (p_arg + 1) % v
+    q_arg = torch.where(torch.arange(v**ORDER) % disagree_every == 0, wrong, p_arg)
+    eye = torch.eye(v, dtype=torch.float64)
+    return ToyPair(v, eye[p_arg], eye[q_arg])
+
+
+def argmax_decode(pair: ToyPair, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy decode of n tokens."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(pair.p(seq).argmax()))
+    return seq[len(prompt) :]
+
+
 def temperature(probs: torch.Tensor, t: float) -> torch.Tensor:
     """probs ** (1/t), renormalised (a different draft 'temperature')."""
     x = probs ** (1.0 / t)
