@@ -37,10 +37,21 @@ _DIRECT_RANGE = 2 * _BLOCK
 # Largest position gap for which a term is derived from its neighbour (multiply by the new
 # factors, divide by the dropped ones) instead of being recomputed from the block table.
 _MAX_INCREMENTAL_GAP = 24
+# Unranking walks down from the previous position, instead of estimating, when the remaining
+# positions are this dense (range / count below it): compositions, where most gaps are 1-3.
+_WALK_DENSITY = 8
+# Steps walked before falling back to the estimate (a head token's count can be in the hundreds).
+_MAX_WALK = 24
 # Newton iterations for the float position estimate when unranking; it converges in 2-3, and
 # the exact correction that follows fixes any residual error, so this only bounds the work.
 _NEWTON_ITERATIONS = 8
 _NEWTON_TOLERANCE = 0.25
+# Beyond c > _SPARSE_RATIO * k the second-order start of the estimate is used without Newton.
+_SPARSE_RATIO = 4
+# Target number of subset elements per range of the range-split subset code (encode_subset):
+# small enough that colex ranks within a range stay cheap, large enough that the per-range
+# Vandermonde bookkeeping (one big binomial each) stays a small share.
+_ELEMENTS_PER_RANGE = 32
 # Lattice resolutions above this would lose exactness in the float64 product ell * q.
 MAX_LATTICE = 2**40
 
@@ -175,6 +186,13 @@ def int_from_bytes(data: bytes, bits: int) -> int:
 # _BLOCK_PRODUCTS[j] is the product of the integers in [j * _BLOCK, (j + 1) * _BLOCK). A grow-only
 # memo (its content depends on nothing but j), extended on demand up to the largest range seen.
 _BLOCK_PRODUCTS: list[int] = []
+# Blocks are grouped in super-blocks of _GROUP; per super-block u, _PREFIXES[u][r] is the product
+# of its first r blocks and _SUFFIXES[u][r] that of its blocks r.._GROUP-1 (both memos, like the
+# block table). A long range is then head * suffix * (whole super-blocks) * prefix * tail, where
+# the two big factors meet in one balanced multiplication instead of _GROUP growing ones.
+_GROUP = 8
+_PREFIXES: list[tuple[int, ...]] = []
+_SUFFIXES: list[tuple[int, ...]] = []
 
 
 def _block_products(num_blocks: int) -> list[int]:
@@ -187,6 +205,23 @@ def _block_products(num_blocks: int) -> list[int]:
     return _BLOCK_PRODUCTS
 
 
+def _super_tables(num_supers: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The memoised prefix/suffix tables, extended to at least ``num_supers`` super-blocks."""
+    have = len(_PREFIXES)
+    if have < num_supers:
+        want = max(num_supers, 2 * have)
+        blocks = _block_products(want * _GROUP)
+        for u in range(have, want):
+            group = blocks[u * _GROUP:(u + 1) * _GROUP]
+            prefix, suffix = [1], [1]
+            for x, y in zip(group, reversed(group)):
+                prefix.append(prefix[-1] * x)
+                suffix.append(suffix[-1] * y)
+            _PREFIXES.append(tuple(prefix))
+            _SUFFIXES.append(tuple(reversed(suffix)))
+    return _PREFIXES, _SUFFIXES
+
+
 def _range_product(a: int, b: int) -> int:
     """Product of the integers in [a, b] (1 when empty). Requires a >= 1 or a > b."""
     if a > b:
@@ -196,10 +231,18 @@ def _range_product(a: int, b: int) -> int:
         return math.perm(b, b - a + 1)
     j0 = -(-a // _BLOCK)  # first block fully inside [a, b]
     j1 = (b + 1) // _BLOCK  # one past the last block fully inside
-    table = _block_products(j1)
     head = math.perm(j0 * _BLOCK - 1, j0 * _BLOCK - a)
     tail = math.perm(b, b + 1 - j1 * _BLOCK)
-    return math.prod(table[j0:j1], start=head * tail)
+    u0, r0 = divmod(j0, _GROUP)
+    u1, r1 = divmod(j1, _GROUP)
+    if u0 == u1:
+        return math.prod(_block_products(j1)[j0:j1], start=head * tail)
+    prefixes, suffixes = _super_tables(u1 + 1)
+    left = head * suffixes[u0][r0]
+    right = tail * prefixes[u1][r1]
+    if u1 == u0 + 1:
+        return left * right
+    return left * right * math.prod(suffixes[u][0] for u in range(u0 + 1, u1))
 
 
 def _perm(c: int, k: int) -> int:
@@ -222,7 +265,7 @@ def _rank_positions(pos: list[int]) -> int:
             start = pos[i - 1] - i + 1
             perms.append(prev * _range_product(pos[i - 1] + 1, c) // _range_product(start, start + gap - 2))
         else:
-            perms.append(_perm(c, i + 1))
+            perms.append(math.perm(c, i + 1) if i < _DIRECT_RANGE else _perm(c, i + 1))
     # Horner on sum_i perm_i / (i+1)!: G_i = (perm_i + G_{i+1}) / (i+1) = i! sum_{j>=i} C(c_j, j+1).
     acc = 0
     for i in range(len(pos) - 1, -1, -1):
@@ -242,6 +285,8 @@ def _estimate_position(log_target: float, k: int, lo: int, hi: int) -> int:
     m = math.exp(log_target / k)
     m = math.exp(log_target / k + (k * k - 1) / (24 * m * m))
     x = m + (k - 1) / 2
+    if x > _SPARSE_RATIO * k:
+        return min(max(int(x), lo), hi)  # the expansion is accurate to well under a unit here
     for _ in range(_NEWTON_ITERATIONS):
         if x <= lo or x >= hi:
             # The root is at or beyond a bound (common: adjacent positions); the exact
@@ -266,17 +311,46 @@ def _unrank_positions(rank: int, m: int, n: int) -> list[int]:
         if scaled == 0:
             pos[: i + 1] = range(i + 1)  # the remaining rank is that of {0, ..., i}
             break
-        c = _estimate_position(math.log(scaled), k, k, hi - 1)
-        gap = above_c - c
-        if above_perm and 1 <= gap <= _MAX_INCREMENTAL_GAP and gap <= k:
-            # Reverse of the update in _rank_positions: drop [c+1, c_{i+1}], add [c-k+1, c-k+gap-1].
-            p = above_perm * _range_product(c - k + 1, c - k + gap - 1) // _range_product(c + 1, above_c)
-        else:
-            p = _perm(c, k)
-        c, p = _correct_position(c, k, p, scaled, hi)
+        found = False
+        if above_perm and hi - 1 < _WALK_DENSITY * k:
+            # Dense positions (compositions): the next one is usually a step or two below.
+            c, p, found = _walk_down(above_c, above_perm, k, scaled)
+            hi = c
+        if not found:
+            c, p = _locate(above_c, above_perm, k, scaled, hi)
         scaled = (scaled - p) // k
         pos[i], hi, above_c, above_perm = c, c, c, p
     return pos
+
+
+def _walk_down(above_c: int, above_perm: int, k: int, scaled: int) -> tuple[int, int, bool]:
+    """Step c down from c_{i+1} - 1 while perm(c, k) > scaled, at most _MAX_WALK steps.
+
+    Returns (c, perm(c, k), True) at the answer, or (c, perm(c, k), False) with perm still too
+    large, in which case the answer lies below c.
+    """
+    c = above_c - 1
+    p = above_perm // above_c  # perm(c_{i+1}, k+1) = c_{i+1} perm(c_{i+1} - 1, k)
+    for _ in range(_MAX_WALK):
+        if p <= scaled:
+            return c, p, True
+        p = p * (c - k) // c  # perm(c-1, k)
+        c -= 1
+    return c, p, p <= scaled
+
+
+def _locate(above_c: int, above_perm: int, k: int, scaled: int, hi: int) -> tuple[int, int]:
+    """The largest c < hi with perm(c, k) <= scaled, and that perm: float guess, exact fix."""
+    c = _estimate_position(math.log(scaled), k, k, hi - 1)
+    gap = above_c - c
+    if above_perm and 1 <= gap <= _MAX_INCREMENTAL_GAP and gap <= k:
+        # Reverse of the update in _rank_positions: drop [c+1, c_{i+1}], add [c-k+1, c-k+gap-1].
+        p = above_perm * _range_product(c - k + 1, c - k + gap - 1) // _range_product(c + 1, above_c)
+    elif k <= _DIRECT_RANGE:
+        p = math.perm(c, k)  # the common case inside a subset range: one C call
+    else:
+        p = _perm(c, k)
+    return _correct_position(c, k, p, scaled, hi)
 
 
 def _correct_position(c: int, k: int, p: int, scaled: int, hi: int) -> tuple[int, int]:
@@ -284,37 +358,163 @@ def _correct_position(c: int, k: int, p: int, scaled: int, hi: int) -> tuple[int
     while p > scaled:
         p = p * (c - k) // c  # perm(c-1, k)
         c -= 1
-    while c + 1 < hi:
-        nxt = p * (c + 1) // (c + 1 - k)  # perm(c+1, k)
-        if nxt > scaled:
-            break
-        c, p = c + 1, nxt
+    # perm(c+1, k) = p (c+1) / (c+1-k) <= scaled, tested without the division.
+    while c + 1 < hi and p * (c + 1) <= scaled * (c + 1 - k):
+        p = p * (c + 1) // (c + 1 - k)
+        c += 1
     return c, p
+
+
+# ----------------------------------------------------------------------------- range-split code
+
+
+def _binomial(n: int, k: int) -> int:
+    """Exact C(n, k) (0 outside 0 <= k <= n) from the block products: faster than math.comb."""
+    k = min(k, n - k)
+    if k < 0:
+        return 0
+    return _perm(n, k) // math.factorial(k)
+
+
+def _ranges(n: int, m: int) -> list[tuple[int, int]]:
+    """(start, size) of the equal-width ranges that split range(n) for an m-subset."""
+    num = max(1, min(m // _ELEMENTS_PER_RANGE, n))
+    width = -(-n // num)
+    return [(start, min(width, n - start)) for start in range(0, n, width)]
+
+
+def _offset_and_tail(size: int, r: int, rest: int, j: int, j_min: int, t_min: int) -> tuple[int, int]:
+    """Vandermonde partial sum and next block weight for one range of the split code.
+
+    offset = sum_{j'=j_min}^{j-1} C(size, j') C(rest, r - j'): the number of (r)-subsets of the
+    remaining universe that put fewer than j elements in this range. tail = C(rest, r - j).
+    Given t_min = C(rest, r - j_min), consecutive terms differ by small rational factors
+    ``C(rest, r-j'-1) / C(rest, r-j') = (r - j') / (rest - r + j' + 1)``, so the whole sum is one
+    Horner evaluation in small integers followed by one big multiplication and one exact division.
+    """
+    if j == j_min:
+        return 0, t_min
+    a = math.comb(size, j - 1)  # a_{j'} = C(size, j'), walked down from j' = j - 1
+    y, z = a, 1  # X_{j'} = y / z with X_{j-1} = a_{j-1}, X_{j'} = a_{j'} + (num/den) X_{j'+1}
+    for jp in range(j - 2, j_min - 1, -1):
+        a = a * (jp + 1) // (size - jp)
+        den = rest - r + jp + 1
+        y = a * den * z + (r - jp) * y
+        z *= den
+    offset = t_min * y // z
+    tail = t_min * _range_product(r - j + 1, r - j_min) // _range_product(rest - r + j_min + 1, rest - r + j)
+    return offset, tail
+
+
+def _split_rank(pos: list[int], n: int) -> int:
+    """Rank of an m-subset of range(n) in the range-split order (see encode_subset)."""
+    m = len(pos)
+    ranges = _ranges(n, m)
+    if len(ranges) == 1:
+        return _rank_positions(pos)
+    parts: list[list[int]] = [[] for _ in ranges]
+    width = ranges[0][1]
+    for c in pos:
+        parts[c // width].append(c - (c // width) * width)
+    # I_b = offset_b(j_b) + rho_b C(N_{b+1}, r_{b+1}) + I_{b+1}, accumulated from the last range.
+    index, r, rest = 0, 0, 0  # I_{b+1}, r_{b+1} = elements at or after range b+1, N_{b+1}
+    for (start, size), part in zip(reversed(ranges), reversed(parts)):
+        j = len(part)
+        r += j
+        j_min = max(0, r - rest)
+        offset, tail = _offset_and_tail(size, r, rest, j, j_min, _binomial(rest, r - j_min))
+        index += offset + _rank_positions(part) * tail
+        rest += size
+    return index
+
+
+def _split_unrank(index: int, m: int, n: int) -> list[int]:
+    """Inverse of _split_rank; requires 0 <= index < C(n, m)."""
+    ranges = _ranges(n, m)
+    if len(ranges) == 1:
+        return _unrank_positions(index, m, n)
+    pos: list[int] = []
+    r, rest = m, n
+    for start, size in ranges:
+        rest -= size
+        j_min, j_max = max(0, r - rest), min(size, r)
+        if rest == 0:
+            j, rho = r, index  # the last range holds all remaining elements
+        else:
+            t_min = _binomial(rest, r - j_min)
+            j = _estimate_count(index, size, r, rest, j_min, j_max, t_min)
+            j, offset, tail = _exact_count(index, size, r, rest, j, j_min, j_max, t_min)
+            rho, index = divmod(index - offset, tail)
+        if j:
+            pos.extend(start + c for c in _unrank_positions(rho, j, size))
+        r -= j
+    return pos
+
+
+def _estimate_count(index: int, size: int, r: int, rest: int, j_min: int, j_max: int, t_min: int) -> int:
+    """Float guess of how many elements the range holds: accumulate block weights up to index."""
+    if index == 0:
+        return j_min
+    log_gap = math.log(math.comb(size, j_min)) + math.log(t_min) - math.log(index)  # log(block / index)
+    total = 0.0
+    for j in range(j_min, j_max):
+        if log_gap > 0:
+            return j  # this block alone exceeds the index
+        total += math.exp(log_gap)
+        if total > 1.0:
+            return j
+        log_gap += math.log((size - j) * (r - j) / ((j + 1) * (rest - r + j + 1)))
+    return j_max
+
+
+def _exact_count(index: int, size: int, r: int, rest: int, j: int, j_min: int, j_max: int,
+                 t_min: int) -> tuple[int, int, int]:
+    """Correct the guessed count exactly: returns (j, offset(j), C(rest, r - j))."""
+    offset, tail = _offset_and_tail(size, r, rest, j, j_min, t_min)
+    while offset > index:
+        j -= 1
+        offset, tail = _offset_and_tail(size, r, rest, j, j_min, t_min)
+    while j < j_max:
+        block = math.comb(size, j) * tail
+        if offset + block > index:
+            break
+        offset += block
+        tail = tail * (r - j) // (rest - r + j + 1)
+        j += 1
+    return j, offset, tail
 
 
 # ----------------------------------------------------------------------------- subsets
 
 
 def encode_subset(ids: torch.Tensor, V: int) -> int:
-    """Colex rank of a K-subset of range(V) (combinatorial number system), in [0, C(V, K)).
+    """Enumerative index of a K-subset of range(V), in [0, C(V, K)) (SQS eq. 5 bits).
+
+    Order: range(V) is cut into R = max(1, K // _ELEMENTS_PER_RANGE) equal-width ranges;
+    subsets are ordered lexicographically by (j_0, rho_0, j_1, rho_1, ...), where j_b is the
+    number of ids in range b and rho_b the colex rank (combinatorial number system) of those
+    ids within the range. The block of subsets sharing j_0 .. j_b has a closed-form size
+    (Vandermonde), so this is an exact bijection onto [0, C(V, K)). With R = 1 (K below
+    2 * _ELEMENTS_PER_RANGE) it is the plain colex rank ``sum_i C(c_i, i + 1)``. The split keeps
+    every colex rank small; only one big binomial per range is needed.
 
     Args:
         ids: [K] int64, strictly increasing, each in [0, V).
         V: vocabulary size.
     """
     _check_sorted_ids(ids, V)
-    return _rank_positions(ids.tolist())
+    return _split_rank(ids.tolist(), V)
 
 
 def decode_subset(index: int, K: int, V: int) -> torch.Tensor:
-    """Inverse of encode_subset: the K-subset of range(V) with colex rank ``index``.
+    """Inverse of encode_subset: the K-subset of range(V) with the given index.
 
     Returns:
         [K] int64 ids, strictly increasing. ValueError unless 0 <= index < C(V, K).
     """
     K, V = _check_subset_args(K, V)
     _check_index(index, _binom(V, K))
-    return torch.tensor(_unrank_positions(index, K, V), dtype=torch.int64)
+    return torch.tensor(_split_unrank(index, K, V), dtype=torch.int64)
 
 
 def _check_sorted_ids(ids: torch.Tensor, V: int) -> None:

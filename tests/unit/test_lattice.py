@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.common import lattice
 from specdec.common.lattice import (
     composition_bits,
     decode_composition,
@@ -157,7 +158,8 @@ def test_subset_round_trip_property(data):
     else:
         ids = sorted(data.draw(st.sets(st.integers(0, V - 1), min_size=K, max_size=K)))
     index = encode_subset(torch.tensor(ids, dtype=torch.int64), V)
-    assert index == sum(math.comb(c, i + 1) for i, c in enumerate(ids))  # combinatorial number system
+    if K < 2 * lattice._ELEMENTS_PER_RANGE:  # a single range: the combinatorial number system
+        assert index == sum(math.comb(c, i + 1) for i, c in enumerate(ids))
     assert 0 <= index < math.comb(V, K) and index.bit_length() <= subset_bits(K, V)
     assert decode_subset(index, K, V).tolist() == ids
 
@@ -182,9 +184,35 @@ def test_large_case_round_trip():
     q = torch.rand(K, generator=g, dtype=torch.float64) ** 6
     b = quantize(q / q.sum(), ell)
     assert torch.equal(decode_composition(encode_composition(b, ell), K, ell), b)
-    # The extreme ranks decode too.
-    assert decode_subset(math.comb(V, K) - 1, K, V).tolist() == list(range(V - K, V))
-    assert decode_subset(0, K, V).tolist() == list(range(K))
+    # The extreme indices decode too, to subsets that encode back to them.
+    for index in (0, 1, math.comb(V, K) - 2, math.comb(V, K) - 1):
+        ids = decode_subset(index, K, V)
+        assert ids.numel() == K and bool((ids[1:] > ids[:-1]).all()) and encode_subset(ids, V) == index
+
+
+@pytest.mark.parametrize("per_range", [1, 2, 3])
+def test_range_split_code_is_bijection(monkeypatch, per_range):
+    # Force many ranges on small universes so that every branch of the split code is exercised.
+    monkeypatch.setattr(lattice, "_ELEMENTS_PER_RANGE", per_range)
+    for n in range(1, 10):
+        for k in range(1, n + 1):
+            ranks = []
+            for subset in itertools.combinations(range(n), k):
+                ids = torch.tensor(subset, dtype=torch.int64)
+                ranks.append(encode_subset(ids, n))
+                assert decode_subset(ranks[-1], k, n).tolist() == list(subset)
+            assert sorted(ranks) == list(range(math.comb(n, k)))
+
+
+def test_range_split_code_on_skewed_and_edge_subsets():
+    for V, K in [(152_064, 256), (1000, 999), (300, 300), (129, 128), (5000, 64)]:
+        for ids in (list(range(K)), list(range(V - K, V)), list(range(0, V, V // K))[:K],
+                    sorted(set(range(0, min(V, 3 * K), 3)))[:K]):
+            if len(ids) != K:
+                continue
+            t = torch.tensor(ids, dtype=torch.int64)
+            index = encode_subset(t, V)
+            assert 0 <= index < math.comb(V, K) and decode_subset(index, K, V).tolist() == ids
 
 
 def test_bit_counts_exact():
