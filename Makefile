@@ -37,7 +37,7 @@ test-slow: $(PB_OUT)
 	$(VENV)/bin/pytest -m "slow" tests
 
 demo: $(PB_OUT)
-	$(PY) -m specdec.device.demo
+	$(PY) -m specdec.device.demo $(ARGS)
 
 bench-lattice: $(PB_OUT)
 	$(PY) bench/bench_lattice.py

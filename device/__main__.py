@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds allowed per session")
     p.add_argument("--json", action="store_true", help="print one JSON object per session instead of text")
     p.add_argument("--metrics-port", type=_bounded(int, 0), default=0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0 = torch's default); 1 suits tiny models and shared cores")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -85,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(args)
+    if args.threads > 0:
+        import torch
+        torch.set_num_threads(args.threads)
     try:
         run_async(run_device(cfg, out=sys.stdout))
     except Exception as exc:  # any failure: one line and a non-zero status

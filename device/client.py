@@ -17,14 +17,15 @@ from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.engine import decode_target_probs
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.device.drafter import DraftSession
+from specdec.device.drafter import DraftSession, RoundDraft
+from specdec.device.metrics import DeviceMetrics
 
 
 class EdgeError(RuntimeError):
     """The edge ended the session with a gRPC status; ``code`` and ``details`` say why."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"edge refused: {code.name}: {details}")
+        super().__init__(f"edge session failed: {code.name}: {details}")
         self.code = code
         self.details = details
 
@@ -46,7 +47,8 @@ class GenerationResult:
 @dataclass
 class _Stream:
     call: object
-    result: GenerationResult | None = None
+    metrics: DeviceMetrics | None = None
+    mode: str = ""
 
     async def send(self, msg) -> int:
         await self.call.write(msg)
@@ -62,16 +64,33 @@ class _Stream:
 async def generate(channel: grpc.aio.Channel, session: DraftSession, hello: P.Hello,
                    prompt_ids: list[int], eos_ids: tuple[int, ...],
                    on_tokens: Callable[[list[int]], None] | None = None,
-                   timeout: float | None = None) -> GenerationResult:
+                   timeout: float | None = None, metrics: DeviceMetrics | None = None) -> GenerationResult:
     """Run one session to EOS or ``hello.max_new_tokens``; stream new tokens to ``on_tokens``."""
     stub = pb_grpc.SpeculativeDecodingStub(channel)
     call = stub.Generate(timeout=timeout)
+    mode = hello.mode.value
+    if metrics:
+        metrics.session_started(mode)
+    status = "ok"
     try:
-        return await _run(_Stream(call), session, hello, prompt_ids, eos_ids, on_tokens)
+        result = await _run(_Stream(call, metrics=metrics, mode=mode), session, hello, prompt_ids, eos_ids,
+                            on_tokens)
+        if metrics:
+            metrics.request_done(mode, result.wall_seconds, len(result.token_ids))
+        return result
     except grpc.aio.AioRpcError as exc:
+        status = exc.code().name.lower()
         raise EdgeError(exc.code(), exc.details() or "") from None
+    except EdgeError as exc:
+        status = exc.code.name.lower()
+        raise
+    except asyncio.CancelledError:
+        status = "cancelled"
+        raise
     finally:
         call.cancel()
+        if metrics:
+            metrics.session_ended(status)
 
 
 async def _run(stream: _Stream, session, hello, prompt_ids, eos_ids, on_tokens) -> GenerationResult:
@@ -113,12 +132,29 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
     result.downlink_bytes += reply.ByteSize()
     result.verify_seconds += verdict.verify_seconds
     result.network_seconds += max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
+    down_before = result.downlink_bytes - reply.ByteSize()
     if verdict.next_token is not None:
-        return await asyncio.to_thread(session.commit, rd, verdict, verdict.next_token, dssd_correction=False)
-    token = await asyncio.to_thread(session.resolve_dssd, rd, verdict)
-    if token is None:
-        token = await _dssd_fallback(stream, session, rd, verdict, result)
-    return await asyncio.to_thread(session.commit, rd, verdict, token, dssd_correction=True)
+        new = await asyncio.to_thread(session.commit, rd, verdict, verdict.next_token, dssd_correction=False)
+    else:
+        token = await asyncio.to_thread(session.resolve_dssd, rd, verdict)
+        if token is None:
+            token = await _dssd_fallback(stream, session, rd, verdict, result)
+        new = await asyncio.to_thread(session.commit, rd, verdict, token, dssd_correction=True)
+    if stream.metrics:
+        _observe_round(stream, session, rd, verdict, new, sent, result.downlink_bytes - down_before,
+                       elapsed)
+    return new
+
+
+def _observe_round(stream: _Stream, session: DraftSession, rd: RoundDraft, verdict: P.Verdict,
+                   new: list[int], sent: int, received: int, elapsed: float) -> None:
+    network = max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
+    phases = {"draft": rd.draft_seconds, "encode": rd.encode_seconds, "network": network,
+              "verify": verdict.verify_seconds}
+    threshold = session.controller.beta if session.controller is not None else None
+    stream.metrics.round_done(stream.mode, drafted=len(rd.block.token_ids), accepted=verdict.num_accepted,
+                              generated=len(new), uplink=sent, downlink=received, phases=phases,
+                              support_sizes=rd.support_sizes, threshold=threshold)
 
 
 async def _dssd_fallback(stream, session, rd, verdict, result) -> int:

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import grpc
+from prometheus_client import start_http_server
 
 from specdec.common.codecs import Mode
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.protocol import DraftSettings, Hello
 from specdec.device.client import GenerationResult, generate
 from specdec.device.drafter import DraftSession
+from specdec.device.metrics import DeviceMetrics
 
 # Interim default drafter for the embedded target until a trained one ships: the target's own first
 # layers with its final norm and head (early exit). Measured acceptance is low (DESIGN.md: ~0.1 at
@@ -133,6 +135,9 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
     drafter = await asyncio.to_thread(load_model, cfg.model_spec())
     prompt_ids = encode_prompt(drafter.tokenizer, cfg.prompt, raw=cfg.raw)
     fingerprint = vocab_fingerprint(drafter.tokenizer)
+    metrics = DeviceMetrics()
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr="127.0.0.1", registry=metrics.registry)
     results = []
     async with open_channel(cfg.edge) as channel:
         for i in range(cfg.num_samples):
@@ -140,7 +145,7 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
             session = DraftSession(drafter, hello)
             streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
             r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids,
-                               on_tokens=streamer, timeout=cfg.timeout)
+                               on_tokens=streamer, timeout=cfg.timeout, metrics=metrics)
             record = result_json(cfg, drafter, session, r)
             results.append(record)
             out.write(json.dumps(record) + "\n" if cfg.json else "\n")

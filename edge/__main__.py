@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft-len", type=_positive(int), default=32)
     p.add_argument("--max-k", type=_positive(int), default=8192)
     p.add_argument("--idle-timeout", type=_positive(float), default=120.0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0 = torch's default); 1 suits tiny models and shared cores")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(args)
+    if args.threads > 0:
+        import torch
+        torch.set_num_threads(args.threads)
     try:
         run_async(serve(cfg))
     except (OSError, ValueError) as exc:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:  # test helper modules (tiny_models, unit/toy_models) by name
-    sys.path.insert(0, str(TESTS_DIR))
+for _helpers in (TESTS_DIR, TESTS_DIR / "integration"):  # helper modules (tiny_models, harness) by name
+    if str(_helpers) not in sys.path:
+        sys.path.insert(0, str(_helpers))
 
 # Tiny models are dominated by thread hand-off: one intra-op thread is ~20x faster on 2 cores.
 torch.set_num_threads(1)
@@ -21,8 +22,10 @@ import tiny_models  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_pair_v8(tmp_path_factory) -> tuple[Path, Path]:
-    """Target and drafter with an 8-token vocabulary (statistical tests)."""
-    return tiny_models.make_pair(tmp_path_factory.mktemp("tiny8"), 8)
+    """Target and a close drafter with an 8-token vocabulary (statistical tests)."""
+    root = tmp_path_factory.mktemp("tiny8")
+    target = tiny_models.make_model(root / "target-v8", 8, seed=1)
+    return target, tiny_models.make_close_drafter(target, root / "draft-v8", noise=0.3)
 
 
 @pytest.fixture(scope="session")

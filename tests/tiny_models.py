@@ -49,3 +49,19 @@ def make_pair(root: Path, vocab_size: int, *, target_seed: int = 1, draft_seed: 
     target = make_model(root / f"target-v{vocab_size}", vocab_size, seed=target_seed, layers=2, **kw)
     drafter = make_model(root / f"draft-v{vocab_size}", vocab_size, seed=draft_seed, layers=1, **kw)
     return target, drafter
+
+
+def make_close_drafter(target: Path, path: Path, *, noise: float, seed: int = 3) -> Path:
+    """A drafter that is the target with every weight perturbed by ``noise`` x its std: a distinct
+    model whose q is close to p, as a distilled drafter's is (high acceptance, which is what gives
+    statistical tests power against sampling bugs)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * noise * param.std().clamp_min(1e-3))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(target).save_pretrained(path)
+    return path

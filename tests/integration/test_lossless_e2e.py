@@ -76,18 +76,22 @@ def test_mode_is_lossless_end_to_end(tiny_pair_v8, name) -> None:
     assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
 
 
-class SamplesUncompressedQ(DraftSession):
-    """Classic bug: sample the draft token from the raw q while sending the compressed q_hat."""
+class SamplesOtherQ(DraftSession):
+    """Classic bug: the packet carries q_hat but the token is sampled from another law over the same
+    support (here uniform on it, as when sampling and packet use different settings). Same support,
+    so the edge's "q_hat(x) = 0" check cannot catch it: only the statistics can."""
 
     def _encode_and_sample(self, q):
         token, row, payload, bits, support, dropped = super()._encode_and_sample(q)
-        token = int(torch.multinomial(q.float(), 1, generator=self.generator))
+        other = (row > 0).double()
+        token = int(torch.multinomial(other / other.sum(), 1, generator=self.generator))
         return token, row, payload, bits, support, dropped
 
 
 def test_control_device_sampling_other_q_is_detected(tiny_pair_v8) -> None:
-    counts, law = _counts(*tiny_pair_v8, session_factory=SamplesUncompressedQ, **MODES["tslt"])
+    counts, law = _counts(*tiny_pair_v8, session_factory=SamplesOtherQ, **MODES["tslt"])
     fit = goodness_of_fit(counts, law)
+    print(fit)
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
 
 
