@@ -149,6 +149,7 @@ def encode_distribution(q: torch.Tensor, cfg: CodecConfig, *, threshold: float |
     if not isinstance(cfg, CodecConfig):
         raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
     check_probs(q)
+    q = q.detach().cpu()  # payloads are built on the host; a no-op for CPU tensors
     if q.numel() != cfg.vocab_size:
         raise ValueError(f"q has {q.numel()} entries but vocab_size is {cfg.vocab_size}")
     if (threshold is None) != (cfg.mode != Mode.CSQS):

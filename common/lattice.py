@@ -4,21 +4,26 @@ References: SQS paper (``sqs-conformal.txt``): Alg. 2 (lattice quantization of a
 integer counts ``b`` with ``sum b == ell``), eq. (2) (``log2 C(ell+K-1, K-1)`` bits for the
 counts), eq. (5) (``log2 C(V, K)`` bits for the support), eq. (20) (``TV <= K / (4 ell)``).
 
-Enumerative coding maps a K-subset of ``range(n)`` to its rank in the combinatorial number
-system (colexicographic order): ``rank = sum_i C(c_i, i + 1)`` for sorted ``c_0 < ... < c_{K-1}``.
-A composition of ``ell`` into K non-negative parts is coded through stars and bars as a subset of
-``range(ell + K - 1)`` (the K - 1 bar positions, or the ``ell`` star positions when that is
-smaller; both views have ``C(ell+K-1, K-1)`` elements). Everything is exact Python integers.
+Enumerative coding. A composition of ``ell`` into K non-negative parts is coded through stars
+and bars as a subset of ``range(ell + K - 1)`` (the K - 1 bar positions, or the ``ell`` star
+positions when those are fewer; both views have ``C(ell+K-1, K-1)`` elements) ranked in the
+combinatorial number system (colexicographic order): ``rank = sum_i C(c_i, i + 1)`` for sorted
+``c_0 < ... < c_{m-1}``. A K-subset of the vocabulary uses a range-split order (see
+``encode_subset``): lexicographic over (count in range 0, colex rank in range 0, count in range
+1, ...), exact onto ``[0, C(V, K))`` by Vandermonde's identity, and the plain colex rank when K
+is small. Everything is exact Python integers; indices travel in ``ceil(bits / 8)`` bytes.
 
-Speed: a binomial from scratch costs k multiplications of Python ints (~15 us for k = 256), too
-slow for 256 of them per packet. We therefore work with falling factorials
-``perm(c, k) = c (c-1) ... (c-k+1) = k! C(c, k)``:
-  * ranges of consecutive factors are multiplied from cached products of aligned blocks of
-    ``_BLOCK`` integers, so one ``perm`` costs about k / _BLOCK big multiplications;
-  * consecutive terms whose positions are close share most factors and are updated in place;
-  * the ``1 / k!`` is folded into a Horner scheme (encode) or a scaled remainder (decode), so no
-    big divisions by factorials are needed;
-  * decoding guesses each position from a float ``lgamma`` estimate and corrects it exactly.
+Speed (bench/bench_lattice.py). A binomial from scratch costs k multiplications of Python ints
+(~15 us for k = 256), too slow for hundreds of them per packet, so:
+  * colex terms are falling factorials ``perm(c, k) = k! C(c, k)``; the ``1 / k!`` is folded
+    into a Horner scheme (encode) or a scaled remainder (decode), never a big division;
+  * long ranges of consecutive factors come from cached products of aligned blocks of
+    ``_BLOCK`` integers (and prefix/suffix products of super-blocks of ``_GROUP`` blocks);
+  * a term whose position is close to its neighbour's is updated from it in place;
+  * the range split keeps colex ranks small (k <= ~_ELEMENTS_PER_RANGE) and needs one big
+    binomial per range; its Vandermonde offsets are a Horner evaluation in small integers;
+  * decoding guesses each position (or range count) in floating point and corrects it exactly,
+    or walks down one step at a time where positions are dense (compositions).
 """
 from __future__ import annotations
 
