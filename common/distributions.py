@@ -167,13 +167,16 @@ def _top_ids_ordered(q: torch.Tensor, k: int) -> torch.Tensor:
     ``torch.topk`` does not define which of several tied values it returns, so it only locates
     the k-th largest value; the tokens above it plus the lowest-id ties at it are then taken.
     """
-    values, ids = torch.topk(q, k, sorted=False)
-    kth = values.min()
-    if int((q == kth).sum()) != int((values == kth).sum()):
-        # Some tokens tied at the k-th value were left out: take the lowest-id ties instead.
+    values, ids = torch.topk(q, min(k + 1, q.numel()), sorted=True)
+    if k < q.numel() and bool(values[k] == values[k - 1]):
+        # A tie straddles the cut, and topk picks among ties arbitrarily: take every token above
+        # the k-th value plus the lowest-id ties at it instead.
+        kth = values[k - 1]
         above = (q > kth).nonzero().squeeze(1)
         ties = (q == kth).nonzero().squeeze(1)[: k - above.numel()]
         ids = torch.cat([above, ties])
+    else:
+        ids = ids[:k]
     ids = ids.sort().values  # ascending id, so the stable sort below breaks ties by id
     order = torch.sort(q[ids], descending=True, stable=True).indices
     return ids[order]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from .distributions import check_probs
@@ -96,24 +97,22 @@ def quantize(probs: torch.Tensor, ell: int) -> torch.Tensor:
     """
     check_probs(probs, "probs")
     ell = _check_lattice(ell)
-    q = probs.to(torch.float64)
+    q = probs.detach().cpu().numpy().astype(np.float64)  # numpy: K is small, torch op overhead is not
     x = ell * (q / q.sum())  # [K]
-    b = torch.floor(x + 0.5).to(torch.int64)
+    b = np.floor(x + 0.5).astype(np.int64)
     excess = int(b.sum()) - ell
     if excess != 0:
-        zeta = b.to(torch.float64) - x
+        zeta = b - x
         if excess > 0:
             # Never decrement a zero count (only reachable through float rounding).
-            zeta = torch.where(b > 0, zeta, torch.tensor(-math.inf, dtype=torch.float64))
-            order = torch.sort(zeta, descending=True, stable=True).indices
+            order = np.argsort(-np.where(b > 0, zeta, -np.inf), kind="stable")  # largest zeta first
             b[order[:excess]] -= 1
         else:
             # A token with q = 0 only gets mass if nothing else can take it (float rounding).
-            zeta = torch.where(x > 0, zeta, torch.tensor(math.inf, dtype=torch.float64))
-            order = torch.sort(zeta, stable=True).indices
+            order = np.argsort(np.where(x > 0, zeta, np.inf), kind="stable")  # smallest zeta first
             b[order[:-excess]] += 1
     assert int(b.sum()) == ell and bool((b >= 0).all())
-    return b
+    return torch.from_numpy(b)
 
 
 def _check_counts(b: torch.Tensor, ell: int) -> None:
@@ -261,16 +260,19 @@ def _perm(c: int, k: int) -> int:
 def _rank_positions(pos: list[int]) -> int:
     """Colex rank sum_i C(c_i, i+1) of strictly increasing non-negative positions."""
     perms = []  # perms[i] = perm(c_i, i + 1)
+    prev, prev_c = 0, -1
     for i, c in enumerate(pos):
-        prev = perms[-1] if perms else 0
-        gap = c - pos[i - 1] if i else 0
-        if prev and 1 <= gap <= _MAX_INCREMENTAL_GAP and gap - 1 < i:
+        gap = c - prev_c
+        if prev and gap <= _MAX_INCREMENTAL_GAP and gap - 1 < i:
             # perm(c_{i-1}, i) covers [c_{i-1}-i+1, c_{i-1}]; perm(c_i, i+1) covers [c_i-i, c_i]:
-            # add the gap's new factors on top, drop the gap-1 lowest old factors.
-            start = pos[i - 1] - i + 1
-            perms.append(prev * _range_product(pos[i - 1] + 1, c) // _range_product(start, start + gap - 2))
+            # multiply in the gap's new factors (c_{i-1}, c_i], divide out the gap-1 lowest old ones.
+            prev *= math.perm(c, gap)
+            if gap > 1:
+                prev //= math.perm(prev_c - i + gap - 1, gap - 1)
         else:
-            perms.append(math.perm(c, i + 1) if i < _DIRECT_RANGE else _perm(c, i + 1))
+            prev = math.perm(c, i + 1) if i < _DIRECT_RANGE else _perm(c, i + 1)
+        perms.append(prev)
+        prev_c = c
     # Horner on sum_i perm_i / (i+1)!: G_i = (perm_i + G_{i+1}) / (i+1) = i! sum_{j>=i} C(c_j, j+1).
     acc = 0
     for i in range(len(pos) - 1, -1, -1):

@@ -30,7 +30,7 @@ def reference_alg2(q, ell):
     ``ell * q`` is formed exactly as quantize does (same float64 sum and operation order), so
     that rounding ties cannot differ between the two; the algorithm itself is independent.
     """
-    total = float(q.sum())
+    total = float(q.numpy().sum())
     x = [ell * (v / total) for v in q.tolist()]
     b = [math.floor(v + 0.5) for v in x]
     excess = sum(b) - ell
