@@ -164,8 +164,9 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def _top_ids_ordered(q: torch.Tensor, k: int) -> torch.Tensor:
     """The k most probable ids of q, ordered by descending q then ascending id.  # [k] int64
 
-    ``torch.topk`` does not define which of several tied values it returns, so it only locates
-    the k-th largest value; the tokens above it plus the lowest-id ties at it are then taken.
+    ``torch.topk`` does not define which of several tied values it returns. Its set is only
+    trusted when the (k+1)-th value is strictly below the k-th (no tie across the cut);
+    otherwise the tokens above the k-th value plus the lowest-id ties at it are taken.
     """
     values, ids = torch.topk(q, min(k + 1, q.numel()), sorted=True)
     if k < q.numel() and bool(values[k] == values[k - 1]):
