@@ -40,12 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     extra = list(argv if argv is not None else sys.argv[1:])
     bindir = Path(sys.executable).parent
     port = _free_port()
-    edge = subprocess.Popen([str(bindir / "edge-server"), "--port", str(port)], stdout=subprocess.PIPE,
+    # Both processes share this host's cores: one torch thread each avoids oversubscription.
+    edge = subprocess.Popen([str(bindir / "edge-server"), "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         _wait_ready(edge)
         cmd = [str(bindir / "device-client"), "--edge", f"127.0.0.1:{port}", "--prompt", PROMPT,
-               "--max-new-tokens", "48", "--json", *extra]
+               "--max-new-tokens", "48", "--threads", "1", "--json", *extra]
         sys.stderr.write("[device] " + " ".join(cmd[1:]) + "\n")
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
