@@ -69,8 +69,9 @@ class Verdict:
     next_token: int | None                     # correction / bonus; None in DSSD after a rejection
     reject_samples: tuple[int, ...] = ()       # DSSD: y_k ~ p_j
     reject_sample_probs: tuple[float, ...] = ()  # DSSD: p_j(y_k)
-    verify_seconds: float = 0.0
-    queue_seconds: float = 0.0
+    verify_seconds: float = 0.0                # edge: decode + target forward + verification
+    queue_seconds: float = 0.0                 # edge: waiting for a worker thread
+    decode_seconds: float = 0.0                # edge: decoding the draft payloads
 
 
 @dataclass(frozen=True)

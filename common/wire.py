@@ -115,7 +115,8 @@ def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
     msg = pb.Verdict(
         round_id=v.round_id, num_accepted=v.num_accepted, reject_samples=list(v.reject_samples),
         reject_sample_probs=list(v.reject_sample_probs),
-        timings=pb.EdgeTimings(verify_seconds=v.verify_seconds, queue_seconds=v.queue_seconds),
+        timings=pb.EdgeTimings(verify_seconds=v.verify_seconds, queue_seconds=v.queue_seconds,
+                               decode_seconds=v.decode_seconds),
     )
     if v.next_token is not None:
         msg.next_token = v.next_token
@@ -128,6 +129,7 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         next_token=m.next_token if m.HasField("next_token") else None,
         reject_samples=tuple(m.reject_samples), reject_sample_probs=tuple(m.reject_sample_probs),
         verify_seconds=m.timings.verify_seconds, queue_seconds=m.timings.queue_seconds,
+        decode_seconds=m.timings.decode_seconds,
     )
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -93,7 +94,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             t0 = time.perf_counter()
             verdict = await self._call(session.verify, msg)
             queue = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
-            verdict = P.Verdict(**{**verdict.__dict__, "queue_seconds": queue})
+            verdict = replace(verdict, queue_seconds=queue)
             reply = wire.verdict_to_pb(verdict)
             if self.metrics:
                 self.metrics.round_done(session.hello.mode.value, msg, verdict, reply.ByteSize(), size)

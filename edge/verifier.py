@@ -119,7 +119,9 @@ class VerifierSession:
         self._check_round(draft)
         self._apply_correction(draft)
         draft_ids = list(draft.token_ids)
+        t_decode = time.perf_counter()
         q = self._decode_q(draft)
+        decode_seconds = time.perf_counter() - t_decode
         p = self._target_probs(draft_ids)
         ids = torch.tensor(draft_ids, dtype=torch.long)
         if self.hello.mode is Mode.DSSD:
@@ -130,7 +132,7 @@ class VerifierSession:
             verdict = Verdict(round_id=draft.round_id, num_accepted=result.num_accepted,
                               next_token=result.next_token)
         self.round_id = draft.round_id
-        return _with_time(verdict, time.perf_counter() - start)
+        return replace(verdict, verify_seconds=time.perf_counter() - start, decode_seconds=decode_seconds)
 
     def residual(self, request: ResidualRequest) -> ResidualReply:
         """DSSD fallback: the full p_j of the pending rejection (float64, exactly what was verified)."""
@@ -201,6 +203,3 @@ class VerifierSession:
                        reject_samples=tuple(int(y) for y in res.reject_samples),
                        reject_sample_probs=tuple(float(v) for v in res.reject_sample_probs))
 
-
-def _with_time(v: Verdict, seconds: float) -> Verdict:
-    return replace(v, verify_seconds=seconds)
