@@ -158,11 +158,12 @@ def tree_verify(
 ) -> TreeResult:
     """Lossless token-tree verification (TSLT Alg. 8 with Alg. 5 per node).
 
-    Starting at the root: run ``mc_verify`` (verification.py) on the node's children with the node's ``q`` and ``p``;
-    if a child is accepted append its token and descend into it (the accepted candidate's index
-    picks the child, which matters when siblings drawn with replacement share a token); otherwise
-    emit the output token (a correction from the recursive residual, never a sibling's token) and
-    stop. On reaching a leaf emit a bonus token sampled from ``p[leaf]``.
+    Starting at the root: run ``mc_verify`` (verification.py) on the node's children with the
+    node's ``q`` and ``p``; if a child is accepted append its token and descend into it (the
+    accepted candidate's index picks the child, which matters when siblings drawn with replacement
+    share a token); otherwise emit the output token (a sample of the recursive residual, which has
+    no mass on the rejected children) and stop. On reaching a leaf emit a bonus token from
+    ``p[leaf]``.
 
     Only the nodes on the returned path are verified: Alg. 8 verifies every node in parallel, but
     the path search reads only the verdicts of path nodes, and each verdict depends only on its own
@@ -174,24 +175,7 @@ def tree_verify(
     for the bonus token if a leaf is reached. For ``<1, ..., 1>`` this is exactly the draw sequence
     of ``chain_verify``, so both give identical results for the same generator state.
     """
-    check_generator(generator)
-    check_prob_rows("q", q, rows=spec.num_internal)
-    V = q.shape[1]
-    check_prob_rows("p", p, rows=spec.num_nodes, vocab=V)
-    if not isinstance(node_tokens, torch.Tensor) or node_tokens.shape != (spec.num_nodes,):
-        raise ValueError(f"node_tokens must be a tensor [{spec.num_nodes}] (root included)")
-    drafted = node_tokens[1:]  # [N-1], the root entry is ignored
-    check_token_ids("node_tokens[1:]", drafted, V)
-    q_of_drafted = q[spec.parents[1:], drafted]  # [N-1] q of each child under its parent's q
-    if (q_of_drafted <= 0).any():
-        bad = int((q_of_drafted <= 0).nonzero()[0, 0]) + 1
-        raise ValueError(f"node {bad} holds token {int(node_tokens[bad])} with probability 0 under its parent's q")
-    if not with_replacement:
-        for parent in spec.internal_nodes:
-            kids = spec.children(parent)
-            if torch.unique(node_tokens[kids.start : kids.stop]).numel() != len(kids):
-                raise ValueError(f"children of node {parent} must be distinct without replacement")
-
+    _check_tree_inputs(spec, node_tokens, q, p, generator, with_replacement)
     tokens_list = node_tokens.tolist()
     accepted: list[int] = []
     tokens: list[int] = []
@@ -201,12 +185,44 @@ def tree_verify(
         if len(kids) == 0:
             tokens.append(sample_token(p[node], generator))  # bonus token from p after the leaf
             return TreeResult(accepted_nodes=accepted, tokens=tokens)
-        idx, token = _mc_verify_prevalidated(tokens_list[kids.start : kids.stop], q[node], p[node], generator, with_replacement)
+        candidates = tokens_list[kids.start : kids.stop]
+        idx, token = _mc_verify_prevalidated(candidates, q[node], p[node], generator, with_replacement)
         tokens.append(token)
         if idx < 0:
             return TreeResult(accepted_nodes=accepted, tokens=tokens)
         node = kids[idx]
         accepted.append(node)
+
+
+def _check_tree_inputs(
+    spec: TreeSpec,
+    node_tokens: torch.Tensor,  # [N] int64
+    q: torch.Tensor,  # [num_internal, V] float64
+    p: torch.Tensor,  # [N, V] float64
+    generator: torch.Generator,
+    with_replacement: bool,
+) -> None:
+    """Validate a whole tree once, so the per-node verification can skip its own checks."""
+    check_generator(generator)
+    check_prob_rows("q", q, rows=spec.num_internal)
+    V = q.shape[1]
+    check_prob_rows("p", p, rows=spec.num_nodes, vocab=V)
+    if not isinstance(node_tokens, torch.Tensor) or node_tokens.shape != (spec.num_nodes,):
+        raise ValueError(f"node_tokens must be a tensor [{spec.num_nodes}] (root included)")
+    drafted = node_tokens[1:]  # [N-1], the root entry is ignored
+    check_token_ids("node_tokens[1:]", drafted, V)
+    q_of_drafted = q[spec.parents[1:], drafted]  # [N-1] q of each child under its parent's q
+    if float(q_of_drafted.min()) <= 0:
+        bad = int((q_of_drafted <= 0).nonzero()[0, 0]) + 1
+        raise ValueError(
+            f"node {bad} holds token {int(node_tokens[bad])} with probability 0 under its parent's q: "
+            "it cannot have been sampled from q"
+        )
+    if not with_replacement:
+        for parent in spec.internal_nodes:
+            kids = spec.children(parent)
+            if torch.unique(node_tokens[kids.start : kids.stop]).numel() != len(kids):
+                raise ValueError(f"children of node {parent} must be distinct without replacement")
 
 
 def num_internal_nodes(config: Sequence[int]) -> int:

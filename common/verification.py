@@ -21,10 +21,11 @@ References
   exactly a sample of ``norm(max(0, p_j - q_j))``.
 
 Randomness: every function takes a CPU ``torch.Generator`` and draws float64 uniforms in ``[0, 1)``
-one at a time with ``torch.rand((), generator=g, dtype=torch.float64)``: one per accept test, and
-one per sampled token (``distributions.sample_token``: inverse CDF, first token whose cumulative
-mass exceeds ``u * total``). Each docstring lists the exact order of the draws, so results are
-reproducible draw for draw. All arithmetic is float64.
+with ``torch.rand(..., generator=g, dtype=torch.float64)``: one per accept test, and one per
+sampled token (``distributions.sample_token``: inverse CDF, first token whose cumulative mass
+exceeds ``u * total``; ``torch.rand(k)`` consumes the generator exactly like k single draws). Each
+docstring lists the exact order of the draws, so results are reproducible draw for draw. All
+arithmetic is float64.
 Bad input raises ``ValueError``; ``assert`` is used only for internal invariants.
 """
 from __future__ import annotations
@@ -36,6 +37,26 @@ import torch
 # Inverse-CDF sampling with one float64 uniform, shared with the device's drafting code so both
 # sides sample identically (re-exported here for callers of the verification API).
 from specdec.common.distributions import sample_token, sample_token_from_uniform
+
+__all__ = [
+    "PROB_SUM_ATOL",
+    "ChainResult",
+    "DssdEdgeResult",
+    "chain_verify",
+    "check_generator",
+    "check_prob_rows",
+    "check_prob_vector",
+    "check_token_ids",
+    "draw_uniform",
+    "dssd_device_residual",
+    "dssd_device_resolve",
+    "dssd_edge_verify",
+    "mc_verify",
+    "residual_distribution",
+    "sample_candidates",
+    "sample_token",
+    "sample_token_from_uniform",
+]
 
 # Rows of a probability matrix must sum to 1 within this (float64) tolerance. Decoded packets are
 # normalised in float64, so anything looser than this is a caller bug, not rounding.
@@ -96,6 +117,7 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab: int, length: int | None
 
 
 def check_generator(generator: torch.Generator) -> None:
+    """Raise ValueError unless ``generator`` is a torch.Generator (randomness is always injected)."""
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 

@@ -8,6 +8,9 @@ chi-square test (p-value cut 1e-4, fixed seeds) and a total-variation bound.
 
 Negative controls run the same harness on deliberately broken verifiers (defined here, never in
 the library) and assert that the test rejects them, so the harness demonstrably has power.
+
+Sizes: NUM_SEQS sequences per mode in the default run (keeps this file near a minute on a shared
+2-core machine); ``-m slow`` (``make test-slow``) repeats every mode with HIGH_POWER_SEQS.
 """
 from __future__ import annotations
 
@@ -413,14 +416,16 @@ def residual_fallback_to_p(p_j, q_j, g) -> int:
     ],
 )
 def test_control_broken_chain_is_rejected(pair, exact, name: str, verify) -> None:
-    assert_rejected(fit(chain_round(pair, 2, torch.Generator().manual_seed(500), verify=verify), exact, num_seqs=CONTROL_SEQS))
+    round_fn = chain_round(pair, 2, torch.Generator().manual_seed(500), verify=verify)
+    assert_rejected(fit(round_fn, exact, num_seqs=CONTROL_SEQS))
 
 
 @pytest.mark.parametrize("t", [0.5, 2.0])
 def test_control_draft_sampled_from_other_q_is_rejected(pair, exact, t: float) -> None:
     """BROKEN pipeline: tokens drawn from q at another temperature, verifier sees q."""
     g = torch.Generator().manual_seed(600)
-    assert_rejected(fit(chain_round(pair, 2, g, draft_law=lambda q: tm.temperature(q, t)), exact, num_seqs=CONTROL_SEQS))
+    round_fn = chain_round(pair, 2, g, draft_law=lambda q: tm.temperature(q, t))
+    assert_rejected(fit(round_fn, exact, num_seqs=CONTROL_SEQS))
 
 
 def test_control_mc_without_p_update_is_rejected(pair, exact) -> None:

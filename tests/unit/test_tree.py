@@ -159,7 +159,8 @@ def test_tree_follows_accepted_child_and_emits_bonus_at_leaf() -> None:
     q = torch.full((spec.num_internal, V), 0.25, dtype=torch.float64)
     p = torch.full((spec.num_nodes, V), 0.25, dtype=torch.float64)
     p[0] = torch.tensor([0, 0, 1, 0], dtype=torch.float64)
-    p[2] = torch.tensor([1, 0, 0, 0], dtype=torch.float64)  # after token 2: node 5 (token 3) rejected, node 6 (0) accepted
+    # after token 2: node 5 (token 3) is rejected, node 6 (token 0) accepted
+    p[2] = torch.tensor([1, 0, 0, 0], dtype=torch.float64)
     p[6] = torch.tensor([0, 0, 0, 1], dtype=torch.float64)  # bonus after the leaf is 3
     for seed in range(20):
         res = tree_verify(spec, node_tokens, q, p, gen(seed))
