@@ -149,12 +149,15 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
 def _observe_round(stream: _Stream, session: DraftSession, rd: RoundDraft, verdict: P.Verdict,
                    new: list[int], sent: int, received: int, elapsed: float) -> None:
     network = max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
+    # The edge's verify_seconds includes payload decode: split it so the phases add up to the round.
     phases = {"draft": rd.draft_seconds, "encode": rd.encode_seconds, "network": network,
-              "verify": verdict.verify_seconds}
+              "queue": verdict.queue_seconds, "decode": verdict.decode_seconds,
+              "verify": max(0.0, verdict.verify_seconds - verdict.decode_seconds)}
     threshold = session.controller.beta if session.controller is not None else None
+    depth = getattr(rd.block, "tree_depth", 0) or None  # trees: positions are depths
     stream.metrics.round_done(stream.mode, drafted=len(rd.block.token_ids), accepted=verdict.num_accepted,
                               generated=len(new), uplink=sent, downlink=received, phases=phases,
-                              support_sizes=rd.support_sizes, threshold=threshold)
+                              support_sizes=rd.support_sizes, threshold=threshold, depth=depth)
 
 
 async def _dssd_fallback(stream, session, rd, verdict, result) -> int:

@@ -64,6 +64,7 @@ async def serve(cfg: EdgeConfig) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then stop gracefully."""
     target = load_model(cfg.model)
     metrics = EdgeMetrics()
+    metrics.set_model(target.name, target.vocab_size)
     if cfg.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)

@@ -82,10 +82,12 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             self.metrics.session_started(hello.mode.value)
         await context.write(wire.welcome_to_pb(session.welcome()))
         prompt = await self._expect(context, P.Prompt, "Prompt")
+        t_start = time.perf_counter()  # end-to-end time on the edge: Prompt to Close
         await self._call(session.prefill, prompt)
         while True:
             msg, size = await self._read_sized(context)
             if msg is None or isinstance(msg, P.Close):
+                self._observe_request(session, len(prompt.token_ids), time.perf_counter() - t_start)
                 return
             await self._dispatch(session, msg, size, context)
 
@@ -141,6 +143,10 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         except Exception as exc:  # a bug in one session must not take the server down
             log.exception("session failed")
             raise _SessionEnd(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}") from None
+
+    def _observe_request(self, session: VerifierSession, prompt_len: int, seconds: float) -> None:
+        if self.metrics:
+            self.metrics.request_done(session.hello.mode.value, seconds, len(session.tokens) - prompt_len)
 
     def _observe_end(self, status: str, started: bool) -> None:
         if self.metrics:
