@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds allowed per session")
     p.add_argument("--json", action="store_true", help="print one JSON object per session instead of text")
     p.add_argument("--metrics-port", type=_bounded(int, 0), default=0)
+    p.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address")
+    p.add_argument("--linger", type=_bounded(float, 0.0), default=0.0,
+                   help="keep /metrics up this many seconds after the last session (needs --metrics-port)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0 = torch's default); 1 suits tiny models and shared cores")
     p.add_argument("--log-level", default="WARNING")
@@ -79,12 +82,15 @@ def config_from_args(a) -> DeviceConfig:
         max_k=a.max_k, dssd_samples=a.dssd_samples, draft_len=a.draft_len, bit_budget=a.bit_budget or 0,
         temperature=a.temperature, target_top_p=a.target_top_p or 0.0, target_top_k=a.target_top_k or 0,
         seed=a.seed, max_new_tokens=a.max_new_tokens, num_samples=a.num_samples, timeout=a.timeout,
-        json=a.json, metrics_port=a.metrics_port,
+        json=a.json, metrics_port=a.metrics_port, metrics_host=a.metrics_host, linger=a.linger,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.linger and not args.metrics_port:
+        parser.error("--linger needs --metrics-port")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(args)
     if args.threads > 0:

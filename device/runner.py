@@ -54,6 +54,8 @@ class DeviceConfig:
     timeout: float = 600.0              # seconds per session
     json: bool = False
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"     # /metrics bind address (0.0.0.0 where Prometheus is on another host)
+    linger: float = 0.0                 # seconds /metrics stays up after the last session (final scrape)
 
     def model_spec(self) -> ModelSpec:
         if self.draft_model is None and self.draft_gguf_file is None:
@@ -137,7 +139,7 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
     fingerprint = vocab_fingerprint(drafter.tokenizer)
     metrics = DeviceMetrics()
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr="127.0.0.1", registry=metrics.registry)
+        start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
     results = []
     async with open_channel(cfg.edge) as channel:
         for i in range(cfg.num_samples):
@@ -150,4 +152,7 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
             results.append(record)
             out.write(json.dumps(record) + "\n" if cfg.json else "\n")
             out.flush()
+    if cfg.metrics_port and cfg.linger > 0:
+        # A one-shot run can end between two scrapes; stay up so the last counts get scraped.
+        await asyncio.sleep(cfg.linger)
     return results
