@@ -5,10 +5,10 @@ Labels are of low cardinality only (mode, status, position, phase); never a sess
 Derived rates are PromQL over counters (``$__rate_interval`` is Grafana's; use e.g. ``5m`` by hand):
 
 - throughput: ``sum by (mode) (rate(specdec_device_generated_tokens_total[$__rate_interval]))``
-- acceptance rate alpha (accepted / drafted positions; for chains positions = draft tokens, for
+- acceptance rate alpha (accepted tokens / drafted positions; for chains positions = draft tokens, for
   token trees one position per tree layer, so trees and chains compare):
   ``sum(rate(specdec_device_accepted_tokens_total[$__rate_interval]))
-  / sum(rate(specdec_device_draft_tokens_per_position_total[$__rate_interval]))``
+  / sum(rate(specdec_device_draft_positions_total[$__rate_interval]))``
 - acceptance per draft position:
   ``sum by (position) (rate(specdec_device_accepted_tokens_per_position_total[$__rate_interval]))
   / sum by (position) (rate(specdec_device_draft_tokens_per_position_total[$__rate_interval]))``
@@ -63,6 +63,8 @@ class DeviceMetrics:
         self.failed = Counter("sessions_failed", "Sessions ended with a status other than ok", ["status"], **kw)
         self.rounds = Counter("rounds", "Draft/verify rounds", ["mode"], **kw)
         self.draft_tokens = Counter("draft_tokens", "Draft tokens (tree nodes) sent", ["mode"], **kw)
+        self.draft_positions = Counter("draft_positions", "Draft positions (chain length, or tree depth)",
+                                       ["mode"], **kw)
         self.accepted_tokens = Counter("accepted_tokens", "Draft tokens accepted by the edge", ["mode"], **kw)
         self.drafted_per_position = Counter(
             "draft_tokens_per_position", "Rounds that drafted a token at this position (0-based)", ["position"], **kw)
@@ -113,7 +115,9 @@ class DeviceMetrics:
         self.rounds.labels(mode).inc()
         self.draft_tokens.labels(mode).inc(drafted)
         self.accepted_tokens.labels(mode).inc(accepted)
-        for i in range(drafted if depth is None else depth):
+        positions = drafted if depth is None else depth
+        self.draft_positions.labels(mode).inc(positions)
+        for i in range(positions):
             self.drafted_per_position.labels(_position(i)).inc()
         for i in range(accepted):
             self.accepted_per_position.labels(_position(i)).inc()

@@ -6,10 +6,10 @@ Derived rates are PromQL over counters (``$__rate_interval`` is Grafana's; use e
 
 - throughput (generated tokens/s):
   ``sum by (mode) (rate(specdec_edge_generated_tokens_total[$__rate_interval]))``
-- acceptance rate alpha (accepted / drafted positions; for chains positions = draft tokens, for
+- acceptance rate alpha (accepted tokens / drafted positions; for chains positions = draft tokens, for
   token trees one position per tree layer, so trees and chains compare):
   ``sum(rate(specdec_edge_accepted_tokens_total[$__rate_interval]))
-  / sum(rate(specdec_edge_draft_tokens_per_position_total[$__rate_interval]))``
+  / sum(rate(specdec_edge_draft_positions_total[$__rate_interval]))``
 - acceptance per draft position (tree depth for token trees):
   ``sum by (position) (rate(specdec_edge_accepted_tokens_per_position_total[$__rate_interval]))
   / sum by (position) (rate(specdec_edge_draft_tokens_per_position_total[$__rate_interval]))``
@@ -64,6 +64,8 @@ class EdgeMetrics:
         self.failed = Counter("sessions_failed", "Sessions ended with a status other than ok", ["status"], **kw)
         self.rounds = Counter("rounds", "Verification rounds", ["mode"], **kw)
         self.draft_tokens = Counter("draft_tokens", "Draft tokens (tree nodes) received", ["mode"], **kw)
+        self.draft_positions = Counter("draft_positions", "Draft positions (chain length, or tree depth)",
+                                       ["mode"], **kw)
         self.accepted_tokens = Counter("accepted_tokens", "Draft tokens accepted", ["mode"], **kw)
         self.drafted_per_position = Counter(
             "draft_tokens_per_position", "Rounds that drafted a token at this position (0-based depth)",
@@ -117,7 +119,9 @@ class EdgeMetrics:
         self.rounds.labels(mode).inc()
         self.draft_tokens.labels(mode).inc(len(draft.token_ids))
         self.accepted_tokens.labels(mode).inc(n)
-        for i in range(_draft_depth(draft)):
+        positions = _draft_depth(draft)
+        self.draft_positions.labels(mode).inc(positions)
+        for i in range(positions):
             self.drafted_per_position.labels(_position(i)).inc()
         for i in range(n):
             self.accepted_per_position.labels(_position(i)).inc()
