@@ -67,7 +67,8 @@ _MAX_VARINT_BYTES = 5
 # rounding (and flushing tails below its subnormal range) moves the sum by well under 1%.
 _DENSE_SUM_TOL = 0.05
 # DSSD scalars are float32 probabilities q_i(x_i).
-_SCALAR_BITS = 32
+_SCALAR_BYTES = 8  # float64 q_i(x_i), see encode_dssd_scalars
+_SCALAR_BITS = 8 * _SCALAR_BYTES
 
 
 def _ceil_log2(n: int) -> int:
@@ -188,28 +189,31 @@ def decode_distribution(payload: bytes, cfg: CodecConfig) -> SparseDist:
 
 
 def encode_dssd_scalars(q_of_draft: torch.Tensor) -> bytes:
-    """DSSD uplink scalars q_i(x_i) as little-endian float32.  q_of_draft: [L] float, in (0, 1]."""
+    """DSSD uplink scalars q_i(x_i) as little-endian float64.  q_of_draft: [L] float, in (0, 1].
+
+    float64, not float32: the edge's accept test must use exactly the q(x) the device sampled
+    from and will use for the residual (DESIGN.md: bit for bit); 4 more bytes per draft token."""
     if not isinstance(q_of_draft, torch.Tensor) or q_of_draft.ndim != 1 or q_of_draft.numel() == 0:
         raise ValueError("q_of_draft must be a non-empty 1-D tensor")
     if not q_of_draft.is_floating_point():
         raise ValueError(f"q_of_draft must be floating point, got {q_of_draft.dtype}")
-    values = q_of_draft.detach().to(torch.float32).numpy()
-    _check_scalars(values.astype(np.float64))
-    return values.astype("<f4").tobytes()
+    values = q_of_draft.detach().to(torch.float64).numpy()
+    _check_scalars(values)
+    return values.astype("<f8").tobytes()
 
 
 def decode_dssd_scalars(payload: bytes, num_draft: int) -> torch.Tensor:
-    """Inverse of encode_dssd_scalars.  Returns [L] float64 (the exact float32 values sent)."""
+    """Inverse of encode_dssd_scalars.  Returns [L] float64, bit-identical to what was sent."""
     _require_int(num_draft, "num_draft", 1, 2**31)
-    if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload) != 4 * num_draft:
-        raise ValueError(f"dssd scalar payload must be {4 * num_draft} bytes")
-    values = np.frombuffer(bytes(payload), dtype="<f4").astype(np.float64)
+    if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload) != _SCALAR_BYTES * num_draft:
+        raise ValueError(f"dssd scalar payload must be {_SCALAR_BYTES * num_draft} bytes")
+    values = np.frombuffer(bytes(payload), dtype="<f8").astype(np.float64)
     _check_scalars(values)
     return torch.from_numpy(values.copy())
 
 
 def dssd_theoretical_bits(num_draft: int, vocab_size: int) -> int:
-    """DSSD uplink bits: L (ceil(log2 V) + 32) -- each draft id plus its float32 q_i(x_i)."""
+    """DSSD uplink bits: L (ceil(log2 V) + 64) -- each draft id plus its float64 q_i(x_i)."""
     _require_int(num_draft, "num_draft", 0, 2**31)
     _require_int(vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
     return num_draft * (_ceil_log2(vocab_size) + _SCALAR_BITS)

@@ -25,6 +25,7 @@ class DraftSettings:
     csqs_beta0: float = 0.001     # C-SQS initial threshold beta_1^1
     max_k: int = 4096             # C-SQS support cap
     dssd_samples: int = 8         # DSSD: target samples sent downlink after a rejection
+    tree: tuple[int, ...] = ()    # token tree expansion configuration <k1..kL>; () = chain
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class DraftBlock:
     distributions: tuple[bytes, ...] = ()      # [L] codec payloads (not in DSSD)
     dssd_scalars: bytes = b""                  # DSSD: q_i(x_i), float32 each
     correction_token: int | None = None        # DSSD: device-sampled token for the last rejection
+    tree_depth: int = 0                        # tree: layers drafted this round (config prefix)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Verdict:
     verify_seconds: float = 0.0                # edge: decode + target forward + verification
     queue_seconds: float = 0.0                 # edge: waiting for a worker thread
     decode_seconds: float = 0.0                # edge: decoding the draft payloads
+    accepted_nodes: tuple[int, ...] = ()       # tree: accepted path (node indices, depth order)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ def settings_to_pb(s: P.DraftSettings) -> pb.DraftSettings:
         draft_len=s.draft_len, bit_budget=s.bit_budget, top_k=s.top_k, top_p=s.top_p,
         lattice=s.lattice, dense_dtype=_DTYPE_TO_PB[s.dense_dtype], csqs_alpha=s.csqs_alpha,
         csqs_eta=s.csqs_eta, csqs_beta0=s.csqs_beta0, max_k=s.max_k, dssd_samples=s.dssd_samples,
+        tree=list(s.tree),
     )
 
 
@@ -42,6 +43,7 @@ def settings_from_pb(m: pb.DraftSettings) -> P.DraftSettings:
         draft_len=m.draft_len, bit_budget=m.bit_budget, top_k=m.top_k, top_p=m.top_p,
         lattice=m.lattice, dense_dtype=_PB_TO_DTYPE[m.dense_dtype], csqs_alpha=m.csqs_alpha,
         csqs_eta=m.csqs_eta, csqs_beta0=m.csqs_beta0, max_k=m.max_k, dssd_samples=m.dssd_samples,
+        tree=tuple(m.tree),
     )
 
 
@@ -89,7 +91,8 @@ def prompt_from_pb(m: pb.Prompt) -> P.Prompt:
 
 def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
     msg = pb.Draft(round_id=d.round_id, token_ids=list(d.token_ids),
-                   distributions=list(d.distributions), dssd_scalars=d.dssd_scalars)
+                   distributions=list(d.distributions), dssd_scalars=d.dssd_scalars,
+                   tree_depth=d.tree_depth)
     if d.correction_token is not None:
         msg.correction_token = d.correction_token
     return pb.DeviceMessage(draft=msg)
@@ -100,6 +103,7 @@ def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
         round_id=m.round_id, token_ids=tuple(m.token_ids), distributions=tuple(m.distributions),
         dssd_scalars=m.dssd_scalars,
         correction_token=m.correction_token if m.HasField("correction_token") else None,
+        tree_depth=m.tree_depth,
     )
 
 
@@ -114,7 +118,7 @@ def close_to_pb() -> pb.DeviceMessage:
 def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
     msg = pb.Verdict(
         round_id=v.round_id, num_accepted=v.num_accepted, reject_samples=list(v.reject_samples),
-        reject_sample_probs=list(v.reject_sample_probs),
+        reject_sample_probs=list(v.reject_sample_probs), accepted_nodes=list(v.accepted_nodes),
         timings=pb.EdgeTimings(verify_seconds=v.verify_seconds, queue_seconds=v.queue_seconds,
                                decode_seconds=v.decode_seconds),
     )
@@ -128,7 +132,7 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         round_id=m.round_id, num_accepted=m.num_accepted,
         next_token=m.next_token if m.HasField("next_token") else None,
         reject_samples=tuple(m.reject_samples), reject_sample_probs=tuple(m.reject_sample_probs),
-        verify_seconds=m.timings.verify_seconds, queue_seconds=m.timings.queue_seconds,
+        accepted_nodes=tuple(m.accepted_nodes), verify_seconds=m.timings.verify_seconds, queue_seconds=m.timings.queue_seconds,
         decode_seconds=m.timings.decode_seconds,
     )
 

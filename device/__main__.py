@@ -31,6 +31,16 @@ def _bounded(kind, low, high=None, *, low_open=False):
     return parse
 
 
+def _tree_config(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,2,2, got {text!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"every branching factor must be >= 1, got {text!r}")
+    return ks
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="device-client", description="specdec device client: drafts locally, verifies on the edge")
     p.add_argument("--edge", required=True, help="edge server HOST:PORT")
@@ -52,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beta0", type=_bounded(float, 0.0, 1.0), default=0.001, help="C-SQS initial threshold")
     p.add_argument("--max-k", type=_bounded(int, 1), default=4096, help="C-SQS support cap")
     p.add_argument("--dssd-samples", type=_bounded(int, 1), default=8)
+    p.add_argument("--tree", type=_tree_config, default=(),
+                   help="token tree expansion configuration, e.g. 2,2,2 (default: a chain of --draft-len)")
     p.add_argument("--draft-len", type=_bounded(int, 1), default=4)
     p.add_argument("--bit-budget", type=_bounded(int, 1), default=None, help="per-round uplink bits B")
     p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0)
@@ -79,14 +91,66 @@ def config_from_args(a) -> DeviceConfig:
         draft_gguf_file=a.draft_gguf_file, draft_layers=a.draft_layers, device=a.device, dtype=a.dtype,
         mode=Mode(a.mode), top_k=a.top_k, top_p=a.top_p or 0.0, lattice=a.lattice,
         dense_dtype=a.dense_dtype, csqs_alpha=a.alpha, csqs_eta=a.eta, csqs_beta0=a.beta0,
-        max_k=a.max_k, dssd_samples=a.dssd_samples, draft_len=a.draft_len, bit_budget=a.bit_budget or 0,
+        max_k=a.max_k, dssd_samples=a.dssd_samples, tree=a.tree, draft_len=a.draft_len, bit_budget=a.bit_budget or 0,
         temperature=a.temperature, target_top_p=a.target_top_p or 0.0, target_top_k=a.target_top_k or 0,
         seed=a.seed, max_new_tokens=a.max_new_tokens, num_samples=a.num_samples, timeout=a.timeout,
         json=a.json, metrics_port=a.metrics_port, metrics_host=a.metrics_host, linger=a.linger,
     )
 
 
+# Flags only the one-shot form has. `serve` takes every other flag of build_parser(), so the draft and
+# mode flags of the two forms cannot drift apart.
+ONE_SHOT_ONLY = ("help", "prompt", "raw", "json", "num_samples", "seed", "linger")
+SERVE_DEFAULTS = dict(temperature=1.0,   # OpenAI's default for requests that do not name one
+                      log_level="INFO",  # a daemon logs its ready line and requests
+                      prompt="", raw=False, json=False, num_samples=1, seed=0, linger=0.0)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="device-client serve",
+                description="specdec device daemon: an OpenAI-compatible HTTP API over speculative decoding")
+    for action in build_parser()._actions:
+        if action.dest not in ONE_SHOT_ONLY:
+            p._add_action(action)
+    p.add_argument("--listen", type=_host_port, default=("127.0.0.1", 8000),
+                   help="HTTP API HOST:PORT (default 127.0.0.1:8000)")
+    p.add_argument("--served-model-name", default="specdec", help="model id listed by /v1/models")
+    p.add_argument("--connect-timeout", type=_bounded(float, 0.0, low_open=True), default=3.0,
+                   help="seconds to wait for the edge before answering 503")
+    p.set_defaults(**SERVE_DEFAULTS)
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    from specdec.device.daemon import DaemonConfig, serve
+
+    args = build_serve_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host, port = args.listen
+    cfg = DaemonConfig(device=config_from_args(args), host=host, port=port,
+                       model_name=args.served_model_name, connect_timeout=args.connect_timeout)
+    if args.threads > 0:
+        import torch
+        torch.set_num_threads(args.threads)
+    try:
+        run_async(serve(cfg))
+    except Exception as exc:  # any failure: one line and a non-zero status
+        sys.stderr.write(f"device-client serve: error: {exc}\n")
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.linger and not args.metrics_port:

@@ -23,6 +23,8 @@ from specdec.common.distributions import densify, sample_token
 from specdec.common.engine import codec_config, model_probs
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.protocol import DraftBlock, Hello, Verdict
+from specdec.common.tree import TreeSpec
+from specdec.common.treeplan import draft_layer_inputs, layer_node_ids, path_cache_indices
 
 # The device's generator is seeded apart from the edge's so the two streams of uniforms differ.
 DEVICE_SEED_OFFSET = 0x5DEECE66D
@@ -32,22 +34,31 @@ DEVICE_SEED_OFFSET = 0x5DEECE66D
 class RoundDraft:
     """One round's draft and what the device keeps to finish it."""
     block: DraftBlock
-    q_rows: list[torch.Tensor]      # [V] float64 per position: the q each token was sampled from
+    q_rows: list[torch.Tensor]      # [V] float64 per position (tree: per internal node): sampled-from q
     theoretical_bits: int
     support_sizes: list[int]
     draft_seconds: float            # drafter forwards + sampling
     encode_seconds: float           # codec encode + decode
+    tree: TreeSpec | None = None    # the round's tree (a prefix of the configured one)
+    dropped: list[float] = field(default_factory=list)  # C-SQS: dropped mass per encoded q
+
+    @property
+    def positions(self) -> int:
+        """Draft positions (tree depth for trees): the denominator of the acceptance rate."""
+        return self.tree.depth if self.tree is not None else len(self.block.token_ids)
 
 
 @dataclass
 class DeviceStats:
     rounds: int = 0
-    draft_tokens: int = 0
+    draft_tokens: int = 0           # tokens (tree: nodes) sent
+    draft_positions: int = 0        # chain: = draft_tokens; tree: sum of depths
     accepted_tokens: int = 0
     theoretical_uplink_bits: int = 0
     draft_seconds: float = 0.0
     encode_seconds: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted position i
 
 
 class DraftSession:
@@ -66,12 +77,16 @@ class DraftSession:
         self.round_id = 0
         self.stats = DeviceStats()
         self.pending_correction: int | None = None
+        self.tree = tuple(hello.draft.tree)
+        self._specs: dict[int, TreeSpec] = {}
 
     def start(self, prompt_ids: list[int]) -> None:
         self.tokens = list(prompt_ids)
 
     def draft(self, max_tokens: int) -> RoundDraft:
         """Draft up to ``min(draft_len, max_tokens)`` tokens (at least one), encoding each q."""
+        if self.tree:
+            return self._draft_tree(max(1, min(len(self.tree), max_tokens)))
         limit = max(MIN_DRAFT_LEN, min(self.hello.draft.draft_len, max_tokens))
         if self.controller is not None:
             self.controller.start_round()
@@ -105,7 +120,7 @@ class DraftSession:
     def _round(self, ids, payloads, q_rows, sizes, bits, t_draft, t_encode) -> RoundDraft:
         self.round_id += 1
         if self.hello.mode is Mode.DSSD:
-            scalars = torch.stack([row[t] for row, t in zip(q_rows, ids)]).float()
+            scalars = torch.stack([row[t] for row, t in zip(q_rows, ids)])  # float64: bit for bit
             block = DraftBlock(round_id=self.round_id, token_ids=tuple(ids),
                                dssd_scalars=encode_dssd_scalars(scalars),
                                correction_token=self.pending_correction)
@@ -115,6 +130,58 @@ class DraftSession:
         self.pending_correction = None
         return RoundDraft(block=block, q_rows=q_rows, theoretical_bits=bits, support_sizes=sizes,
                           draft_seconds=t_draft, encode_seconds=t_encode)
+
+    # -- token trees (TSLT Alg. 7: one batched forward per layer, tree attention) -------------------
+    def _draft_tree(self, depth: int) -> RoundDraft:
+        if depth not in self._specs:
+            self._specs[depth] = TreeSpec.from_config(self.tree[:depth])
+        spec = self._specs[depth]
+        if self.controller is not None:
+            self.controller.start_round()  # one threshold per round; updated along the path later
+        nodes = [0] * spec.num_nodes
+        steps = []
+        t_draft = t_encode = 0.0
+        t0 = time.perf_counter()
+        q_layer = [self._next_q([])]  # layer 0: the root's q, after the prefix
+        t_draft += time.perf_counter() - t0
+        for layer in range(spec.depth):
+            parents = range(spec.layer_offsets[layer], spec.layer_offsets[layer + 1])
+            for parent, q in zip(parents, q_layer):
+                t1 = time.perf_counter()
+                step = self._encode_q(q)
+                kids = spec.children(parent)
+                t2 = time.perf_counter()
+                picks = V.sample_candidates(step[1], len(kids), self.generator, with_replacement=True)
+                nodes[kids.start:kids.stop] = picks.tolist()
+                t_encode += t2 - t1
+                t_draft += time.perf_counter() - t2
+                steps.append(step)
+            if layer + 1 < spec.depth:
+                t3 = time.perf_counter()
+                q_layer = self._tree_layer_qs(spec, layer + 1, nodes)
+                t_draft += time.perf_counter() - t3
+        return self._tree_round(spec, nodes, steps, t_draft, t_encode)
+
+    def _tree_layer_qs(self, spec: TreeSpec, layer: int, nodes: list[int]) -> list[torch.Tensor]:
+        ids = layer_node_ids(spec, layer)
+        attend, positions = draft_layer_inputs(spec, layer, len(self.tokens))
+        logits = self.lm.forward_masked([nodes[n] for n in ids], attend, positions, len(ids))
+        return list(model_probs(logits.cpu(), self.hello.temperature))
+
+    def _tree_round(self, spec, nodes, steps, t_draft, t_encode) -> RoundDraft:
+        self.round_id += 1
+        payloads, q_rows, bits, sizes, dropped = (list(x) for x in zip(*steps))
+        block = DraftBlock(round_id=self.round_id, token_ids=tuple(nodes[1:]), distributions=tuple(payloads),
+                           tree_depth=spec.depth)
+        return RoundDraft(block=block, q_rows=q_rows, theoretical_bits=sum(bits), support_sizes=sizes,
+                          draft_seconds=t_draft, encode_seconds=t_encode, tree=spec, dropped=dropped)
+
+    def _encode_q(self, q: torch.Tensor):
+        """(payload, decoded q_hat [V] float64, bits, support size, dropped mass)."""
+        threshold = self.controller.beta if self.controller is not None else None
+        enc = encode_distribution(q.float(), self.codec, threshold=threshold)
+        q_hat = densify(decode_distribution(enc.payload, self.codec))  # exactly what the edge decodes
+        return enc.payload, q_hat, enc.theoretical_bits, enc.support_size, enc.dropped_mass
 
     def _next_q(self, drafted: list[int]) -> torch.Tensor:
         """The drafter's distribution after tokens + drafted: [V] float64."""
@@ -127,11 +194,9 @@ class DraftSession:
         if self.hello.mode is Mode.DSSD:
             token = sample_token(q, self.generator)
             return token, q, b"", 0, self.vocab_size, 0.0
-        threshold = self.controller.beta if self.controller is not None else None
-        enc = encode_distribution(q.float(), self.codec, threshold=threshold)
-        q_hat = decode_distribution(enc.payload, self.codec)  # exactly what the edge will decode
+        payload, q_hat, bits, support, dropped = self._encode_q(q)
         token = sample_token(q_hat, self.generator)
-        return token, densify(q_hat), enc.payload, enc.theoretical_bits, enc.support_size, enc.dropped_mass
+        return token, q_hat, payload, bits, support, dropped
 
     # -- verdicts ----------------------------------------------------------------------------------
     def resolve_dssd(self, rd: RoundDraft, verdict: Verdict) -> int | None:
@@ -146,6 +211,8 @@ class DraftSession:
 
     def commit(self, rd: RoundDraft, verdict: Verdict, next_token: int, *, dssd_correction: bool) -> list[int]:
         """Apply a verdict: keep the accepted prefix, roll the draft cache back, return new tokens."""
+        if rd.tree is not None:
+            return self._commit_tree(rd, verdict, next_token)
         n = verdict.num_accepted
         ids = list(rd.block.token_ids)
         if not 0 <= n <= len(ids) or verdict.round_id != rd.block.round_id:
@@ -160,15 +227,49 @@ class DraftSession:
         self._count(rd, n)
         return new
 
+    def _commit_tree(self, rd: RoundDraft, verdict: Verdict, next_token: int) -> list[int]:
+        spec = rd.tree
+        path = list(verdict.accepted_nodes)
+        if verdict.round_id != rd.block.round_id or not _is_root_path(spec, path):
+            raise ValueError(f"verdict path {path} is not a root path of round {rd.block.round_id}'s tree")
+        nodes = (0, *rd.block.token_ids)
+        new = [nodes[n] for n in path] + [int(next_token)]
+        fed_until = spec.layer_offsets[spec.depth]  # the last layer never went through the drafter
+        self.lm.keep(path_cache_indices(len(self.tokens), path, fed_until))
+        self.tokens.extend(new)
+        if self.controller is not None:
+            # C-SQS along the path (Alg. 1): one update per accepted position + the resampled one.
+            used = [0, *path][: len(path) + 1]
+            for node in used:
+                if node < spec.num_internal:
+                    self.controller.observe(rd.dropped[node])
+            self.controller.on_verdict(sum(1 for n in used if n < spec.num_internal))
+        self._count(rd, len(path))
+        return new
+
     def _count(self, rd: RoundDraft, n: int) -> None:
         s = self.stats
         s.rounds += 1
+        s.draft_positions += rd.positions
         s.draft_tokens += len(rd.block.token_ids)
         s.accepted_tokens += n
         s.theoretical_uplink_bits += rd.theoretical_bits
         s.draft_seconds += rd.draft_seconds
         s.encode_seconds += rd.encode_seconds
-        while len(s.accepted_per_position) < len(rd.block.token_ids):
+        while len(s.accepted_per_position) < rd.positions:
             s.accepted_per_position.append(0)
+            s.drafted_per_position.append(0)
+        for i in range(rd.positions):
+            s.drafted_per_position[i] += 1
         for i in range(n):
             s.accepted_per_position[i] += 1
+
+
+def _is_root_path(spec: TreeSpec, path: list[int]) -> bool:
+    """True iff ``path`` walks from the root down parent -> child (node indices, depth order)."""
+    parent = 0
+    for node in path:
+        if not 0 < node < spec.num_nodes or int(spec.parents[node]) != parent:
+            return False
+        parent = node
+    return True

@@ -43,6 +43,7 @@ class DeviceConfig:
     csqs_beta0: float = 0.001
     max_k: int = 4096
     dssd_samples: int = 8
+    tree: tuple[int, ...] = ()          # token tree expansion configuration; () = chain
     draft_len: int = 4
     bit_budget: int = 0
     temperature: float = 0.0
@@ -69,16 +70,16 @@ class DeviceConfig:
             draft_len=self.draft_len, bit_budget=self.bit_budget, top_k=min(self.top_k, vocab_size),
             top_p=self.top_p, lattice=self.lattice, dense_dtype=self.dense_dtype,
             csqs_alpha=self.csqs_alpha, csqs_eta=self.csqs_eta, csqs_beta0=self.csqs_beta0,
-            max_k=self.max_k, dssd_samples=self.dssd_samples)
+            max_k=self.max_k, dssd_samples=self.dssd_samples, tree=tuple(self.tree))
         return Hello(mode=self.mode, vocab_fingerprint=fingerprint, vocab_size=vocab_size,
                      temperature=self.temperature, draft=settings, seed=seed,
                      max_new_tokens=self.max_new_tokens, target_top_p=self.target_top_p,
                      target_top_k=self.target_top_k)
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
+def open_channel(address: str, extra_options: tuple = ()) -> grpc.aio.Channel:
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *extra_options]
     return grpc.aio.insecure_channel(address, options=options)
 
 
@@ -96,9 +97,14 @@ def result_json(cfg: DeviceConfig, drafter: LoadedModel, session: DraftSession, 
             "rounds": s.rounds,
             "draft_tokens": s.draft_tokens,
             "accepted_tokens": s.accepted_tokens,
-            "acceptance_rate": s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0,
+            "draft_positions": s.draft_positions,
+            "acceptance_rate": s.accepted_tokens / s.draft_positions if s.draft_positions else 0.0,
             "mean_accepted_length": s.accepted_tokens / s.rounds if s.rounds else 0.0,
             "accepted_per_position": s.accepted_per_position,
+            "acceptance_per_depth": [a / d if d else 0.0 for a, d in
+                                     zip(s.accepted_per_position, s.drafted_per_position)],
+            "tree": list(cfg.tree),
+            "tree_nodes_sent": s.draft_tokens if cfg.tree else 0,
             "generated_tokens": n,
             "uplink_bytes": r.uplink_bytes,
             "downlink_bytes": r.downlink_bytes,

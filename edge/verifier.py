@@ -21,6 +21,8 @@ from specdec.common.codecs import Mode, decode_distribution, decode_dssd_scalars
 from specdec.common.distributions import densify
 from specdec.common.engine import codec_config, encode_target_probs, model_probs, validate_hello
 from specdec.common.modeling import CachedLM, LoadedModel
+from specdec.common.tree import TreeSpec, tree_verify
+from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
 from specdec.common.protocol import (PROTOCOL_VERSION, DraftBlock, Hello, Prompt, ResidualReply,
                                      ResidualRequest, Verdict, Welcome)
 
@@ -42,6 +44,7 @@ class EdgeLimits:
     max_prompt_tokens: int = 0      # 0 = max_context
     idle_timeout_s: float = 120.0   # a session silent this long is closed and freed
     dssd_max_samples: int = 64      # downlink samples per DSSD rejection
+    max_tree_nodes: int = 256       # drafted nodes per round (one target forward covers them all)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class VerifierSession:
         self.tokens: list[int] = []
         self.round_id = 0
         self._pending_reject: tuple[int, torch.Tensor] | None = None  # DSSD: (round, p_j)
+        self.tree = tuple(hello.draft.tree)
+        self._specs: dict[int, TreeSpec] = {}  # tree depth -> spec (a round may draft fewer layers)
 
     @staticmethod
     def _check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
@@ -92,6 +97,8 @@ class VerifierSession:
             raise LimitError(f"C-SQS max_k {hello.draft.max_k} exceeds the edge limit {limits.max_k}")
         if hello.mode is Mode.DSSD and hello.draft.dssd_samples > limits.dssd_max_samples:
             raise LimitError(f"dssd_samples exceeds the edge limit {limits.dssd_max_samples}")
+        if hello.draft.tree:
+            _check_tree(hello, limits)
 
     def welcome(self) -> Welcome:
         return Welcome(session_id=self.session_id, model_name=self.info.name,
@@ -116,23 +123,51 @@ class VerifierSession:
     # -- rounds ----------------------------------------------------------------------------------
     def verify(self, draft: DraftBlock) -> Verdict:
         start = time.perf_counter()
-        self._check_round(draft)
+        spec = self._tree_spec(draft) if self.tree else None
+        self._check_round(draft, spec)
         self._apply_correction(draft)
-        draft_ids = list(draft.token_ids)
         t_decode = time.perf_counter()
-        q = self._decode_q(draft)
+        q = self._decode_q(draft, spec)
         decode_seconds = time.perf_counter() - t_decode
-        p = self._target_probs(draft_ids)
-        ids = torch.tensor(draft_ids, dtype=torch.long)
-        if self.hello.mode is Mode.DSSD:
-            verdict = self._finish_dssd(draft, ids, q, p)
+        if spec is not None:
+            verdict = self._verify_tree(draft, spec, q)
         else:
-            result = V.chain_verify(ids, q, p, self.generator)
-            self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
-            verdict = Verdict(round_id=draft.round_id, num_accepted=result.num_accepted,
-                              next_token=result.next_token)
+            verdict = self._verify_chain(draft, q)
         self.round_id = draft.round_id
         return replace(verdict, verify_seconds=time.perf_counter() - start, decode_seconds=decode_seconds)
+
+    def _verify_chain(self, draft: DraftBlock, q: torch.Tensor) -> Verdict:
+        draft_ids = list(draft.token_ids)
+        p = self._target_probs(self._feed_logits(draft_ids, len(draft_ids) + 1))
+        ids = torch.tensor(draft_ids, dtype=torch.long)
+        if self.hello.mode is Mode.DSSD:
+            return self._finish_dssd(draft, ids, q, p)
+        result = V.chain_verify(ids, q, p, self.generator)
+        self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
+        return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
+
+    def _verify_tree(self, draft: DraftBlock, spec: TreeSpec, q: torch.Tensor) -> Verdict:
+        """One target forward over prefix + whole tree (tree attention), then TSLT Alg. 8."""
+        tail = self.tokens[self.lm.cache_len:]
+        attend, positions = edge_tree_inputs(spec, self.lm.cache_len, len(tail))
+        logits = self.lm.forward_masked(tail + list(draft.token_ids), attend, positions, spec.num_nodes)
+        p = self._target_probs(logits)  # row 0: after the prefix; row n: after node n
+        node_tokens = torch.tensor([0, *draft.token_ids], dtype=torch.long)  # root entry unused
+        result = tree_verify(spec, node_tokens, q, p, self.generator)
+        prefix_len = len(self.tokens)
+        # Keep KV only for the prefix and the accepted path; the final token is not in the cache.
+        self.lm.keep(path_cache_indices(prefix_len, result.accepted_nodes, fed_until=spec.num_nodes))
+        self.tokens.extend(result.tokens)
+        return Verdict(round_id=draft.round_id, num_accepted=len(result.accepted_nodes),
+                       next_token=result.tokens[-1], accepted_nodes=tuple(result.accepted_nodes))
+
+    def _tree_spec(self, draft: DraftBlock) -> TreeSpec:
+        depth = draft.tree_depth
+        if not 1 <= depth <= len(self.tree):
+            raise ValueError(f"tree_depth {depth} outside 1..{len(self.tree)}")
+        if depth not in self._specs:
+            self._specs[depth] = TreeSpec.from_config(self.tree[:depth])
+        return self._specs[depth]
 
     def residual(self, request: ResidualRequest) -> ResidualReply:
         """DSSD fallback: the full p_j of the pending rejection (float64, exactly what was verified)."""
@@ -147,13 +182,16 @@ class VerifierSession:
         if bad:
             raise ValueError(f"{what} token id {bad[0]} out of range [0, {self.info.vocab_size})")
 
-    def _check_round(self, draft: DraftBlock) -> None:
+    def _check_round(self, draft: DraftBlock, spec: TreeSpec | None) -> None:
         if not self.tokens:
             raise ValueError("draft before prompt")
         if draft.round_id != self.round_id + 1:
             raise ValueError(f"round id {draft.round_id} out of order (expected {self.round_id + 1})")
         n = len(draft.token_ids)
-        if not 1 <= n <= self.hello.draft.draft_len:
+        if spec is not None:
+            if n != spec.num_nodes - 1:
+                raise ValueError(f"tree of depth {spec.depth} has {spec.num_nodes - 1} nodes, got {n} tokens")
+        elif not 1 <= n <= self.hello.draft.draft_len:
             raise LimitError(f"draft of {n} tokens; allowed 1..{self.hello.draft.draft_len}")
         self._check_ids(draft.token_ids, "draft")
         extra = 1 if draft.correction_token is not None else 0
@@ -170,18 +208,20 @@ class VerifierSession:
         elif draft.correction_token is not None:
             raise ValueError("unexpected correction token: no rejection is pending")
 
-    def _decode_q(self, draft: DraftBlock) -> torch.Tensor:
+    def _decode_q(self, draft: DraftBlock, spec: TreeSpec | None) -> torch.Tensor:
         n = len(draft.token_ids)
         if self.hello.mode is Mode.DSSD:
             return decode_dssd_scalars(draft.dssd_scalars, n)
-        if len(draft.distributions) != n:
-            raise ValueError(f"{len(draft.distributions)} distributions for {n} draft tokens")
+        expected = spec.num_internal if spec is not None else n  # trees: one q per internal node
+        if len(draft.distributions) != expected:
+            raise ValueError(f"{len(draft.distributions)} distributions, expected {expected}")
         rows = [densify(decode_distribution(payload, self.codec)) for payload in draft.distributions]
         return torch.stack(rows)
 
-    def _target_probs(self, draft_ids: list[int]) -> torch.Tensor:
-        feed = self.tokens[self.lm.cache_len:] + draft_ids
-        logits = self.lm.forward(feed, num_logits=len(draft_ids) + 1)
+    def _feed_logits(self, draft_ids: list[int], num_logits: int) -> torch.Tensor:
+        return self.lm.forward(self.tokens[self.lm.cache_len:] + draft_ids, num_logits=num_logits)
+
+    def _target_probs(self, logits: torch.Tensor) -> torch.Tensor:
         h = self.hello
         return model_probs(logits.cpu(), h.temperature, h.target_top_k, h.target_top_p)
 
@@ -203,3 +243,13 @@ class VerifierSession:
                        reject_samples=tuple(int(y) for y in res.reject_samples),
                        reject_sample_probs=tuple(float(v) for v in res.reject_sample_probs))
 
+
+def _check_tree(hello: Hello, limits: EdgeLimits) -> None:
+    """Token trees: any expansion configuration within the edge's node and depth limits."""
+    if hello.mode is Mode.DSSD:
+        raise ValueError("token trees need draft distributions; DSSD sends none")
+    spec = TreeSpec.from_config(hello.draft.tree)  # ValueError on k < 1
+    if spec.depth > limits.max_draft_len:
+        raise LimitError(f"tree depth {spec.depth} exceeds the edge limit {limits.max_draft_len}")
+    if spec.num_nodes - 1 > limits.max_tree_nodes:
+        raise LimitError(f"tree of {spec.num_nodes - 1} nodes exceeds the edge limit {limits.max_tree_nodes}")

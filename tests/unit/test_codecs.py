@@ -324,12 +324,12 @@ def test_mutated_payloads_decode_or_raise_value_error(mode_index):
 
 
 def test_dssd_scalars_round_trip():
-    values = torch.tensor([0.5, 1.0, 1e-30, 0.123456789])
+    values = torch.tensor([0.5, 1.0, 1e-30, 0.123456789012345678], dtype=torch.float64)
     payload = encode_dssd_scalars(values)
-    assert len(payload) == 16
+    assert len(payload) == 32
     out = decode_dssd_scalars(payload, 4)
-    assert out.dtype == torch.float64 and torch.equal(out, values.double())
-    assert dssd_theoretical_bits(4, 152_064) == 4 * (18 + 32)
+    assert out.dtype == torch.float64 and torch.equal(out, values)  # bit for bit
+    assert dssd_theoretical_bits(4, 152_064) == 4 * (18 + 64)
     assert dssd_theoretical_bits(0, 10) == 0
 
 
@@ -341,9 +341,9 @@ def test_dssd_scalars_round_trip():
     lambda: encode_dssd_scalars(torch.tensor([[0.5]])),
     lambda: decode_dssd_scalars(b"\x00\x00\x00", 1),
     lambda: decode_dssd_scalars(encode_dssd_scalars(torch.tensor([0.5])), 2),
-    lambda: decode_dssd_scalars(torch.tensor([float("nan")]).numpy().tobytes(), 1),
-    lambda: decode_dssd_scalars(torch.tensor([-0.5]).numpy().tobytes(), 1),
-    lambda: decode_dssd_scalars(torch.tensor([0.0]).numpy().tobytes(), 1),
+    lambda: decode_dssd_scalars(torch.tensor([float("nan")], dtype=torch.float64).numpy().tobytes(), 1),
+    lambda: decode_dssd_scalars(torch.tensor([-0.5], dtype=torch.float64).numpy().tobytes(), 1),
+    lambda: decode_dssd_scalars(torch.tensor([0.0], dtype=torch.float64).numpy().tobytes(), 1),
     lambda: decode_dssd_scalars(b"", 0),
     lambda: dssd_theoretical_bits(-1, 10),
     lambda: dssd_theoretical_bits(1, 0),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MATH_MODULES = ["distributions", "lattice", "codecs", "verification", "tree", "conformal", "budget",
+MATH_MODULES = ["distributions", "lattice", "codecs", "verification", "tree", "treeplan", "conformal", "budget",
                 "latency", "engine"]
 MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typing", "collections",
                 "functools", "itertools", "bisect", "__future__", "specdec", "abc", "operator"}
