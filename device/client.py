@@ -114,6 +114,9 @@ async def _run(stream: _Stream, session, hello, prompt_ids, eos_ids, on_tokens) 
     result.wall_seconds = time.perf_counter() - t_start
     result.setup_bytes += await stream.send(wire.close_to_pb())
     await stream.call.done_writing()
+    # Wait for the edge's OK: cancelling the call (generate's finally) before it arrives would end
+    # a finished session as CANCELLED on the edge and count it as failed there.
+    await stream.call.code()
     return result
 
 
