@@ -109,6 +109,8 @@ async def _run(stream: _Stream, session, hello, prompt_ids, eos_ids, on_tokens) 
         new = await _round(stream, session, result, remaining)
         new = _clip(result.token_ids, new, hello.max_new_tokens, eos_ids)
         result.token_ids.extend(new)
+        if stream.metrics:  # counted after the cut at EOS / max_new_tokens: what the caller gets
+            stream.metrics.tokens_delivered(stream.mode, len(new))
         if on_tokens and new:
             on_tokens(new)
     result.wall_seconds = time.perf_counter() - t_start
@@ -159,7 +161,7 @@ def _observe_round(stream: _Stream, session: DraftSession, rd: RoundDraft, verdi
     threshold = session.controller.beta if session.controller is not None else None
     depth = getattr(rd.block, "tree_depth", 0) or None  # trees: positions are depths
     stream.metrics.round_done(stream.mode, drafted=len(rd.block.token_ids), accepted=verdict.num_accepted,
-                              generated=len(new), uplink=sent, downlink=received, phases=phases,
+                              uplink=sent, downlink=received, phases=phases,
                               support_sizes=rd.support_sizes, threshold=threshold, depth=depth)
 
 

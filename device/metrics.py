@@ -70,7 +70,7 @@ class DeviceMetrics:
             "draft_tokens_per_position", "Rounds that drafted a token at this position (0-based)", ["position"], **kw)
         self.accepted_per_position = Counter(
             "accepted_tokens_per_position", "Accepted draft tokens by draft position (0-based)", ["position"], **kw)
-        self.generated_tokens = Counter("generated_tokens", "Verified tokens delivered", ["mode"], **kw)
+        self.generated_tokens = Counter("generated_tokens", "Verified tokens delivered to the caller", ["mode"], **kw)
         self.uplink_bytes = Counter("uplink_bytes", "Serialized bytes sent during rounds", ["mode"], **kw)
         self.downlink_bytes = Counter("downlink_bytes", "Serialized bytes received during rounds", ["mode"], **kw)
         self.phase_seconds = Histogram("phase_duration_seconds", "Time per round and phase", ["phase"],
@@ -108,7 +108,7 @@ class DeviceMetrics:
             self.failed.labels(status).inc()
         self.active.dec()
 
-    def round_done(self, mode: str, *, drafted: int, accepted: int, generated: int, uplink: int,
+    def round_done(self, mode: str, *, drafted: int, accepted: int, uplink: int,
                    downlink: int, phases: dict[str, float], support_sizes: list[int],
                    threshold: float | None, depth: int | None = None) -> None:
         """One finished round. ``depth``: positions drafted (tree depth); None = ``drafted`` (a chain)."""
@@ -121,7 +121,6 @@ class DeviceMetrics:
             self.drafted_per_position.labels(_position(i)).inc()
         for i in range(accepted):
             self.accepted_per_position.labels(_position(i)).inc()
-        self.generated_tokens.labels(mode).inc(generated)
         self.uplink_bytes.labels(mode).inc(uplink)
         self.downlink_bytes.labels(mode).inc(downlink)
         self.round_uplink.labels(mode).observe(uplink)
@@ -133,6 +132,10 @@ class DeviceMetrics:
             self.support_size.labels(mode).observe(k)
         if threshold is not None:
             self.csqs_threshold.set(threshold)
+
+    def tokens_delivered(self, mode: str, n: int) -> None:
+        """Verified tokens handed to the caller (after the cut at EOS / max_new_tokens)."""
+        self.generated_tokens.labels(mode).inc(n)
 
     def request_done(self, mode: str, seconds: float, tokens: int) -> None:
         self.request_seconds.labels(mode).observe(seconds)
