@@ -1,0 +1,434 @@
+"""`device-client serve`: the device as a long-running daemon with an OpenAI-compatible HTTP API.
+
+One process keeps the drafter loaded, ONE grpc.aio channel open to the edge (gRPC reconnects it by
+itself after an edge restart) and its Prometheus metrics exported, and serves ``GET /v1/models``,
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (aiohttp, on the same uvloop as gRPC).
+Every choice of every request is its own edge session run by :func:`specdec.device.client.generate`,
+the same engine as the one-shot command; a client that disconnects cancels its handler
+(``handler_cancellation``), which cancels the sessions' gRPC calls and frees both KV caches.
+Request parsing and response shapes live in :mod:`specdec.device.openai_schema`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from specdec.common.modeling import LoadedModel, encode_prompt, load_model, vocab_fingerprint
+from specdec.device import openai_schema as S
+from specdec.device.client import EdgeError, generate
+from specdec.device.drafter import DraftSession
+from specdec.device.metrics import DeviceMetrics
+from specdec.device.openai_schema import ApiError, Choice
+from specdec.device.runner import DeviceConfig, open_channel
+
+log = logging.getLogger("specdec.device.daemon")
+
+GRACE_SECONDS = 5.0           # in-flight requests get this long to finish on SIGTERM
+MAX_BODY_BYTES = 8 * 1024 * 1024  # long chat histories fit; anything larger is not a prompt
+# gRPC's default reconnect backoff grows to 120 s; a daemon should find a restarted edge within seconds.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 2000))
+SEED_MODULUS = 2**63          # per-choice seeds are seed + index, kept inside the drafter's range
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}  # reverse proxies must not buffer the token stream
+REPLACEMENT_CHAR = "\ufffd"   # what a tokenizer decodes an incomplete UTF-8 sequence to
+
+# Edge statuses -> (HTTP status, OpenAI error type). Anything else is the edge failing: 502.
+_EDGE_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+}
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    device: DeviceConfig = field(default_factory=DeviceConfig)  # edge, drafter, draft/mode and sampling defaults
+    host: str = "127.0.0.1"       # HTTP API bind address (metrics bind to device.metrics_host)
+    port: int = 8000              # 0 = pick a free port
+    model_name: str = "specdec"   # the id /v1/models lists and responses echo when a request names none
+    connect_timeout: float = 3.0  # seconds to wait for the edge connection before answering 503
+
+
+class HttpMetrics:
+    """``specdec_device_http_*``: requests by route and status, requests in flight.
+
+    Error ratio: ``sum(rate(specdec_device_http_requests_total{status=~"5.."}[5m])) /
+    sum(rate(specdec_device_http_requests_total[5m]))``
+    """
+
+    def __init__(self, registry: CollectorRegistry):
+        kw = dict(namespace="specdec", subsystem="device_http", registry=registry)
+        self.requests = Counter("requests", "HTTP API requests by route and status", ["route", "status"], **kw)
+        self.in_flight = Gauge("requests_in_flight", "HTTP API requests being answered", **kw)
+
+
+# -- the engine: what lives as long as the daemon --------------------------------------------------
+class _StopStringSeen(Exception):
+    """Raised from the token callback: ends the session (its gRPC call is cancelled) at a stop string."""
+
+
+class _TextTracker:
+    """Verified token ids -> text deltas, holding back any tail that could still become a stop string."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.text = ""          # the answer so far, cut before a stop string once one appears
+        self.sent = 0           # characters of `text` already handed out
+        self.stopped = False
+
+    def add(self, new: list[int]) -> str:
+        self.ids.extend(new)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = S.find_stop(text, self.stops)
+        if cut >= 0:
+            self.text, self.stopped, safe = text[:cut], True, cut
+        else:
+            self.text = text
+            safe = S.safe_length(text.rstrip(REPLACEMENT_CHAR), self.stops)
+        return self._take(safe)
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta = self.text[self.sent:upto]
+        self.sent = upto
+        return delta
+
+
+def _session_stats(session: DraftSession) -> dict:
+    """The per-choice `specdec` extension: how speculation went (same definitions as the one-shot JSON)."""
+    s = session.stats
+    return {"rounds": s.rounds, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.accepted_tokens / s.draft_positions if s.draft_positions else 0.0,
+            "mean_accepted_length": s.accepted_tokens / s.rounds if s.rounds else 0.0}
+
+
+def edge_api_error(exc: EdgeError) -> ApiError:
+    status, kind = _EDGE_STATUS.get(exc.code, (502, "server_error"))
+    return ApiError(status, f"edge: {exc.code.name}: {exc.details}", type=kind, code=exc.code.name.lower())
+
+
+class DeviceEngine:
+    """The drafter, one channel to the edge and the metrics; runs one choice as one edge session."""
+
+    def __init__(self, cfg: DaemonConfig, drafter: LoadedModel, channel: grpc.aio.Channel,
+                 metrics: DeviceMetrics):
+        self.cfg = cfg
+        self.drafter = drafter
+        self.channel = channel
+        self.metrics = metrics
+        self.fingerprint = vocab_fingerprint(drafter.tokenizer)
+        self.started = int(time.time())
+
+    async def check_edge(self) -> None:
+        """Answer 503 within ``connect_timeout`` rather than queue behind an unreachable edge."""
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), self.cfg.connect_timeout)
+        except TimeoutError:
+            state = self.channel.get_state(try_to_connect=False).name
+            raise ApiError(503, f"edge {self.cfg.device.edge} is unreachable (channel {state} after "
+                           f"{self.cfg.connect_timeout:g} s)", type="server_error",
+                           code="edge_unavailable") from None
+
+    def settings(self, p: S.SamplingParams) -> DeviceConfig:
+        """The daemon's defaults with this request's sampling parameters and `specdec` overrides."""
+        base = self.cfg.device
+        target_top_p = base.target_top_p if p.top_p is None else (0.0 if p.top_p >= 1.0 else p.top_p)
+        target_top_k = base.target_top_k if p.top_k is None else max(p.top_k, 0)
+        return replace(base, **p.overrides,
+                       temperature=base.temperature if p.temperature is None else p.temperature,
+                       target_top_p=target_top_p, target_top_k=target_top_k,
+                       max_new_tokens=p.max_tokens or base.max_new_tokens)
+
+    def encode_text(self, text: str) -> list[int]:
+        ids = encode_prompt(self.drafter.tokenizer, text, raw=True)
+        if not ids:
+            raise S.bad("the prompt encodes to no tokens", "prompt")
+        return ids
+
+    def check_ids(self, ids: tuple[int, ...]) -> list[int]:
+        if not all(0 <= t < self.drafter.vocab_size for t in ids):
+            raise S.bad(f"prompt token ids must be in [0, {self.drafter.vocab_size})", "prompt")
+        return list(ids)
+
+    def encode_chat(self, messages: tuple[dict, ...]) -> list[int]:
+        tok = self.drafter.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise S.bad("the drafter's tokenizer has no chat template; use /v1/completions", "messages")
+        try:
+            ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template's own checks (role order, ...) reject the conversation
+            raise S.bad(f"chat template: {exc}", "messages") from None
+        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    async def run_choice(self, cfg: DeviceConfig, prompt_ids: list[int], seed: int, index: int,
+                         stops: tuple[str, ...], emit: Callable[[int, str], None] | None) -> Choice:
+        """One edge session; verified text goes to ``emit(index, delta)`` as soon as it is safe to show."""
+        hello = cfg.hello(self.fingerprint, self.drafter.vocab_size, seed=seed)
+        session = DraftSession(self.drafter, hello)
+        text = _TextTracker(self.drafter.tokenizer, stops)
+
+        def on_tokens(new: list[int]) -> None:
+            delta = text.add(new)
+            if delta and emit:
+                emit(index, delta)
+            if text.stopped:
+                raise _StopStringSeen
+
+        try:
+            await generate(self.channel, session, hello, prompt_ids, self.drafter.eos_token_ids,
+                           on_tokens=on_tokens, timeout=cfg.timeout, metrics=self.metrics)
+        except _StopStringSeen:
+            pass
+        except EdgeError as exc:
+            raise edge_api_error(exc) from None
+        tail = text.flush()
+        if tail and emit:
+            emit(index, tail)
+        eos = bool(text.ids) and text.ids[-1] in self.drafter.eos_token_ids
+        reason = "stop" if text.stopped or eos else "length"
+        return Choice(index, text.text, text.ids, reason, _session_stats(session))
+
+
+# -- HTTP ------------------------------------------------------------------------------------------
+ENGINE = web.AppKey("engine", DeviceEngine)
+HTTP_METRICS = web.AppKey("http_metrics", HttpMetrics)
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's shape, and every request is counted by route and status."""
+    metrics = request.app[HTTP_METRICS]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+    status = 500
+    metrics.in_flight.inc()
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except ApiError as exc:
+        status = exc.status
+        return _error_response(exc)
+    except web.HTTPException as exc:  # routing: unknown path 404, wrong method 405
+        status = exc.status
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return _error_response(ApiError(exc.status, exc.reason, type=kind))
+    finally:
+        metrics.in_flight.dec()
+        metrics.requests.labels(route, str(status)).inc()
+
+
+async def _json_body(request: web.Request):
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise S.bad("the request body is not valid JSON") from None
+
+
+async def _models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    meta = {"draft_model": engine.drafter.name, "edge": engine.cfg.device.edge}
+    return web.json_response(S.models_response(engine.cfg.model_name, engine.started, meta))
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = S.parse_completion(await _json_body(request))
+    prompts = [engine.encode_text(p) if isinstance(p, str) else engine.check_ids(p) for p in req.prompts]
+    return await _respond(request, req.params, prompts, chat=False)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = S.parse_chat(await _json_body(request))
+    return await _respond(request, req.params, [engine.encode_chat(req.messages)], chat=True)
+
+
+async def _health(request: web.Request) -> web.Response:
+    await request.app[ENGINE].check_edge()
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[ENGINE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _respond(request: web.Request, p: S.SamplingParams, prompts: list[list[int]], *,
+                   chat: bool) -> web.StreamResponse:
+    """Run prompts x n choices (choice index = prompt * n + j, OpenAI's order), answer JSON or SSE."""
+    engine = request.app[ENGINE]
+    cfg = engine.settings(p)
+    await engine.check_edge()
+    seed = secrets.randbits(63) if p.seed is None else p.seed
+    model = p.model or engine.cfg.model_name
+    rid = S.new_id("chatcmpl" if chat else "cmpl")
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    jobs = [(i * p.n + j, ids) for i, ids in enumerate(prompts) for j in range(p.n)]
+
+    def run(emit):
+        return [engine.run_choice(cfg, ids, (seed + index) % SEED_MODULUS, index, p.stop, emit)
+                for index, ids in jobs]
+
+    if p.stream:
+        maker = S.ChunkMaker(rid, model, chat, p.include_usage)
+        return await _stream(request, maker, run, [index for index, _ in jobs], prompt_tokens)
+    choices = await _run_all(run(None))
+    build = S.chat_response if chat else S.completion_response
+    return web.json_response(build(rid, model, choices, prompt_tokens))
+
+
+async def _run_all(coros: list) -> list:
+    """Await all; on any failure or cancellation (client gone) cancel the rest, ending their sessions."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _send(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+
+async def _stream(request: web.Request, maker: S.ChunkMaker, run, indices: list[int],
+                  prompt_tokens: int) -> web.StreamResponse:
+    """SSE: one chunk per verified delta, a finish chunk per choice, optional usage, ``[DONE]``."""
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    if maker.chat:
+        for index in indices:
+            await _send(resp, maker.role(index))
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(c) for c in run(lambda index, text: queue.put_nowait((index, text)))]
+    for t in tasks:  # a task's deltas are all queued before its completion marker
+        t.add_done_callback(lambda t: queue.put_nowait((None, t)))
+    choices: list[Choice] = []
+    try:
+        while len(choices) < len(tasks):
+            index, item = await queue.get()
+            if index is not None:
+                await _send(resp, maker.delta(index, item))
+                continue
+            choices.append(item.result())  # raises the session's ApiError
+            await _send(resp, maker.finish(choices[-1]))
+        if maker.include_usage:
+            await _send(resp, maker.usage(prompt_tokens, sorted(choices, key=lambda c: c.index)))
+    except ApiError as exc:  # headers are gone: the error travels as an event, as OpenAI's does
+        await _send(resp, exc.body())
+    finally:
+        await _cancel(tasks)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def build_app(engine: DeviceEngine, http_metrics: HttpMetrics) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app[HTTP_METRICS] = http_metrics
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def _metrics_app(registry: CollectorRegistry) -> web.Application:
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", metrics)
+    return app
+
+
+# -- lifecycle -------------------------------------------------------------------------------------
+@dataclass
+class RunningDaemon:
+    engine: DeviceEngine
+    runners: list[web.AppRunner]
+    port: int                     # the HTTP API's bound port
+    metrics_port: int | None      # the metrics endpoint's bound port, None when off
+
+    async def stop(self) -> None:
+        """Stop listening, give in-flight requests GRACE_SECONDS, then close the edge channel."""
+        for runner in self.runners:
+            await runner.cleanup()
+        await self.engine.channel.close(GRACE_SECONDS)
+
+
+async def _listen(app: web.Application, host: str, port: int, **kw) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=logging.getLogger("specdec.device.access"),
+                           shutdown_timeout=GRACE_SECONDS, **kw)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]
+
+
+async def start_daemon(cfg: DaemonConfig, drafter: LoadedModel | None = None,
+                       metrics: DeviceMetrics | None = None) -> RunningDaemon:
+    """Load the drafter (unless given), open the edge channel, start the HTTP API and metrics."""
+    if drafter is None:
+        drafter = await asyncio.to_thread(load_model, cfg.device.model_spec())
+    metrics = metrics or DeviceMetrics()
+    channel = open_channel(cfg.device.edge, extra_options=RECONNECT_OPTIONS)
+    engine = DeviceEngine(cfg, drafter, channel, metrics)
+    app = build_app(engine, HttpMetrics(metrics.registry))
+    # handler_cancellation: a client that goes away cancels its handler, hence its edge sessions.
+    api, port = await _listen(app, cfg.host, cfg.port, handler_cancellation=True)
+    runners, metrics_port = [api], None
+    if cfg.device.metrics_port:
+        runner, metrics_port = await _listen(_metrics_app(metrics.registry), cfg.device.metrics_host,
+                                             cfg.device.metrics_port)
+        runners.append(runner)
+    return RunningDaemon(engine, runners, port, metrics_port)
+
+
+async def serve(cfg: DaemonConfig) -> None:
+    """Run the daemon until SIGTERM/SIGINT, then shut down gracefully."""
+    daemon = await start_daemon(cfg)
+    log.info("device daemon ready on http://%s:%d/v1 edge=%s drafter=%s metrics=%s", cfg.host, daemon.port,
+             cfg.device.edge, daemon.engine.drafter.name, daemon.metrics_port or "off")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("device daemon shutting down (grace %.0f s)", GRACE_SECONDS)
+    await daemon.stop()

@@ -1,0 +1,362 @@
+"""OpenAI-compatible request parsing and response shapes for the device daemon (no sockets here).
+
+Requests are plain JSON objects in, frozen dataclasses out; anything malformed or unsupported raises
+:class:`ApiError` (HTTP 400 with OpenAI's error shape). Responses and stream chunks are built as
+plain dicts matching the OpenAI API (``text_completion``, ``chat.completion``,
+``chat.completion.chunk``), so the official clients parse them unchanged.
+
+Lossless rule (DESIGN.md): ``temperature``, ``top_p`` and ``top_k`` shape the TARGET distribution on
+the edge, so the output is distributed as the target sampling alone with those settings. Parameters
+that would need another output distribution (penalties, logit bias) or data the protocol does not
+carry (logprobs) are refused rather than silently ignored.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.common.codecs import Mode
+
+MAX_STOP_STRINGS = 4          # OpenAI's own limit on `stop`
+MAX_CHOICES = 16              # prompts x n per request: each choice is its own edge session
+MAX_TEMPERATURE = 2.0         # OpenAI's documented range is [0, 2]
+MAX_SEED = 2**63 - 1          # the drafter's torch.Generator takes seeds below 2**63
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+SPECDEC_FIELD = "specdec"     # the request's extension object: per-request draft/compression settings
+
+# Parameters OpenAI defines that this server cannot honour losslessly, with the value that means "off".
+_UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# -- the `specdec` extension ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Override:
+    field: str                      # DeviceConfig field it sets
+    kind: type                      # int | float | str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False          # low itself excluded
+    choices: tuple[str, ...] = ()
+
+
+# Named and bounded like the one-shot CLI flags (`--top-k` -> "top_k"). Inside this object `top_p` is the
+# TSLT draft nucleus (as `--top-p`); the request's own `top_p` is the target's.
+OVERRIDES = {
+    "mode": _Override("mode", str, choices=tuple(m.value for m in Mode)),
+    "top_k": _Override("top_k", int, 1),
+    "top_p": _Override("top_p", float, 0.0, 1.0, low_open=True),
+    "lattice": _Override("lattice", int, 1),
+    "dense_dtype": _Override("dense_dtype", str, choices=("fp32", "fp16", "bf16")),
+    "alpha": _Override("csqs_alpha", float, 0.0, 1.0, low_open=True),
+    "eta": _Override("csqs_eta", float, 0.0, low_open=True),
+    "beta0": _Override("csqs_beta0", float, 0.0, 1.0),
+    "max_k": _Override("max_k", int, 1),
+    "dssd_samples": _Override("dssd_samples", int, 1),
+    "draft_len": _Override("draft_len", int, 1),
+    "bit_budget": _Override("bit_budget", int, 0),   # 0 = off
+    "tree": _Override("tree", list),                 # token tree branching factors, e.g. [2, 2, 2]; [] = chain
+}
+
+
+def parse_overrides(raw: Any) -> dict[str, Any]:
+    """``{"mode": "tslt", "top_k": 64}`` -> DeviceConfig field values; unknown keys or values -> 400."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad(f"`{SPECDEC_FIELD}` must be an object", SPECDEC_FIELD)
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        spec = OVERRIDES.get(key)
+        param = f"{SPECDEC_FIELD}.{key}"
+        if spec is None:
+            raise bad(f"unknown `{SPECDEC_FIELD}` setting {key!r} (known: {', '.join(OVERRIDES)})", param)
+        if spec.kind is list:
+            out[spec.field] = _branching(value, param)
+        elif spec.choices:
+            if value not in spec.choices:
+                raise bad(f"`{param}` must be one of {list(spec.choices)}, got {value!r}", param)
+            out[spec.field] = Mode(value) if key == "mode" else value
+        else:
+            out[spec.field] = _number(value, param, spec.kind, spec.low, spec.high, low_open=spec.low_open)
+    return out
+
+
+def _branching(value: Any, param: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
+                                              for k in value):
+        raise bad(f"`{param}` must be a list of branching factors >= 1, e.g. [2, 2, 2]", param)
+    return tuple(value)
+
+
+# -- scalar checks ---------------------------------------------------------------------------------
+def _number(value: Any, param: str, kind: type, low=None, high=None, *, low_open: bool = False):
+    ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok:
+        raise bad(f"`{param}` must be {'an integer' if kind is int else 'a number'}, got {value!r}", param)
+    if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
+        rng = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise bad(f"`{param}` must be in {rng}, got {value!r}", param)
+    return kind(value)
+
+
+def _optional(body: dict, key: str, kind: type, low=None, high=None, *, low_open: bool = False):
+    value = body.get(key)
+    return None if value is None else _number(value, key, kind, low, high, low_open=low_open)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad("`stop` must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"`stop` takes at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(stops)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for key, off in _UNSUPPORTED.items():
+        if key in body and body[key] not in off:
+            raise bad(f"`{key}` is not supported by the specdec device daemon", key)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise bad("only `response_format` {\"type\": \"text\"} is supported", "response_format")
+
+
+# -- requests --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingParams:
+    model: str | None
+    max_tokens: int | None          # None = the daemon's --max-new-tokens
+    temperature: float | None       # None = the daemon's --temperature
+    top_p: float | None             # target nucleus; None = off
+    top_k: int | None               # target top-k (vLLM's extension); None = off
+    seed: int | None                # None = a fresh random seed per request
+    stop: tuple[str, ...]
+    n: int
+    stream: bool
+    include_usage: bool             # stream_options.include_usage: a final usage chunk
+    overrides: dict = field(default_factory=dict)  # DeviceConfig field -> value (the `specdec` object)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: tuple[str | tuple[int, ...], ...]   # text, or token ids
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[dict, ...]      # {"role": str, "content": str}
+    params: SamplingParams
+
+
+def _params(body: dict, *, max_tokens_keys: tuple[str, ...]) -> SamplingParams:
+    _refuse_unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("`model` must be a string", "model")
+    max_tokens = None
+    for key in max_tokens_keys:  # chat: max_completion_tokens supersedes max_tokens
+        max_tokens = _optional(body, key, int, 1) if max_tokens is None else max_tokens
+    n = _optional(body, "n", int, 1, MAX_CHOICES) or 1
+    best_of = _optional(body, "best_of", int, 1)
+    if best_of is not None and best_of != n:
+        raise bad("`best_of` other than `n` is not supported", "best_of")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad("`stream` must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise bad("`stream_options` is an object and only allowed with `stream: true`", "stream_options")
+    return SamplingParams(
+        model=model, max_tokens=max_tokens,
+        temperature=_optional(body, "temperature", float, 0.0, MAX_TEMPERATURE),
+        top_p=_optional(body, "top_p", float, 0.0, 1.0, low_open=True),
+        top_k=_optional(body, "top_k", int, -1),
+        seed=_optional(body, "seed", int, 0, MAX_SEED),
+        stop=_stop(body.get("stop")), n=n, stream=stream,
+        include_usage=bool((options or {}).get("include_usage")),
+        overrides=parse_overrides(body.get(SPECDEC_FIELD)))
+
+
+def _require_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """POST /v1/completions: ``prompt`` is a string, a list of strings, token ids, or lists of them."""
+    body = _require_object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise bad("`prompt` must be a string, a list of strings, a list of token ids, or a list of those",
+                  "prompt")
+    params = _params(body, max_tokens_keys=("max_tokens",))
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise bad(f"prompts x n must be at most {MAX_CHOICES}", "n")
+    return CompletionRequest(tuple(p if isinstance(p, str) else tuple(p) for p in prompts), params)
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad("message content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """POST /v1/chat/completions: ``messages`` with text content."""
+    body = _require_object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("`messages` must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise bad(f"each message needs a `role` in {list(CHAT_ROLES)}", f"messages[{i}].role")
+        out.append({"role": m["role"], "content": _content(m, i)})
+    return ChatRequest(tuple(out), _params(body, max_tokens_keys=("max_completion_tokens", "max_tokens")))
+
+
+# -- responses -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str              # "stop" (EOS or a stop string) | "length"
+    stats: dict                     # per-session speculative decoding stats (extension field)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def _extension(c: Choice) -> dict:
+    return {SPECDEC_FIELD: {"token_ids": c.token_ids, **c.stats}}
+
+
+def completion_response(rid: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
+                         **_extension(c)} for c in choices],
+            "usage": usage(prompt_tokens, choices)}
+
+
+def chat_response(rid: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": None, "finish_reason": c.finish_reason, **_extension(c)} for c in choices],
+            "usage": usage(prompt_tokens, choices)}
+
+
+@dataclass(frozen=True)
+class ChunkMaker:
+    """Builds the stream chunks of one request (same id, created and model on every chunk)."""
+    rid: str
+    model: str
+    chat: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        out = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:  # OpenAI: null on every chunk but the last, which carries it
+            out["usage"] = usage_
+        return out
+
+    def role(self, index: int) -> dict:
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def delta(self, index: int, text: str) -> dict:
+        if self.chat:
+            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
+                                 "finish_reason": None}])
+        return self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+
+    def finish(self, c: Choice) -> dict:
+        if self.chat:
+            return self._chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                 "finish_reason": c.finish_reason, **_extension(c)}])
+        return self._chunk([{"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish_reason,
+                             **_extension(c)}])
+
+    def usage(self, prompt_tokens: int, choices: list[Choice]) -> dict:
+        return self._chunk([], usage(prompt_tokens, choices))
+
+
+def models_response(model: str, created: int, metadata: dict) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "specdec", **metadata}]}
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+def find_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index where the earliest stop string starts in ``text``, or -1."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def safe_length(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the prefix of ``text`` that no continuation can turn into part of a stop string.
+
+    The held-back tail is the longest suffix that is a proper prefix of some stop string.
+    """
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return len(text) - hold

@@ -1,0 +1,393 @@
+"""The device daemon's OpenAI-compatible API with the real `openai` client, a live daemon and a live
+edge on loopback (tiny models): chat and completion, streaming and not, greedy identity with the
+target alone, n > 1, stop strings, a cancelled stream freeing its edge session, 400s and 503s.
+
+Edge and daemon run in one background event loop (the product's in-process entry points on real
+ports); the tests talk to them over HTTP from the test thread as any application would.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import openai
+import pytest
+
+import tiny_models
+from harness import VENV_BIN, edge, load, target_greedy
+from specdec.common.modeling import encode_prompt
+from specdec.device import openai_schema as S
+from specdec.device.daemon import DaemonConfig, start_daemon
+from specdec.device.metrics import DeviceMetrics
+from specdec.device.runner import DeviceConfig
+from specdec.edge.metrics import EdgeMetrics
+
+MODEL = "specdec-test"
+PROMPT = "w5 w6 w7"
+MAX_TOKENS = 12
+# Renders each message as its words after a marker word, so prompts go through a real chat template.
+CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w3{% endif %}")
+LONG_CONTEXT = 2048     # room for a stream long enough to be cancelled mid-way
+LONG_MAX_TOKENS = 1500
+WAIT_S = 15.0
+
+
+class LoopThread:
+    """An event loop in a background thread, running the edge and the daemon for the whole module."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """Target and drafter (512 words, 2048 positions); the drafter's tokenizer has a chat template."""
+    target, drafter = tiny_models.make_pair(tmp_path_factory.mktemp("daemon"), 512, logit_scale=2.0,
+                                            max_positions=LONG_CONTEXT)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(drafter)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(drafter)
+    return target, drafter
+
+
+@dataclass(frozen=True)
+class Stack:
+    edge_metrics: EdgeMetrics
+    device_metrics: DeviceMetrics
+    edge: str               # the edge's HOST:PORT
+    url: str                # the daemon's base URL
+    offline_url: str        # a second daemon whose edge is unreachable
+
+
+@pytest.fixture(scope="module")
+def stack(chat_pair) -> Stack:
+    target, drafter = chat_pair
+    lt = LoopThread()
+    exits = contextlib.AsyncExitStack()
+    edge_metrics, device_metrics = EdgeMetrics(), DeviceMetrics()
+    address = lt.call(exits.enter_async_context(edge(target, metrics=edge_metrics)))
+    base = DeviceConfig(edge=address, draft_model=str(drafter), draft_len=3, temperature=1.0,
+                        max_new_tokens=16, timeout=60.0)
+    daemon = lt.call(start_daemon(DaemonConfig(device=base, port=0, model_name=MODEL, connect_timeout=2.0),
+                                  drafter=load(str(drafter)), metrics=device_metrics))
+    closed = DeviceConfig(edge=f"127.0.0.1:{_closed_port()}", draft_model=str(drafter))
+    offline = lt.call(start_daemon(DaemonConfig(device=closed, port=0, connect_timeout=1.0),
+                                   drafter=load(str(drafter))))
+    yield Stack(edge_metrics, device_metrics, address, f"http://127.0.0.1:{daemon.port}",
+                f"http://127.0.0.1:{offline.port}")
+    lt.call(daemon.stop())
+    lt.call(offline.stop())
+    lt.call(exits.aclose())
+    lt.close()
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="anything", max_retries=0, timeout=60)
+
+
+def _greedy(chat_pair, prompt_ids: list[int], n: int = MAX_TOKENS) -> list[int]:
+    return target_greedy(chat_pair[0], prompt_ids, n)
+
+
+def _tok(chat_pair):
+    return load(str(chat_pair[1])).tokenizer
+
+
+def _text(chat_pair, ids: list[int]) -> str:
+    return _tok(chat_pair).decode(ids, skip_special_tokens=True)
+
+
+def _post(base: str, path: str, body, raw: bytes | None = None) -> tuple[int, dict | str]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except json.JSONDecodeError:
+        return resp.status, text
+
+
+def _wait_for(predicate, timeout: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# -- pure pieces -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, stops, expected", [
+    ("hello wor", ("world",), len("hello ")),   # "wor" may still become "world"
+    ("hello", ("xyz",), 5),
+    ("ab", ("abc", "b"), 0),                     # "ab" is a prefix of "abc"
+    ("", ("a",), 0),
+])
+def test_safe_length_holds_back_possible_stop_prefixes(text, stops, expected) -> None:
+    assert S.safe_length(text, stops) == expected
+
+
+def test_find_stop_returns_the_earliest_stop() -> None:
+    assert S.find_stop("one two three", ("three", "two")) == 4
+    assert S.find_stop("one", ("x",)) == -1
+
+
+def test_overrides_map_to_device_config_fields_and_refuse_unknowns() -> None:
+    out = S.parse_overrides({"mode": "ksqs", "top_k": 8, "alpha": 0.1, "draft_len": 2})
+    assert out["mode"].value == "ksqs" and out["top_k"] == 8 and out["csqs_alpha"] == 0.1
+    assert S.parse_overrides({"tree": [2, 1]})["tree"] == (2, 1)
+    for bad in ({"nope": 1}, {"mode": "zip"}, {"top_k": 0}, {"top_k": 2.5}, {"draft_len": True}, [1],
+                {"tree": [2, 0]}, {"tree": "2,2"}):
+        with pytest.raises(S.ApiError) as err:
+            S.parse_overrides(bad)
+        assert err.value.status == 400
+
+
+# -- the API through the real openai client ---------------------------------------------------------
+def test_models_lists_the_served_model(client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"mode": "tslt", "top_k": 32}, {"mode": "ksqs", "top_k": 32, "lattice": 100}, {"mode": "dssd"},
+    {"mode": "tslt", "top_k": 16, "tree": [2, 2, 1]},
+], ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_completion_greedy_equals_target_alone(client, chat_pair, overrides) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"specdec": overrides})
+    prompt_ids = encode_prompt(_tok(chat_pair), PROMPT, raw=True)
+    expected = _greedy(chat_pair, prompt_ids)
+    choice = r.choices[0]
+    assert r.object == "text_completion" and r.model == MODEL
+    assert choice.model_extra["specdec"]["token_ids"] == expected
+    assert choice.text == _text(chat_pair, expected)
+    assert choice.finish_reason == ("stop" if expected[-1] == tiny_models.EOS_ID else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), len(expected))
+    assert r.usage.total_tokens == len(prompt_ids) + len(expected)
+
+
+def test_chat_greedy_goes_through_the_template_and_equals_target_alone(client, chat_pair) -> None:
+    messages = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w5 w6"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    prompt_ids = _tok(chat_pair).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+    assert prompt_ids == encode_prompt(_tok(chat_pair), "w2 w9 w2 w5 w6 w3", raw=True)  # the template ran
+    expected = _greedy(chat_pair, prompt_ids)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == _text(chat_pair, expected)
+    assert r.choices[0].model_extra["specdec"]["token_ids"] == expected
+    assert r.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_streamed_chat_arrives_in_chunks_and_equals_greedy(client, chat_pair) -> None:
+    messages = [{"role": "user", "content": "w5 w6"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) > 1  # verified tokens are sent per round, not as one block at the end
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    prompt_ids = encode_prompt(_tok(chat_pair), "w2 w5 w6 w3", raw=True)
+    assert "".join(content) == _text(chat_pair, _greedy(chat_pair, prompt_ids))
+
+
+def test_streamed_completion_ends_with_done_event(stack, chat_pair) -> None:
+    status, body = _post(stack.url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                                       "temperature": 0, "stream": True})
+    assert status == 200
+    events = [line[len("data: "):] for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    expected = _greedy(chat_pair, encode_prompt(_tok(chat_pair), PROMPT, raw=True))
+    assert text == _text(chat_pair, expected)
+
+
+def test_n_choices_are_indexed_independent_seeded_sessions(client, stack) -> None:
+    started = stack.edge_metrics.registry.get_sample_value("specdec_edge_sessions_started_total", {"mode": "tslt"}) or 0
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, n=3, seed=11)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1  # each choice its own seed (10 tokens at T=1)
+    assert a.usage.completion_tokens == sum(len(c.model_extra["specdec"]["token_ids"]) for c in a.choices)
+    after = stack.edge_metrics.registry.get_sample_value("specdec_edge_sessions_started_total", {"mode": "tslt"})
+    assert after - started == 6
+    streamed = client.completions.create(**kw, stream=True)
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == [c.text for c in a.choices]
+
+
+def test_concurrent_requests_each_get_their_own_session(client, chat_pair) -> None:
+    expected = _text(chat_pair, _greedy(chat_pair, encode_prompt(_tok(chat_pair), PROMPT, raw=True)))
+
+    def one(mode: str) -> str:
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"specdec": {"mode": mode}})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(one, ["tslt", "dense", "csqs"])) == [expected] * 3
+
+
+def test_stop_string_ends_the_session_and_is_not_emitted(client, chat_pair) -> None:
+    full_ids = _greedy(chat_pair, encode_prompt(_tok(chat_pair), PROMPT, raw=True))
+    full = _text(chat_pair, full_ids)
+    stop = full.split()[4]
+    want = full[:S.find_stop(full, (stop,))]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < len(full_ids)  # it stopped, rather than trimming a finished text
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                       stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want
+
+
+def test_cancelled_stream_frees_its_edge_session(stack, chat_pair) -> None:
+    edge_metrics, device_metrics, base = stack.edge_metrics, stack.device_metrics, stack.url
+    gauge = lambda: edge_metrics.registry.get_sample_value("specdec_edge_sessions_active")  # noqa: E731
+    cancelled = lambda: device_metrics.registry.get_sample_value(  # noqa: E731
+        "specdec_device_sessions_ended_total", {"status": "cancelled"}) or 0
+    before = cancelled()
+    assert _wait_for(lambda: gauge() == 0)
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_MAX_TOKENS, "temperature": 1.0, "stream": True,
+         "specdec": {"mode": "tslt", "draft_len": 1}}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    line = resp.readline()
+    assert line.startswith(b"data: ")
+    assert gauge() == 1  # the session is open on the edge while the stream runs
+    conn.sock.shutdown(2)
+    conn.close()
+    assert _wait_for(lambda: gauge() == 0), "the edge session outlived its client"
+    assert _wait_for(lambda: cancelled() == before + 1)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "specdec": {"nope": 1}}, "specdec.nope"),
+    ("/v1/completions", {"prompt": PROMPT, "specdec": {"mode": "zip"}}, "specdec.mode"),
+    ("/v1/completions", {"prompt": PROMPT, "specdec": {"draft_len": 0}}, "specdec.draft_len"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", [1, 2], None),
+])
+def test_malformed_requests_get_400_in_openai_error_shape(stack, path, body, param) -> None:
+    status, payload = _post(stack.url, path, body)
+    assert status == 400, payload
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["type"] == "invalid_request_error" and payload["error"]["message"]
+    assert payload["error"]["param"] == param
+
+
+def test_invalid_json_and_unknown_routes_answer_in_openai_shape(stack, client) -> None:
+    status, payload = _post(stack.url, "/v1/completions", None, raw=b"{not json")
+    assert status == 400 and payload["error"]["type"] == "invalid_request_error"
+    status, payload = _post(stack.url, "/v1/embeddings", {"input": "x"})
+    assert status == 404 and "error" in payload
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"specdec": {"top_k": "many"}})
+    assert err.value.status_code == 400 and "top_k" in err.value.message
+
+
+def test_unreachable_edge_answers_503_quickly(stack) -> None:
+    offline = openai.OpenAI(base_url=stack.offline_url + "/v1", api_key="x", max_retries=0, timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        offline.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}])
+    assert time.monotonic() - t0 < 5.0
+    assert err.value.status_code == 503
+    assert err.value.body["type"] == "server_error" and "unreachable" in err.value.body["message"]
+
+
+# -- the command -----------------------------------------------------------------------------------
+def test_serve_command_answers_and_stops_on_sigterm(stack, chat_pair) -> None:
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "device-client"), "serve", "--edge", stack.edge, "--listen", "127.0.0.1:0",
+         "--draft-model", str(chat_pair[1]), "--threads", "1", "--served-model-name", "m1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        port = _ready_port(proc)
+        cli = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        assert [m.id for m in cli.models.list().data] == ["m1"]
+        r = cli.completions.create(model="m1", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert r.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_serve_bad_flag_exits_nonzero_with_one_line() -> None:
+    r = subprocess.run([str(VENV_BIN / "device-client"), "serve", "--edge", "127.0.0.1:1", "--listen", "nope"],
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "--listen" in lines[0], r.stderr
+
+
+def _ready_port(proc: subprocess.Popen, timeout: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("device-client serve exited:\n" + "".join(lines))
+        lines.append(line)
+        m = re.search(r"ready on http://[\d.]+:(\d+)", line)
+        if m:
+            return int(m.group(1))
+    raise TimeoutError("daemon not ready:\n" + "".join(lines))
