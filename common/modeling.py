@@ -32,6 +32,7 @@ class ModelSpec:
     device: str = "cpu"             # cpu | cuda | auto
     dtype: str = "float32"          # float32 | float16 | bfloat16
     num_layers: int | None = None   # keep only the first N decoder layers (early-exit drafter)
+    delta: str | None = None        # directory of weights applied on top (a drafter built from the target)
 
 
 def embedded_gguf_path() -> Path:
@@ -141,6 +142,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if spec.num_layers is not None:
         _truncate_layers(model, spec.num_layers)
         name = f"{name}[:{spec.num_layers} layers]"
+    if spec.delta is not None:
+        name = f"{name}+{apply_delta(model, Path(spec.delta), int8_ok=device.type == 'cpu')}"
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device)
 
@@ -177,6 +180,84 @@ def _truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
     model.config.num_hidden_layers = num_layers
     if getattr(model.config, "layer_types", None) is not None:
         model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+# -------------------------------------------------------------------------- target + delta weights
+DELTA_WEIGHTS = "delta.safetensors"
+DELTA_CONFIG = "delta.json"
+HEAD_KEEP_IDS = "lm_head.keep_ids"
+# Logit of the tokens a reduced head leaves out: finite (the codecs refuse inf), and exp() of it
+# minus any real logit is exactly 0 in float32 at every temperature <= 1e4, so q = 0 there.
+OUT_OF_HEAD_LOGIT = -1e9
+
+
+class ReducedHead(torch.nn.Module):
+    """An LM head over a subset of the vocabulary; full-width logits with the rest at a floor.
+
+    A drafter with this head only ever samples kept tokens (q = 0 elsewhere), which keeps the
+    system lossless: the edge verifies against exactly that q.
+    """
+
+    def __init__(self, weight: torch.Tensor, keep_ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        if weight.ndim != 2 or keep_ids.shape != (weight.shape[0],):
+            raise ValueError(f"head weight {tuple(weight.shape)} does not fit keep_ids {tuple(keep_ids.shape)}")
+        if int(keep_ids.min()) < 0 or int(keep_ids.max()) >= vocab_size:
+            raise ValueError("keep_ids outside the vocabulary")
+        self.proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.proj.weight.data.copy_(weight)
+        self.register_buffer("keep_ids", keep_ids.long(), persistent=False)  # [N]
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] -> [..., V] logits, OUT_OF_HEAD_LOGIT outside ``keep_ids``."""
+        small = self.proj(hidden)                                           # [..., N]
+        out = small.new_full((*small.shape[:-1], self.vocab_size), OUT_OF_HEAD_LOGIT)
+        return out.index_copy_(-1, self.keep_ids, small)
+
+
+def apply_delta(model: torch.nn.Module, path: Path, *, int8_ok: bool = True) -> str:
+    """Lay trained weights over a loaded (usually truncated) model; returns the delta's name.
+
+    ``path`` holds ``delta.safetensors`` (parameter names as in the model's state dict; every tensor
+    must match a parameter's shape, except ``lm_head.weight`` [N, H] with ``lm_head.keep_ids`` [N],
+    which installs a :class:`ReducedHead`) and ``delta.json`` (``name``; optional ``int8``: quantize
+    the linear layers dynamically to int8, a CPU-only speed-up, done only if ``int8_ok``).
+    Parameters not in the delta stay the target's (e.g. the shared token embeddings).
+    """
+    from safetensors.torch import load_file
+
+    meta = json.loads((path / DELTA_CONFIG).read_text())
+    tensors = load_file(str(path / DELTA_WEIGHTS))
+    keep_ids = tensors.pop(HEAD_KEEP_IDS, None)
+    head = tensors.pop("lm_head.weight") if keep_ids is not None else None
+    params = dict(model.named_parameters())
+    for key, value in tensors.items():
+        if key not in params or params[key].shape != value.shape:
+            raise ValueError(f"delta tensor {key} {tuple(value.shape)} does not fit the model")
+        with torch.no_grad():
+            params[key].copy_(value.to(params[key].dtype))
+    if head is not None:
+        dtype = model.get_input_embeddings().weight.dtype
+        model.lm_head = ReducedHead(head.to(dtype), keep_ids, int(model.config.vocab_size))
+        model.config.tie_word_embeddings = False
+    if meta.get("int8") and int8_ok:
+        _quantize_linears(model)
+    return str(meta.get("name", path.name))
+
+
+def _quantize_linears(model: torch.nn.Module) -> None:
+    """int8 weights with dynamic activation scales for every Linear (fbgemm/qnnpack, CPU only).
+
+    A small drafter is bound by reading its weights, so 4x fewer bytes is ~4x faster per token.
+    Activation scales are per call, so a batch and its rows one by one differ slightly (the
+    distribution the device sends is still exactly the one it samples from).
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao eager quantization announces its move to torchao
+        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def vocab_fingerprint(tokenizer) -> str:
