@@ -81,29 +81,46 @@ class _StopStringSeen(Exception):
 
 
 class _TextTracker:
-    """Verified token ids -> text deltas, holding back any tail that could still become a stop string."""
+    """Verified token ids -> text deltas, holding back any tail that could still become a stop string.
+
+    Decodes only the new ids, with the previous chunk as context (leading spaces, merges), so a long
+    answer costs linear time; an incomplete UTF-8 character waits for its next token.
+    """
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer = tokenizer
         self.stops = stops
+        self.longest_stop = max((len(s) for s in stops), default=0)
         self.ids: list[int] = []
         self.text = ""          # the answer so far, cut before a stop string once one appears
         self.sent = 0           # characters of `text` already handed out
         self.stopped = False
+        self._prefix = 0        # ids[_prefix:_read] were decoded last time: context for the new ones
+        self._read = 0
+        self._searched = 0      # characters of `text` already searched for stop strings
 
     def add(self, new: list[int]) -> str:
         self.ids.extend(new)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = S.find_stop(text, self.stops)
+        self.text += self._new_text()
+        start = max(0, self._searched - self.longest_stop + 1)  # a match may straddle the old end
+        self._searched = len(self.text)
+        cut = S.find_stop(self.text[start:], self.stops)
         if cut >= 0:
-            self.text, self.stopped, safe = text[:cut], True, cut
-        else:
-            self.text = text
-            safe = S.safe_length(text.rstrip(REPLACEMENT_CHAR), self.stops)
-        return self._take(safe)
+            self.text, self.stopped = self.text[:start + cut], True
+            return self._take(len(self.text))
+        return self._take(S.safe_length(self.text, self.stops))
 
     def flush(self) -> str:
         return self._take(len(self.text))
+
+    def _new_text(self) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before):]
 
     def _take(self, upto: int) -> str:
         if upto <= self.sent:
@@ -201,7 +218,11 @@ class DeviceEngine:
         except _StopStringSeen:
             pass
         except EdgeError as exc:
-            raise edge_api_error(exc) from None
+            # Mid-answer RESOURCE_EXHAUSTED is the edge's context filling up: the answer ends at the
+            # length limit, as the target alone would have to. Before any token it is a real refusal.
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or not text.ids:
+                raise edge_api_error(exc) from None
+            log.info("choice %d ended at the edge's limit after %d tokens: %s", index, len(text.ids), exc.details)
         tail = text.flush()
         if tail and emit:
             emit(index, tail)

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -25,12 +26,14 @@ import pytest
 
 import tiny_models
 from harness import VENV_BIN, edge, load, target_greedy
-from specdec.common.modeling import encode_prompt
+from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.device import openai_schema as S
 from specdec.device.daemon import DaemonConfig, start_daemon
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.runner import DeviceConfig
 from specdec.edge.metrics import EdgeMetrics
+from specdec.edge.server import EdgeConfig, start_server, stop_server
+from specdec.edge.verifier import EdgeLimits
 
 MODEL = "specdec-test"
 PROMPT = "w5 w6 w7"
@@ -40,6 +43,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w3{% endif %}")
 LONG_CONTEXT = 2048     # room for a stream long enough to be cancelled mid-way
 LONG_MAX_TOKENS = 1500
+CANCEL_ATTEMPTS = 3
 WAIT_S = 15.0
 
 
@@ -72,39 +76,40 @@ def chat_pair(tmp_path_factory):
     return target, drafter
 
 
-@dataclass(frozen=True)
+@dataclass
 class Stack:
+    lt: LoopThread
+    exits: contextlib.AsyncExitStack   # everything started in the loop, stopped in reverse order
+    drafter: str
     edge_metrics: EdgeMetrics
     device_metrics: DeviceMetrics
-    edge: str               # the edge's HOST:PORT
-    url: str                # the daemon's base URL
-    offline_url: str        # a second daemon whose edge is unreachable
+    edge: str = ""          # the edge's HOST:PORT
+    url: str = ""           # the daemon's base URL
+
+    def start_edge(self, target, **kw) -> str:
+        return self.lt.call(self.exits.enter_async_context(edge(target, **kw)))
+
+    def start_daemon(self, edge_address: str, connect_timeout: float = 2.0, **kw) -> str:
+        device = DeviceConfig(edge=edge_address, draft_model=self.drafter, draft_len=3, temperature=1.0,
+                              max_new_tokens=16, timeout=60.0)
+        cfg = DaemonConfig(device=device, port=0, model_name=MODEL, connect_timeout=connect_timeout)
+        daemon = self.lt.call(start_daemon(cfg, drafter=load(self.drafter), **kw))
+        self.exits.push_async_callback(daemon.stop)
+        return f"http://127.0.0.1:{daemon.port}"
 
 
 @pytest.fixture(scope="module")
 def stack(chat_pair) -> Stack:
     target, drafter = chat_pair
-    lt = LoopThread()
-    exits = contextlib.AsyncExitStack()
-    edge_metrics, device_metrics = EdgeMetrics(), DeviceMetrics()
-    address = lt.call(exits.enter_async_context(edge(target, metrics=edge_metrics)))
-    base = DeviceConfig(edge=address, draft_model=str(drafter), draft_len=3, temperature=1.0,
-                        max_new_tokens=16, timeout=60.0)
-    daemon = lt.call(start_daemon(DaemonConfig(device=base, port=0, model_name=MODEL, connect_timeout=2.0),
-                                  drafter=load(str(drafter)), metrics=device_metrics))
-    closed = DeviceConfig(edge=f"127.0.0.1:{_closed_port()}", draft_model=str(drafter))
-    offline = lt.call(start_daemon(DaemonConfig(device=closed, port=0, connect_timeout=1.0),
-                                   drafter=load(str(drafter))))
-    yield Stack(edge_metrics, device_metrics, address, f"http://127.0.0.1:{daemon.port}",
-                f"http://127.0.0.1:{offline.port}")
-    lt.call(daemon.stop())
-    lt.call(offline.stop())
-    lt.call(exits.aclose())
-    lt.close()
+    st = Stack(LoopThread(), contextlib.AsyncExitStack(), str(drafter), EdgeMetrics(), DeviceMetrics())
+    st.edge = st.start_edge(target, metrics=st.edge_metrics)
+    st.url = st.start_daemon(st.edge, metrics=st.device_metrics)
+    yield st
+    st.lt.call(st.exits.aclose())
+    st.lt.close()
 
 
 def _closed_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -287,27 +292,34 @@ def test_stop_string_ends_the_session_and_is_not_emitted(client, chat_pair) -> N
     assert "".join(c.choices[0].text for c in stream if c.choices) == want
 
 
-def test_cancelled_stream_frees_its_edge_session(stack, chat_pair) -> None:
-    edge_metrics, device_metrics, base = stack.edge_metrics, stack.device_metrics, stack.url
-    gauge = lambda: edge_metrics.registry.get_sample_value("specdec_edge_sessions_active")  # noqa: E731
-    cancelled = lambda: device_metrics.registry.get_sample_value(  # noqa: E731
+def test_cancelled_stream_frees_its_edge_session(stack) -> None:
+    gauge = lambda: stack.edge_metrics.registry.get_sample_value("specdec_edge_sessions_active")  # noqa: E731
+    cancelled = lambda: stack.device_metrics.registry.get_sample_value(  # noqa: E731
         "specdec_device_sessions_ended_total", {"status": "cancelled"}) or 0
-    before = cancelled()
-    assert _wait_for(lambda: gauge() == 0)
+    # A sampled answer may reach EOS in the instant between the first chunk and the hang-up; then
+    # nothing was cancelled and another sample is tried.
+    for _attempt in range(CANCEL_ATTEMPTS):
+        before = cancelled()
+        assert _wait_for(lambda: gauge() == 0)
+        conn, resp = _open_stream(stack.url, {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_MAX_TOKENS,
+                                              "temperature": 1.0, "stream": True, "specdec": {"draft_len": 1}})
+        assert resp.readline().startswith(b"data: ")
+        assert gauge() == 1  # the session is open on the edge while the stream runs
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert _wait_for(lambda: gauge() == 0), "the edge session outlived its client"
+        if _wait_for(lambda: cancelled() == before + 1, timeout=3.0):
+            return
+    pytest.fail(f"no stream was still running when its client left, in {CANCEL_ATTEMPTS} attempts")
+
+
+def _open_stream(base: str, body: dict):
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_MAX_TOKENS, "temperature": 1.0, "stream": True,
-         "specdec": {"mode": "tslt", "draft_len": 1}}), headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
-    line = resp.readline()
-    assert line.startswith(b"data: ")
-    assert gauge() == 1  # the session is open on the edge while the stream runs
-    conn.sock.shutdown(2)
-    conn.close()
-    assert _wait_for(lambda: gauge() == 0), "the edge session outlived its client"
-    assert _wait_for(lambda: cancelled() == before + 1)
+    return conn, resp
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -345,14 +357,51 @@ def test_invalid_json_and_unknown_routes_answer_in_openai_shape(stack, client) -
     assert err.value.status_code == 400 and "top_k" in err.value.message
 
 
-def test_unreachable_edge_answers_503_quickly(stack) -> None:
-    offline = openai.OpenAI(base_url=stack.offline_url + "/v1", api_key="x", max_retries=0, timeout=30)
+def _chat_once(client_: openai.OpenAI) -> str:
+    r = client_.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=4)
+    return r.choices[0].message.content
+
+
+def test_unreachable_edge_answers_503_quickly_then_serves_once_the_edge_is_back(stack, chat_pair) -> None:
+    port = _closed_port()
+    url = stack.start_daemon(f"127.0.0.1:{port}", connect_timeout=1.0)
+    offline = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
-        offline.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}])
+        _chat_once(offline)
     assert time.monotonic() - t0 < 5.0
     assert err.value.status_code == 503
     assert err.value.body["type"] == "server_error" and "unreachable" in err.value.body["message"]
+    # The edge comes up on that address: the same daemon and channel reconnect by themselves.
+    stack.lt.call(_edge_on_port(stack, chat_pair[0], port))
+    assert _wait_for(lambda: _answers(offline)), "the daemon did not reconnect to the edge"
+
+
+async def _edge_on_port(stack, target, port: int) -> None:
+    cfg = EdgeConfig(model=ModelSpec(model=str(target)), host="127.0.0.1", port=port, workers=1)
+    server, _ = await start_server(cfg, load(str(target)))
+    stack.exits.push_async_callback(stop_server, server, 0)
+
+
+def _answers(client_: openai.OpenAI) -> bool:
+    try:
+        return isinstance(_chat_once(client_), str)
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503
+        return False
+
+
+def test_context_filling_up_ends_the_answer_with_length(stack, chat_pair) -> None:
+    limit = 32
+    url = stack.start_daemon(stack.start_edge(chat_pair[0], limits=EdgeLimits(max_context=limit)))
+    prompt_ids = encode_prompt(_tok(chat_pair), PROMPT, raw=True)
+    assert tiny_models.EOS_ID not in _greedy(chat_pair, prompt_ids, limit), "fixture: greedy must not end early"
+    cli = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = cli.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2 * limit, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    n = r.usage.completion_tokens
+    assert limit - len(prompt_ids) - 8 < n < limit - len(prompt_ids)  # within one round of the limit
+    assert r.choices[0].model_extra["specdec"]["token_ids"] == _greedy(chat_pair, prompt_ids, n)
 
 
 # -- the command -----------------------------------------------------------------------------------
