@@ -1,0 +1,227 @@
+"""Userspace link emulator: an asyncio TCP proxy that shapes each direction like a slow link.
+
+For kernels without ``netem`` (this project's machines) and for users without root: it sits
+between the device and the edge, accepts the device's connections and forwards each to the edge.
+Each direction is a FIFO link (:class:`LinkClock`): serialization at ``rate``, then a one-way
+``delay`` with uniform ``jitter`` (netem's default distribution), and never a reordering, since
+the payload is a TCP byte stream.
+
+Loss cannot be emulated by dropping bytes: TCP below us would not retransmit them and the stream
+would be corrupt. What a lost segment costs a TCP connection is time, so a lost segment (one of
+``MSS_BYTES`` of a chunk, each lost with probability ``loss``) delays its chunk, and by FIFO order
+everything behind it, by one retransmission timeout ``rto`` (Linux's minimum RTO, 200 ms, is the
+default: short request/response rounds rarely carry enough segments behind a loss for fast
+retransmit). That models head-of-line blocking, not congestion control's reaction to loss.
+
+Usage (no root): ``python -m testbed.linkemu --listen 127.0.0.1:7000 --connect 127.0.0.1:50051
+--up-rate 1mbit --up-delay 20ms --down-delay 20ms`` and point the device at 127.0.0.1:7000.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+from testbed.units import parse_percent, parse_rate, parse_time
+
+MSS_BYTES = 1448            # TCP payload per Ethernet frame (1500 MTU - 40 IP/TCP - 12 timestamps)
+LINUX_MIN_RTO_S = 0.2       # TCP_RTO_MIN: the least a timeout retransmission costs on Linux
+# Read size: one chunk leaves the link at once, so it is the shaping granularity (4 KiB at
+# 1 Mbit/s is 33 ms); small enough for smooth rates, large enough for Python at 100 Mbit/s.
+CHUNK_BYTES = 4096
+# Bytes a direction may hold in flight before it stops reading (back-pressure to the sender, as a
+# router's buffer): 4 MiB covers the bandwidth-delay product of 100 Mbit/s x 300 ms.
+QUEUE_LIMIT_BYTES = 4 * 1024 * 1024
+CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One direction of a link; zeros mean "not shaped"."""
+    rate_bps: float = 0.0     # bits per second; 0 = unlimited
+    delay_s: float = 0.0      # one-way propagation delay
+    jitter_s: float = 0.0     # delay varies uniformly in [delay - jitter, delay + jitter]
+    loss: float = 0.0         # probability that a segment of MSS_BYTES is lost
+    rto_s: float = LINUX_MIN_RTO_S  # what one lost segment costs
+
+    def __post_init__(self):
+        if min(self.rate_bps, self.delay_s, self.jitter_s, self.rto_s) < 0 or not 0 <= self.loss < 1:
+            raise ValueError(f"invalid link: {self}")
+
+    @property
+    def delays(self) -> bool:
+        """Whether this direction needs more than rate limiting (delay, jitter or loss)."""
+        return bool(self.delay_s or self.jitter_s or self.loss)
+
+
+class LinkClock:
+    """When each chunk written into one direction of the link comes out. Pure: time is passed in."""
+
+    def __init__(self, spec: LinkSpec, rng: random.Random):
+        self.spec = spec
+        self.rng = rng
+        self.busy_until = 0.0    # the sender side is serializing until then
+        self.last_release = 0.0  # the byte stream leaves in order
+
+    def release_time(self, nbytes: int, now: float) -> float:
+        s = self.spec
+        start = max(now, self.busy_until)
+        self.busy_until = start + (nbytes * 8 / s.rate_bps if s.rate_bps else 0.0)
+        delay = s.delay_s + (self.rng.uniform(-s.jitter_s, s.jitter_s) if s.jitter_s else 0.0)
+        release = self.busy_until + max(0.0, delay) + self._lost_segments(nbytes) * s.rto_s
+        self.last_release = max(release, self.last_release)
+        return self.last_release
+
+    def _lost_segments(self, nbytes: int) -> int:
+        if not self.spec.loss:
+            return 0
+        segments = -(-nbytes // MSS_BYTES)
+        return sum(self.rng.random() < self.spec.loss for _ in range(segments))
+
+
+class _Direction:
+    """One direction of one connection: read, stamp with the link clock, write out on time."""
+
+    def __init__(self, reader, writer, spec: LinkSpec, rng: random.Random):
+        self.reader, self.writer = reader, writer
+        self.clock = LinkClock(spec, rng)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queued = 0
+        self.room = asyncio.Event()
+        self.room.set()
+
+    async def pump_in(self) -> None:
+        while data := await self.reader.read(CHUNK_BYTES):
+            await self.room.wait()
+            self.queued += len(data)
+            if self.queued >= QUEUE_LIMIT_BYTES:
+                self.room.clear()
+            self.queue.put_nowait((self.clock.release_time(len(data), time.monotonic()), data))
+        self.queue.put_nowait(None)
+
+    async def pump_out(self) -> None:
+        while (item := await self.queue.get()) is not None:
+            release, data = item
+            await asyncio.sleep(max(0.0, release - time.monotonic()))
+            self.writer.write(data)
+            await self.writer.drain()
+            self.queued -= len(data)
+            if self.queued < QUEUE_LIMIT_BYTES:
+                self.room.set()
+        if self.writer.can_write_eof():
+            self.writer.write_eof()  # half-close: the peer sees the end of this direction
+
+    async def run(self) -> None:
+        await asyncio.gather(self.pump_in(), self.pump_out())
+
+
+class LinkEmulator:
+    """Accepts on ``listen``, connects each connection to ``upstream``, shapes both directions."""
+
+    def __init__(self, upstream: tuple[str, int], uplink: LinkSpec, downlink: LinkSpec, seed: int = 0):
+        self.upstream = upstream
+        self.uplink, self.downlink = uplink, downlink
+        self.rng = random.Random(seed)  # seeded: a run's jitter and losses are reproducible
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self.server = await asyncio.start_server(self._handle, host, port)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, client_reader, client_writer) -> None:
+        try:
+            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.upstream),
+                                                          CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError):
+            client_writer.close()
+            return
+        directions = (_Direction(client_reader, up_writer, self.uplink, self.rng),
+                      _Direction(up_reader, client_writer, self.downlink, self.rng))
+        try:
+            await asyncio.gather(*(d.run() for d in directions))
+        except (ConnectionError, OSError):
+            pass  # one side vanished: close both, as a cut link would
+        finally:
+            for w in (client_writer, up_writer):
+                w.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, non-zero exit
+        sys.stderr.write(f"linkemu: error: {message}\n")
+        sys.exit(2)
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _arg(parse):
+    def wrapped(text):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return wrapped
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m testbed.linkemu", description="userspace link emulator (TCP proxy)")
+    p.add_argument("--listen", type=_address, default=("127.0.0.1", 0), help="HOST:PORT (port 0 = any)")
+    p.add_argument("--connect", type=_address, required=True, help="upstream HOST:PORT (the edge)")
+    for side in ("up", "down"):
+        p.add_argument(f"--{side}-rate", type=_arg(parse_rate), default=0.0, help="e.g. 1mbit (0 = unlimited)")
+        p.add_argument(f"--{side}-delay", type=_arg(parse_time), default=0.0, help="one-way, e.g. 20ms")
+        p.add_argument(f"--{side}-jitter", type=_arg(parse_time), default=0.0, help="uniform +-, e.g. 5ms")
+        p.add_argument(f"--{side}-loss", type=_arg(parse_percent), default=0.0, help="per segment, e.g. 1%%")
+    p.add_argument("--rto", type=_arg(parse_time), default=LINUX_MIN_RTO_S, help="cost of one lost segment")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def specs_from_args(a) -> tuple[LinkSpec, LinkSpec]:
+    up = LinkSpec(a.up_rate, a.up_delay, a.up_jitter, a.up_loss, a.rto)
+    down = LinkSpec(a.down_rate, a.down_delay, a.down_jitter, a.down_loss, a.rto)
+    return up, down
+
+
+async def _serve(args) -> None:
+    up, down = specs_from_args(args)
+    emu = LinkEmulator(args.connect, up, down, seed=args.seed)
+    port = await emu.start(*args.listen)
+    # The ready line: scripts and tests read the port from it.
+    print(f"linkemu listening on {args.listen[0]}:{port} -> {args.connect[0]}:{args.connect[1]}", flush=True)
+    await asyncio.Event().wait()  # until SIGTERM / SIGINT
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        specs_from_args(args)
+        asyncio.run(_serve(args))
+    except ValueError as exc:
+        sys.stderr.write(f"linkemu: error: {exc}\n")
+        return 2
+    except OSError as exc:  # e.g. the listen address is taken
+        sys.stderr.write(f"linkemu: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

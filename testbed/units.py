@@ -1,0 +1,43 @@
+"""tc-style quantities for command lines: rates (``1mbit``) and times (``20ms``) to base units."""
+from __future__ import annotations
+
+import re
+
+# tc(8) units: rates in bits per second (kbit = 1000 bit/s, as tc counts them), times in seconds.
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 8.0, "kbps": 8e3, "mbps": 8e6}
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
+
+
+def _parse(text: str, units: dict[str, float], default: str, what: str) -> float:
+    m = _QUANTITY.match(text.lower())
+    if not m or (m.group(2) or default) not in units:
+        raise ValueError(f"not a {what}: {text!r} (units: {', '.join(units)})")
+    return float(m.group(1)) * units[m.group(2) or default]
+
+
+def parse_rate(text: str) -> float:
+    """``'1mbit'`` -> 1e6 bit/s; a bare number is bit/s (tc: ``bps`` means bytes per second)."""
+    return _parse(text, _RATE_UNITS, "bit", "rate")
+
+
+def parse_time(text: str) -> float:
+    """``'20ms'`` -> 0.02 s; a bare number is seconds."""
+    return _parse(text, _TIME_UNITS, "s", "time")
+
+
+def parse_percent(text: str) -> float:
+    """``'1%'`` or ``'0.01'`` -> 0.01."""
+    t = text.strip()
+    value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"loss must be in [0, 100%), got {text!r}")
+    return value
+
+
+def tc_rate(bps: float) -> str:
+    return f"{int(round(bps))}bit"
+
+
+def tc_time(seconds: float) -> str:
+    return f"{int(round(seconds * 1e6))}us"
