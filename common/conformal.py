@@ -67,6 +67,12 @@ class ConformalController:
         self.checkpoint = self.beta
         self.round_dropped = []
 
+    def abort_round(self) -> None:
+        """Forget the open round (its verdict never came, e.g. the stream broke): back to the checkpoint."""
+        if self.checkpoint is not None:
+            self.beta = self.checkpoint
+        self.checkpoint, self.round_dropped = None, []
+
     def observe(self, dropped_mass: float) -> float:
         """Apply eq. (8) for one drafted position (Alg. 1 line 8); returns the new beta.
 

@@ -39,7 +39,8 @@ class Hello:
     max_new_tokens: int = 256
     target_top_p: float = 0.0     # 0 = off; applied to the target distribution
     target_top_k: int = 0         # 0 = off; applied to the target distribution
-    auth_token: str = ""
+    resume_session_id: str = ""   # resume this session instead of starting one
+    resume_token: bytes = b""     # the secret the edge gave for it in Welcome
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -52,6 +53,8 @@ class Welcome:
     max_draft_len: int
     max_k: int
     protocol_version: int = PROTOCOL_VERSION
+    resume_token: bytes = b""     # needed, with the same credentials, to resume this session
+    resumed: bool = False         # the edge still had the session (its KV cache is reused)
 
 
 @dataclass(frozen=True)

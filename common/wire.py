@@ -52,7 +52,8 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         protocol_version=h.protocol_version, mode=_MODE_TO_PB[h.mode],
         vocab_fingerprint=h.vocab_fingerprint, vocab_size=h.vocab_size, temperature=h.temperature,
         target_top_p=h.target_top_p, target_top_k=h.target_top_k, draft=settings_to_pb(h.draft),
-        seed=h.seed, max_new_tokens=h.max_new_tokens, auth_token=h.auth_token,
+        seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
+        resume_token=h.resume_token,
     ))
 
 
@@ -61,7 +62,8 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         protocol_version=m.protocol_version, mode=_mode_from_pb(m.mode),
         vocab_fingerprint=m.vocab_fingerprint, vocab_size=m.vocab_size, temperature=m.temperature,
         target_top_p=m.target_top_p, target_top_k=m.target_top_k, draft=settings_from_pb(m.draft),
-        seed=m.seed, max_new_tokens=m.max_new_tokens, auth_token=m.auth_token,
+        seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
+        resume_token=m.resume_token,
     )
 
 
@@ -69,7 +71,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
     return pb.EdgeMessage(welcome=pb.Welcome(
         session_id=w.session_id, protocol_version=w.protocol_version, model_name=w.model_name,
         vocab_size=w.vocab_size, max_context=w.max_context, max_draft_len=w.max_draft_len,
-        max_k=w.max_k,
+        max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed,
     ))
 
 
@@ -77,7 +79,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
     return P.Welcome(
         session_id=m.session_id, protocol_version=m.protocol_version, model_name=m.model_name,
         vocab_size=m.vocab_size, max_context=m.max_context, max_draft_len=m.max_draft_len,
-        max_k=m.max_k,
+        max_k=m.max_k, resume_token=m.resume_token, resumed=m.resumed,
     )
 
 

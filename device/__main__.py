@@ -74,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=_bounded(int, 1), default=1)
     p.add_argument("--timeout", type=_bounded(float, 0.0, low_open=True), default=600.0,
                    help="seconds allowed per session")
+    p.add_argument("--tls-ca", help="PEM CA of the edge's certificate (enables TLS)")
+    p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert")
+    p.add_argument("--tls-server-name", help="name to verify in the edge's certificate (default: the host)")
+    p.add_argument("--auth-token-file", help="bearer token for the edge (first line of the file)")
+    p.add_argument("--round-timeout", type=_bounded(float, 0.0, low_open=True), default=30.0,
+                   help="seconds to wait for a verdict before treating the link as dead and resuming")
+    p.add_argument("--reconnect-timeout", type=_bounded(float, 0.0), default=60.0,
+                   help="seconds to keep reconnecting after the stream breaks (0 = fail at once)")
     p.add_argument("--json", action="store_true", help="print one JSON object per session instead of text")
     p.add_argument("--metrics-port", type=_bounded(int, 0), default=0)
     p.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address")
@@ -91,10 +100,13 @@ def config_from_args(a) -> DeviceConfig:
         draft_gguf_file=a.draft_gguf_file, draft_layers=a.draft_layers, device=a.device, dtype=a.dtype,
         mode=Mode(a.mode), top_k=a.top_k, top_p=a.top_p or 0.0, lattice=a.lattice,
         dense_dtype=a.dense_dtype, csqs_alpha=a.alpha, csqs_eta=a.eta, csqs_beta0=a.beta0,
-        max_k=a.max_k, dssd_samples=a.dssd_samples, tree=a.tree, draft_len=a.draft_len, bit_budget=a.bit_budget or 0,
-        temperature=a.temperature, target_top_p=a.target_top_p or 0.0, target_top_k=a.target_top_k or 0,
-        seed=a.seed, max_new_tokens=a.max_new_tokens, num_samples=a.num_samples, timeout=a.timeout,
-        json=a.json, metrics_port=a.metrics_port, metrics_host=a.metrics_host, linger=a.linger,
+        max_k=a.max_k, dssd_samples=a.dssd_samples, tree=a.tree, draft_len=a.draft_len,
+        bit_budget=a.bit_budget or 0, temperature=a.temperature, target_top_p=a.target_top_p or 0.0,
+        target_top_k=a.target_top_k or 0, seed=a.seed, max_new_tokens=a.max_new_tokens,
+        num_samples=a.num_samples, timeout=a.timeout, json=a.json, metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host, linger=a.linger, tls_ca=a.tls_ca, tls_cert=a.tls_cert,
+        tls_key=a.tls_key, tls_server_name=a.tls_server_name, auth_token_file=a.auth_token_file,
+        round_timeout=a.round_timeout, reconnect_timeout=a.reconnect_timeout,
     )
 
 

@@ -7,8 +7,10 @@ Byte counts are the serialized sizes of the messages actually written and read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import grpc
@@ -19,6 +21,8 @@ from specdec.common.engine import decode_target_probs
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.device.drafter import DraftSession, RoundDraft
 from specdec.device.metrics import DeviceMetrics
+
+log = logging.getLogger("specdec.device")
 
 
 class EdgeError(RuntimeError):
@@ -33,7 +37,7 @@ class EdgeError(RuntimeError):
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    welcome: P.Welcome
+    welcome: P.Welcome | None      # of the latest stream (its session id and resume token)
     uplink_bytes: int = 0          # serialized Draft (+ ResidualRequest) messages
     downlink_bytes: int = 0        # serialized Verdict (+ ResidualReply) messages
     setup_bytes: int = 0           # Hello + Prompt + Welcome + Close
@@ -42,6 +46,8 @@ class GenerationResult:
     verify_seconds: float = 0.0    # edge-reported
     dssd_fallbacks: int = 0
     round_uplink_bytes: list[int] = field(default_factory=list)
+    reconnects: int = 0            # broken streams resumed
+    t_start: float | None = None
 
 
 @dataclass
@@ -49,38 +55,74 @@ class _Stream:
     call: object
     metrics: DeviceMetrics | None = None
     mode: str = ""
+    round_timeout: float | None = None
+    _pending: asyncio.Future | None = None
 
     async def send(self, msg) -> int:
-        await self.call.write(msg)
+        try:
+            await self.call.write(msg)
+        except asyncio.InvalidStateError:  # the RPC already ended (link cut, edge gone): why?
+            raise EdgeError(await self.call.code(), await self.call.details() or "stream ended") from None
         return msg.ByteSize()
 
     async def recv(self):
-        msg = await self.call.read()
+        # The read is shielded: grpc.aio cancels the whole RPC when an awaited read is cancelled,
+        # which would keep a cancelled session from sending its Close (see _close_quietly).
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self.call.read())
+        try:
+            msg = await asyncio.wait_for(asyncio.shield(self._pending), self.round_timeout)
+            self._pending = None
+        except asyncio.TimeoutError:
+            raise EdgeError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer from the edge within {self.round_timeout:g} s") from None
         if msg is grpc.aio.EOF:
             raise EdgeError(grpc.StatusCode.UNAVAILABLE, "edge closed the stream")
         return msg
 
 
+# Statuses after which the device reconnects and resumes instead of failing: the link or the edge
+# went away, or a round took longer than the policy allows.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
+
+
+CLOSE_GRACE_S = 1.0  # how long a cancelled session waits to deliver its Close
+
+
+@dataclass(frozen=True)
+class ConnectionPolicy:
+    round_timeout_s: float = 30.0         # a verdict later than this means a dead link: reconnect
+    reconnect_timeout_s: float = 60.0     # give up after this long without a working stream
+    backoff_initial_s: float = 0.2        # first wait before reconnecting; doubles per failure
+    backoff_max_s: float = 5.0
+    metadata: tuple[tuple[str, str], ...] = ()  # call metadata, e.g. ("authorization", "Bearer ...")
+
+
 async def generate(channel: grpc.aio.Channel, session: DraftSession, hello: P.Hello,
                    prompt_ids: list[int], eos_ids: tuple[int, ...],
                    on_tokens: Callable[[list[int]], None] | None = None,
-                   timeout: float | None = None, metrics: DeviceMetrics | None = None) -> GenerationResult:
-    """Run one session to EOS or ``hello.max_new_tokens``; stream new tokens to ``on_tokens``."""
-    stub = pb_grpc.SpeculativeDecodingStub(channel)
-    call = stub.Generate(timeout=timeout)
+                   timeout: float | None = None, metrics: DeviceMetrics | None = None,
+                   policy: ConnectionPolicy = ConnectionPolicy()) -> GenerationResult:
+    """Run one session to EOS or ``hello.max_new_tokens``; stream new tokens to ``on_tokens``.
+
+    A broken stream (link cut, edge restart, round timeout) is retried with backoff: the device
+    resumes its session with the edge's resume token and re-sends its verified prefix, so no
+    verified token is lost or duplicated. ``timeout`` bounds the whole session.
+    """
     mode = hello.mode.value
     if metrics:
         metrics.session_started(mode)
     status = "ok"
     try:
-        result = await _run(_Stream(call, metrics=metrics, mode=mode), session, hello, prompt_ids, eos_ids,
-                            on_tokens)
+        result = await asyncio.wait_for(
+            _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy), timeout)
         if metrics:
             metrics.request_done(mode, result.wall_seconds, len(result.token_ids))
         return result
-    except grpc.aio.AioRpcError as exc:
-        status = exc.code().name.lower()
-        raise EdgeError(exc.code(), exc.details() or "") from None
+    except asyncio.TimeoutError:
+        status = "deadline_exceeded"
+        raise EdgeError(grpc.StatusCode.DEADLINE_EXCEEDED, f"session took longer than {timeout:g} s") from None
     except EdgeError as exc:
         status = exc.code.name.lower()
         raise
@@ -88,22 +130,70 @@ async def generate(channel: grpc.aio.Channel, session: DraftSession, hello: P.He
         status = "cancelled"
         raise
     finally:
-        call.cancel()
         if metrics:
             metrics.session_ended(status)
 
 
-async def _run(stream: _Stream, session, hello, prompt_ids, eos_ids, on_tokens) -> GenerationResult:
+async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy) -> GenerationResult:
+    stub = pb_grpc.SpeculativeDecodingStub(channel)
+    result = GenerationResult(token_ids=[], welcome=None)
+    session.start(prompt_ids)
+    backoff = policy.backoff_initial_s
+    give_up_at = None
+    while True:
+        call = stub.Generate(metadata=policy.metadata or None)
+        stream = _Stream(call, metrics=metrics, mode=hello.mode.value, round_timeout=policy.round_timeout_s)
+        try:
+            await _run(stream, session, hello, eos_ids, on_tokens, result)
+            return result
+        except grpc.aio.AioRpcError as exc:
+            error = EdgeError(exc.code(), exc.details() or "")
+        except EdgeError as exc:
+            error = exc
+        except BaseException:  # cancelled, or stopped by the caller: free the edge session at once
+            await _close_quietly(call)
+            raise
+        finally:
+            call.cancel()
+        if error.code not in RETRYABLE or result.welcome is None:
+            raise error  # refused, or never reached the edge at all: nothing to resume
+        now = time.monotonic()
+        give_up_at = give_up_at or now + policy.reconnect_timeout_s
+        if now >= give_up_at:
+            raise EdgeError(error.code, f"{error.details} (gave up reconnecting after "
+                                        f"{policy.reconnect_timeout_s:g} s)")
+        await asyncio.to_thread(session.abort_round)
+        result.reconnects += 1
+        log.warning("stream to the edge broke (%s: %s); resuming in %.1f s", error.code.name, error.details, backoff)
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, policy.backoff_max_s)
+
+
+async def _close_quietly(call) -> None:
+    """Best effort: tell the edge this session is over, so it frees it instead of keeping it for a
+    resume; a link that is already gone just times out."""
+    async def close():
+        await call.write(wire.close_to_pb())
+        await call.done_writing()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(close(), CLOSE_GRACE_S)
+
+
+async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: GenerationResult) -> None:
+    """One stream: Hello (resuming if we hold a session), Prompt = verified prefix, rounds, Close."""
+    if result.welcome is not None:
+        hello = replace(hello, resume_session_id=result.welcome.session_id,
+                        resume_token=result.welcome.resume_token)
     setup = await stream.send(wire.hello_to_pb(hello))
     msg = await stream.recv()
     welcome = wire.edge_message_from_pb(msg)
     if not isinstance(welcome, P.Welcome):
         raise EdgeError(grpc.StatusCode.INTERNAL, "expected Welcome")
-    result = GenerationResult(token_ids=[], welcome=welcome)
-    result.setup_bytes = setup + msg.ByteSize()
-    t_start = time.perf_counter()
-    result.setup_bytes += await stream.send(wire.prompt_to_pb(P.Prompt(tuple(prompt_ids))))
-    session.start(prompt_ids)
+    result.welcome = welcome
+    result.setup_bytes += setup + msg.ByteSize()
+    if result.t_start is None:
+        result.t_start = time.perf_counter()
+    result.setup_bytes += await stream.send(wire.prompt_to_pb(P.Prompt(tuple(session.tokens))))
     while not _finished(result.token_ids, hello.max_new_tokens, eos_ids):
         remaining = hello.max_new_tokens - len(result.token_ids)
         new = await _round(stream, session, result, remaining)
@@ -113,13 +203,12 @@ async def _run(stream: _Stream, session, hello, prompt_ids, eos_ids, on_tokens) 
             stream.metrics.tokens_delivered(stream.mode, len(new))
         if on_tokens and new:
             on_tokens(new)
-    result.wall_seconds = time.perf_counter() - t_start
+    result.wall_seconds = time.perf_counter() - result.t_start
     result.setup_bytes += await stream.send(wire.close_to_pb())
     await stream.call.done_writing()
     # Wait for the edge's OK: cancelling the call (generate's finally) before it arrives would end
     # a finished session as CANCELLED on the edge and count it as failed there.
     await stream.call.code()
-    return result
 
 
 async def _round(stream: _Stream, session: DraftSession, result: GenerationResult, remaining: int) -> list[int]:

@@ -83,6 +83,19 @@ class DraftSession:
     def start(self, prompt_ids: list[int]) -> None:
         self.tokens = list(prompt_ids)
 
+    def abort_round(self) -> None:
+        """The stream broke before the verdict: drop drafted state, keep the verified prefix.
+
+        The next stream re-sends the whole verified prefix (which already holds any DSSD correction)
+        and numbers its rounds from 1 again.
+        """
+        # Keep the cache strictly behind the verified tokens: the next forward needs an input.
+        self.lm.truncate(min(self.lm.cache_len, len(self.tokens) - 1))
+        if self.controller is not None:
+            self.controller.abort_round()
+        self.pending_correction = None
+        self.round_id = 0
+
     def draft(self, max_tokens: int) -> RoundDraft:
         """Draft up to ``min(draft_len, max_tokens)`` tokens (at least one), encoding each q."""
         if self.tree:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import grpc
@@ -12,7 +13,7 @@ from prometheus_client import start_http_server
 from specdec.common.codecs import Mode
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.protocol import DraftSettings, Hello
-from specdec.device.client import GenerationResult, generate
+from specdec.device.client import ConnectionPolicy, GenerationResult, generate
 from specdec.device.drafter import DraftSession
 from specdec.device.metrics import DeviceMetrics
 
@@ -57,6 +58,13 @@ class DeviceConfig:
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"     # /metrics bind address (0.0.0.0 where Prometheus is on another host)
     linger: float = 0.0                 # seconds /metrics stays up after the last session (final scrape)
+    tls_ca: str | None = None           # PEM CA that signed the edge's certificate (enables TLS)
+    tls_cert: str | None = None         # PEM client certificate (mutual TLS)
+    tls_key: str | None = None          # PEM key of tls_cert
+    tls_server_name: str | None = None  # name to verify in the edge's certificate, if not the host
+    auth_token_file: str | None = None  # bearer token sent with every session
+    round_timeout: float = 30.0         # a verdict later than this = dead link: reconnect and resume
+    reconnect_timeout: float = 60.0     # give up after this long without a working stream
 
     def model_spec(self) -> ModelSpec:
         if self.draft_model is None and self.draft_gguf_file is None:
@@ -77,10 +85,61 @@ class DeviceConfig:
                      target_top_k=self.target_top_k)
 
 
-def open_channel(address: str, extra_options: tuple = ()) -> grpc.aio.Channel:
+    def policy(self) -> ConnectionPolicy:
+        metadata = ()
+        if self.auth_token_file:
+            metadata = (("authorization", f"Bearer {read_token(self.auth_token_file)}"),)
+        return ConnectionPolicy(round_timeout_s=self.round_timeout, reconnect_timeout_s=self.reconnect_timeout,
+                                metadata=metadata)
+
+    def channel(self, extra_options: tuple = ()) -> grpc.aio.Channel:
+        tls = None
+        if self.tls_ca or self.tls_cert:
+            tls = ClientTls(ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key, server_name=self.tls_server_name)
+        return open_channel(self.edge, extra_options, tls=tls)
+
+
+def read_token(path: str | Path) -> str:
+    """The device's bearer token: the first non-comment line of its token file."""
+    for line in Path(path).read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            return line.strip()
+    raise ValueError(f"no token in {path}")
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    ca: str | None                # PEM roots; None = the system's
+    cert: str | None = None       # PEM client certificate chain (mutual TLS)
+    key: str | None = None
+    server_name: str | None = None
+
+
+# Device side of HTTP/2 keepalive (the edge permits pings this often): a silent dead link is
+# noticed within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS even while no round is in flight.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+# gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a device resuming a session after a
+# short outage should retry sooner.
+RECONNECT_BACKOFF_MS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                        ("grpc.max_reconnect_backoff_ms", 2_000))
+
+
+def open_channel(address: str, extra_options: tuple = (), tls: ClientTls | None = None) -> grpc.aio.Channel:
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *extra_options]
-    return grpc.aio.insecure_channel(address, options=options)
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+               ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+               *RECONNECT_BACKOFF_MS, *extra_options]
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls.ca).read_bytes() if tls.ca else None,
+        private_key=Path(tls.key).read_bytes() if tls.key else None,
+        certificate_chain=Path(tls.cert).read_bytes() if tls.cert else None)
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 def result_json(cfg: DeviceConfig, drafter: LoadedModel, session: DraftSession, r: GenerationResult) -> dict:
@@ -147,13 +206,14 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
     results = []
-    async with open_channel(cfg.edge) as channel:
+    policy = cfg.policy()
+    async with cfg.channel() as channel:
         for i in range(cfg.num_samples):
             hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i)
             session = DraftSession(drafter, hello)
             streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
             r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids,
-                               on_tokens=streamer, timeout=cfg.timeout, metrics=metrics)
+                               on_tokens=streamer, timeout=cfg.timeout, metrics=metrics, policy=policy)
             record = result_json(cfg, drafter, session, r)
             results.append(record)
             out.write(json.dumps(record) + "\n" if cfg.json else "\n")

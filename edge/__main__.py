@@ -7,7 +7,7 @@ import sys
 
 from specdec.common.modeling import DTYPES, ModelSpec
 from specdec.common.runtime import run_async
-from specdec.edge.server import EdgeConfig, serve
+from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
 
@@ -40,7 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=0, help="0 = the model's context length")
     p.add_argument("--max-draft-len", type=_positive(int), default=32)
     p.add_argument("--max-k", type=_positive(int), default=8192)
-    p.add_argument("--idle-timeout", type=_positive(float), default=120.0)
+    p.add_argument("--idle-timeout", type=_positive(float), default=120.0,
+                   help="seconds a session may stay silent before it is closed")
+    p.add_argument("--resume-window", type=_positive(float), default=60.0,
+                   help="seconds a session whose stream broke is kept for the device to resume")
+    p.add_argument("--max-prompt", type=int, default=0, help="prompt tokens per session (0 = context)")
+    p.add_argument("--max-message-bytes", type=_positive(int), default=64 * 1024 * 1024)
+    p.add_argument("--tls-cert", help="PEM server certificate chain (enables TLS)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA for client certificates (enables mutual TLS)")
+    p.add_argument("--auth-token-file", help="accepted bearer tokens, one per line")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0 = torch's default); 1 suits tiny models and shared cores")
     p.add_argument("--log-level", default="INFO")
@@ -49,16 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a) -> EdgeConfig:
     limits = EdgeLimits(max_sessions=a.max_sessions, max_context=a.max_context,
-                        max_draft_len=a.max_draft_len, max_k=a.max_k, idle_timeout_s=a.idle_timeout)
+                        max_draft_len=a.max_draft_len, max_k=a.max_k, idle_timeout_s=a.idle_timeout,
+                        resume_window_s=a.resume_window, max_prompt_tokens=a.max_prompt)
     spec = ModelSpec(model=a.model, gguf_file=a.gguf_file, device=a.device, dtype=a.dtype)
+    if bool(a.tls_cert) != bool(a.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if a.tls_client_ca and not a.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    tls = TlsConfig(cert=a.tls_cert, key=a.tls_key, client_ca=a.tls_client_ca) if a.tls_cert else None
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
-                      workers=a.workers, limits=limits)
+                      workers=a.workers, limits=limits, tls=tls, auth_token_file=a.auth_token_file,
+                      max_message_bytes=a.max_message_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        sys.stderr.write(f"edge-server: error: {exc}\n")
+        return 2
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)

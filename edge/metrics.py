@@ -47,7 +47,7 @@ MAX_POSITION_LABELS = 32  # positions beyond this share one label to bound cardi
 # Final statuses, pre-created at 0 so that "no failures" is a zero series, not a missing one
 # (Prometheus instrumentation practice: avoid missing metrics). grpc.StatusCode names, lower case.
 STATUSES = ("ok", "cancelled", "invalid_argument", "failed_precondition", "resource_exhausted",
-            "deadline_exceeded", "unavailable", "internal")
+            "deadline_exceeded", "unavailable", "internal", "unauthenticated", "permission_denied", "expired")
 # Edge phases of one round; together with the device's draft/encode/network they cover the round.
 PHASES = ("queue", "decode", "verify")  # verify = target forward + accept/reject, decode excluded
 
@@ -62,6 +62,7 @@ class EdgeMetrics:
         self.started = Counter("sessions_started", "Sessions started", ["mode"], **kw)
         self.ended = Counter("sessions_ended", "Sessions ended, by final status", ["status"], **kw)
         self.failed = Counter("sessions_failed", "Sessions ended with a status other than ok", ["status"], **kw)
+        self.resumed = Counter("sessions_resumed", "Broken streams whose session was resumed (KV kept)", **kw)
         self.rounds = Counter("rounds", "Verification rounds", ["mode"], **kw)
         self.draft_tokens = Counter("draft_tokens", "Draft tokens (tree nodes) received", ["mode"], **kw)
         self.draft_positions = Counter("draft_positions", "Draft positions (chain length, or tree depth)",
@@ -105,6 +106,9 @@ class EdgeMetrics:
     def session_started(self, mode: str) -> None:
         self.started.labels(mode).inc()
         self.active.inc()
+
+    def session_resumed(self) -> None:
+        self.resumed.inc()
 
     def session_ended(self, status: str, was_active: bool) -> None:
         self.ended.labels(status).inc()

@@ -6,11 +6,13 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from specdec.common.modeling import LoadedModel, ModelSpec, load_model, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
+from specdec.edge.auth import Authenticator, load_tokens
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.servicer import SpeculativeDecodingServicer
 from specdec.edge.verifier import EdgeLimits, TargetInfo
@@ -21,6 +23,19 @@ log = logging.getLogger("specdec.edge")
 # ~20 MB; the edge limit on draft length keeps real rounds below this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRACE_SECONDS = 5.0  # in-flight rounds get this long to finish on SIGTERM
+# HTTP/2 keepalive: a peer that stops answering pings for KEEPALIVE_TIMEOUT_MS after
+# KEEPALIVE_TIME_MS of silence is dropped, its stream breaks and its session detaches for a resume.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_CLIENT_PING_INTERVAL_MS = 5_000  # devices may ping this often (they ping every KEEPALIVE_TIME_MS)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert: str                      # PEM server certificate chain
+    key: str                       # PEM private key
+    client_ca: str | None = None   # PEM CA; set = mutual TLS, clients must present a cert it signed
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,9 @@ class EdgeConfig:
     metrics_port: int = 0                                 # 0 = no /metrics endpoint
     workers: int = 4                                      # threads running target forwards
     limits: EdgeLimits = field(default_factory=EdgeLimits)
+    tls: TlsConfig | None = None                          # None = plaintext (loopback and labs)
+    auth_token_file: str | None = None                    # bearer tokens accepted, one per line
+    max_message_bytes: int = MAX_MESSAGE_BYTES            # larger messages are refused by gRPC
 
 
 def target_info(target: LoadedModel) -> TargetInfo:
@@ -41,18 +59,46 @@ def target_info(target: LoadedModel) -> TargetInfo:
 async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetrics | None = None):
     """Create and start the grpc.aio server inside the running loop; returns (server, port)."""
     executor = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="verify")
-    servicer = SpeculativeDecodingServicer(target, target_info(target), cfg.limits, executor, metrics)
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    server = grpc.aio.server(options=options)
+    auth = authenticator(cfg)
+    servicer = SpeculativeDecodingServicer(target, target_info(target), cfg.limits, executor, metrics, auth)
+    server = grpc.aio.server(options=server_options(cfg))
     pb_grpc.add_SpeculativeDecodingServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls is None:
+        if cfg.host not in LOOPBACK_HOSTS:
+            log.warning("serving PLAINTEXT on non-loopback %s: traffic and tokens travel unencrypted; "
+                        "use --tls-cert/--tls-key outside a lab", cfg.host)
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, server_credentials(cfg.tls))
     if port == 0:
         raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
     await server.start()
     server._specdec_executor = executor  # shut down with the server
     server._specdec_servicer = servicer
     return server, port
+
+
+def server_options(cfg: EdgeConfig) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+            ("grpc.http2.max_ping_strikes", 0)]
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    key, cert = Path(tls.key).read_bytes(), Path(tls.cert).read_bytes()
+    client_ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def authenticator(cfg: EdgeConfig) -> Authenticator:
+    tokens = load_tokens(cfg.auth_token_file) if cfg.auth_token_file else frozenset()
+    return Authenticator(token_digests=tokens, require_client_cert=bool(cfg.tls and cfg.tls.client_ca))
 
 
 async def stop_server(server, grace: float = GRACE_SECONDS) -> None:
@@ -62,6 +108,7 @@ async def stop_server(server, grace: float = GRACE_SECONDS) -> None:
 
 async def serve(cfg: EdgeConfig) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then stop gracefully."""
+    authenticator(cfg)  # a bad token file fails before the model is loaded
     target = load_model(cfg.model)
     metrics = EdgeMetrics()
     metrics.set_model(target.name, target.vocab_size)

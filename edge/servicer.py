@@ -3,28 +3,35 @@
 Thin by design (as TGI's servicer): protobuf <-> domain via :mod:`specdec.common.wire`, blocking
 torch work on a worker pool off the event loop, and one place that maps errors to gRPC statuses.
 A failure ends only its own session; the server and other sessions carry on.
+
+Sessions outlive their stream when it breaks: a stream that ends without ``Close`` (link cut,
+device crash, keepalive timeout) leaves its session detached for ``resume_window_s``, so the device
+can reconnect and resume with the session id and the secret resume token from ``Welcome``, under
+the same credentials. ``Close``, a bad message or an idle timeout free the session at once.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
+from specdec.edge.auth import Authenticator
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
                                    VerifierSession)
 
 log = logging.getLogger("specdec.edge")
 
-# 128 random bits: session ids are unguessable.
-SESSION_ID_BYTES = 16
+SESSION_ID_BYTES = 16    # 128 random bits: session ids are unguessable
+RESUME_TOKEN_BYTES = 32  # the secret that, with the same credentials, lets a stream resume a session
 
 
 class _SessionEnd(Exception):
@@ -45,52 +52,125 @@ def status_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+@dataclass
+class _Entry:
+    """A session and what binds it: its owner, its resume secret, the stream now attached."""
+    session: VerifierSession
+    principal: str
+    resume_token: bytes
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one stream works on a session at a time
+    generation: int = 0            # bumped per attached stream; a superseded stream must not free it
+    detached: bool = False
+
+
 class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def __init__(self, target, info: TargetInfo, limits: EdgeLimits, executor: ThreadPoolExecutor,
-                 metrics=None):
+                 metrics=None, auth: Authenticator | None = None):
         self.target = target
         self.info = info
         self.limits = limits
         self.executor = executor
         self.metrics = metrics
-        self.active: dict[str, VerifierSession] = {}
+        self.auth = auth or Authenticator()
+        self.sessions: dict[str, _Entry] = {}
+
+    @property
+    def active(self) -> dict[str, VerifierSession]:
+        return {sid: e.session for sid, e in self.sessions.items()}
 
     async def Generate(self, request_iterator, context):
-        session_id = secrets.token_hex(SESSION_ID_BYTES)
-        if len(self.active) >= self.limits.max_sessions:
-            self._observe_end("resource_exhausted", False)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"edge is at its limit of {self.limits.max_sessions} sessions")
-        status = "ok"
+        # Credentials first: an unauthenticated caller gets no model work at all.
+        principal = self.auth.principal(context.invocation_metadata(), context.auth_context())
+        if principal is None:
+            self._observe_end("unauthenticated", False)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials")
+        state = {"sid": None, "gen": 0}
+        status = None
         try:
-            await self._serve(session_id, context)
+            closed = await self._serve(principal, context, state)
+            status = "ok" if closed else None  # end of stream without Close: keep it for a resume
         except _SessionEnd as end:
             status = end.code.name.lower()
             await context.abort(end.code, end.details)
-        except asyncio.CancelledError:
-            status = "cancelled"
+        except asyncio.CancelledError:  # the stream broke: keep the session for a resume
             raise
         finally:
-            started = self.active.pop(session_id, None) is not None
-            self._observe_end(status, started)
+            self._release(state, status)
 
-    async def _serve(self, session_id: str, context) -> None:
+    # -- session lifecycle ---------------------------------------------------------------------------
+    async def _serve(self, principal: str, context, state: dict) -> bool:
+        """Serve one stream; True if the device closed the session, False if the stream just ended."""
         hello = await self._expect(context, P.Hello, "Hello")
-        session = await self._call(VerifierSession, self.target, self.info, hello, self.limits, session_id)
-        self.active[session_id] = session
-        if self.metrics:
-            self.metrics.session_started(hello.mode.value)
-        await context.write(wire.welcome_to_pb(session.welcome()))
+        sid, entry, resumed = await self._attach(hello, principal)
+        state["sid"], state["gen"] = sid, entry.generation
+        welcome = replace(entry.session.welcome(), session_id=sid, resume_token=entry.resume_token,
+                          resumed=resumed)
+        await context.write(wire.welcome_to_pb(welcome))
         prompt = await self._expect(context, P.Prompt, "Prompt")
         t_start = time.perf_counter()  # end-to-end time on the edge: Prompt to Close
-        await self._call(session.prefill, prompt)
+        async with entry.lock:
+            await self._call(entry.session.resync if resumed else entry.session.prefill, prompt)
         while True:
             msg, size = await self._read_sized(context)
-            if msg is None or isinstance(msg, P.Close):
-                self._observe_request(session, len(prompt.token_ids), time.perf_counter() - t_start)
-                return
-            await self._dispatch(session, msg, size, context)
+            if msg is None:
+                return False
+            if isinstance(msg, P.Close):
+                self._observe_request(entry.session, len(prompt.token_ids), time.perf_counter() - t_start)
+                return True
+            async with entry.lock:
+                await self._dispatch(entry.session, msg, size, context)
 
+    async def _attach(self, hello: P.Hello, principal: str) -> tuple[str, _Entry, bool]:
+        """(session id, entry, resumed): the session to resume, or a new one."""
+        if hello.resume_session_id:
+            entry = self.sessions.get(hello.resume_session_id)
+            if entry is not None:
+                if entry.principal != principal or not hmac.compare_digest(entry.resume_token, hello.resume_token):
+                    raise _SessionEnd(grpc.StatusCode.PERMISSION_DENIED, "not the owner of that session")
+                entry.generation += 1  # a half-dead older stream is superseded
+                entry.detached = False
+                if self.metrics:
+                    self.metrics.session_resumed()
+                return hello.resume_session_id, entry, True
+            # Unknown (expired, or the edge restarted): a fresh session re-prefills the device's prefix.
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise _SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"edge is at its limit of {self.limits.max_sessions} sessions")
+        sid = secrets.token_hex(SESSION_ID_BYTES)
+        session = await self._call(VerifierSession, self.target, self.info, hello, self.limits, sid)
+        entry = _Entry(session=session, principal=principal, resume_token=secrets.token_bytes(RESUME_TOKEN_BYTES))
+        entry.generation = 1
+        self.sessions[sid] = entry
+        if self.metrics:
+            self.metrics.session_started(hello.mode.value)
+        return sid, entry, False
+
+    def _release(self, state: dict, status: str | None) -> None:
+        """End of a stream: free its session, or (stream broke, status None) detach it for a while."""
+        entry = self.sessions.get(state["sid"]) if state["sid"] else None
+        if entry is None:
+            if status is not None:
+                self._observe_end(status, False)
+            return
+        if entry.generation != state["gen"]:
+            return  # another stream resumed this session; it owns it now
+        if status is None:
+            entry.detached = True
+            asyncio.get_running_loop().call_later(self.limits.resume_window_s, self._expire,
+                                                   state["sid"], state["gen"])
+            return
+        self._free(state["sid"], status)
+
+    def _expire(self, sid: str, generation: int) -> None:
+        entry = self.sessions.get(sid)
+        if entry is not None and entry.detached and entry.generation == generation:
+            self._free(sid, "expired")
+
+    def _free(self, sid: str, status: str) -> None:
+        if self.sessions.pop(sid, None) is not None:
+            self._observe_end(status, True)
+
+    # -- messages ------------------------------------------------------------------------------------
     async def _dispatch(self, session: VerifierSession, msg, size: int, context) -> None:
         if isinstance(msg, P.DraftBlock):
             t0 = time.perf_counter()

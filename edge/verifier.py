@@ -43,6 +43,7 @@ class EdgeLimits:
     max_k: int = 8192               # transmitted support size per distribution
     max_prompt_tokens: int = 0      # 0 = max_context
     idle_timeout_s: float = 120.0   # a session silent this long is closed and freed
+    resume_window_s: float = 60.0   # a session whose stream broke waits this long for a resume
     dssd_max_samples: int = 64      # downlink samples per DSSD rejection
     max_tree_nodes: int = 256       # drafted nodes per round (one target forward covers them all)
 
@@ -119,6 +120,30 @@ class VerifierSession:
         self.tokens = ids
         if len(ids) > 1:
             self.lm.forward(ids[:-1], num_logits=1)
+
+    def resync(self, prompt: Prompt) -> int:
+        """A resumed stream: adopt the device's verified prefix, keep the KV of the common prefix.
+
+        The edge may be ahead (a verdict lost with the broken stream) or behind (a DSSD correction
+        not yet sent); both agree on their longest common prefix. Returns the cached tokens kept.
+        """
+        ids = list(prompt.token_ids)
+        if not ids:
+            raise ValueError("empty prefix on resume")
+        if len(ids) + 1 > self.max_context:
+            raise LimitError(f"prefix of {len(ids)} tokens exceeds the context limit {self.max_context}")
+        self._check_ids(ids, "prefix")
+        common = 0
+        for a, b in zip(ids, self.tokens):
+            if a != b:
+                break
+            common += 1
+        keep = min(self.lm.cache_len, common, len(ids) - 1)  # cache stays strictly behind tokens
+        self.lm.truncate(keep)
+        self.tokens = ids
+        self.round_id = 0  # round numbering restarts on every stream
+        self._pending_reject = None
+        return keep
 
     # -- rounds ----------------------------------------------------------------------------------
     def verify(self, draft: DraftBlock) -> Verdict:

@@ -79,8 +79,8 @@ def target_greedy(target_dir, prompt_ids: list[int], max_new_tokens: int) -> lis
 class EdgeProcess:
     """`edge-server` as a real subprocess; waits for its ready line and reads the port from it."""
 
-    def __init__(self, *args: str, env: dict | None = None):
-        cmd = [str(VENV_BIN / "edge-server"), "--port", "0", *args]
+    def __init__(self, *args: str, env: dict | None = None, port: int = 0):
+        cmd = [str(VENV_BIN / "edge-server"), "--port", str(port), *args]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
         self.lines: list[str] = []

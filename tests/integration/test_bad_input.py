@@ -114,7 +114,11 @@ def test_each_bad_session_ends_with_its_status_while_a_good_one_completes(tiny_p
     assert tokens == expected_tokens == again
 
 
+RESUME_WINDOW_S = 0.5  # short, so the detached session of a vanished client expires during the test
+
+
 def test_vanishing_client_mid_round_frees_its_session(tiny_pair_v512) -> None:
+    """A vanished client's session waits RESUME_WINDOW_S for a resume, then is freed."""
     target_dir, drafter_dir = tiny_pair_v512
     drafter = load(str(drafter_dir))
     hello = wire.hello_to_pb(_hello(drafter))
@@ -123,7 +127,7 @@ def test_vanishing_client_mid_round_frees_its_session(tiny_pair_v512) -> None:
     metrics = EdgeMetrics()
 
     async def main():
-        async with edge(target_dir, metrics=metrics) as address:
+        async with edge(target_dir, metrics=metrics, limits=EdgeLimits(resume_window_s=RESUME_WINDOW_S)) as address:
             async with open_channel(address) as channel:
                 call = pb_grpc.SpeculativeDecodingStub(channel).Generate()
                 await call.write(hello)
