@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto test test-slow demo bench-lattice clean
+.PHONY: venv proto test test-slow demo testbed bench-lattice clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml
@@ -38,6 +38,11 @@ test-slow: $(PB_OUT)
 
 demo: $(PB_OUT)
 	$(PY) -m specdec.device.demo $(ARGS)
+
+# Edge and device in two network namespaces over a shaped veth link (root). Example:
+#   make testbed ARGS="--up-rate 1mbit --up-delay 20ms --down-rate 10mbit --down-delay 20ms"
+testbed: $(PB_OUT)
+	$(PY) -m testbed $(ARGS)
 
 bench-lattice: $(PB_OUT)
 	$(PY) bench/bench_lattice.py
