@@ -31,10 +31,10 @@ def load(path: str) -> LoadedModel:
 
 
 @contextlib.asynccontextmanager
-async def edge(target_dir, limits: EdgeLimits | None = None, metrics: EdgeMetrics | None = None):
+async def edge(target_dir, limits: EdgeLimits | None = None, metrics: EdgeMetrics | None = None, **cfg_kw):
     """A real grpc.aio edge server on 127.0.0.1:<free port> inside the running loop."""
     cfg = EdgeConfig(model=ModelSpec(model=str(target_dir)), host="127.0.0.1", port=0,
-                     limits=limits or EdgeLimits(), workers=2)
+                     limits=limits or EdgeLimits(), workers=2, **cfg_kw)
     server, port = await start_server(cfg, load(str(target_dir)), metrics)
     try:
         yield f"127.0.0.1:{port}"
@@ -53,11 +53,14 @@ async def run_sessions(address: str, drafter_dir, cfg: DeviceConfig, prompt: str
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
     fp = vocab_fingerprint(drafter.tokenizer)
     out = []
-    async with open_channel(address) as channel:
+    cfg = replace(cfg, edge=address)
+    policy = cfg.policy()
+    async with cfg.channel() as channel:  # TLS and token exactly as the CLI sets them up
         for seed in seeds:
             hello = cfg.hello(fp, drafter.vocab_size, seed=seed)
             session = session_factory(drafter, hello)
-            r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=60)
+            r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=60,
+                               policy=policy)
             out.append((r.token_ids, r, session))
     return out
 
