@@ -227,3 +227,64 @@ def _check_device_run(stats: dict, wire: int, rate: float, shaper: str) -> None:
     upper = wire * 8 / rate * 1.10 + rounds * 0.005
     assert lower <= network <= upper, (lower, network, upper)
     assert network <= stats["wall_seconds"]
+
+
+# -- deploy/netem scripts for real hosts ----------------------------------------------------------
+
+NETEM_DIR = ROOT / "deploy" / "netem"
+
+
+def _script(name: str, *args: str, ns: str | None = None) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(NETEM_DIR / name), *args]
+    return subprocess.run(netns.in_ns(ns, *cmd) if ns else cmd, capture_output=True, text=True, timeout=30)
+
+
+def test_netem_script_shapes_uplink_on_egress_and_downlink_through_ifb() -> None:
+    r = _script("shape.sh", "eth0", "--up-rate", "1mbit", "--up-delay", "20ms", "--up-jitter", "5ms",
+                "--up-loss", "0.5%", "--down-rate", "10mbit", "--down-delay", "30ms", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "tc qdisc replace dev eth0 root netem limit 10000 delay 20ms 5ms loss 0.5% rate 1mbit" in lines
+    assert "ip link add ifbeth0 type ifb" in lines
+    assert ("tc filter replace dev eth0 parent ffff: protocol all prio 1 u32 match u32 0 0 "
+            "action mirred egress redirect dev ifbeth0") in lines
+    assert "tc qdisc replace dev ifbeth0 root netem limit 10000 delay 30ms rate 10mbit" in lines
+    undo = _script("undo.sh", "eth0", "--dry-run").stdout.splitlines()
+    assert undo == ["tc qdisc del dev eth0 root", "tc qdisc del dev eth0 ingress", "ip link del ifbeth0"]
+
+
+def test_netem_script_port_filter_and_bad_flags() -> None:
+    lines = _script("shape.sh", "eth0", "--port", "50051", "--up-delay", "10ms", "--dry-run").stdout
+    assert "match ip dport 50051 0xffff flowid 1:4" in lines and "match ip sport 50051 0xffff flowid 1:4" in lines
+    for args in (["eth0", "--up-rate", "fast"], ["eth0", "--up-loss", "5"], ["eth0", "--bogus", "1"]):
+        r = _script("shape.sh", *args, "--dry-run")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@needs_root
+def test_netem_scripts_on_a_namespace_interface_then_undo() -> None:
+    with netns.testbed(LinkSpec(), LinkSpec()) as tb:
+        ns, dev = tb.pair.device_ns, tb.pair.device_if
+        r = _script("shape.sh", dev, "--up-delay", "10ms", "--down-delay", "10ms", ns=ns)
+        qdiscs = subprocess.run(netns.in_ns(ns, "tc", "qdisc", "show"), capture_output=True, text=True).stdout
+        if netns.netem_available(ns, dev):
+            assert r.returncode == 0 and qdiscs.count("netem") == 2, (r.stderr, qdiscs)
+        else:  # this project's kernels: the script stops at the first netem, saying why
+            assert r.returncode != 0 and "qdisc kind is unknown" in r.stderr, r.stderr
+        for _ in range(2):  # undo is idempotent
+            assert _script("undo.sh", dev, ns=ns).returncode == 0
+        after = subprocess.run(netns.in_ns(ns, "tc", "qdisc", "show"), capture_output=True, text=True).stdout
+        links = subprocess.run(netns.in_ns(ns, "ip", "-o", "link"), capture_output=True, text=True).stdout
+        assert "netem" not in after and "ingress" not in after and f"ifb{dev}"[:15] not in links
+
+
+@pytest.mark.parametrize("module, args", [
+    ("testbed.linkemu", ["--connect", "nowhere"]),
+    ("testbed.linkemu", ["--connect", "127.0.0.1:1", "--up-delay", "soon"]),
+    ("testbed", ["--up-rate", "fast"]),
+    ("testbed.probe", ["measure"]),
+])
+def test_command_lines_reject_bad_flags_in_one_line(module, args) -> None:
+    r = subprocess.run(procs.python_module(module, *args), capture_output=True, text=True, timeout=30,
+                       env=procs.child_env())
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
