@@ -152,5 +152,4 @@ def _position(i: int) -> str:
 
 def _draft_depth(draft: P.DraftBlock) -> int:
     """Positions drafted this round: the chain length, or the tree depth for token trees."""
-    depth = getattr(draft, "tree_depth", 0)  # 0 for chains (and before trees existed)
-    return depth if depth else len(draft.token_ids)
+    return draft.tree_depth or len(draft.token_ids)  # tree_depth is 0 for chains
