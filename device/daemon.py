@@ -260,6 +260,9 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         return _error_response(ApiError(exc.status, exc.reason, type=kind))
+    except Exception:  # a bug: still answered in OpenAI's shape (streams handle theirs in _stream)
+        log.exception("request to %s failed", route)
+        return _error_response(ApiError(500, "internal error", type="server_error"))
     finally:
         metrics.in_flight.dec()
         metrics.requests.labels(route, str(status)).inc()
@@ -349,31 +352,41 @@ async def _stream(request: web.Request, maker: S.ChunkMaker, run, indices: list[
     """SSE: one chunk per verified delta, a finish chunk per choice, optional usage, ``[DONE]``."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
-    if maker.chat:
-        for index in indices:
-            await _send(resp, maker.role(index))
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(c) for c in run(lambda index, text: queue.put_nowait((index, text)))]
     for t in tasks:  # a task's deltas are all queued before its completion marker
         t.add_done_callback(lambda t: queue.put_nowait((None, t)))
-    choices: list[Choice] = []
     try:
-        while len(choices) < len(tasks):
-            index, item = await queue.get()
-            if index is not None:
-                await _send(resp, maker.delta(index, item))
-                continue
-            choices.append(item.result())  # raises the session's ApiError
-            await _send(resp, maker.finish(choices[-1]))
-        if maker.include_usage:
-            await _send(resp, maker.usage(prompt_tokens, sorted(choices, key=lambda c: c.index)))
+        await _pump(resp, maker, queue, indices, prompt_tokens)
+    except ConnectionResetError:  # the client left between two chunks: nobody to tell
+        return resp
     except ApiError as exc:  # headers are gone: the error travels as an event, as OpenAI's does
         await _send(resp, exc.body())
+    except Exception:
+        log.exception("stream failed")
+        await _send(resp, ApiError(500, "internal error", type="server_error").body())
     finally:
         await _cancel(tasks)
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+async def _pump(resp: web.StreamResponse, maker: S.ChunkMaker, queue: asyncio.Queue, indices: list[int],
+                prompt_tokens: int) -> None:
+    if maker.chat:
+        for index in indices:
+            await _send(resp, maker.role(index))
+    choices: list[Choice] = []
+    while len(choices) < len(indices):
+        index, item = await queue.get()
+        if index is not None:
+            await _send(resp, maker.delta(index, item))
+            continue
+        choices.append(item.result())  # raises the session's ApiError
+        await _send(resp, maker.finish(choices[-1]))
+    if maker.include_usage:
+        await _send(resp, maker.usage(prompt_tokens, sorted(choices, key=lambda c: c.index)))
 
 
 def build_app(engine: DeviceEngine, http_metrics: HttpMetrics) -> web.Application:
