@@ -1,6 +1,8 @@
 """Device and edge over real gRPC on loopback, tiny real checkpoints: greedy identity, seeds, bytes."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from harness import (ALL_MODES, device_config, edge, load, run, run_sessions, target_greedy)
@@ -72,3 +74,24 @@ def test_uplink_bytes_are_serialized_draft_sizes_and_tslt_beats_dense(tiny_pair_
     dense_per_token = dense.uplink_bytes / len(dense.token_ids)
     tslt_per_token = tslt.uplink_bytes / len(tslt.token_ids)
     assert tslt_per_token * 4 < dense_per_token, (tslt_per_token, dense_per_token)
+
+
+@pytest.mark.parametrize("mode", [Mode.KSQS, Mode.TSLT], ids=lambda m: m.value)
+def test_bit_budget_sets_the_draft_length(tiny_pair_v512, mode) -> None:
+    """SQS sec. 4: each round drafts the longest chain whose packets fit in B bits (at least one)."""
+    target_dir, drafter_dir = tiny_pair_v512
+    kw = {"top_k": 16, "lattice": 64} if mode is Mode.KSQS else {"top_k": 16}
+    probe = device_config(mode=mode, temperature=1.0, max_new_tokens=24, draft_len=8, **kw)
+
+    async def main(cfg):
+        async with edge(target_dir) as address:
+            return await run_sessions(address, drafter_dir, cfg, PROMPTS[0], [1])
+
+    [(_, _, free)] = run(main(probe))
+    bits_per_token = free.stats.theoretical_uplink_bits / free.stats.draft_tokens
+    budget = int(2.5 * bits_per_token)  # room for about two positions per round
+    [(tokens, r, s)] = run(main(replace(probe, bit_budget=budget)))
+    assert len(tokens) == 24
+    assert s.stats.theoretical_uplink_bits <= budget * s.stats.rounds
+    assert s.stats.draft_tokens < 8 * s.stats.rounds  # the budget, not draft_len, bounded the rounds
+    assert s.stats.draft_tokens >= s.stats.rounds
