@@ -7,15 +7,10 @@ import sys
 
 from specdec.common.codecs import Mode
 from specdec.common.modeling import DTYPES
-from specdec.common.runtime import run_async
+from specdec.common.runtime import OneLineParser, run_async
 from specdec.device.runner import DeviceConfig, run_device
 
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, non-zero exit
-        sys.stderr.write(f"device-client: error: {message}\n")
-        sys.exit(2)
 
 
 def _bounded(kind, low, high=None, *, low_open=False):
@@ -42,7 +37,7 @@ def _tree_config(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="device-client", description="specdec device client: drafts locally, verifies on the edge")
+    p = OneLineParser(prog="device-client", description="specdec device client: drafts locally, verifies on the edge")
     p.add_argument("--edge", required=True, help="edge server HOST:PORT")
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -126,7 +121,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="device-client serve",
+    p = OneLineParser(prog="device-client serve",
                 description="specdec device daemon: an OpenAI-compatible HTTP API over speculative decoding")
     for action in build_parser()._actions:
         if action.dest not in ONE_SHOT_ONLY:

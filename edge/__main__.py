@@ -6,15 +6,10 @@ import logging
 import sys
 
 from specdec.common.modeling import DTYPES, ModelSpec
-from specdec.common.runtime import run_async
+from specdec.common.runtime import OneLineParser, run_async
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, non-zero exit
-        sys.stderr.write(f"edge-server: error: {message}\n")
-        sys.exit(2)
 
 
 def _positive(kind):
@@ -27,7 +22,7 @@ def _positive(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="edge-server", description="specdec edge server: verifies drafts with the target model")
+    p = OneLineParser(prog="edge-server", description="specdec edge server: verifies drafts with the target model")
     p.add_argument("--model", help="target: HF directory or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--gguf-file", help="GGUF file (inside --model, or a path)")
     p.add_argument("--host", default="127.0.0.1")
