@@ -20,18 +20,22 @@ STOP_TIMEOUT_S = 15.0
 PORT_RE = re.compile(r"(?:listening|ready) on [\w.:\[\]-]*?:(\d+)")
 
 
-def child_env() -> dict[str, str]:
-    # One torch thread per process: the two ends share the cores of one machine.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+def child_env(testbed_module: bool = False) -> dict[str, str]:
+    """One torch thread per process: the two ends share the cores of one machine. Only the
+    testbed's own modules get the repo root on their path (the product imports ``specdec.*``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if testbed_module:
+        env["PYTHONPATH"] = str(REPO_ROOT)
+    return env
 
 
 class NsProcess:
     """A long-running process in a namespace that prints a ready line with its port."""
 
-    def __init__(self, ns: str, *cmd: str, name: str):
+    def __init__(self, ns: str, *cmd: str, name: str, testbed_module: bool = False):
         self.name = name
         self.proc = subprocess.Popen(in_ns(ns, *cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=child_env())
+                                     text=True, env=child_env(testbed_module))
         self.lines: list[str] = []
         self.port = self._wait_ready()
         # Keep draining its output so a chatty process never blocks on a full pipe.
@@ -82,14 +86,14 @@ def device_side_address(tb: Testbed, edge_port: int, started: list[NsProcess]) -
         return f"{EDGE_IP}:{edge_port}"
     emu = NsProcess(tb.pair.device_ns, *python_module(
         "testbed.linkemu", "--listen", "127.0.0.1:0", "--connect", f"{EDGE_IP}:{edge_port}",
-        *linkemu_args(tb.uplink, tb.downlink)), name="linkemu")
+        *linkemu_args(tb.uplink, tb.downlink)), name="linkemu", testbed_module=True)
     started.append(emu)
     return f"127.0.0.1:{emu.port}"
 
 
 def start_probe_server(tb: Testbed, started: list[NsProcess]) -> int:
     probe = NsProcess(tb.pair.edge_ns, *python_module("testbed.probe", "serve", "--listen", f"{EDGE_IP}:0"),
-                      name="probe")
+                      name="probe", testbed_module=True)
     started.append(probe)
     return probe.port
 
