@@ -87,6 +87,17 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
 
 
+# gRPC core reports some torn connections (a peer killed mid-frame) as INTERNAL with this text;
+# the servicer's own INTERNAL errors say "internal error: ...", and those are not retried.
+CORE_TRANSPORT_FAILURE = "Internal error from Core"
+
+
+def _retryable(error: EdgeError) -> bool:
+    if error.code in RETRYABLE:
+        return True
+    return error.code is grpc.StatusCode.INTERNAL and error.details == CORE_TRANSPORT_FAILURE
+
+
 CLOSE_GRACE_S = 1.0  # how long a cancelled session waits to deliver its Close
 
 
@@ -155,7 +166,7 @@ async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, me
             raise
         finally:
             call.cancel()
-        if error.code not in RETRYABLE or result.welcome is None:
+        if not _retryable(error) or result.welcome is None:
             raise error  # refused, or never reached the edge at all: nothing to resume
         now = time.monotonic()
         give_up_at = give_up_at or now + policy.reconnect_timeout_s

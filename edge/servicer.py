@@ -106,7 +106,11 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         welcome = replace(entry.session.welcome(), session_id=sid, resume_token=entry.resume_token,
                           resumed=resumed)
         await context.write(wire.welcome_to_pb(welcome))
-        prompt = await self._expect(context, P.Prompt, "Prompt")
+        prompt = await self._read(context)
+        if prompt is None:
+            return False  # the stream ended before the prompt: keep the session for a resume
+        if not isinstance(prompt, P.Prompt):
+            raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"expected Prompt, got {type(prompt).__name__}")
         t_start = time.perf_counter()  # end-to-end time on the edge: Prompt to Close
         async with entry.lock:
             await self._call(entry.session.resync if resumed else entry.session.prefill, prompt)
