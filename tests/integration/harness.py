@@ -47,22 +47,27 @@ def device_config(**kw) -> DeviceConfig:
     return replace(base, **kw)
 
 
-async def run_sessions(address: str, drafter_dir, cfg: DeviceConfig, prompt: str, seeds, session_factory=DraftSession):
-    """Run one session per seed on one channel; return [(token_ids, GenerationResult, DraftSession)]."""
+async def run_sessions(address: str, drafter_dir, cfg: DeviceConfig, prompt: str, seeds,
+                       session_factory=DraftSession, concurrency: int = 1):
+    """Run one session per seed on one channel, ``concurrency`` at a time (results in seed order);
+    return [(token_ids, GenerationResult, DraftSession)]."""
     drafter = load(str(drafter_dir))
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
     fp = vocab_fingerprint(drafter.tokenizer)
-    out = []
     cfg = replace(cfg, edge=address)
     policy = cfg.policy()
-    async with cfg.channel() as channel:  # TLS and token exactly as the CLI sets them up
-        for seed in seeds:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(channel, seed):
+        async with gate:
             hello = cfg.hello(fp, drafter.vocab_size, seed=seed)
             session = session_factory(drafter, hello)
-            r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=60,
+            r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=120,
                                policy=policy)
-            out.append((r.token_ids, r, session))
-    return out
+            return r.token_ids, r, session
+
+    async with cfg.channel() as channel:  # TLS and token exactly as the CLI sets them up
+        return list(await asyncio.gather(*(one(channel, seed) for seed in seeds)))
 
 
 def run(coro):

@@ -22,7 +22,8 @@ from unit.toy_models import P_VALUE_CUT, goodness_of_fit
 PROMPT = "w1 w2"
 N_TOKENS = 3
 TEMPERATURE = 1.0
-NUM_SESSIONS = 1500  # ~20-40 s per mode here; controls fall far below the cut at this size
+NUM_SESSIONS = 1500  # ~20-40 s per mode here; the control falls far below the cut at this size
+CONCURRENCY = 4  # sessions in flight: overlaps one session's network waits with another's compute
 
 MODES = {
     "dense": dict(mode=Mode.DENSE, dense_dtype="bf16"),
@@ -62,7 +63,8 @@ def _counts(target_dir, drafter_dir, session_factory=DraftSession, **kw) -> tupl
 
     async def main():
         async with edge(target_dir) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(NUM_SESSIONS), session_factory)
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(NUM_SESSIONS), session_factory,
+                                        concurrency=CONCURRENCY)
 
     counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
     return counts, law

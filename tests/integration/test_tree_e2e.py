@@ -11,7 +11,7 @@ from specdec.common.codecs import Mode
 from specdec.common.modeling import CachedLM, encode_prompt
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit
 
 PROMPTS = ["w1 w2 w3", "w300 w301 w302 w303 w9"]
@@ -61,7 +61,7 @@ def test_branching_tree_is_lossless(tiny_pair_v8, kw) -> None:
 
     async def main():
         async with edge(target_dir) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(TREE_SESSIONS))
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(TREE_SESSIONS), concurrency=CONCURRENCY)
 
     counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
     fit = goodness_of_fit(counts, law)
