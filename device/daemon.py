@@ -5,7 +5,8 @@ itself after an edge restart) and its Prometheus metrics exported, and serves ``
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (aiohttp, on the same uvloop as gRPC).
 Every choice of every request is its own edge session run by :func:`specdec.device.client.generate`,
 the same engine as the one-shot command; a client that disconnects cancels its handler
-(``handler_cancellation``), which cancels the sessions' gRPC calls and frees both KV caches.
+(``handler_cancellation``), which ends its sessions between rounds with a Close, so the edge frees
+both KV caches at once.
 Request parsing and response shapes live in :mod:`specdec.device.openai_schema`.
 """
 from __future__ import annotations
@@ -29,16 +30,14 @@ from specdec.device.client import EdgeError, generate
 from specdec.device.drafter import DraftSession
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.openai_schema import ApiError, Choice
-from specdec.device.runner import DeviceConfig, open_channel
+from specdec.device.runner import DeviceConfig
 
 log = logging.getLogger("specdec.device.daemon")
 
 GRACE_SECONDS = 5.0           # in-flight requests get this long to finish on SIGTERM
 MAX_BODY_BYTES = 8 * 1024 * 1024  # long chat histories fit; anything larger is not a prompt
-# gRPC's default reconnect backoff grows to 120 s; a daemon should find a restarted edge within seconds.
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                     ("grpc.max_reconnect_backoff_ms", 2000))
 SEED_MODULUS = 2**63          # per-choice seeds are seed + index, kept inside the drafter's range
+CANCEL_GRACE_S = 2.0          # an abandoned session gets this long to reach a round boundary and close
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # reverse proxies must not buffer the token stream
 REPLACEMENT_CHAR = "\ufffd"   # what a tokenizer decodes an incomplete UTF-8 sequence to
@@ -77,7 +76,14 @@ class HttpMetrics:
 
 # -- the engine: what lives as long as the daemon --------------------------------------------------
 class _StopStringSeen(Exception):
-    """Raised from the token callback: ends the session (its gRPC call is cancelled) at a stop string."""
+    """Raised from the token callback: ends the session at a stop string (generate closes it)."""
+
+
+class _ClientGone(asyncio.CancelledError):
+    """Raised from the token callback once the request is abandoned: the session ends between two
+    rounds, where generate can still deliver its Close, so the edge frees the session at once. A
+    cancel that lands in a pending read cancels the RPC instead (grpc.aio does so), and the edge then
+    keeps the session for a resume that never comes."""
 
 
 class _TextTracker:
@@ -153,6 +159,7 @@ class DeviceEngine:
         self.channel = channel
         self.metrics = metrics
         self.fingerprint = vocab_fingerprint(drafter.tokenizer)
+        self.policy = cfg.device.policy()  # auth metadata, round timeout, resume after a broken stream
         self.started = int(time.time())
 
     async def check_edge(self) -> None:
@@ -199,13 +206,19 @@ class DeviceEngine:
         return [int(i) for i in ids]
 
     async def run_choice(self, cfg: DeviceConfig, prompt_ids: list[int], seed: int, index: int,
-                         stops: tuple[str, ...], emit: Callable[[int, str], None] | None) -> Choice:
-        """One edge session; verified text goes to ``emit(index, delta)`` as soon as it is safe to show."""
+                         stops: tuple[str, ...], emit: Callable[[int, str], None] | None,
+                         abandon: asyncio.Event) -> Choice:
+        """One edge session; verified text goes to ``emit(index, delta)`` as soon as it is safe to show.
+
+        Setting ``abandon`` ends the session at its next round boundary (:class:`_ClientGone`).
+        """
         hello = cfg.hello(self.fingerprint, self.drafter.vocab_size, seed=seed)
         session = DraftSession(self.drafter, hello)
         text = _TextTracker(self.drafter.tokenizer, stops)
 
         def on_tokens(new: list[int]) -> None:
+            if abandon.is_set():
+                raise _ClientGone
             delta = text.add(new)
             if delta and emit:
                 emit(index, delta)
@@ -214,7 +227,7 @@ class DeviceEngine:
 
         try:
             await generate(self.channel, session, hello, prompt_ids, self.drafter.eos_token_ids,
-                           on_tokens=on_tokens, timeout=cfg.timeout, metrics=self.metrics)
+                           on_tokens=on_tokens, timeout=cfg.timeout, metrics=self.metrics, policy=self.policy)
         except _StopStringSeen:
             pass
         except EdgeError as exc:
@@ -316,45 +329,65 @@ async def _respond(request: web.Request, p: S.SamplingParams, prompts: list[list
     prompt_tokens = sum(len(ids) for ids in prompts)
     jobs = [(i * p.n + j, ids) for i, ids in enumerate(prompts) for j in range(p.n)]
 
-    def run(emit):
-        return [engine.run_choice(cfg, ids, (seed + index) % SEED_MODULUS, index, p.stop, emit)
-                for index, ids in jobs]
+    def start(emit) -> _Choices:
+        return _Choices([lambda abandon, index=index, ids=ids: engine.run_choice(
+            cfg, ids, (seed + index) % SEED_MODULUS, index, p.stop, emit, abandon) for index, ids in jobs])
 
     if p.stream:
         maker = S.ChunkMaker(rid, model, chat, p.include_usage)
-        return await _stream(request, maker, run, [index for index, _ in jobs], prompt_tokens)
-    choices = await _run_all(run(None))
+        return await _stream(request, maker, start, [index for index, _ in jobs], prompt_tokens)
+    choices = await start(None).results()
     build = S.chat_response if chat else S.completion_response
     return web.json_response(build(rid, model, choices, prompt_tokens))
 
 
-async def _run_all(coros: list) -> list:
-    """Await all; on any failure or cancellation (client gone) cancel the rest, ending their sessions."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        await _cancel(tasks)
+class _Choices:
+    """The edge sessions of one request, one task each, stopped together.
 
+    Stopping (client gone, or a sibling failed) sets ``abandon`` so each session ends at its next
+    round boundary and closes cleanly; what still runs after CANCEL_GRACE_S is cancelled outright.
+    Waiting uses asyncio.wait, which, unlike gather, never hard-cancels the sessions when the
+    request's own task is cancelled.
+    """
 
-async def _cancel(tasks) -> None:
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    def __init__(self, makers: list):
+        self.abandon = asyncio.Event()
+        self.tasks = [asyncio.ensure_future(make(self.abandon)) for make in makers]
+
+    async def results(self) -> list[Choice]:
+        try:
+            await asyncio.wait(self.tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            await self.stop()
+        for t in self.tasks:  # the first real failure, not a sibling stopped because of it
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in self.tasks]
+
+    async def stop(self) -> None:
+        self.abandon.set()
+        pending = [t for t in self.tasks if not t.done()]
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
+        for t in late:
+            t.cancel()
+        if late:
+            await asyncio.wait(late)
 
 
 async def _send(resp: web.StreamResponse, payload: dict) -> None:
     await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
 
 
-async def _stream(request: web.Request, maker: S.ChunkMaker, run, indices: list[int],
+async def _stream(request: web.Request, maker: S.ChunkMaker, start, indices: list[int],
                   prompt_tokens: int) -> web.StreamResponse:
     """SSE: one chunk per verified delta, a finish chunk per choice, optional usage, ``[DONE]``."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.ensure_future(c) for c in run(lambda index, text: queue.put_nowait((index, text)))]
-    for t in tasks:  # a task's deltas are all queued before its completion marker
+    choices = start(lambda index, text: queue.put_nowait((index, text)))
+    for t in choices.tasks:  # a task's deltas are all queued before its completion marker
         t.add_done_callback(lambda t: queue.put_nowait((None, t)))
     try:
         await _pump(resp, maker, queue, indices, prompt_tokens)
@@ -366,7 +399,7 @@ async def _stream(request: web.Request, maker: S.ChunkMaker, run, indices: list[
         log.exception("stream failed")
         await _send(resp, ApiError(500, "internal error", type="server_error").body())
     finally:
-        await _cancel(tasks)
+        await choices.stop()
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -441,7 +474,7 @@ async def start_daemon(cfg: DaemonConfig, drafter: LoadedModel | None = None,
     if drafter is None:
         drafter = await asyncio.to_thread(load_model, cfg.device.model_spec())
     metrics = metrics or DeviceMetrics()
-    channel = open_channel(cfg.device.edge, extra_options=RECONNECT_OPTIONS)
+    channel = cfg.device.channel()  # TLS and a short reconnect backoff, as the one-shot command's
     engine = DeviceEngine(cfg, drafter, channel, metrics)
     app = build_app(engine, HttpMetrics(metrics.registry))
     # handler_cancellation: a client that goes away cancels its handler, hence its edge sessions.
