@@ -146,6 +146,16 @@ def _post(base: str, path: str, body, raw: bytes | None = None) -> tuple[int, di
         return resp.status, text
 
 
+def _get(base: str, path: str) -> tuple[int, str]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    body = resp.read().decode()
+    conn.close()
+    return resp.status, body
+
+
 def _wait_for(predicate, timeout: float = WAIT_S) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -372,9 +382,11 @@ def test_unreachable_edge_answers_503_quickly_then_serves_once_the_edge_is_back(
     assert time.monotonic() - t0 < 5.0
     assert err.value.status_code == 503
     assert err.value.body["type"] == "server_error" and "unreachable" in err.value.body["message"]
+    assert _get(url, "/health")[0] == 503
     # The edge comes up on that address: the same daemon and channel reconnect by themselves.
     stack.lt.call(_edge_on_port(stack, chat_pair[0], port))
     assert _wait_for(lambda: _answers(offline)), "the daemon did not reconnect to the edge"
+    assert _get(url, "/health")[0] == 200
 
 
 async def _edge_on_port(stack, target, port: int) -> None:
@@ -405,10 +417,12 @@ def test_context_filling_up_ends_the_answer_with_length(stack, chat_pair) -> Non
 
 
 # -- the command -----------------------------------------------------------------------------------
-def test_serve_command_answers_and_stops_on_sigterm(stack, chat_pair) -> None:
+def test_serve_command_answers_exports_metrics_and_stops_on_sigterm(stack, chat_pair) -> None:
+    metrics_port = _closed_port()
     proc = subprocess.Popen(
         [str(VENV_BIN / "device-client"), "serve", "--edge", stack.edge, "--listen", "127.0.0.1:0",
-         "--draft-model", str(chat_pair[1]), "--threads", "1", "--served-model-name", "m1"],
+         "--draft-model", str(chat_pair[1]), "--threads", "1", "--served-model-name", "m1",
+         "--metrics-port", str(metrics_port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         port = _ready_port(proc)
@@ -416,6 +430,9 @@ def test_serve_command_answers_and_stops_on_sigterm(stack, chat_pair) -> None:
         assert [m.id for m in cli.models.list().data] == ["m1"]
         r = cli.completions.create(model="m1", prompt=PROMPT, max_tokens=4, temperature=0)
         assert r.choices[0].text
+        status, body = _get(f"http://127.0.0.1:{metrics_port}", "/metrics")
+        assert status == 200 and 'specdec_device_sessions_started_total{mode="tslt"} 1.0' in body
+        assert 'specdec_device_http_requests_total{route="/v1/completions",status="200"} 1.0' in body
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
