@@ -14,10 +14,11 @@ import os
 import shutil
 import sys
 
+from specdec.common.runtime import OneLineParser
 from testbed import procs
 from testbed.linkemu import LinkSpec
 from testbed.netns import testbed
-from testbed.units import parse_percent, parse_rate, parse_time
+from testbed.units import argtype, parse_percent, parse_rate, parse_time
 
 DEFAULT_DEVICE_ARGS = ["--prompt", "What is the capital of France? Answer in one sentence.",
                        "--max-new-tokens", "32", "--json"]
@@ -32,28 +33,13 @@ SHAPERS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, non-zero exit
-        sys.stderr.write(f"testbed: error: {message}\n")
-        sys.exit(2)
-
-
-def _arg(parse):
-    def wrapped(text):
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return wrapped
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m testbed", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m testbed", description=__doc__.split("\n\n")[0])
     for side, name in (("up", "uplink (device -> edge)"), ("down", "downlink (edge -> device)")):
-        p.add_argument(f"--{side}-rate", type=_arg(parse_rate), default=0.0, help=f"{name} rate, e.g. 1mbit")
-        p.add_argument(f"--{side}-delay", type=_arg(parse_time), default=0.0, help=f"{name} one-way delay")
-        p.add_argument(f"--{side}-jitter", type=_arg(parse_time), default=0.0, help=f"{name} jitter (+-)")
-        p.add_argument(f"--{side}-loss", type=_arg(parse_percent), default=0.0, help=f"{name} loss, e.g. 1%%")
+        p.add_argument(f"--{side}-rate", type=argtype(parse_rate), default=0.0, help=f"{name} rate, e.g. 1mbit")
+        p.add_argument(f"--{side}-delay", type=argtype(parse_time), default=0.0, help=f"{name} one-way delay")
+        p.add_argument(f"--{side}-jitter", type=argtype(parse_time), default=0.0, help=f"{name} jitter (+-)")
+        p.add_argument(f"--{side}-loss", type=argtype(parse_percent), default=0.0, help=f"{name} loss, e.g. 1%%")
     p.add_argument("--no-netem", action="store_true", help="use tbf + the link emulator even where netem exists")
     p.add_argument("--edge-arg", action="append", default=[], help="one edge-server argument (repeatable)")
     p.add_argument("device_args", nargs="*", help="device-client arguments (after --)")

@@ -25,7 +25,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from testbed.units import parse_percent, parse_rate, parse_time
+from specdec.common.runtime import OneLineParser
+from testbed.units import argtype, parse_percent, parse_rate, parse_time
 
 MSS_BYTES = 1448            # TCP payload per Ethernet frame (1500 MTU - 40 IP/TCP - 12 timestamps)
 LINUX_MIN_RTO_S = 0.2       # TCP_RTO_MIN: the least a timeout retransmission costs on Linux
@@ -156,12 +157,6 @@ class LinkEmulator:
 
 # -- command line ---------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, non-zero exit
-        sys.stderr.write(f"linkemu: error: {message}\n")
-        sys.exit(2)
-
-
 def _address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
@@ -169,25 +164,16 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _arg(parse):
-    def wrapped(text):
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return wrapped
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m testbed.linkemu", description="userspace link emulator (TCP proxy)")
+    p = OneLineParser(prog="python -m testbed.linkemu", description="userspace link emulator (TCP proxy)")
     p.add_argument("--listen", type=_address, default=("127.0.0.1", 0), help="HOST:PORT (port 0 = any)")
     p.add_argument("--connect", type=_address, required=True, help="upstream HOST:PORT (the edge)")
     for side in ("up", "down"):
-        p.add_argument(f"--{side}-rate", type=_arg(parse_rate), default=0.0, help="e.g. 1mbit (0 = unlimited)")
-        p.add_argument(f"--{side}-delay", type=_arg(parse_time), default=0.0, help="one-way, e.g. 20ms")
-        p.add_argument(f"--{side}-jitter", type=_arg(parse_time), default=0.0, help="uniform +-, e.g. 5ms")
-        p.add_argument(f"--{side}-loss", type=_arg(parse_percent), default=0.0, help="per segment, e.g. 1%%")
-    p.add_argument("--rto", type=_arg(parse_time), default=LINUX_MIN_RTO_S, help="cost of one lost segment")
+        p.add_argument(f"--{side}-rate", type=argtype(parse_rate), default=0.0, help="e.g. 1mbit (0 = unlimited)")
+        p.add_argument(f"--{side}-delay", type=argtype(parse_time), default=0.0, help="one-way, e.g. 20ms")
+        p.add_argument(f"--{side}-jitter", type=argtype(parse_time), default=0.0, help="uniform +-, e.g. 5ms")
+        p.add_argument(f"--{side}-loss", type=argtype(parse_percent), default=0.0, help="per segment, e.g. 1%%")
+    p.add_argument("--rto", type=argtype(parse_time), default=LINUX_MIN_RTO_S, help="cost of one lost segment")
     p.add_argument("--seed", type=int, default=0)
     return p
 

@@ -19,6 +19,8 @@ import struct
 import sys
 import time
 
+from specdec.common.runtime import OneLineParser
+
 STAMP = struct.Struct("<d")  # a CLOCK_MONOTONIC send time, in each delay probe
 PROBE_BYTES = 64             # small: serialization adds < 0.5 ms even at 1 Mbit/s
 # Probes are spaced apart so each finds an empty queue: the delay measured is the link's, not the
@@ -160,15 +162,9 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, non-zero exit
-        sys.stderr.write(f"probe: error: {message}\n")
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m testbed.probe", description="measure a link's rate and delay")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = OneLineParser(prog="python -m testbed.probe", description="measure a link's rate and delay")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     serve = sub.add_parser("serve")
     serve.add_argument("--listen", type=_address, default=("127.0.0.1", 0))
     m = sub.add_parser("measure")

@@ -41,3 +41,15 @@ def tc_rate(bps: float) -> str:
 
 def tc_time(seconds: float) -> str:
     return f"{int(round(seconds * 1e6))}us"
+
+
+def argtype(parse):
+    """An argparse ``type=`` from a parser that raises ValueError: bad values become one-line errors."""
+    import argparse
+
+    def wrapped(text):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return wrapped
