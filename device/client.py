@@ -186,6 +186,7 @@ async def _close_quietly(call) -> None:
     async def close():
         await call.write(wire.close_to_pb())
         await call.done_writing()
+        await call.code()  # cancelling before the edge has read the Close could drop it
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(close(), CLOSE_GRACE_S)
 
