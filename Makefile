@@ -47,5 +47,16 @@ testbed: $(PB_OUT)
 bench-lattice: $(PB_OUT)
 	$(PY) bench/bench_lattice.py
 
+# Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
+# need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.
+.PHONY: bench
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(PB_OUT) $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/run_bench.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) $(PB_DIR)/*_pb2*.py $(PB_DIR)/*_pb2*.pyi

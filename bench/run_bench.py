@@ -1,0 +1,429 @@
+"""Benchmarks that reproduce the papers' figures on real runs, with the zero-network ceilings beside them.
+
+    make bench                  # full run (~30 min on 2 shared cores)
+    make bench ARGS=--quick     # < 3 min: fewer links, prompts and tokens
+    .venv/bin/python bench/run_bench.py [--quick] [--max-new-tokens N] [--rates 1,10] [--replot DIR]
+
+One run on the embedded target (SmolLM2-135M-Instruct, edge-server's default) and the default drafter
+(device-client's default), one torch thread per process, measures and writes under
+results/<timestamp>/ (and points results/latest at it):
+  1. top-K mass of the drafter's q vs K (TSLT Fig. 3)                    topk_mass.csv
+  2. acceptance vs K, chain and tree, with |alpha-hat - alpha| <= E[sigma] (TSLT Fig. 4, eq. 22)
+                                                                          acceptance_vs_k.csv
+  3. speedup over the target alone vs uplink rate, every mode, chain and tree, through the shaped
+     testbed, with the oracle-call model's prediction (TSLT Fig. 5-6)      rate_curve.csv
+  4. uplink / downlink bytes per generated token per mode                 loopback.csv
+  5. K-SQS vs C-SQS latency and resampling rate across temperatures (SQS Fig. 2)   sqs.csv
+  6. ceilings: target alone and transformers assisted generation, same pair, prompts and seeds
+                                                                          ceilings.json
+plus plots/*.png, sessions.jsonl (every session's device JSON), summary.json (machine, models,
+settings, git revision, what was sampled, probes of the target's speed across the run).
+Shaped links need root (network namespaces, tc); without it the run keeps loopback only and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: the two cores are shared
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench/suite
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # testbed/
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from suite import analyze, ceilings, links, plan, plots, tables  # noqa: E402
+
+RESULTS = plan.ROOT / "results"
+
+
+# ----------------------------------------------------------------------------- run metadata
+def machine_info() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {"cpu_model": cpu or platform.processor(), "logical_cores": os.cpu_count(),
+            "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "torch_threads_per_process": 1, "loadavg_start": _loadavg()}
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def git_info() -> dict:
+    def git(*a):
+        r = subprocess.run(["git", *a], cwd=plan.ROOT, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=no") or ""
+    return {"revision": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+            "dirty": bool(status), "modified": status.splitlines()}
+
+
+# ----------------------------------------------------------------------------- the run
+class Run:
+    def __init__(self, s: plan.Settings, out: Path, shaped_ok: bool, no_shaping_reason: str | None):
+        self.machine = machine_info()  # load average at the start: the shared cores' noise
+        self.s = s
+        self.out = out
+        self.shaped_ok = shaped_ok
+        self.no_shaping_reason = no_shaping_reason
+        self.prompts = [r["prompt"] for r in plan.prompt_sample(
+            plan.load_prompts(), max(s.loop_prompts, s.rate_prompts, s.sqs_prompts))]
+        self.jobs: dict[str, plan.Job] = {}
+        self.sessions: list[dict] = []
+        self.errors: list[dict] = []
+        self.blocks: list[dict] = []
+        self.probes: list[float] = []       # target-alone tokens/s on the rate-curve prompts, around blocks
+        self.probe_times: list[float] = []
+        self.ceil: dict = {}
+        self.draft_model = ""
+        self.t0 = time.perf_counter()
+        n_links = 1 + (len(s.rates_mbit) if shaped_ok else 0)
+        # sessions + the two ceilings + one target-alone probe after each phase but the loopback one
+        total = plan.planned_sessions(s, shaped_ok) + 2 * s.loop_prompts + n_links * s.rate_prompts
+        self.bar = tqdm(total=total, unit="session", dynamic_ncols=True, smoothing=0.05)
+
+    # -- target alone and assisted generation (this process) --------------------------------------
+    def load_models(self):
+        from specdec.common.modeling import ModelSpec, load_model
+        from specdec.device.runner import DeviceConfig
+
+        self.bar.set_description("loading models")
+        self.target = load_model(ModelSpec())
+        self.drafter = load_model(DeviceConfig().model_spec())
+        ceilings.prepare_assistant(self.drafter, self.s.draft_len)
+        self.bar.set_description("warm-up")
+        ceilings.warm_up(self.target, self.prompts[0], self.s.temperature, self.drafter)
+
+    def _decode(self, n: int, assistant=None) -> ceilings.DecodeStats:
+        seeds = [plan.SEED_BASE + i for i in range(n)]
+        return ceilings.decode(self.target, self.prompts[:n], seeds, self.s.temperature, self.s.max_new_tokens,
+                               assistant, on_done=lambda: self.bar.update(1))
+
+    def probe(self) -> None:
+        self.bar.set_description("target-alone probe")
+        st = self._decode(self.s.rate_prompts)
+        self.probes.append(st.tokens_per_second)
+        self.probe_times.append(time.perf_counter() - self.t0 - st.seconds / 2)  # its mid-time
+
+    def measure_ceilings(self) -> None:
+        self.bar.set_description("ceiling: target alone")
+        start = time.perf_counter() - self.t0
+        alone = self._decode(self.s.loop_prompts)
+        # Its first rate_prompts sessions are the probe before the loopback phase (same prompts, seeds).
+        first = alone.per_session[: self.s.rate_prompts]
+        self.probes.append(sum(t for t, _ in first) / sum(sec for _, sec in first))
+        self.probe_times.append(start + sum(sec for _, sec in first) / 2)
+        self.bar.set_description("ceiling: HF assisted generation")
+        try:
+            assisted = self._decode(self.s.loop_prompts, self.drafter)
+            err = None
+        except Exception as exc:  # e.g. a drafter transformers cannot use as an assistant
+            assisted, err = ceilings.DecodeStats(), f"{type(exc).__name__}: {exc}"
+        self.ceil = {"target": alone.to_json(), "assisted": assisted.to_json(), "assisted_error": err,
+                     "draft_len": self.s.draft_len, "temperature": self.s.temperature,
+                     "prompts": self.s.loop_prompts, "max_new_tokens": self.s.max_new_tokens}
+
+    # -- link blocks --------------------------------------------------------------------------------
+    def _on_line(self, link: str):
+        def handle(line: dict) -> None:
+            if "record" in line:
+                job = self.jobs[line["job"]]
+                self.sessions.append({"link": link, "job": line["job"], "config": job.config.name,
+                                      "shape": job.config.shape, "role": job.role, "prompt": line["prompt"],
+                                      "seed": line["seed"], "record": line["record"], "extra": line["extra"],
+                                      "t": time.perf_counter() - self.t0})  # when it ended, for the baseline
+                self.draft_model = line["record"].get("draft_model", self.draft_model)
+                self.bar.update(1)
+            elif "error" in line:
+                self.errors.append({"link": link, **line})
+                self.bar.update(1)
+            elif line.get("done"):
+                job = self.jobs[line["job"]]
+                skipped = job.extra["planned_sessions"] - line["sessions"] - sum(
+                    1 for e in self.errors if e.get("job") == line["job"])
+                self.bar.update(max(0, skipped))
+        return handle
+
+    def _register(self, jobs: list[plan.Job]) -> list[dict]:
+        for j in jobs:
+            j.extra["planned_sessions"] = len(j.prompts)
+            self.jobs[j.id] = j
+        return [j.to_driver(self.prompts) for j in jobs]
+
+    def run_links(self) -> None:
+        s = self.s
+        sqs_on = plan.sqs_link(s, self.shaped_ok)
+        self.bar.set_description("starting edge-server and device driver")
+        with links.Rig(self.logs, shaped=self.shaped_ok) as rig:
+            self.draft_model = rig.draft_model
+            for link in plan.links(s):
+                if link.shaped and not self.shaped_ok:
+                    continue
+                if link.name != "loopback":
+                    self.probe()  # the target alone between phases: the shared cores drift
+                self.bar.set_description(f"link {link.name}")
+                if not link.shaped:
+                    jobs = plan.loopback_jobs(s)
+                else:
+                    jobs = plan.shaped_jobs(s, link, self.loop_cost())
+                    self.bar.update(sum(s.rate_prompts - len(j.prompts) for j in jobs))  # cut by reduction
+                if link.name == sqs_on:
+                    jobs += plan.sqs_jobs(s, link.name)
+                t0 = time.perf_counter()
+                try:
+                    ph = rig.phase(link.name, link.rate_bps, link.down_rate_bps, self._register(jobs),
+                                   self._on_line(link.name))
+                    err = None
+                except Exception as exc:  # a broken phase must not lose the others
+                    ph, err = None, f"{type(exc).__name__}: {exc}"
+                    tqdm.write(f"link {link.name}: {err}")
+                self.blocks.append({"link": link.name, "rate_bps": link.rate_bps, "down_rate_bps": link.down_rate_bps,
+                                    "seconds": time.perf_counter() - t0, "error": err, "shaper": rig.shaper,
+                                    "uplink_wire_bytes": ph.uplink_wire_bytes if ph else None,
+                                    "downlink_wire_bytes": ph.downlink_wire_bytes if ph else None})
+                if err and "driver exited" in err:
+                    break
+        self.probe()
+
+    def loop_cost(self) -> dict[str, dict]:
+        """Per config: mean loopback seconds, rounds and uplink bits per rate-curve session."""
+        out = {}
+        for key in {j.config.key for j in self.jobs.values() if j.link == "loopback"}:
+            agg = analyze.aggregate(self.sessions, lambda x: x["link"] == "loopback" and
+                                    f"{x['config']}/{x['shape']}" == key and x["prompt"] < self.s.rate_prompts)
+            if agg.sessions:
+                out[key] = {"session_s": agg.wall / agg.sessions, "rounds": agg.rounds / agg.sessions,
+                            "up_bits": 8 * agg.up_bytes / max(1, agg.rounds)}
+        return out
+
+    # -- everything together -------------------------------------------------------------------
+    def execute(self) -> None:
+        self.logs = self.out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(1)
+        self.load_models()
+        self.measure_ceilings()
+        self.run_links()
+        self.bar.set_description("done")
+        self.bar.close()
+
+
+# ----------------------------------------------------------------------------- tables
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        path.write_text("")
+        return
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def make_plots(t: dict, d: dict, out: Path) -> list[str]:
+    pdir = out / "plots"
+    pdir.mkdir(exist_ok=True)
+    made = []
+    st = d["settings"]
+    plots.set_note(f"drafter {d.get('draft_model')} -> target {d.get('edge_model')}; T = {st['temperature']}; "
+                   f"<= {st['max_new_tokens']} new tokens/session, {st['rate_prompts']} prompt(s) per rate point, "
+                   f"{st['loop_prompts']} per loopback point; {d['machine'].get('cpu_model')} x"
+                   f"{d['machine'].get('logical_cores')}, 1 torch thread/process, shared; "
+                   f"{d['started']}, git {str((d.get('git') or {}).get('revision'))[:8]}")
+    vocab = d.get("vocab_size") or 0
+    sqs_link = t["sqs"][0]["link"] if t["sqs"] else ""
+    attempts = [
+        ("fig3_topk_mass.png", t["topk_mass"],
+         lambda p: plots.topk_mass(t["topk_mass"], vocab, d.get("draft_model", ""), p)),
+        ("fig4_acceptance_vs_k.png", t["acceptance_vs_k"],
+         lambda p: plots.acceptance_vs_k(t["acceptance_vs_k"], vocab, p)),
+        ("fig5_6_speedup_vs_rate.png", t["rate_curve"],
+         lambda p: plots.speedup_vs_rate(t["rate_curve"], t["ceilings"], p)),
+        ("bytes_per_token.png", t["loopback"],
+         lambda p: plots.bytes_per_token([r for r in t["loopback"] if r["role"] == "grid"], p)),
+        ("sqs_fig2.png", t["sqs"],
+         lambda p: plots.sqs_fig2(t["sqs"], sqs_link, st["sqs_bit_budget"], st["sqs_lattice"], p)),
+        ("ceilings.png", t["ceilings"], lambda p: plots.ceilings(t["ceilings"], p)),
+    ]
+    for name, data, fn in attempts:
+        if not data:
+            continue
+        try:
+            fn(pdir / name)
+            made.append(name)
+        except Exception as exc:  # one bad figure must not lose the tables
+            print(f"plot {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return made
+
+
+def write_outputs(d: dict, out: Path) -> dict:
+    t = tables.build(d)
+    for name in ("rate_curve", "loopback", "acceptance_vs_k", "topk_mass", "sqs"):
+        write_csv(out / f"{name}.csv", t[name])
+    (out / "ceilings.json").write_text(json.dumps(t["ceilings"], indent=2))
+    made = make_plots(t, d, out)
+    summary = summarize(t, d)
+    summary["plots"] = made
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def summarize(t: dict, d: dict) -> dict:
+    s = d["settings"]
+    key = {}
+    for r in t["rate_curve"]:
+        key.setdefault(f"{r['config']}/{r['shape']}", {})[r["link"]] = {
+            "speedup": analyze.finite_or_none(r["speedup"]),
+            "predicted": analyze.finite_or_none(r["predicted_speedup"])}
+    probes = [p for p in d["probes"] if p]
+    return {
+        "machine": d["machine"], "git": d["git"],
+        "models": {"target": d.get("edge_model"), "drafter": d.get("draft_model")},
+        "settings": s, "started": d["started"], "runtime_s": d["runtime_s"],
+        "sampled": {
+            "prompts": d["prompts"],
+            "rate_curve": f"{s['rate_prompts']} prompt(s) x <= {s['max_new_tokens']} new tokens per point "
+                          f"(fewer where 'reduced'), seeds {plan.SEED_BASE}+i, T = {s['temperature']}",
+            "loopback": f"{s['loop_prompts']} prompt(s) x <= {s['max_new_tokens']} new tokens per config",
+            "ceilings": f"{s['loop_prompts']} prompt(s), same seeds and length, in one process",
+            "sqs": f"{s['sqs_prompts']} prompt(s) per (mode, T), B = {s['sqs_bit_budget']} bits, "
+                   f"ell = {s['sqs_lattice']}, draft length <= {s['sqs_max_draft']}",
+            "sessions": len(d["sessions"]), "failed_sessions": len(d["errors"]),
+        },
+        "noise": {"target_alone_probes_tps": probes,
+                  "probe_spread": (max(probes) / min(probes) - 1) if len(probes) > 1 else None,
+                  "loadavg_start": d["machine"].get("loadavg_start"), "loadavg_end": d.get("loadavg_end")},
+        "blocks": d["blocks"], "errors": d["errors"][:20],
+        "key_speedups": key,
+        "ceilings": {k: v for k, v in t.get("ceilings", {}).items() if k != "ours"} | {
+            "ours_loopback": t.get("ceilings", {}).get("ours")},
+        "acceptance_vs_k": t["acceptance_vs_k"],
+    }
+
+
+def print_report(summary: dict, t_path: Path) -> None:
+    print(f"\nresults: {t_path}")
+    c = summary.get("ceilings") or {}
+    if c:
+        print(f"target alone {c.get('target_tps', float('nan')):.2f} tok/s, HF assisted "
+              f"{c.get('assisted_tps', float('nan')):.2f} tok/s")
+        for name, v in (c.get("ours_loopback") or {}).items():
+            print(f"  ours {name:10s} loopback {v['tokens_per_s']:.2f} tok/s = "
+                  f"{(v['ratio_to_assisted'] or float('nan')):.2f}x assisted, acceptance {v['acceptance']:.3f}")
+    print("speedup over the target alone, measured / oracle model, per link:")
+    for k, v in summary["key_speedups"].items():
+        cells = "  ".join(f"{link}: {x['speedup'] or float('nan'):.2f}/{x['predicted'] or float('nan'):.2f}"
+                          for link, x in v.items())
+        print(f"  {k:18s} {cells}")
+    print(f"sampled: {summary['sampled']['rate_curve']}; noise: target-alone probes "
+          f"{[round(p, 2) for p in summary['noise']['target_alone_probes_tps']]} tok/s")
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="< 3 min: one shaped link, one prompt, short sessions")
+    p.add_argument("--out", type=Path, default=RESULTS, help="parent of the timestamped results folder")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--rate-prompts", type=int, help="prompts per rate-curve point")
+    p.add_argument("--loop-prompts", type=int, help="prompts per loopback point and per ceiling")
+    p.add_argument("--rates", help="shaped uplink rates in Mbit/s, comma-separated (e.g. 1,10,100)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--no-shaping", action="store_true", help="loopback only (no namespaces / tc)")
+    p.add_argument("--replot", type=Path, help="rebuild tables and plots from a results folder's raw.json")
+    return p.parse_args(argv)
+
+
+def settings_from(args) -> plan.Settings:
+    s = plan.Settings.preset(args.quick)
+    over = {}
+    if args.max_new_tokens:
+        over["max_new_tokens"] = args.max_new_tokens
+    if args.rate_prompts:
+        over["rate_prompts"] = args.rate_prompts
+    if args.loop_prompts:
+        over["loop_prompts"] = args.loop_prompts
+    if args.rates:
+        over["rates_mbit"] = tuple(sorted((float(x) for x in args.rates.split(",") if x), reverse=True))
+    if args.temperature is not None:
+        over["temperature"] = args.temperature
+    s = replace(s, **over)
+    if s.loop_prompts < s.rate_prompts:
+        s = replace(s, loop_prompts=s.rate_prompts)
+    return s
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        d = json.loads((args.replot / "raw.json").read_text())
+        summary = write_outputs(d, args.replot)
+        print_report(summary, args.replot)
+        return 0
+    s = settings_from(args)
+    reason = "--no-shaping" if args.no_shaping else links.shaping_available()
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if s.quick else "")
+    out = args.out / stamp
+    out.mkdir(parents=True)
+    started = dt.datetime.now().isoformat(timespec="seconds")
+    run = Run(s, out, shaped_ok=reason is None, no_shaping_reason=reason)
+    if reason:
+        tqdm.write(f"shaped links skipped: {reason}")
+    try:
+        run.execute()
+    except KeyboardInterrupt:
+        run.bar.close()
+        print("interrupted: writing what was measured", file=sys.stderr)
+    d = {"settings": s.to_json(), "machine": run.machine, "git": git_info(), "started": started,
+         "runtime_s": time.perf_counter() - run.t0, "loadavg_end": _loadavg(), "prompts": run.prompts,
+         "jobs": {j.id: {"id": j.id, "link": j.link, "config": j.config.name, "shape": j.config.shape,
+                         "family": j.config.family, "K": j.config.k, "role": j.role, "reduced": j.reduced,
+                         "max_new_tokens": j.max_new_tokens, "prompts": j.prompts, "device": j.config.device}
+                  for j in run.jobs.values()},
+         "sessions": run.sessions, "errors": run.errors, "blocks": run.blocks, "probes": run.probes,
+         "probe_times": run.probe_times, "ceilings": run.ceil, "draft_model": run.draft_model,
+         "edge_model": next((x["record"].get("edge_model") for x in run.sessions), None),
+         "vocab_size": getattr(getattr(run, "target", None), "vocab_size", None),
+         "shaping": "namespaces + tbf" if reason is None else f"skipped: {reason}"}
+    (out / "raw.json").write_text(json.dumps(d))
+    with (out / "sessions.jsonl").open("w") as f:
+        for x in run.sessions:
+            f.write(json.dumps(x) + "\n")
+    summary = write_outputs(d, out)
+    latest = args.out / "latest"
+    if latest.is_symlink() or not latest.exists():
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(stamp)
+    print_report(summary, out)
+    print(f"runtime {d['runtime_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Device side of the benchmark: one process that loads the default drafter once and runs many sessions.
+
+Runs where the device runs (inside the testbed's device namespace, or on loopback), against a real
+``edge-server`` process, through the same pieces as ``device-client --json``: ``DeviceConfig`` ->
+``DraftSession`` -> ``client.generate`` -> ``runner.result_json``. Starting one ``device-client`` per
+point would spend ~15-40 s importing torch and loading the drafter on these shared cores; this loads
+it once per run and keeps one channel to the edge.
+
+    python bench/suite/driver.py --edge HOST:PORT < batches
+
+It loads the drafter, warms up with one short session, prints ``{"ready": ...}``, then reads one
+batch per stdin line, ``{"jobs": [...]}``, runs it and prints ``{"batch_done": true}``; the
+benchmark reshapes the link between batches. An empty line or ``{"quit": true}`` ends it. Jobs are
+``{"id", "config": {DeviceConfig fields}, "prompts": [...], "seeds": [...], "topk_grid": [...] |
+null, "budget_s": seconds}``. Prints one JSON line per session
+(``{"job", "prompt", "record", "extra"}``), one per job end (``{"job", "done", ...}``) and
+``{"error": ...}`` lines for sessions that failed. ``extra`` holds what the CLI does not print:
+per-round (positions, accepted) pairs, the truncated mass sigma of every encoded distribution, and,
+if asked, the drafter's top-K mass at each K of ``topk_grid`` for every drafted distribution.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import fields, replace
+
+import torch
+
+from specdec.common.codecs import Mode
+from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
+from specdec.common.runtime import run_async
+from specdec.device.client import generate
+from specdec.device.drafter import DraftSession
+from specdec.device.runner import DeviceConfig, result_json
+
+WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the channel warm up
+
+
+class RecordingSession(DraftSession):
+    """A DraftSession that also logs each round and each encoded distribution (read-only hooks)."""
+
+    def __init__(self, drafter, hello, topk_grid=None):
+        super().__init__(drafter, hello)
+        self.rounds_log: list[tuple[int, int]] = []   # (draft positions, accepted) per round
+        self.sigma: list[float] = []                  # dropped mass of each encoded q (TSLT Thm. 1)
+        self.support: list[int] = []                  # transmitted support size K of each encoded q
+        self.topk_grid = list(topk_grid or [])
+        self.topk_mass: list[list[float]] = []        # [steps][len(grid)] mass of the drafter's top-K
+
+    def _encode_q(self, q):
+        out = super()._encode_q(q)
+        try:  # (payload, q_hat, bits, support size, dropped mass); skip quietly if that ever changes
+            self.support.append(int(out[3]))
+            self.sigma.append(float(out[4]))
+        except (TypeError, IndexError, ValueError):
+            pass
+        if self.topk_grid:
+            cum = q.double().sort(descending=True).values.cumsum(0)  # [V]; K beyond V means K = V
+            self.topk_mass.append([min(1.0, float(cum[min(k, cum.numel()) - 1])) for k in self.topk_grid])
+        return out
+
+    def commit(self, rd, verdict, next_token, *, dssd_correction):
+        new = super().commit(rd, verdict, next_token, dssd_correction=dssd_correction)
+        accepted = len(verdict.accepted_nodes) if rd.tree is not None else verdict.num_accepted
+        self.rounds_log.append((rd.positions, int(accepted)))
+        return new
+
+
+def device_config(edge: str, overrides: dict) -> DeviceConfig:
+    names = {f.name for f in fields(DeviceConfig)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise ValueError(f"unknown DeviceConfig fields {sorted(unknown)}")
+    kw = dict(overrides)
+    if "mode" in kw:
+        kw["mode"] = Mode(kw["mode"])
+    if "tree" in kw:
+        kw["tree"] = tuple(kw["tree"])
+    return replace(DeviceConfig(edge=edge, json=True), **kw)
+
+
+def emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: int, topk_grid) -> tuple[dict, dict]:
+    prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
+    session = RecordingSession(drafter, hello, topk_grid)
+    r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
+                       policy=cfg.policy())
+    record = result_json(cfg, drafter, session, r)
+    record.pop("token_ids", None)
+    record["prompt_tokens"] = len(prompt_ids)
+    extra = {"rounds": session.rounds_log, "sigma": session.sigma, "support": session.support,
+             "topk_mass": session.topk_mass, "round_uplink_bytes": list(r.round_uplink_bytes)}
+    return record, extra
+
+
+async def run_jobs(channel, drafter, edge: str, jobs: list[dict]) -> None:
+    for job in jobs:
+        cfg = device_config(edge, job["config"])
+        t0 = time.perf_counter()
+        ran = 0
+        for i, (prompt, seed) in enumerate(zip(job["prompts"], job["seeds"])):
+            if ran and time.perf_counter() - t0 > job.get("budget_s", float("inf")):
+                break  # this point's time is spent; at least one session always runs
+            try:
+                record, extra = await run_session(channel, drafter, cfg, prompt, seed, job.get("topk_grid"))
+            except Exception as exc:  # one failed session must not sink the run: report it
+                emit({"job": job["id"], "prompt": i, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            ran += 1
+            emit({"job": job["id"], "prompt": i, "seed": seed, "record": record, "extra": extra})
+        emit({"job": job["id"], "done": True, "sessions": ran, "planned": len(job["prompts"]),
+              "elapsed_s": time.perf_counter() - t0})
+
+
+async def main_async(args) -> None:
+    """Load the drafter, then run each batch of jobs read from stdin (one JSON line per batch)."""
+    base = device_config(args.edge, {})
+    drafter = await asyncio.to_thread(load_model, base.model_spec())
+    async with base.channel() as channel:
+        if not args.no_warmup:
+            warm = device_config(args.edge, {"temperature": 1.0, "max_new_tokens": WARMUP_TOKENS})
+            await run_session(channel, drafter, warm, "Hello!", 0, None)
+        emit({"ready": True, "draft_model": drafter.name})
+        while True:
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line or not line.strip():
+                break
+            batch = json.loads(line)
+            if batch.get("quit"):
+                break
+            await run_jobs(channel, drafter, args.edge, batch["jobs"])
+            emit({"batch_done": True})
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--edge", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-warmup", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    run_async(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
