@@ -17,12 +17,14 @@ results/<timestamp>/ (and points results/latest at it):
   6. ceilings: target alone and transformers assisted generation, same pair, prompts and seeds
                                                                           ceilings.json
 plus plots/*.png, sessions.jsonl (every session's device JSON), summary.json (machine, models,
-settings, git revision, what was sampled, probes of the target's speed across the run).
+settings, git revision, what was sampled, the spread of the repeated target-alone baselines = noise).
 Shaped links need root (network namespaces, tc); without it the run keeps loopback only and says so.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import csv
 import datetime as dt
 import json
@@ -97,14 +99,13 @@ class Run:
         self.sessions: list[dict] = []
         self.errors: list[dict] = []
         self.blocks: list[dict] = []
-        self.probes: list[float] = []       # target-alone tokens/s on the rate-curve prompts, around blocks
-        self.probe_times: list[float] = []
+        self.baselines: dict[str, dict] = {}  # job id -> the target alone right after that rate-curve point
+        self.point_cpu: dict[str, float] = {}  # job id -> CPU seconds of edge + driver during that point
         self.ceil: dict = {}
         self.draft_model = ""
         self.t0 = time.perf_counter()
-        n_links = 1 + (len(s.rates_mbit) if shaped_ok else 0)
-        # sessions + the two ceilings + one target-alone probe after each phase but the loopback one
-        total = plan.planned_sessions(s, shaped_ok) + 2 * s.loop_prompts + n_links * s.rate_prompts
+        # device sessions and target-alone baselines, plus the two ceilings
+        total = plan.planned_sessions(s, shaped_ok) + 2 * s.loop_prompts
         self.bar = tqdm(total=total, unit="session", dynamic_ncols=True, smoothing=0.05)
 
     # -- target alone and assisted generation (this process) --------------------------------------
@@ -124,20 +125,16 @@ class Run:
         return ceilings.decode(self.target, self.prompts[:n], seeds, self.s.temperature, self.s.max_new_tokens,
                                assistant, on_done=lambda: self.bar.update(1))
 
-    def probe(self) -> None:
-        self.bar.set_description("target-alone probe")
-        st = self._decode(self.s.rate_prompts)
-        self.probes.append(st.tokens_per_second)
-        self.probe_times.append(time.perf_counter() - self.t0 - st.seconds / 2)  # its mid-time
+    def baseline(self, job: plan.Job) -> None:
+        """Target-alone tokens/s on a point's prompts, seeds and token count, right after the point."""
+        st = ceilings.decode(self.target, [self.prompts[i] for i in job.prompts],
+                             [plan.SEED_BASE + i for i in job.prompts], self.s.temperature, job.max_new_tokens,
+                             on_done=lambda: self.bar.update(1))
+        self.baselines[job.id] = st.to_json()
 
     def measure_ceilings(self) -> None:
         self.bar.set_description("ceiling: target alone")
-        start = time.perf_counter() - self.t0
         alone = self._decode(self.s.loop_prompts)
-        # Its first rate_prompts sessions are the probe before the loopback phase (same prompts, seeds).
-        first = alone.per_session[: self.s.rate_prompts]
-        self.probes.append(sum(t for t, _ in first) / sum(sec for _, sec in first))
-        self.probe_times.append(start + sum(sec for _, sec in first) / 2)
         self.bar.set_description("ceiling: HF assisted generation")
         try:
             assisted = self._decode(self.s.loop_prompts, self.drafter)
@@ -175,40 +172,43 @@ class Run:
             self.jobs[j.id] = j
         return [j.to_driver(self.prompts) for j in jobs]
 
-    def run_links(self) -> None:
+    def run_links(self, rig: links.Rig) -> None:
+        """Per link: each rate-curve point, then the target alone on its prompts; then the rest."""
         s = self.s
         sqs_on = plan.sqs_link(s, self.shaped_ok)
-        self.bar.set_description("starting edge-server and device driver")
-        with links.Rig(self.logs, shaped=self.shaped_ok) as rig:
-            self.draft_model = rig.draft_model
-            for link in plan.links(s):
-                if link.shaped and not self.shaped_ok:
-                    continue
-                if link.name != "loopback":
-                    self.probe()  # the target alone between phases: the shared cores drift
-                self.bar.set_description(f"link {link.name}")
-                if not link.shaped:
-                    jobs = plan.loopback_jobs(s)
-                else:
-                    jobs = plan.shaped_jobs(s, link, self.loop_cost())
-                    self.bar.update(sum(s.rate_prompts - len(j.prompts) for j in jobs))  # cut by reduction
-                if link.name == sqs_on:
-                    jobs += plan.sqs_jobs(s, link.name)
-                t0 = time.perf_counter()
-                try:
-                    ph = rig.phase(link.name, link.rate_bps, link.down_rate_bps, self._register(jobs),
-                                   self._on_line(link.name))
-                    err = None
-                except Exception as exc:  # a broken phase must not lose the others
-                    ph, err = None, f"{type(exc).__name__}: {exc}"
-                    tqdm.write(f"link {link.name}: {err}")
-                self.blocks.append({"link": link.name, "rate_bps": link.rate_bps, "down_rate_bps": link.down_rate_bps,
-                                    "seconds": time.perf_counter() - t0, "error": err, "shaper": rig.shaper,
-                                    "uplink_wire_bytes": ph.uplink_wire_bytes if ph else None,
-                                    "downlink_wire_bytes": ph.downlink_wire_bytes if ph else None})
-                if err and "driver exited" in err:
-                    break
-        self.probe()
+        self.draft_model = rig.draft_model
+        for link in plan.links(s):
+            if link.shaped and not self.shaped_ok:
+                continue
+            self.bar.set_description(f"link {link.name}")
+            if link.shaped:
+                points, rest = plan.shaped_jobs(s, link, self.loop_cost()), []
+                self.bar.update(2 * sum(s.rate_prompts - len(j.prompts) for j in points))  # cut by reduction
+            else:
+                points, rest = plan.loopback_jobs(s)
+            if link.name == sqs_on:
+                rest += plan.sqs_jobs(s, link.name)
+            t0 = time.perf_counter()
+            err = None
+            try:
+                rig.set_link(link.rate_bps, link.down_rate_bps)
+                before = rig.wire_bytes()
+                for job in points:
+                    cpu0 = rig.cpu_seconds()
+                    rig.run(self._register([job]), self._on_line(link.name))
+                    self.point_cpu[job.id] = rig.cpu_seconds() - cpu0
+                    self.baseline(job)  # the target alone right after, on the same prompts and seeds
+                rig.run(self._register(rest), self._on_line(link.name))
+                after = rig.wire_bytes()
+            except Exception as exc:  # a broken link must not lose the others
+                err, before, after = f"{type(exc).__name__}: {exc}", (None, None), (None, None)
+                tqdm.write(f"link {link.name}: {err}")
+            wire = [a - b if a is not None and b is not None else None for a, b in zip(after, before)]
+            self.blocks.append({"link": link.name, "rate_bps": link.rate_bps, "down_rate_bps": link.down_rate_bps,
+                                "seconds": time.perf_counter() - t0, "error": err, "shaper": rig.shaper,
+                                "uplink_wire_bytes": wire[0], "downlink_wire_bytes": wire[1]})
+            if err and "driver exited" in err:
+                break
 
     def loop_cost(self) -> dict[str, dict]:
         """Per config: mean loopback seconds, rounds and uplink bits per rate-curve session."""
@@ -226,9 +226,24 @@ class Run:
         self.logs = self.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(1)
-        self.load_models()
-        self.measure_ceilings()
-        self.run_links()
+        rig = links.Rig(self.logs, shaped=self.shaped_ok)
+        # The edge and the driver load their models while this process loads its own (nothing is
+        # timed yet); they then sit idle through the ceilings.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            starting = pool.submit(rig.__enter__)
+            try:
+                self.load_models()
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    starting.result()
+                    rig.__exit__(None, None, None)
+                raise
+            starting.result()  # re-raises a failed start (the rig has cleaned up after itself then)
+        try:
+            self.measure_ceilings()
+            self.run_links(rig)
+        finally:
+            rig.__exit__(None, None, None)
         self.bar.set_description("done")
         self.bar.close()
 
@@ -301,7 +316,8 @@ def summarize(t: dict, d: dict) -> dict:
         key.setdefault(f"{r['config']}/{r['shape']}", {})[r["link"]] = {
             "speedup": analyze.finite_or_none(r["speedup"]),
             "predicted": analyze.finite_or_none(r["predicted_speedup"])}
-    probes = [p for p in d["probes"] if p]
+    base = [b["tokens_per_second"] for jid, b in d["baselines"].items()
+            if d["jobs"][jid]["max_new_tokens"] == s["max_new_tokens"]]
     return {
         "machine": d["machine"], "git": d["git"],
         "models": {"target": d.get("edge_model"), "drafter": d.get("draft_model")},
@@ -316,8 +332,9 @@ def summarize(t: dict, d: dict) -> dict:
                    f"ell = {s['sqs_lattice']}, draft length <= {s['sqs_max_draft']}",
             "sessions": len(d["sessions"]), "failed_sessions": len(d["errors"]),
         },
-        "noise": {"target_alone_probes_tps": probes,
-                  "probe_spread": (max(probes) / min(probes) - 1) if len(probes) > 1 else None,
+        "noise": {"what": "target-alone tokens/s of the same computation (rate-curve prompts, full length) "
+                          "repeated after every rate-curve point; its spread is the shared cores' noise",
+                  "target_alone_tps_min_median_max": [min(base), tables.target_tps(d), max(base)] if base else None,
                   "loadavg_start": d["machine"].get("loadavg_start"), "loadavg_end": d.get("loadavg_end")},
         "blocks": d["blocks"], "errors": d["errors"][:20],
         "key_speedups": key,
@@ -335,14 +352,17 @@ def print_report(summary: dict, t_path: Path) -> None:
               f"{c.get('assisted_tps', float('nan')):.2f} tok/s")
         for name, v in (c.get("ours_loopback") or {}).items():
             print(f"  ours {name:10s} loopback {v['tokens_per_s']:.2f} tok/s = "
-                  f"{(v['ratio_to_assisted'] or float('nan')):.2f}x assisted, acceptance {v['acceptance']:.3f}")
+                  f"{(v['ratio_to_assisted'] or float('nan')):.2f}x assisted "
+                  f"({(v['ratio_to_assisted_normalized'] or float('nan')):.2f}x as speedups, "
+                  f"{(v['ratio_to_assisted_cpu'] or float('nan')):.2f}x in CPU time), "
+                  f"acceptance {v['acceptance']:.3f}")
     print("speedup over the target alone, measured / oracle model, per link:")
     for k, v in summary["key_speedups"].items():
         cells = "  ".join(f"{link}: {x['speedup'] or float('nan'):.2f}/{x['predicted'] or float('nan'):.2f}"
                           for link, x in v.items())
         print(f"  {k:18s} {cells}")
-    print(f"sampled: {summary['sampled']['rate_curve']}; noise: target-alone probes "
-          f"{[round(p, 2) for p in summary['noise']['target_alone_probes_tps']]} tok/s")
+    print(f"sampled: {summary['sampled']['rate_curve']}; noise: target alone min/median/max "
+          f"{[round(p, 2) for p in summary['noise']['target_alone_tps_min_median_max'] or []]} tok/s")
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -406,8 +426,9 @@ def main(argv=None) -> int:
                          "family": j.config.family, "K": j.config.k, "role": j.role, "reduced": j.reduced,
                          "max_new_tokens": j.max_new_tokens, "prompts": j.prompts, "device": j.config.device}
                   for j in run.jobs.values()},
-         "sessions": run.sessions, "errors": run.errors, "blocks": run.blocks, "probes": run.probes,
-         "probe_times": run.probe_times, "ceilings": run.ceil, "draft_model": run.draft_model,
+         "sessions": run.sessions, "errors": run.errors, "blocks": run.blocks, "baselines": run.baselines,
+         "point_cpu": run.point_cpu,
+         "ceilings": run.ceil, "draft_model": run.draft_model,
          "edge_model": next((x["record"].get("edge_model") for x in run.sessions), None),
          "vocab_size": getattr(getattr(run, "target", None), "vocab_size", None),
          "shaping": "namespaces + tbf" if reason is None else f"skipped: {reason}"}

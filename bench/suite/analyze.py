@@ -3,16 +3,16 @@
 Definitions (all from the same run):
   * acceptance alpha = accepted draft positions / drafted positions (tree: accepted depth / depth);
   * tokens/s = generated tokens / wall seconds over a point's sessions (prefill included);
-  * speedup = a point's tokens/s / the target alone's tokens/s on the same prompts and seeds, probed
-    before and after every link phase and interpolated to the time the point ran (the shared cores'
-    speed drifts with the other processes on them);
+  * speedup = a point's tokens/s / the target alone's tokens/s on the same prompts, seeds and token
+    count, run right after the point (the shared cores' speed drifts with the other processes on
+    them, so each point gets its own adjacent baseline);
   * resampling rate (SQS Fig. 2) = rounds that ended in a rejection / rounds;
   * sigma = probability mass of the drafter's q outside the transmitted support (TSLT Thm. 1), per
     encoded distribution; E[sigma] its mean over the point.
 Oracle-call model (TSLT eq. 5, 8, 10 for chains; eq. 26-28 for trees), per config from its rate-curve
 sessions pooled over links: T_SLM = (draft + encode seconds) / drafted positions, T_V = edge verify
 seconds / rounds, uplink bits per round from the serialized bytes; T_comm = bits / rate; the target
-alone's time per token T_LLM = 1 / its tokens/s. Predicted speedup = N T_LLM / (L T_SLM + T_comm + T_V)
+alone's time per token T_LLM = 1 / its tokens/s (the median of all the run's baselines). Predicted speedup = N T_LLM / (L T_SLM + T_comm + T_V)
 with N = eq. 8 (chain) or L alpha + 1 (tree, eq. 28). The paper takes T_V = T_LLM; we use the measured
 verify time of a round (one forward over L + 1 or |tree| + 1 tokens, plus payload decode).
 """
@@ -123,25 +123,6 @@ def aggregate(sessions: list[dict], where=lambda s: True) -> Agg:
         if where(s):
             agg.add(s["record"], s["extra"])
     return agg
-
-
-def baseline_at(times: list[float], probe_times: list[float], probes: list[float]) -> float:
-    """Target-alone tokens/s when a point ran: the probes interpolated linearly in time (held flat
-    before the first and after the last), averaged over the point's sessions."""
-    pts = sorted((t, p) for t, p in zip(probe_times, probes) if p and math.isfinite(p))
-    if not pts:
-        return float("nan")
-    if not times:  # no session times recorded: the mean of the probes
-        return sum(p for _, p in pts) / len(pts)
-
-    def at(t: float) -> float:
-        if t <= pts[0][0]:
-            return pts[0][1]
-        for (t0, p0), (t1, p1) in zip(pts, pts[1:]):
-            if t <= t1:
-                return p0 + (p1 - p0) * (t - t0) / (t1 - t0) if t1 > t0 else p1
-        return pts[-1][1]
-    return sum(at(t) for t in times) / len(times)
 
 
 def depth(shape: str, draft_len: int, tree: tuple[int, ...]) -> int:

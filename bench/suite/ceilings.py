@@ -25,7 +25,8 @@ class DecodeStats:
     tokens: int = 0
     seconds: float = 0.0
     sessions: int = 0
-    per_session: list = field(default_factory=list)   # (tokens, seconds) per prompt
+    per_session: list = field(default_factory=list)   # (tokens, seconds, cpu seconds) per prompt
+    cpu_seconds: float = 0.0                           # this process's CPU time (all threads)
 
     @property
     def tokens_per_second(self) -> float:
@@ -33,7 +34,8 @@ class DecodeStats:
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "seconds": self.seconds, "sessions": self.sessions,
-                "tokens_per_second": self.tokens_per_second, "per_session": self.per_session}
+                "tokens_per_second": self.tokens_per_second, "per_session": self.per_session,
+                "cpu_seconds": self.cpu_seconds}
 
 
 def _generation_kwargs(target: LoadedModel, temperature: float, max_new_tokens: int) -> dict:
@@ -64,12 +66,14 @@ def decode(target: LoadedModel, prompts: list[str], seeds: list[int], temperatur
     for prompt, seed in zip(prompts, seeds):
         ids = torch.tensor([encode_prompt(target.tokenizer, prompt, raw=False)], device=target.device)
         torch.manual_seed(seed)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = target.model.generate(ids, **kw)
         seconds, tokens = time.perf_counter() - t0, int(out.shape[1] - ids.shape[1])
+        cpu = time.process_time() - c0
+        stats.cpu_seconds += cpu
         stats.seconds += seconds
         stats.tokens += tokens
-        stats.per_session.append((tokens, seconds))
+        stats.per_session.append((tokens, seconds, cpu))
         stats.sessions += 1
         if on_done:
             on_done()

@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed import procs
@@ -41,15 +40,6 @@ def shaping_available() -> str | None:
     if not (shutil.which("ip") and shutil.which("tc")):
         return "iproute2 (ip, tc) not installed"
     return None
-
-
-@dataclass
-class Phase:
-    link: str
-    lines: list[dict] = field(default_factory=list)
-    uplink_wire_bytes: int | None = None      # what the uplink qdisc sent during the phase
-    downlink_wire_bytes: int | None = None
-    seconds: float = 0.0
 
 
 class _Proc:
@@ -131,8 +121,17 @@ class Driver:
         self.err.close()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process, from /proc/PID/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15 of stat(5)
+
+
 def _sent(ns: str, dev: str) -> int | None:
-    """Bytes the root qdisc sent (None without one: the bare veth keeps no count)."""
+    """Bytes the root qdisc sent (None without a count: the bare veth's noqueue keeps none)."""
     try:
         return sent_bytes(ns, dev)
     except Exception:
@@ -140,7 +139,7 @@ def _sent(ns: str, dev: str) -> int | None:
 
 
 class Rig:
-    """Edge + driver for the whole run; ``phase(link)`` shapes the link and runs a batch over it."""
+    """Edge + driver for the whole run; ``set_link`` shapes the link, ``run`` runs a batch of jobs over it."""
 
     def __init__(self, logs: Path, shaped: bool):
         self.logs = logs
@@ -155,6 +154,7 @@ class Rig:
                 started: list[procs.NsProcess] = []
                 self._stack.callback(self._stop_ns, started)
                 port = procs.start_edge(self.tb, [], started)
+                self.edge_pid = started[0].proc.pid  # `ip netns exec` execs the command: same pid
                 address = procs.device_side_address(self.tb, port, started)
                 prefix = in_ns(self.tb.pair.device_ns)
             else:
@@ -162,6 +162,7 @@ class Rig:
                              self.logs / "edge.log")
                 self._stack.callback(edge.stop)
                 address, prefix = f"127.0.0.1:{edge.port}", []
+                self.edge_pid = edge.proc.pid
             self.driver = Driver(prefix, address, self.logs / "driver.log")
             self._stack.callback(self.driver.stop)
         except BaseException:
@@ -188,22 +189,28 @@ class Rig:
             subprocess.run(in_ns(ns, "tc", "qdisc", "del", "dev", dev, "root"), capture_output=True,
                            timeout=TC_TIMEOUT_S)  # back to the bare veth; fails harmlessly if none
 
-    def phase(self, link: str, rate_bps: float, down_rate_bps: float, jobs: list[dict], on_line) -> Phase:
-        ph = Phase(link)
-        t0 = time.perf_counter()
-        if self.shaped:
-            pair = self.tb.pair
-            self._set_rate(pair.device_ns, pair.device_if, rate_bps)
-            self._set_rate(pair.edge_ns, pair.edge_if, down_rate_bps)
-            self.shaper = "tbf" if (rate_bps or down_rate_bps) else "none"
-            before = _sent(pair.device_ns, pair.device_if), _sent(pair.edge_ns, pair.edge_if)
-        elif rate_bps or down_rate_bps:
-            raise RuntimeError("shaped links need the namespaces (root)")
-        ph.lines = self.driver.run(jobs, on_line)
-        if self.shaped:
-            after = _sent(pair.device_ns, pair.device_if), _sent(pair.edge_ns, pair.edge_if)
-            ph.uplink_wire_bytes = after[0] - before[0] if rate_bps and None not in (after[0], before[0]) else None
-            ph.downlink_wire_bytes = (after[1] - before[1] if down_rate_bps and None not in (after[1], before[1])
-                                      else None)
-        ph.seconds = time.perf_counter() - t0
-        return ph
+    def set_link(self, rate_bps: float, down_rate_bps: float) -> None:
+        """tbf at these rates on the two egresses (0 = none); counters restart with the new qdiscs."""
+        if not self.shaped:
+            if rate_bps or down_rate_bps:
+                raise RuntimeError("shaped links need the namespaces (root)")
+            return
+        pair = self.tb.pair
+        self._set_rate(pair.device_ns, pair.device_if, rate_bps)
+        self._set_rate(pair.edge_ns, pair.edge_if, down_rate_bps)
+        self.shaper = "tbf" if (rate_bps or down_rate_bps) else "none"
+
+    def wire_bytes(self) -> tuple[int | None, int | None]:
+        """(uplink, downlink) bytes the current qdiscs sent; None where the link is not shaped."""
+        if not self.shaped:
+            return None, None
+        pair = self.tb.pair
+        return _sent(pair.device_ns, pair.device_if), _sent(pair.edge_ns, pair.edge_if)
+
+    def run(self, jobs: list[dict], on_line) -> list[dict]:
+        return self.driver.run(jobs, on_line)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the edge and the driver have used so far (all their threads): what our system
+        costs in compute, whatever else runs on the cores."""
+        return sum(_cpu_seconds(pid) for pid in (self.edge_pid, self.driver.proc.pid))

@@ -49,7 +49,7 @@ class Settings:
     sqs_max_draft: int = 8              # cap on the budget-set draft length (the paper has none)
     point_budget_s: float = 45.0        # no new session of a point starts after this long; slow links
                                         # cut a point's tokens so one session fits about this long
-    loop_budget_s: float = 120.0        # the same for loopback points (more prompts)
+    loop_budget_s: float = 120.0        # the same for loopback jobs
     tree_modes: tuple[str, ...] = ()      # config names also run as trees; () = all but DSSD
     shaped_configs: tuple[str, ...] = ()  # config keys run on shaped links; () = all grid configs
 
@@ -57,7 +57,7 @@ class Settings:
     def preset(cls, quick: bool) -> "Settings":
         if not quick:
             return cls()
-        return cls(quick=True, max_new_tokens=16, rate_prompts=1, loop_prompts=1, rates_mbit=(5.0,),
+        return cls(quick=True, max_new_tokens=12, rate_prompts=1, loop_prompts=1, rates_mbit=(5.0,),
                    ksweep_extra=(), sqs_temps=(0.0, 1.0), point_budget_s=15.0, loop_budget_s=20.0,
                    tree_modes=("dense", "tslt-320"),
                    shaped_configs=("dense/chain", "tslt-320/chain", "dssd/chain"))
@@ -99,7 +99,7 @@ class Job:
     max_new_tokens: int
     budget_s: float
     topk_grid: list[int] | None = None
-    role: str = "grid"        # grid | ksweep | sqs
+    role: str = "grid"        # grid (a rate-curve point) | grid-extra (more loopback prompts) | ksweep | sqs
     reduced: bool = False     # sample cut down for a slow link (see reduce_for_link)
     extra: dict = field(default_factory=dict)
 
@@ -176,14 +176,22 @@ def sqs_link(s: Settings, shaped_ok: bool) -> str:
     return f"{min(s.rates_mbit):g}mbit" if (s.rates_mbit and shaped_ok) else "loopback"
 
 
-def loopback_jobs(s: Settings) -> list[Job]:
-    prompts = list(range(s.loop_prompts))
-    jobs = []
-    for c in grid_configs(s) + ksweep_configs(s):
-        grid = TOPK_GRID if c.family == "dense" else None
-        role = "grid" if c in grid_configs(s) else "ksweep"
-        jobs.append(Job(f"loopback|{c.key}", "loopback", c, prompts, s.max_new_tokens, s.loop_budget_s, grid, role))
-    return jobs
+def loopback_jobs(s: Settings) -> tuple[list[Job], list[Job]]:
+    """(rate-curve jobs, the rest): the rate-curve prompts of every grid config (each followed by its
+    target-alone baseline), then the other loopback prompts and the extra TSLT K values."""
+    rate, rest = [], []
+    grid = grid_configs(s)
+    for c in grid:
+        topk = TOPK_GRID if c.family == "dense" else None
+        rate.append(Job(f"loopback|{c.key}", "loopback", c, list(range(s.rate_prompts)), s.max_new_tokens,
+                        s.loop_budget_s, topk, "grid"))
+        if s.loop_prompts > s.rate_prompts:
+            rest.append(Job(f"loopback+|{c.key}", "loopback", c, list(range(s.rate_prompts, s.loop_prompts)),
+                            s.max_new_tokens, s.loop_budget_s, topk, "grid-extra"))
+    for c in ksweep_configs(s):
+        rest.append(Job(f"loopback|{c.key}", "loopback", c, list(range(s.loop_prompts)), s.max_new_tokens,
+                        s.loop_budget_s, None, "ksweep"))
+    return rate, rest
 
 
 def shaped_jobs(s: Settings, link: Link, loop_cost: dict[str, dict] | None = None) -> list[Job]:
@@ -222,10 +230,11 @@ def sqs_jobs(s: Settings, link_name: str) -> list[Job]:
 
 
 def planned_sessions(s: Settings, shaped_ok: bool) -> int:
-    n = len(loopback_jobs(s)) * s.loop_prompts + len(sqs_configs(s)) * s.sqs_prompts
-    if shaped_ok:
-        n += len(s.rates_mbit) * len(shaped_grid(s)) * s.rate_prompts
-    return n
+    """Device sessions plus target-alone baselines (one per rate-curve point, rate_prompts sessions)."""
+    rate, rest = loopback_jobs(s)
+    points = len(rate) + (len(s.rates_mbit) * len(shaped_grid(s)) if shaped_ok else 0)
+    n = sum(len(j.prompts) for j in rest) + len(sqs_configs(s)) * s.sqs_prompts
+    return n + 2 * points * s.rate_prompts
 
 
 def rates_label(rate_bps: float) -> str:
