@@ -12,8 +12,8 @@ Definitions (all from the same run):
 Oracle-call model (TSLT eq. 5, 8, 10 for chains; eq. 26-28 for trees), per config from its rate-curve
 sessions pooled over links: T_SLM = (draft + encode seconds) / drafted positions, T_V = edge verify
 seconds / rounds, uplink bits per round from the serialized bytes; T_comm = bits / rate; the target
-alone's time per token T_LLM = 1 / its tokens/s (the median of all the run's baselines). Predicted speedup = N T_LLM / (L T_SLM + T_comm + T_V)
-with N = eq. 8 (chain) or L alpha + 1 (tree, eq. 28). The paper takes T_V = T_LLM; we use the measured
+alone's time per token T_LLM = 1 / its tokens/s (the median of all the run's baselines). Predicted
+speedup = N T_LLM / (L T_SLM + T_comm + T_V) with N = eq. 8 (chain) or L alpha + 1 (tree, eq. 28). The paper takes T_V = T_LLM; we use the measured
 verify time of a round (one forward over L + 1 or |tree| + 1 tokens, plus payload decode).
 """
 from __future__ import annotations
