@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto test test-slow demo testbed bench-lattice clean
+.PHONY: venv proto test test-slow demo testbed bench-lattice soak drafter bench-drafter clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml
@@ -46,6 +46,20 @@ testbed: $(PB_OUT)
 
 bench-lattice: $(PB_OUT)
 	$(PY) bench/bench_lattice.py
+
+# 32 concurrent device sessions against an edge-server subprocess for 180 s (ARGS="--duration 60"):
+# throughput, round latency and the edge's RSS into results/soak.json and results/soak.csv.
+soak: $(PB_OUT)
+	$(PY) bench/soak.py $(ARGS)
+
+# Rebuild the default drafter's weights (device/drafter_weights/) from the target: about an hour on
+# one core; prints held-out acceptance, cost ratio and the oracle-predicted speedup.
+drafter: $(STAMP)
+	$(PY) drafter/make_drafter.py $(ARGS)
+
+# The default pair against the target alone on bench/prompts.jsonl at T = 0 and T = 1 (results/).
+bench-drafter: $(PB_OUT)
+	$(PY) bench/bench_drafter.py $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.

@@ -81,8 +81,12 @@ class Student(torch.nn.Module):
         self.head.weight.data.copy_(self.embed.weight.data[keep])
         self.register_buffer("keep", keep, persistent=False)
 
-    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-        """ids, pad_mask: [B, T] (right padded) -> [B, T, N] head logits."""
+    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor, rows: torch.Tensor,
+                cols: torch.Tensor) -> torch.Tensor:
+        """ids, pad_mask: [B, T] (right padded); rows, cols: [M] labelled positions -> [M, N] logits.
+
+        The head (a third of the student's compute) runs only where there is a label.
+        """
         b, t = ids.shape
         x = self.embed(ids)                                                   # [B, T, H]
         pos = torch.arange(t).unsqueeze(0).expand(b, t)
@@ -92,7 +96,7 @@ class Student(torch.nn.Module):
         for layer in self.layers:
             out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
             x = out[0] if isinstance(out, tuple) else out
-        return self.head(self.norm(x))
+        return self.head(self.norm(x[rows, cols]))
 
 
 def make_example(r: dict, to_head: torch.Tensor) -> dict:
@@ -138,14 +142,16 @@ def batches(examples: list[dict], tokens_per_step: int, rng: random.Random):
             if n >= tokens_per_step:
                 chunks.append(cur)
                 cur, n = [], 0
+        if cur:
+            chunks.append(cur)
         rng.shuffle(chunks)
         for c in chunks:
             yield collate(c)
 
 
 def head_loss(logits: torch.Tensor, b: dict) -> torch.Tensor:
-    """Soft cross-entropy against the head-restricted teacher top-K. logits: [B, T, N]."""
-    lq = F.log_softmax(logits[b["rows"], b["cols"]], dim=-1)          # [M, N]
+    """Soft cross-entropy against the head-restricted teacher top-K. logits: [M, N]."""
+    lq = F.log_softmax(logits, dim=-1)                                 # [M, N]
     return -(b["p"] * lq.gather(-1, b["hid"])).sum(-1).mean()
 
 
@@ -168,7 +174,7 @@ def evaluate(student: Student, examples: list[dict], max_tokens: int = 2048) -> 
         chunks.append(cur)
     for c in chunks:
         b = collate(c)
-        logits = student(b["ids"], b["pad"])[b["rows"], b["cols"]]    # [M, N]
+        logits = student(b["ids"], b["pad"], b["rows"], b["cols"])     # [M, N]
         q = logits.softmax(-1)
         g = b["greedy"]
         top_ok = b["top1"] >= 0
@@ -211,13 +217,13 @@ def train(cfg: TrainConfig, records: list[dict], log=print) -> tuple[Student, to
     running = None
     for step in range(1, cfg.steps + 1):
         b = next(it)
-        loss = head_loss(student(b["ids"], b["pad"]), b)
+        loss = head_loss(student(b["ids"], b["pad"], b["rows"], b["cols"]), b)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         if step % 50 == 0:
             log(f"[train] step {step}/{cfg.steps} loss {running:.3f} {time.perf_counter() - t0:.0f} s")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
