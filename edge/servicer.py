@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specdec.common import protocol as P
 from specdec.common import wire
@@ -107,10 +108,11 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                           resumed=resumed)
         await context.write(wire.welcome_to_pb(welcome))
         prompt = await self._read(context)
-        if prompt is None:
-            return False  # the stream ended before the prompt: keep the session for a resume
-        if not isinstance(prompt, P.Prompt):
-            raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"expected Prompt, got {type(prompt).__name__}")
+        if prompt is None and resumed:
+            return False  # a resumed session whose new stream broke again: keep it
+        if not isinstance(prompt, P.Prompt):  # a new session without a prompt is not kept (no slot hoarding)
+            got = "end of stream" if prompt is None else type(prompt).__name__
+            raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"expected Prompt, got {got}")
         t_start = time.perf_counter()  # end-to-end time on the edge: Prompt to Close
         async with entry.lock:
             await self._call(entry.session.resync if resumed else entry.session.prefill, prompt)
@@ -203,6 +205,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         except asyncio.TimeoutError:
             raise _SessionEnd(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"session idle for more than {self.limits.idle_timeout_s:g} s") from None
+        except DecodeError as exc:  # bytes that are no DeviceMessage: this session's fault only
+            raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable message: {exc}") from None
         if msg is grpc.aio.EOF:
             return None, 0
         try:

@@ -213,6 +213,8 @@ class VerifierSession:
         if draft.round_id != self.round_id + 1:
             raise ValueError(f"round id {draft.round_id} out of order (expected {self.round_id + 1})")
         n = len(draft.token_ids)
+        if spec is None and draft.tree_depth:
+            raise ValueError("tree_depth set in a chain session")
         if spec is not None:
             if n != spec.num_nodes - 1:
                 raise ValueError(f"tree of depth {spec.depth} has {spec.num_nodes - 1} nodes, got {n} tokens")
@@ -270,11 +272,21 @@ class VerifierSession:
 
 
 def _check_tree(hello: Hello, limits: EdgeLimits) -> None:
-    """Token trees: any expansion configuration within the edge's node and depth limits."""
+    """Token trees: any expansion configuration within the edge's node and depth limits.
+
+    The size is counted arithmetically, stopping at the limit, before any tree is built: a 95-byte
+    Hello with <4096, 4096> must not make the edge allocate a 16M-node tree to refuse it.
+    """
     if hello.mode is Mode.DSSD:
         raise ValueError("token trees need draft distributions; DSSD sends none")
-    spec = TreeSpec.from_config(hello.draft.tree)  # ValueError on k < 1
-    if spec.depth > limits.max_draft_len:
-        raise LimitError(f"tree depth {spec.depth} exceeds the edge limit {limits.max_draft_len}")
-    if spec.num_nodes - 1 > limits.max_tree_nodes:
-        raise LimitError(f"tree of {spec.num_nodes - 1} nodes exceeds the edge limit {limits.max_tree_nodes}")
+    config = hello.draft.tree
+    if any(k < 1 for k in config):
+        raise ValueError(f"every branching factor must be >= 1, got {list(config)}")
+    if len(config) > limits.max_draft_len:
+        raise LimitError(f"tree depth {len(config)} exceeds the edge limit {limits.max_draft_len}")
+    width = nodes = 1
+    for k in config:
+        width *= k
+        nodes += width
+        if nodes - 1 > limits.max_tree_nodes:
+            raise LimitError(f"tree {list(config)} has more than the edge limit of {limits.max_tree_nodes} nodes")

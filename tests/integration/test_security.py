@@ -2,6 +2,7 @@
 sessions bound to their creator: nobody else can resume them."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -13,7 +14,7 @@ from specdec.common import wire
 from specdec.common.codecs import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.common.protocol import DraftSettings, Hello
+from specdec.common.protocol import DraftSettings, Hello, Prompt
 from specdec.device.client import EdgeError
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, TlsConfig, start_server, stop_server
@@ -108,6 +109,8 @@ async def _open_and_detach(address: str, drafter, metadata):
     call = pb_grpc.SpeculativeDecodingStub(channel).Generate(metadata=metadata)
     await call.write(wire.hello_to_pb(_hello(drafter)))
     welcome = wire.edge_message_from_pb(await call.read())
+    await call.write(wire.prompt_to_pb(Prompt((5, 6, 7))))  # sessions without a prompt are not kept
+    await asyncio.sleep(0.2)  # let the edge prefill before the stream breaks
     await channel.close()
     return welcome
 
