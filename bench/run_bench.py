@@ -28,7 +28,6 @@ import contextlib
 import csv
 import datetime as dt
 import json
-import math
 import os
 import platform
 import subprocess
@@ -203,7 +202,8 @@ class Run:
             except Exception as exc:  # a broken link must not lose the others
                 err, before, after = f"{type(exc).__name__}: {exc}", (None, None), (None, None)
                 tqdm.write(f"link {link.name}: {err}")
-            wire = [a - b if a is not None and b is not None else None for a, b in zip(after, before)]
+            wire = [a - b if a is not None and b is not None and rate else None
+                    for a, b, rate in zip(after, before, (link.rate_bps, link.down_rate_bps))]
             self.blocks.append({"link": link.name, "rate_bps": link.rate_bps, "down_rate_bps": link.down_rate_bps,
                                 "seconds": time.perf_counter() - t0, "error": err, "shaper": rig.shaper,
                                 "uplink_wire_bytes": wire[0], "downlink_wire_bytes": wire[1]})
@@ -266,7 +266,9 @@ def make_plots(t: dict, d: dict, out: Path) -> list[str]:
     pdir.mkdir(exist_ok=True)
     made = []
     st = d["settings"]
-    plots.set_note(f"drafter {d.get('draft_model')} -> target {d.get('edge_model')}; T = {st['temperature']}; "
+    base = sorted(b["tokens_per_second"] for b in d.get("baselines", {}).values())
+    noise = f"target alone {base[0]:.1f}-{base[-1]:.1f} tok/s across the run; " if base else ""
+    plots.set_note(noise + f"drafter {d.get('draft_model')} -> target {d.get('edge_model')}; T = {st['temperature']}; "
                    f"<= {st['max_new_tokens']} new tokens/session, {st['rate_prompts']} prompt(s) per rate point, "
                    f"{st['loop_prompts']} per loopback point; {d['machine'].get('cpu_model')} x"
                    f"{d['machine'].get('logical_cores')}, 1 torch thread/process, shared; "
@@ -309,6 +311,21 @@ def write_outputs(d: dict, out: Path) -> dict:
     return summary
 
 
+def block_summary(b: dict, sessions: list[dict]) -> dict:
+    """A link phase with its serialized bytes next to what the kernel's qdisc sent (TCP/IP + HTTP/2)."""
+    out = dict(b)
+    mine = [x["record"]["stats"] for x in sessions if x["link"] == b["link"]]
+    serialized = sum(st["uplink_bytes"] + st["setup_bytes"] for st in mine)
+    out["uplink_serialized_bytes"] = serialized
+    if not b["rate_bps"]:
+        out["uplink_wire_bytes"] = None  # no qdisc on an unshaped link: no count
+    if not b.get("down_rate_bps"):
+        out["downlink_wire_bytes"] = None
+    if out["uplink_wire_bytes"] and serialized:
+        out["uplink_wire_over_serialized"] = out["uplink_wire_bytes"] / serialized
+    return out
+
+
 def summarize(t: dict, d: dict) -> dict:
     s = d["settings"]
     key = {}
@@ -336,7 +353,7 @@ def summarize(t: dict, d: dict) -> dict:
                           "repeated after every rate-curve point; its spread is the shared cores' noise",
                   "target_alone_tps_min_median_max": [min(base), tables.target_tps(d), max(base)] if base else None,
                   "loadavg_start": d["machine"].get("loadavg_start"), "loadavg_end": d.get("loadavg_end")},
-        "blocks": d["blocks"], "errors": d["errors"][:20],
+        "blocks": [block_summary(b, d["sessions"]) for b in d["blocks"]], "errors": d["errors"][:20],
         "key_speedups": key,
         "ceilings": {k: v for k, v in t.get("ceilings", {}).items() if k != "ours"} | {
             "ours_loopback": t.get("ceilings", {}).get("ours")},
@@ -365,6 +382,16 @@ def print_report(summary: dict, t_path: Path) -> None:
           f"{[round(p, 2) for p in summary['noise']['target_alone_tps_min_median_max'] or []]} tok/s")
 
 
+def publish(plots_dir: Path, dest: Path) -> None:
+    """Copy a run's plots as 256-colour PNGs (about a third of the size) for committing."""
+    from PIL import Image
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for png in sorted(plots_dir.glob("*.png")):
+        Image.open(png).convert("RGB").quantize(colors=256).save(dest / png.name, optimize=True)
+        print(f"published {dest / png.name}")
+
+
 # ----------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -377,6 +404,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float)
     p.add_argument("--no-shaping", action="store_true", help="loopback only (no namespaces / tc)")
     p.add_argument("--replot", type=Path, help="rebuild tables and plots from a results folder's raw.json")
+    p.add_argument("--publish", type=Path, help="with --replot: copy the plots there as small palette PNGs "
+                                                "(docs/bench)")
     return p.parse_args(argv)
 
 
@@ -405,6 +434,8 @@ def main(argv=None) -> int:
         d = json.loads((args.replot / "raw.json").read_text())
         summary = write_outputs(d, args.replot)
         print_report(summary, args.replot)
+        if args.publish:
+            publish(args.replot / "plots", args.publish)
         return 0
     s = settings_from(args)
     reason = "--no-shaping" if args.no_shaping else links.shaping_available()

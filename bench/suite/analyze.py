@@ -13,15 +13,16 @@ Oracle-call model (TSLT eq. 5, 8, 10 for chains; eq. 26-28 for trees), per confi
 sessions pooled over links: T_SLM = (draft + encode seconds) / drafted positions, T_V = edge verify
 seconds / rounds, uplink bits per round from the serialized bytes; T_comm = bits / rate; the target
 alone's time per token T_LLM = 1 / its tokens/s (the median of all the run's baselines). Predicted
-speedup = N T_LLM / (L T_SLM + T_comm + T_V) with N = eq. 8 (chain) or L alpha + 1 (tree, eq. 28). The paper takes T_V = T_LLM; we use the measured
-verify time of a round (one forward over L + 1 or |tree| + 1 tokens, plus payload decode).
+speedup = N T_LLM / (L T_SLM + T_comm + T_V) with N = eq. 8 (chain) or L alpha + 1 (tree, eq. 28).
+The paper takes T_V = T_LLM; we use the measured verify time of a round (one forward over L + 1 or
+|tree| + 1 tokens, plus payload decode).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from specdec.common.latency import expected_tokens_per_call, oracle_time, tree_num_distributions
+from specdec.common.latency import expected_tokens_per_call, oracle_time
 
 
 @dataclass
@@ -144,10 +145,6 @@ def predicted_speedup(agg: Agg, shape: str, draft_len: int, tree: tuple[int, ...
         t_comm += agg.per_round(8 * agg.down_bytes) / down_rate_bps
     t_oracle = oracle_time(L, agg.t_slm, t_comm, agg.per_round(agg.verify_s))
     return n_tokens * (1.0 / target_tps) / t_oracle
-
-
-def tree_distributions(tree: tuple[int, ...]) -> int:
-    return tree_num_distributions(list(tree))
 
 
 def topk_mass_curve(sessions: list[dict], grid: list[int]) -> list[dict]:

@@ -56,9 +56,22 @@ def prepare_assistant(drafter: LoadedModel, draft_len: int) -> None:
     gc.assistant_confidence_threshold = 0.0  # 0 disables the early stop on low draft confidence
 
 
+def decode(*args, **kw) -> "DecodeStats":
+    """``_decode`` with transformers' warnings muted: assisted generation passes its assistant both a
+    generation config and loose arguments and says so once per call (harmless, and it breaks the bar)."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return _decode(*args, **kw)
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
 @torch.inference_mode()
-def decode(target: LoadedModel, prompts: list[str], seeds: list[int], temperature: float, max_new_tokens: int,
-           assistant: LoadedModel | None = None, on_done=None) -> DecodeStats:
+def _decode(target: LoadedModel, prompts: list[str], seeds: list[int], temperature: float, max_new_tokens: int,
+            assistant: LoadedModel | None = None, on_done=None) -> DecodeStats:
     stats = DecodeStats()
     kw = _generation_kwargs(target, temperature, max_new_tokens)
     if assistant is not None:

@@ -9,7 +9,6 @@ rate-curve sample) for the acceptance and byte figures, and the extra TSLT K val
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -235,11 +234,3 @@ def planned_sessions(s: Settings, shaped_ok: bool) -> int:
     points = len(rate) + (len(s.rates_mbit) * len(shaped_grid(s)) if shaped_ok else 0)
     n = sum(len(j.prompts) for j in rest) + len(sqs_configs(s)) * s.sqs_prompts
     return n + 2 * points * s.rate_prompts
-
-
-def rates_label(rate_bps: float) -> str:
-    return "loopback" if rate_bps <= 0 else f"{rate_bps / 1e6:g} Mbit/s"
-
-
-def finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -163,6 +163,7 @@ def sqs_fig2(rows: list[dict], link: str, budget_bits: int, lattice: int, path: 
         axes[1].plot(ts, [r["resampling_rate"] for r in pts], "o-", color=colour, label=label)
     axes[0].set_ylabel("latency (s per generated token)")
     axes[1].set_ylabel("resampling rate (rejected rounds / rounds)")
+    axes[1].set_ylim(0, 1.05)
     for ax in axes:
         ax.set_xlabel("temperature T")
         ax.grid(alpha=0.3)
@@ -199,6 +200,7 @@ def ceilings(c: dict, path: Path) -> Path:
     ax.set_ylabel("speedup over the target alone")
     ax.legend(fontsize=7)
     ax.set_title(f"Ceilings: same pair, L = {c.get('draft_len')}, same prompts and seeds (labels: ratio to HF "
-                 f"assisted, wall)\ntarget alone {c['target_tps']:.1f} tok/s, HF assisted {c['assisted_tps']:.1f} "
-                 f"tok/s (raw, {c.get('prompts')} prompt(s))", fontsize=8)
+                 f"assisted, wall)\nraw: target alone {c['target_tps']:.1f} tok/s, HF assisted {c['assisted_tps']:.1f} "
+                 f"tok/s on {c.get('prompts')} prompt(s); target alone over the whole run: median "
+                 f"{c.get('target_tps_run_median', float('nan')):.1f} tok/s", fontsize=8)
     return _save(fig, path)

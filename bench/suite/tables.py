@@ -159,7 +159,7 @@ def ceilings(d: dict, loop: list[dict], rc: list[dict]) -> dict:
                                                     if a_speedup_cpu else None)}
             for r in loop if r["shape"] == "chain" and r["role"] == "grid"}
     return {**c, "target_tps": t_tps, "assisted_tps": a_tps, "assisted_speedup": a_speedup,
-            "assisted_speedup_cpu": a_speedup_cpu, "ours": ours}
+            "assisted_speedup_cpu": a_speedup_cpu, "target_tps_run_median": target_tps(d), "ours": ours}
 
 
 def build(d: dict) -> dict:
