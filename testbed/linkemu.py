@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from specdec.common.runtime import OneLineParser
-from testbed.units import argtype, parse_percent, parse_rate, parse_time
+from testbed.units import argtype, parse_address, parse_percent, parse_rate, parse_time
 
 MSS_BYTES = 1448            # TCP payload per Ethernet frame (1500 MTU - 40 IP/TCP - 12 timestamps)
 LINUX_MIN_RTO_S = 0.2       # TCP_RTO_MIN: the least a timeout retransmission costs on Linux
@@ -157,17 +157,11 @@ class LinkEmulator:
 
 # -- command line ---------------------------------------------------------------------------------
 
-def _address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m testbed.linkemu", description="userspace link emulator (TCP proxy)")
-    p.add_argument("--listen", type=_address, default=("127.0.0.1", 0), help="HOST:PORT (port 0 = any)")
-    p.add_argument("--connect", type=_address, required=True, help="upstream HOST:PORT (the edge)")
+    p.add_argument("--listen", type=argtype(parse_address), default=("127.0.0.1", 0),
+                   help="HOST:PORT (port 0 = any)")
+    p.add_argument("--connect", type=argtype(parse_address), required=True, help="upstream HOST:PORT (the edge)")
     for side in ("up", "down"):
         p.add_argument(f"--{side}-rate", type=argtype(parse_rate), default=0.0, help="e.g. 1mbit (0 = unlimited)")
         p.add_argument(f"--{side}-delay", type=argtype(parse_time), default=0.0, help="one-way, e.g. 20ms")

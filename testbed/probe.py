@@ -20,6 +20,7 @@ import sys
 import time
 
 from specdec.common.runtime import OneLineParser
+from testbed.units import argtype, parse_address
 
 STAMP = struct.Struct("<d")  # a CLOCK_MONOTONIC send time, in each delay probe
 PROBE_BYTES = 64             # small: serialization adds < 0.5 ms even at 1 Mbit/s
@@ -155,20 +156,13 @@ def measure(address: tuple[str, int], up_bytes: int, down_bytes: int, probes: in
 
 # -- command line ---------------------------------------------------------------------------------
 
-def _address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m testbed.probe", description="measure a link's rate and delay")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     serve = sub.add_parser("serve")
-    serve.add_argument("--listen", type=_address, default=("127.0.0.1", 0))
+    serve.add_argument("--listen", type=argtype(parse_address), default=("127.0.0.1", 0))
     m = sub.add_parser("measure")
-    m.add_argument("--connect", type=_address, required=True)
+    m.add_argument("--connect", type=argtype(parse_address), required=True)
     m.add_argument("--up-bytes", type=int, default=0)
     m.add_argument("--down-bytes", type=int, default=0)
     m.add_argument("--probes", type=int, default=0, help="stamped messages per direction")

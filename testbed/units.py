@@ -53,3 +53,11 @@ def argtype(parse):
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return wrapped
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); ValueError otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
