@@ -143,7 +143,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         _truncate_layers(model, spec.num_layers)
         name = f"{name}[:{spec.num_layers} layers]"
     if spec.delta is not None:
-        name = f"{name}+{apply_delta(model, Path(spec.delta), int8_ok=device.type == 'cpu')}"
+        model, delta_name = apply_delta(model, Path(spec.delta), device)
+        name = f"{name}+{delta_name}"
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device)
 
@@ -185,79 +186,42 @@ def _truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
 # -------------------------------------------------------------------------- target + delta weights
 DELTA_WEIGHTS = "delta.safetensors"
 DELTA_CONFIG = "delta.json"
-HEAD_KEEP_IDS = "lm_head.keep_ids"
-# Logit of the tokens a reduced head leaves out: finite (the codecs refuse inf), and exp() of it
-# minus any real logit is exactly 0 in float32 at every temperature <= 1e4, so q = 0 there.
-OUT_OF_HEAD_LOGIT = -1e9
 
 
-class ReducedHead(torch.nn.Module):
-    """An LM head over a subset of the vocabulary; full-width logits with the rest at a floor.
+def apply_delta(model: torch.nn.Module, path: Path, device: torch.device) -> tuple[torch.nn.Module, str]:
+    """Lay a drafter's own weights over the loaded (usually truncated) target; (model, name).
 
-    A drafter with this head only ever samples kept tokens (q = 0 elsewhere), which keeps the
-    system lossless: the edge verifies against exactly that q.
+    ``path`` holds ``delta.safetensors`` and ``delta.json``. Tensors named like the model's parameters
+    replace them (shapes must match); parameters not in the delta stay the target's (e.g. the shared
+    token embeddings). If ``delta.json`` names a ``builder`` (``"specdec.<module>:<function>"``), it
+    gets ``(model, other_tensors, meta, device)`` and returns the module to run instead: the
+    drafter's architecture lives with the drafter, its weights still come through this loader.
     """
+    import importlib
 
-    def __init__(self, weight: torch.Tensor, keep_ids: torch.Tensor, vocab_size: int):
-        super().__init__()
-        if weight.ndim != 2 or keep_ids.shape != (weight.shape[0],):
-            raise ValueError(f"head weight {tuple(weight.shape)} does not fit keep_ids {tuple(keep_ids.shape)}")
-        if int(keep_ids.min()) < 0 or int(keep_ids.max()) >= vocab_size:
-            raise ValueError("keep_ids outside the vocabulary")
-        self.proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        self.proj.weight.data.copy_(weight)
-        self.register_buffer("keep_ids", keep_ids.long(), persistent=False)  # [N]
-        self.vocab_size = vocab_size
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., H] -> [..., V] logits, OUT_OF_HEAD_LOGIT outside ``keep_ids``."""
-        small = self.proj(hidden)                                           # [..., N]
-        out = small.new_full((*small.shape[:-1], self.vocab_size), OUT_OF_HEAD_LOGIT)
-        return out.index_copy_(-1, self.keep_ids, small)
-
-
-def apply_delta(model: torch.nn.Module, path: Path, *, int8_ok: bool = True) -> str:
-    """Lay trained weights over a loaded (usually truncated) model; returns the delta's name.
-
-    ``path`` holds ``delta.safetensors`` (parameter names as in the model's state dict; every tensor
-    must match a parameter's shape, except ``lm_head.weight`` [N, H] with ``lm_head.keep_ids`` [N],
-    which installs a :class:`ReducedHead`) and ``delta.json`` (``name``; optional ``int8``: quantize
-    the linear layers dynamically to int8, a CPU-only speed-up, done only if ``int8_ok``).
-    Parameters not in the delta stay the target's (e.g. the shared token embeddings).
-    """
     from safetensors.torch import load_file
 
     meta = json.loads((path / DELTA_CONFIG).read_text())
     tensors = load_file(str(path / DELTA_WEIGHTS))
-    keep_ids = tensors.pop(HEAD_KEEP_IDS, None)
-    head = tensors.pop("lm_head.weight") if keep_ids is not None else None
     params = dict(model.named_parameters())
+    extra = {}
     for key, value in tensors.items():
-        if key not in params or params[key].shape != value.shape:
-            raise ValueError(f"delta tensor {key} {tuple(value.shape)} does not fit the model")
+        if key not in params:
+            extra[key] = value
+            continue
+        if params[key].shape != value.shape:
+            raise ValueError(f"delta tensor {key} {tuple(value.shape)} does not fit {tuple(params[key].shape)}")
         with torch.no_grad():
             params[key].copy_(value.to(params[key].dtype))
-    if head is not None:
-        dtype = model.get_input_embeddings().weight.dtype
-        model.lm_head = ReducedHead(head.to(dtype), keep_ids, int(model.config.vocab_size))
-        model.config.tie_word_embeddings = False
-    if meta.get("int8") and int8_ok:
-        _quantize_linears(model)
-    return str(meta.get("name", path.name))
-
-
-def _quantize_linears(model: torch.nn.Module) -> None:
-    """int8 weights with dynamic activation scales for every Linear (fbgemm/qnnpack, CPU only).
-
-    A small drafter is bound by reading its weights, so 4x fewer bytes is ~4x faster per token.
-    Activation scales are per call, so a batch and its rows one by one differ slightly (the
-    distribution the device sends is still exactly the one it samples from).
-    """
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao eager quantization announces its move to torchao
-        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    builder = meta.get("builder")
+    if builder is not None:
+        module, _, func = str(builder).partition(":")
+        if not module.startswith("specdec.") or not func:
+            raise ValueError(f"delta builder must be 'specdec.<module>:<function>', got {builder!r}")
+        model = getattr(importlib.import_module(module), func)(model, extra, meta, device)
+    elif extra:
+        raise ValueError(f"delta tensors not in the model: {sorted(extra)[:5]}")
+    return model, str(meta.get("name", path.name))
 
 
 def vocab_fingerprint(tokenizer) -> str:

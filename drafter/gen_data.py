@@ -13,17 +13,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import math
+
 import torch
 
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
 
 TOPK = 64             # teacher log-probs kept per position; the tail beyond is < 1% of mass on average
 PAD_ID = 0            # any id: padded positions are masked out of attention and never recorded
+HELDOUT_EVERY = 8     # every 8th prompt's answer is held out (12.5%) for the acceptance measures
 
 
 @dataclass(frozen=True)
 class GenConfig:
-    num_prompts: int = 1536      # ~170k generated tokens: ~20 min of one core
+    num_prompts: int = 384       # ~43k generated tokens: 6 batches, ~8 min of an idle core
     batch_size: int = 64         # sequences decoded together (throughput grows with it until ~64)
     max_new_tokens: int = 128    # the benchmark's answer length
     greedy_every: int = 2        # every n-th batch greedy, the others sampled at temperature 1
@@ -98,6 +101,30 @@ def generate_dataset(cfg: GenConfig, prompts: list[str], out_path: Path, log=pri
     out_path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(records, out_path)
     return records
+
+
+def split(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) by prompt index: the held-out answers come from unseen prompts."""
+    train = [r for i, r in enumerate(records) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
+    held = [r for i, r in enumerate(records) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
+    return train, held
+
+
+def choose_head(records: list[dict], head_size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The ``head_size`` token ids with most teacher probability mass (+ ``always``), sorted. [N]"""
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in records:
+        mass.index_add_(0, r["top_ids"].long().flatten(), r["top_logp"].double().exp().flatten())
+    mass[list(always)] = math.inf
+    return mass.topk(head_size).indices.sort().values
+
+
+def coverage(records: list[dict], keep: torch.Tensor, vocab_size: int) -> float:
+    """Fraction of the teacher's top-1 tokens inside the head (an upper bound on alpha_t0)."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[keep] = True
+    top1 = torch.cat([r["top_ids"][:, 0].long() for r in records])
+    return float(inside[top1].float().mean())
 
 
 def main() -> None:

@@ -1,4 +1,9 @@
-"""Distil the default drafter from the target's own answers (teacher data from gen_data.py).
+"""Distillation of a small drafter from the target's own answers: the direction that did NOT win.
+
+Kept to reproduce the numbers in device/drafter_weights/README.md ("what was tried"): after 150
+steps of 2048 labelled positions (4-7 min of one core) these students reach only ~0.30 acceptance
+at T = 0 on held-out answers, below a trigram table built from the same data (0.36), far below the
+int8 target that became the default drafter. Run: ``python drafter/train.py --data build/drafter/data.pt``.
 
 Student: the target's token embeddings (frozen, shared at load time), ``len(init_layers)`` decoder
 layers initialised from the target's layers ``init_layers``, the final norm, and a reduced head over
@@ -21,16 +26,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gen_data import choose_head, coverage, split
 from specdec.common.modeling import ModelSpec, load_model
-
-HELDOUT_EVERY = 20        # every 20th prompt's answer is held out (5%) for the acceptance measures
-
 
 @dataclass(frozen=True)
 class TrainConfig:
-    init_layers: tuple[int, ...] = (0, 1)   # target layers the student's layers start from
+    frozen_layers: int = 0                  # the target's first layers, kept as they are (features cached)
+    init_layers: tuple[int, ...] = (0, 1)   # target layers the student's trainable layers start from
     head_size: int = 8192                   # reduced vocabulary: tokens with most teacher mass
-    steps: int = 1200                       # optimizer steps
+    steps: int = 150                        # optimizer steps
     tokens_per_step: int = 2048             # labelled positions per step (whole sequences packed)
     lr: float = 1e-3                        # peak AdamW learning rate (cosine decay after warmup)
     warmup: int = 30                        # linear warmup steps
@@ -38,40 +42,17 @@ class TrainConfig:
     eval_every: int = 200                   # steps between held-out measures (0 = only at the end)
 
 
-def split(records: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) by prompt index: the held-out answers come from unseen prompts."""
-    train = [r for i, r in enumerate(records) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
-    held = [r for i, r in enumerate(records) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
-    return train, held
-
-
-def choose_head(records: list[dict], head_size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
-    """The ``head_size`` token ids with most teacher probability mass (+ ``always``), sorted. [N]"""
-    mass = torch.zeros(vocab_size, dtype=torch.float64)
-    for r in records:
-        mass.index_add_(0, r["top_ids"].long().flatten(), r["top_logp"].double().exp().flatten())
-    mass[list(always)] = math.inf
-    return mass.topk(head_size).indices.sort().values
-
-
-def coverage(records: list[dict], keep: torch.Tensor, vocab_size: int) -> float:
-    """Fraction of the teacher's top-1 tokens inside the head (an upper bound on alpha_t0)."""
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
-    inside[keep] = True
-    top1 = torch.cat([r["top_ids"][:, 0].long() for r in records])
-    return float(inside[top1].float().mean())
-
-
 class Student(torch.nn.Module):
-    """Frozen embeddings + trainable layers, norm and reduced head (logits over the head only)."""
+    """Frozen embeddings and first target layers + trainable layers, norm and reduced head."""
 
-    def __init__(self, target, init_layers: tuple[int, ...], keep: torch.Tensor):
+    def __init__(self, target, frozen: int, init_layers: tuple[int, ...], keep: torch.Tensor):
         super().__init__()
         import copy
 
         base = target.model                                   # LlamaModel
         self.embed = base.embed_tokens
         self.embed.weight.requires_grad_(False)
+        self.frozen = torch.nn.ModuleList(list(base.layers[:frozen])).requires_grad_(False)
         self.layers = torch.nn.ModuleList([copy.deepcopy(base.layers[i]) for i in init_layers])
         for i, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = i
@@ -81,21 +62,32 @@ class Student(torch.nn.Module):
         self.head.weight.data.copy_(self.embed.weight.data[keep])
         self.register_buffer("keep", keep, persistent=False)
 
-    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor) -> torch.Tensor:
-        """ids, pad_mask: [B, T] (right padded); rows, cols: [M] labelled positions -> [M, N] logits.
-
-        The head (a third of the student's compute) runs only where there is a label.
-        """
-        b, t = ids.shape
-        x = self.embed(ids)                                                   # [B, T, H]
+    @staticmethod
+    def _run(layers, x: torch.Tensor, pad_mask: torch.Tensor, rotary) -> torch.Tensor:
+        b, t = pad_mask.shape
         pos = torch.arange(t).unsqueeze(0).expand(b, t)
-        cos_sin = self.rotary(x, pos)
+        cos_sin = rotary(x, pos)
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         mask = (causal[None] & pad_mask[:, None, :].bool())[:, None]          # [B, 1, T, T]
-        for layer in self.layers:
+        for layer in layers:
             out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
             x = out[0] if isinstance(out, tuple) else out
+        return x
+
+    @torch.no_grad()
+    def trunk(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+        """The frozen part: embeddings + the target's first layers. [B, T] -> [B, T, H]."""
+        return self._run(self.frozen, self.embed(ids), pad_mask, self.rotary)
+
+    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor, rows: torch.Tensor,
+                cols: torch.Tensor, feats: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, pad_mask: [B, T] (right padded); rows, cols: [M] labelled positions -> [M, N] logits.
+
+        ``feats`` [B, T, H]: the trunk's output, if cached. The head (a third of the student's
+        compute) runs only where there is a label.
+        """
+        x = self.trunk(ids, pad_mask) if feats is None else feats
+        x = self._run(self.layers, x, pad_mask, self.rotary)
         return self.head(self.norm(x[rows, cols]))
 
 
@@ -126,7 +118,11 @@ def collate(batch: list[dict]) -> dict:
            "hid": torch.cat([e["hid"] for e in batch]), "p": torch.cat([e["p"] for e in batch]),
            "top1": torch.cat([e["top1"] for e in batch]),
            "greedy": torch.cat([torch.full((len(e["pos"]),), e["greedy"]) for e in batch])}
-    if "p_true" in batch[0]:
+    if all("feat" in e for e in batch):
+        out["feats"] = torch.zeros(len(batch), t, batch[0]["feat"].shape[-1])
+        for i, e in enumerate(batch):
+            out["feats"][i, :len(e["ids"])] = e["feat"].float()
+    if all("p_true" in e for e in batch):
         out["p_true"] = torch.cat([e["p_true"] for e in batch])
     return out
 
@@ -174,7 +170,7 @@ def evaluate(student: Student, examples: list[dict], max_tokens: int = 2048) -> 
         chunks.append(cur)
     for c in chunks:
         b = collate(c)
-        logits = student(b["ids"], b["pad"], b["rows"], b["cols"])     # [M, N]
+        logits = student(b["ids"], b["pad"], b["rows"], b["cols"], b.get("feats"))     # [M, N]
         q = logits.softmax(-1)
         g = b["greedy"]
         top_ok = b["top1"] >= 0
@@ -194,7 +190,7 @@ def train(cfg: TrainConfig, records: list[dict], log=print) -> tuple[Student, to
     """Train a student on ``records``; returns it, its head ids and the final held-out measures."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    target = load_model(ModelSpec(num_layers=max(cfg.init_layers) + 1)).model
+    target = load_model(ModelSpec(num_layers=max(cfg.frozen_layers, *cfg.init_layers) + 1)).model
     vocab = int(target.config.vocab_size)
     train_recs, held_recs = split(records)
     eos = target.config.eos_token_id
@@ -204,8 +200,13 @@ def train(cfg: TrainConfig, records: list[dict], log=print) -> tuple[Student, to
     log(f"[train] head {keep.numel()} tokens: held-out top-1 coverage {coverage(held_recs, keep, vocab):.3f}")
     train_ex = [make_example(r, to_head) for r in train_recs]
     held_ex = [make_true_p(make_example(r, to_head), r, to_head) for r in held_recs]
-    student = Student(target, cfg.init_layers, keep)
+    student = Student(target, cfg.frozen_layers, cfg.init_layers, keep)
     del target
+    if cfg.frozen_layers:
+        t_feat = time.perf_counter()
+        cache_trunk(student, train_ex + held_ex)
+        log(f"[train] trunk features of {cfg.frozen_layers} frozen layers cached in "
+            f"{time.perf_counter() - t_feat:.0f} s")
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup) *
@@ -217,7 +218,7 @@ def train(cfg: TrainConfig, records: list[dict], log=print) -> tuple[Student, to
     running = None
     for step in range(1, cfg.steps + 1):
         b = next(it)
-        loss = head_loss(student(b["ids"], b["pad"], b["rows"], b["cols"]), b)
+        loss = head_loss(student(b["ids"], b["pad"], b["rows"], b["cols"], b.get("feats")), b)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -233,6 +234,23 @@ def train(cfg: TrainConfig, records: list[dict], log=print) -> tuple[Student, to
     return student, keep, final
 
 
+def cache_trunk(student: Student, examples: list[dict], max_tokens: int = 4096) -> None:
+    """Run the frozen trunk once per example (batched by length); keep its output as ``feat``."""
+    order = sorted(examples, key=lambda e: len(e["ids"]))
+    i = 0
+    while i < len(order):
+        j = i
+        while j < len(order) and (j - i + 1) * len(order[j]["ids"]) <= max_tokens:
+            j += 1
+        j = max(j, i + 1)
+        chunk = order[i:j]
+        b = collate(chunk)
+        feats = student.trunk(b["ids"], b["pad"])
+        for k, e in enumerate(chunk):
+            e["feat"] = feats[k, :len(e["ids"])].half()
+        i = j
+
+
 def make_true_p(e: dict, r: dict, to_head: torch.Tensor) -> dict:
     """Held-out examples keep the teacher's raw top-K probabilities (not renormalised to the head)."""
     hid = to_head[r["top_ids"].long()]
@@ -242,3 +260,27 @@ def make_true_p(e: dict, r: dict, to_head: torch.Tensor) -> dict:
 
 def fmt(m: dict) -> str:
     return " ".join(f"{k} {v:.3f}" for k, v in m.items())
+
+
+def main() -> None:
+    import argparse
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description="distil a small drafter and report its held-out acceptance")
+    p.add_argument("--data", type=Path, default=Path("build/drafter/data.pt"))
+    p.add_argument("--frozen", type=int, default=0, help="the target's first layers kept frozen")
+    p.add_argument("--layers", default="0,1", help="target layers the trainable layers start from")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--head-size", type=int, default=TrainConfig.head_size)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    cfg = replace(TrainConfig(), frozen_layers=a.frozen, steps=a.steps, head_size=a.head_size, eval_every=25,
+                  init_layers=tuple(int(x) for x in a.layers.split(",")))
+    train(cfg, torch.load(a.data), log=lambda line: print(line, flush=True))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

