@@ -99,6 +99,7 @@ def summarize(temperature: float, L: int, pairs: list[dict], alone: list[dict],
     tot = lambda key: sum(x[key] for x in s)                                # noqa: E731
     tim = lambda key: sum(x["time"][key] for x in s)                        # noqa: E731
     rounds, drafted, accepted = tot("rounds"), tot("draft_tokens"), tot("accepted_tokens")
+    verified = tot("positions_verified")
     pair_tokens, pair_wall = tot("generated_tokens"), tot("wall_seconds")
     alone_tokens = sum(len(a["token_ids"]) for a in alone)
     alone_wall = sum(a["wall_seconds"] for a in alone)
@@ -106,13 +107,16 @@ def summarize(temperature: float, L: int, pairs: list[dict], alone: list[dict],
     t_draft = (tim("draft") + tim("encode")) / drafted       # s per drafted token on the device
     t_verify = tim("verify") / rounds                         # edge time per round (decode + forward + verify)
     t_comm = tim("network") / rounds                          # round trip minus edge time
-    alpha = accepted / drafted
+    # eq. (8) wants the per-token acceptance probability: accepted / positions the edge tested
+    # (drafts after a rejection are never tested); accepted / drafted is lower and not that alpha.
+    alpha = accepted / verified
     parts = L * t_draft + t_comm + t_verify
     other = pair_wall / rounds - parts                        # per round, not in any part (loop, prefill)
     return {
         "temperature": temperature,
         "prompts": len(pairs),
         "acceptance_rate": alpha,
+        "accepted_per_drafted": accepted / drafted,
         "mean_accepted_length": accepted / rounds,
         "tokens_per_round": pair_tokens / rounds,
         "draft_len": L,                                       # configured (the last rounds may send fewer)
@@ -139,7 +143,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-len", type=int, default=DeviceConfig().draft_len, help="draft length L of the pair")
+    p.add_argument("--draft-len", type=int, default=DeviceConfig().effective_draft_len(),
+                   help="draft length L of the pair (default: device-client's default)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_drafter.json")
     p.add_argument("device_args", nargs="*", help="extra device-client flags (after --)")
     a = p.parse_args()
@@ -195,7 +200,7 @@ def main() -> int:
 
 
 def print_table(results: dict) -> None:
-    keys = ["acceptance_rate", "mean_accepted_length", "draft_len", "cost_ratio_c", "target_tokens_per_second",
+    keys = ["acceptance_rate", "accepted_per_drafted", "mean_accepted_length", "draft_len", "cost_ratio_c", "target_tokens_per_second",
             "pair_tokens_per_second", "measured_speedup", "oracle_predicted_speedup", "oracle_paper_form_speedup"]
     print(f"\n{'':28s}" + "".join(f"T={r['temperature']:<10g}" for r in results["per_temperature"]))
     for k in keys:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -228,7 +229,11 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
     rd = await asyncio.to_thread(session.draft, max(1, remaining - 1))
     t0 = time.perf_counter()
     sent = await stream.send(wire.draft_to_pb(rd.block))
-    reply = await stream.recv()
+    ahead = _start_draft_ahead(session, rd, remaining)
+    try:
+        reply = await stream.recv()
+    finally:
+        await _stop_draft_ahead(ahead)  # the worker must be off the drafter before anyone touches it
     elapsed = time.perf_counter() - t0
     verdict = wire.edge_message_from_pb(reply)
     if not isinstance(verdict, P.Verdict):
@@ -250,6 +255,23 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
         _observe_round(stream, session, rd, verdict, new, sent, result.downlink_bytes - down_before,
                        elapsed)
     return new
+
+
+def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):
+    """Draft the next round in a worker thread while the edge verifies ``rd`` (DraftSession.draft_ahead)."""
+    after = remaining - len(rd.block.token_ids) - 1  # tokens still wanted if the guess is right
+    if not session.draft_ahead_enabled or after < 1:
+        return None
+    stop = threading.Event()
+    task = asyncio.ensure_future(asyncio.to_thread(session.draft_ahead, rd, max(1, after - 1), stop))
+    return stop, task
+
+
+async def _stop_draft_ahead(ahead) -> None:
+    if ahead is not None:
+        stop, task = ahead
+        stop.set()
+        await task
 
 
 def _observe_round(stream: _Stream, session: DraftSession, rd: RoundDraft, verdict: P.Verdict,

@@ -213,7 +213,7 @@ class DeviceEngine:
         Setting ``abandon`` ends the session at its next round boundary (:class:`_ClientGone`).
         """
         hello = cfg.hello(self.fingerprint, self.drafter.vocab_size, seed=seed)
-        session = DraftSession(self.drafter, hello)
+        session = DraftSession(self.drafter, hello, draft_ahead=cfg.draft_ahead)
         text = _TextTracker(self.drafter.tokenizer, stops)
 
         def on_tokens(new: list[int]) -> None:

@@ -9,6 +9,7 @@ State invariant (same as the edge's): ``tokens`` is the verified sequence; the K
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,11 @@ from specdec.common.treeplan import draft_layer_inputs, layer_node_ids, path_cac
 
 # The device's generator is seeded apart from the edge's so the two streams of uniforms differ.
 DEVICE_SEED_OFFSET = 0x5DEECE66D
+ROUND_SEED_STRIDE = 1_000_003  # per-round generators: seed = base * stride + start position (mod 2^63)
+# Modes whose chain rounds carry no state but the cache and the tokens: their rounds can be drafted
+# ahead (C-SQS updates its threshold while drafting, DSSD resolves on the device, trees and bit
+# budgets shape the round: those keep one generator per session and draft after each verdict).
+DRAFT_AHEAD_MODES = (Mode.DENSE, Mode.TSLT, Mode.KSQS)
 
 
 @dataclass
@@ -49,22 +55,48 @@ class RoundDraft:
 
 
 @dataclass
+class _Partial:
+    """A chain round being drafted: what is sampled so far, and the generator it draws from."""
+    start: int                      # sequence position of the round's first draft token
+    generator: torch.Generator
+    ids: list[int] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    bits: int = 0
+    t_draft: float = 0.0
+    t_encode: float = 0.0
+
+
+@dataclass
+class _Ahead:
+    """The next round, drafted while the edge verifies the current one, on the guess that every
+    draft is accepted and the bonus token is the drafter's own argmax."""
+    guess: int
+    partial: _Partial
+
+
+@dataclass
 class DeviceStats:
     rounds: int = 0
     draft_tokens: int = 0           # tokens (tree: nodes) sent
     draft_positions: int = 0        # chain: = draft_tokens; tree: sum of depths
     accepted_tokens: int = 0
+    positions_verified: int = 0     # positions the edge tested: accepted + one per round that rejected
     theoretical_uplink_bits: int = 0
     draft_seconds: float = 0.0
     encode_seconds: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted position i
+    ahead_rounds_used: int = 0      # rounds whose drafting began while the edge verified the last one
+    ahead_tokens_used: int = 0      # draft tokens sampled ahead and sent
+    ahead_tokens_discarded: int = 0  # sampled ahead on a wrong guess (never sent)
 
 
 class DraftSession:
     """Drafts rounds for one generation and applies the edge's verdicts. Blocking (torch)."""
 
-    def __init__(self, drafter: LoadedModel, hello: Hello):
+    def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False):
         self.hello = hello
         self.vocab_size = drafter.vocab_size
         self.codec = None if hello.mode is Mode.DSSD else codec_config(hello.mode, hello.draft, self.vocab_size)
@@ -79,6 +111,13 @@ class DraftSession:
         self.pending_correction: int | None = None
         self.tree = tuple(hello.draft.tree)
         self._specs: dict[int, TreeSpec] = {}
+        # One generator per round, seeded by where the round starts, and the last draft + bonus fed
+        # one token per forward: a round drafted ahead is then bit for bit the round that would be
+        # drafted after the verdict, so drafting ahead changes timing only, never tokens.
+        self.per_round_rng = (not self.tree and hello.mode in DRAFT_AHEAD_MODES and not hello.draft.bit_budget)
+        self.draft_ahead_enabled = draft_ahead and self.per_round_rng
+        self._seed_base = (int(hello.seed) + DEVICE_SEED_OFFSET) % 2**63
+        self._ahead: _Ahead | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
         self.tokens = list(prompt_ids)
@@ -95,40 +134,89 @@ class DraftSession:
             self.controller.abort_round()
         self.pending_correction = None
         self.round_id = 0
+        self._ahead = None
 
     def draft(self, max_tokens: int) -> RoundDraft:
         """Draft up to ``min(draft_len, max_tokens)`` tokens (at least one), encoding each q."""
         if self.tree:
             return self._draft_tree(max(1, min(len(self.tree), max_tokens)))
-        limit = max(MIN_DRAFT_LEN, min(self.hello.draft.draft_len, max_tokens))
+        limit = self._chain_limit(max_tokens)
         if self.controller is not None:
             self.controller.start_round()
-        ids: list[int] = []
-        payloads: list[bytes] = []
-        q_rows: list[torch.Tensor] = []
-        sizes: list[int] = []
-        bits = 0
-        t_draft = t_encode = 0.0
-        while len(ids) < limit:
-            t0 = time.perf_counter()
-            q = self._next_q(ids)
-            t1 = time.perf_counter()
-            step = self._encode_and_sample(q)
-            t2 = time.perf_counter()
-            t_draft += t1 - t0
-            t_encode += t2 - t1
-            token, row, payload, nbits, support, dropped = step
-            if self.hello.draft.bit_budget and len(ids) >= MIN_DRAFT_LEN and \
-                    not fits_budget(bits, nbits, self.hello.draft.bit_budget):
-                break  # this position would overflow the round's bit budget B (SQS sec. 4)
-            if self.controller is not None:
-                self.controller.observe(dropped)
-            ids.append(token)
-            payloads.append(payload)
-            q_rows.append(row)
-            sizes.append(support)
-            bits += nbits
-        return self._round(ids, payloads, q_rows, sizes, bits, t_draft, t_encode)
+        part = self._take_ahead(limit) or self._new_partial(len(self.tokens))
+        while len(part.ids) < limit and self._draft_step(part, self.tokens):
+            pass
+        return self._round(part.ids, part.payloads, part.q_rows, part.sizes, part.bits, part.t_draft,
+                           part.t_encode)
+
+    def _chain_limit(self, max_tokens: int) -> int:
+        return max(MIN_DRAFT_LEN, min(self.hello.draft.draft_len, max_tokens))
+
+    def _new_partial(self, start: int) -> _Partial:
+        if not self.per_round_rng:
+            return _Partial(start, self.generator)
+        seed = (self._seed_base * ROUND_SEED_STRIDE + start) % 2**63
+        return _Partial(start, torch.Generator().manual_seed(seed))
+
+    def _draft_step(self, part: _Partial, base: list[int]) -> bool:
+        """Sample and encode one more draft token after ``base + part.ids``; False if the bit budget
+        says the round ends before it."""
+        t0 = time.perf_counter()
+        q = self._next_q(base + part.ids)
+        t1 = time.perf_counter()
+        token, row, payload, nbits, support, dropped = self._encode_and_sample(q, part.generator)
+        t2 = time.perf_counter()
+        part.t_draft += t1 - t0
+        part.t_encode += t2 - t1
+        if self.hello.draft.bit_budget and len(part.ids) >= MIN_DRAFT_LEN and \
+                not fits_budget(part.bits, nbits, self.hello.draft.bit_budget):
+            return False  # this position would overflow the round's bit budget B (SQS sec. 4)
+        if self.controller is not None:
+            self.controller.observe(dropped)
+        part.ids.append(token)
+        part.payloads.append(payload)
+        part.q_rows.append(row)
+        part.sizes.append(support)
+        part.bits += nbits
+        return True
+
+    # -- drafting ahead: the next round while the edge verifies this one -----------------------------
+    def draft_ahead(self, rd: RoundDraft, max_tokens: int, stop: threading.Event) -> None:
+        """Called (in a worker thread) once ``rd`` is sent: guess that all of it is accepted and that
+        the bonus token is the drafter's argmax, and draft the next round from there until ``stop``
+        is set (when the verdict arrives) or the round is full. :meth:`commit` keeps the work if
+        the guess was right and drops it otherwise. ``max_tokens``: what the next :meth:`draft`
+        call will be given if the guess is right.
+
+        Lossless: the round drafted ahead is exactly the round :meth:`draft` would produce after the
+        verdict (same context, same per-round generator, same forward calls), so this only moves
+        work into time the device would otherwise spend waiting.
+        """
+        if not self.draft_ahead_enabled or rd.tree is not None or stop.is_set():
+            return
+        seq = self.tokens + list(rd.block.token_ids)
+        part = self._new_partial(len(seq) + 1)
+        t0 = time.perf_counter()
+        logits = self.lm.forward(seq[self.lm.cache_len:], num_logits=1)[0]   # feeds the last draft token
+        part.t_draft += time.perf_counter() - t0
+        self._ahead = _Ahead(guess=int(logits.argmax()), partial=part)
+        base = seq + [self._ahead.guess]
+        limit = self._chain_limit(max_tokens)
+        while len(part.ids) < limit and not stop.is_set() and self._draft_step(part, base):
+            pass
+
+    def _take_ahead(self, limit: int) -> _Partial | None:
+        """The round drafted ahead, if :meth:`commit` kept it and it fits this round."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        part = ahead.partial
+        if part.start != len(self.tokens) or len(part.ids) > limit:
+            self.lm.truncate(min(self.lm.cache_len, len(self.tokens)))  # cannot happen; stay safe
+            return None
+        self.stats.ahead_rounds_used += 1
+        self.stats.ahead_tokens_used += len(part.ids)
+        return part
 
     def _round(self, ids, payloads, q_rows, sizes, bits, t_draft, t_encode) -> RoundDraft:
         self.round_id += 1
@@ -155,7 +243,7 @@ class DraftSession:
         steps = []
         t_draft = t_encode = 0.0
         t0 = time.perf_counter()
-        q_layer = [self._next_q([])]  # layer 0: the root's q, after the prefix
+        q_layer = [self._next_q(self.tokens)]  # layer 0: the root's q, after the prefix
         t_draft += time.perf_counter() - t0
         for layer in range(spec.depth):
             parents = range(spec.layer_offsets[layer], spec.layer_offsets[layer + 1])
@@ -196,19 +284,24 @@ class DraftSession:
         q_hat = densify(decode_distribution(enc.payload, self.codec))  # exactly what the edge decodes
         return enc.payload, q_hat, enc.theoretical_bits, enc.support_size, enc.dropped_mass
 
-    def _next_q(self, drafted: list[int]) -> torch.Tensor:
-        """The drafter's distribution after tokens + drafted: [V] float64."""
-        seq = self.tokens + drafted
-        logits = self.lm.forward(seq[self.lm.cache_len:], num_logits=1)[0]
+    def _next_q(self, seq: list[int]) -> torch.Tensor:
+        """The drafter's distribution after ``seq`` (verified tokens + drafts): [V] float64."""
+        pending = seq[self.lm.cache_len:]
+        if self.per_round_rng and len(pending) == 2:
+            # the last draft token + the bonus: one call each, as drafting ahead feeds them
+            self.lm.forward(pending[:1], num_logits=1)
+            pending = pending[1:]
+        logits = self.lm.forward(pending, num_logits=1)[0]
         return model_probs(logits.cpu(), self.hello.temperature)
 
-    def _encode_and_sample(self, q: torch.Tensor):
+    def _encode_and_sample(self, q: torch.Tensor, generator: torch.Generator | None = None):
         """(token, q row it was sampled from, payload, bits, support size, dropped mass)."""
+        generator = generator or self.generator
         if self.hello.mode is Mode.DSSD:
-            token = sample_token(q, self.generator)
+            token = sample_token(q, generator)
             return token, q, b"", 0, self.vocab_size, 0.0
         payload, q_hat, bits, support, dropped = self._encode_q(q)
-        token = sample_token(q_hat, self.generator)
+        token = sample_token(q_hat, generator)
         return token, q_hat, payload, bits, support, dropped
 
     # -- verdicts ----------------------------------------------------------------------------------
@@ -231,7 +324,13 @@ class DraftSession:
         if not 0 <= n <= len(ids) or verdict.round_id != rd.block.round_id:
             raise ValueError(f"verdict does not match round {rd.block.round_id}")
         new = ids[:n] + [int(next_token)]
-        self.lm.truncate(min(self.lm.cache_len, len(self.tokens) + n))
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and n == len(ids) and int(next_token) == ahead.guess:
+            self._ahead = ahead  # the guess was right: the cache already holds its context
+        else:
+            if ahead is not None:
+                self.stats.ahead_tokens_discarded += len(ahead.partial.ids)
+            self.lm.truncate(min(self.lm.cache_len, len(self.tokens) + n))
         self.tokens.extend(new)
         if dssd_correction:
             self.pending_correction = int(next_token)
@@ -266,6 +365,7 @@ class DraftSession:
         s.draft_positions += rd.positions
         s.draft_tokens += len(rd.block.token_ids)
         s.accepted_tokens += n
+        s.positions_verified += n + (n < rd.positions)
         s.theoretical_uplink_bits += rd.theoretical_bits
         s.draft_seconds += rd.draft_seconds
         s.encode_seconds += rd.encode_seconds

@@ -14,13 +14,15 @@ from specdec.common.codecs import Mode
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.protocol import DraftSettings, Hello
 from specdec.device.client import ConnectionPolicy, GenerationResult, generate
+from specdec.device.default_drafter import default_drafter_spec, drafter_meta, has_default_drafter
 from specdec.device.drafter import DraftSession
 from specdec.device.metrics import DeviceMetrics
 
-# Interim default drafter for the embedded target until a trained one ships: the target's own first
-# layers with its final norm and head (early exit). Measured acceptance is low (DESIGN.md: ~0.1 at
-# 12 layers); it keeps the demo self-contained on a fresh machine, not fast.
+# The default drafter for the embedded target ships in device/drafter_weights (default_drafter.py).
+# Without those files, or with --draft-layers N, the drafter is the target's own first N layers with
+# its final norm and head (early exit): acceptance ~0.1 at 12 layers, self-contained but not fast.
 INTERIM_DRAFT_LAYERS = 12
+DEFAULT_DRAFT_LEN = 4  # chain length L for drafters that do not record their own best L
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same bound as the edge (dense fp32 rounds over big vocabularies)
 
 
@@ -45,7 +47,8 @@ class DeviceConfig:
     max_k: int = 4096
     dssd_samples: int = 8
     tree: tuple[int, ...] = ()          # token tree expansion configuration; () = chain
-    draft_len: int = 4
+    draft_len: int | None = None        # chain length L; None = the default drafter's recorded best, else 4
+    draft_ahead: bool = True            # draft the next round while the edge verifies (chain rounds)
     bit_budget: int = 0
     temperature: float = 0.0
     target_top_p: float = 0.0
@@ -66,7 +69,21 @@ class DeviceConfig:
     round_timeout: float = 30.0         # a verdict later than this = dead link: reconnect and resume
     reconnect_timeout: float = 60.0     # give up after this long without a working stream
 
+    def uses_default_drafter(self) -> bool:
+        return (self.draft_model is None and self.draft_gguf_file is None and self.draft_layers is None
+                and has_default_drafter())
+
+    def effective_draft_len(self) -> int:
+        """--draft-len if given; else the L that make drafter measured best for the default drafter."""
+        if self.draft_len is not None:
+            return self.draft_len
+        if self.uses_default_drafter():
+            return int(drafter_meta().get("draft_len", DEFAULT_DRAFT_LEN))
+        return DEFAULT_DRAFT_LEN
+
     def model_spec(self) -> ModelSpec:
+        if self.uses_default_drafter():
+            return default_drafter_spec(self.device, self.dtype)
         if self.draft_model is None and self.draft_gguf_file is None:
             layers = self.draft_layers or INTERIM_DRAFT_LAYERS
             return ModelSpec(device=self.device, dtype=self.dtype, num_layers=layers)
@@ -75,7 +92,7 @@ class DeviceConfig:
 
     def hello(self, fingerprint: str, vocab_size: int, seed: int) -> Hello:
         settings = DraftSettings(
-            draft_len=self.draft_len, bit_budget=self.bit_budget, top_k=min(self.top_k, vocab_size),
+            draft_len=self.effective_draft_len(), bit_budget=self.bit_budget, top_k=min(self.top_k, vocab_size),
             top_p=self.top_p, lattice=self.lattice, dense_dtype=self.dense_dtype,
             csqs_alpha=self.csqs_alpha, csqs_eta=self.csqs_eta, csqs_beta0=self.csqs_beta0,
             max_k=self.max_k, dssd_samples=self.dssd_samples, tree=tuple(self.tree))
@@ -159,7 +176,13 @@ def result_json(cfg: DeviceConfig, drafter: LoadedModel, session: DraftSession, 
             "draft_positions": s.draft_positions,
             "acceptance_rate": s.accepted_tokens / s.draft_positions if s.draft_positions else 0.0,
             "mean_accepted_length": s.accepted_tokens / s.rounds if s.rounds else 0.0,
+            # per-token acceptance alpha (the papers' i.i.d. alpha, eq. 8): accepted / positions tested
+            "positions_verified": s.positions_verified,
+            "token_acceptance_rate": s.accepted_tokens / s.positions_verified if s.positions_verified else 0.0,
             "accepted_per_position": s.accepted_per_position,
+            "drafted_per_position": s.drafted_per_position,
+            "draft_ahead": {"rounds_used": s.ahead_rounds_used, "tokens_used": s.ahead_tokens_used,
+                            "tokens_discarded": s.ahead_tokens_discarded},
             "acceptance_per_depth": [a / d if d else 0.0 for a, d in
                                      zip(s.accepted_per_position, s.drafted_per_position)],
             "tree": list(cfg.tree),
@@ -210,7 +233,7 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
     async with cfg.channel() as channel:
         for i in range(cfg.num_samples):
             hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i)
-            session = DraftSession(drafter, hello)
+            session = DraftSession(drafter, hello, draft_ahead=cfg.draft_ahead)
             streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
             r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids,
                                on_tokens=streamer, timeout=cfg.timeout, metrics=metrics, policy=policy)

@@ -50,8 +50,9 @@ def device_config(**kw) -> DeviceConfig:
 async def run_sessions(address: str, drafter_dir, cfg: DeviceConfig, prompt: str, seeds,
                        session_factory=DraftSession, concurrency: int = 1):
     """Run one session per seed on one channel, ``concurrency`` at a time (results in seed order);
-    return [(token_ids, GenerationResult, DraftSession)]."""
-    drafter = load(str(drafter_dir))
+    return [(token_ids, GenerationResult, DraftSession)]. ``drafter_dir``: a checkpoint directory or
+    an already loaded drafter."""
+    drafter = drafter_dir if isinstance(drafter_dir, LoadedModel) else load(str(drafter_dir))
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
     fp = vocab_fingerprint(drafter.tokenizer)
     cfg = replace(cfg, edge=address)

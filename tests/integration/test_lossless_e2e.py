@@ -15,7 +15,8 @@ import torch
 from harness import device_config, edge, load, run, run_sessions
 from specdec.common.codecs import Mode
 from specdec.common.engine import model_probs
-from specdec.common.modeling import encode_prompt
+from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model
+from specdec.device import default_drafter
 from specdec.device.drafter import DraftSession
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit
 
@@ -58,7 +59,7 @@ def exact_law(target_dir: str, prompt_ids: tuple[int, ...]) -> dict[tuple[int, .
 
 def _counts(target_dir, drafter_dir, session_factory=DraftSession, **kw) -> tuple[Counter, dict]:
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=2, **kw)
-    tok = load(str(drafter_dir)).tokenizer
+    tok = (drafter_dir if isinstance(drafter_dir, LoadedModel) else load(str(drafter_dir))).tokenizer
     law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)))
 
     async def main():
@@ -78,13 +79,38 @@ def test_mode_is_lossless_end_to_end(tiny_pair_v8, name) -> None:
     assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
 
 
+# The default drafter's construction on the tiny target: int8 (per-call activation scales) with a
+# head that leaves out "<unk>" and "w5" (ids 0 and 7), which the target does emit: q = 0 there, so
+# those tokens only ever come from the edge's residual.
+HEAD_IDS = (1, 2, 3, 4, 5, 6)
+
+
+@pytest.fixture(scope="module")
+def int8_reduced_head_drafter(tiny_pair_v8, tmp_path_factory) -> LoadedModel:
+    target_dir, _ = tiny_pair_v8
+    delta = tmp_path_factory.mktemp("int8_drafter")
+    default_drafter.save_drafter(delta, torch.tensor(HEAD_IDS), {}, {"name": "tiny-int8", "num_layers": 2,
+                                                                     "int8": True})
+    return load_model(ModelSpec(model=str(target_dir), delta=str(delta)))
+
+
+def test_int8_reduced_head_drafter_is_lossless_end_to_end(tiny_pair_v8, int8_reduced_head_drafter) -> None:
+    target_dir, _ = tiny_pair_v8
+    counts, law = _counts(target_dir, int8_reduced_head_drafter, **MODES["tslt"])
+    assert set(counts) <= set(law), "generated a sequence the target cannot produce"
+    off_head = sum(c for seq, c in counts.items() if set(seq) - set(HEAD_IDS))
+    assert off_head > 0, "no token outside the head was generated: the test did not exercise q = 0"
+    fit = goodness_of_fit(counts, law)
+    assert fit.p_value > P_VALUE_CUT, f"int8 reduced-head drafter: {fit}"
+
+
 class SamplesOtherQ(DraftSession):
     """Classic bug: the packet carries q_hat but the token is sampled from another law over the same
     support (here uniform on it, as when sampling and packet use different settings). Same support,
     so the edge's "q_hat(x) = 0" check cannot catch it: only the statistics can."""
 
-    def _encode_and_sample(self, q):
-        token, row, payload, bits, support, dropped = super()._encode_and_sample(q)
+    def _encode_and_sample(self, q, generator=None):
+        token, row, payload, bits, support, dropped = super()._encode_and_sample(q, generator)
         other = (row > 0).double()
         token = int(torch.multinomial(other / other.sum(), 1, generator=self.generator))
         return token, row, payload, bits, support, dropped

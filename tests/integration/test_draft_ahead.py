@@ -1,0 +1,146 @@
+"""Drafting ahead (DraftSession.draft_ahead): the device drafts round r + 1 while the edge verifies
+round r, on the guess that all of round r is accepted with the drafter's argmax as the bonus.
+
+Its contract is exactness, not just losslessness: the same seed gives the same tokens with and
+without it, because a round drafted ahead is the round that would have been drafted after the
+verdict (same context, same per-round generator, same forward calls). Over real gRPC, tiny
+checkpoints. On these models the edge answers faster than the drafter drafts, so a test session
+drafts each ahead round to its end before the verdict is applied (``AheadToTheEnd``); the real
+client stops at the verdict, which only cuts the work shorter.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import make_close_drafter, make_model
+from harness import device_config, edge, load, run, run_sessions, target_greedy
+from specdec.common.codecs import Mode
+from specdec.common.modeling import encode_prompt
+from specdec.device.drafter import DraftSession
+from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+
+SEEDS = range(40)
+MAX_NEW = 30  # long enough that rounds drafted ahead are usually full
+MODES = {"tslt": dict(mode=Mode.TSLT, top_k=8), "dense": dict(mode=Mode.DENSE, dense_dtype="fp16"),
+         "ksqs": dict(mode=Mode.KSQS, top_k=8, lattice=16)}
+
+
+@pytest.fixture(scope="module")
+def diverse_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """64 tokens, mild logits and a close drafter: varied outputs (the 8-token pair settles into
+    repeating one token, where every generator draws the same drafts) and high acceptance."""
+    root = tmp_path_factory.mktemp("ahead")
+    target = make_model(root / "target", 64, seed=5, logit_scale=2.0)
+    return target, make_close_drafter(target, root / "draft", noise=0.1)
+
+
+class AheadToTheEnd(DraftSession):
+    """Drafts every ahead round in full, whatever the verdict's timing."""
+
+    def __init__(self, drafter, hello):
+        super().__init__(drafter, hello, draft_ahead=True)
+
+    def draft_ahead(self, rd, max_tokens, stop):
+        super().draft_ahead(rd, max_tokens, threading.Event())
+
+
+class AheadOwnStream(AheadToTheEnd):
+    """Negative control: rounds drafted ahead draw from their own generator, not the one the round
+    would use after the verdict (still lossless, but the seed no longer decides the tokens)."""
+
+    def draft_ahead(self, rd, max_tokens, stop):
+        self._ahead_stream = True
+        try:
+            super().draft_ahead(rd, max_tokens, stop)
+        finally:
+            self._ahead_stream = False
+
+    def _new_partial(self, start):
+        part = super()._new_partial(start)
+        if getattr(self, "_ahead_stream", False):
+            part.generator = torch.Generator().manual_seed(977 + start)
+        return part
+
+
+def _sessions(pair, factory, seeds, **kw):
+    target_dir, drafter_dir = pair
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, draft_len=3, **kw)
+
+    async def main():
+        async with edge(target_dir) as address:
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, seeds, factory, concurrency=4)
+
+    return run(main())
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_same_tokens_with_and_without_drafting_ahead(diverse_pair, name) -> None:
+    plain = _sessions(diverse_pair, DraftSession, SEEDS, **MODES[name])
+    ahead = _sessions(diverse_pair, AheadToTheEnd, SEEDS, **MODES[name])
+    assert [t for t, _, _ in ahead] == [t for t, _, _ in plain]
+    used = sum(s.stats.ahead_rounds_used for _, _, s in ahead)
+    discarded = sum(s.stats.ahead_tokens_discarded for _, _, s in ahead)
+    rounds = sum(s.stats.rounds for _, _, s in ahead)
+    # a round is kept only if all of the last round was accepted and its bonus was the argmax guess:
+    # at T = 1 on this pair that is ~5% of rounds (28 of 563 measured for tslt)
+    assert used >= 10, f"only {used} of {rounds} rounds were drafted ahead: the test proves little"
+    assert discarded > 0, "no wrong guess: the discard path was not exercised"
+    assert all(s.stats.ahead_rounds_used == 0 for _, _, s in plain)
+
+
+def test_control_ahead_rounds_on_their_own_generator_change_tokens(diverse_pair) -> None:
+    plain = _sessions(diverse_pair, DraftSession, SEEDS, **MODES["tslt"])
+    buggy = _sessions(diverse_pair, AheadOwnStream, SEEDS, **MODES["tslt"])
+    differ = sum(a != b for (a, _, _), (b, _, _) in zip(plain, buggy))
+    assert differ > 0, "the equality test above would not catch ahead rounds drawn from another stream"
+
+
+def test_drafting_ahead_is_lossless(tiny_pair_v8) -> None:
+    """The statistical test of test_lossless_e2e with every round drafted ahead where possible."""
+    target_dir, drafter_dir = tiny_pair_v8
+    # L = 1: a round drafted ahead is still inside the first N_TOKENS tokens the law covers
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=1, mode=Mode.TSLT, top_k=3)
+    law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
+
+    async def main():
+        async with edge(target_dir) as address:
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(1500), AheadToTheEnd, concurrency=4)
+
+    results = run(main())
+    assert sum(s.stats.ahead_rounds_used for _, _, s in results) > 0
+    fit = goodness_of_fit(Counter(tuple(t) for t, _, _ in results), law)
+    assert fit.p_value > P_VALUE_CUT, f"drafting ahead: {fit}"
+
+
+def test_greedy_with_drafting_ahead_equals_target(tiny_pair_v512) -> None:
+    target_dir, drafter_dir = tiny_pair_v512
+    cfg = device_config(mode=Mode.TSLT, top_k=16, temperature=0.0, max_new_tokens=16, draft_len=3)
+    prompts = ["w1 w2 w3", "w40 w7", "w300 w301 w302 w303 w9"]
+
+    async def main():
+        async with edge(target_dir) as address:
+            return [await run_sessions(address, drafter_dir, cfg, p, [0], AheadToTheEnd) for p in prompts]
+
+    tok = load(str(drafter_dir)).tokenizer
+    for prompt, [(tokens, _, session)] in zip(prompts, run(main())):
+        assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), 16), prompt
+
+
+def test_client_drafts_ahead_by_default_for_chain_modes_only(diverse_pair, tiny_pair_v8) -> None:
+    """The real client path (the stop event set by the verdict), and which sessions may draft ahead."""
+    results = _sessions(diverse_pair, partial(DraftSession, draft_ahead=True), range(20), **MODES["tslt"])
+    plain = _sessions(diverse_pair, DraftSession, range(20), **MODES["tslt"])
+    assert [t for t, _, _ in results] == [t for t, _, _ in plain]
+    drafter = load(str(tiny_pair_v8[1]))
+    for kw, eligible in ((dict(mode=Mode.TSLT), True), (dict(mode=Mode.CSQS), False),
+                         (dict(mode=Mode.DSSD), False), (dict(mode=Mode.TSLT, tree=(2, 2)), False),
+                         (dict(mode=Mode.TSLT, bit_budget=4000), False)):
+        hello = device_config(**kw).hello("fp", drafter.vocab_size, seed=0)
+        assert DraftSession(drafter, hello, draft_ahead=True).draft_ahead_enabled is eligible, kw
