@@ -115,9 +115,11 @@ class Run:
         self.bar.set_description("loading models")
         self.target = load_model(ModelSpec())
         self.drafter = load_model(DeviceConfig().model_spec())
-        ceilings.prepare_assistant(self.drafter, self.s.draft_len)
+        self.assistant = self.drafter if ceilings.usable_as_assistant(self.drafter) else None
+        if self.assistant is not None:
+            ceilings.prepare_assistant(self.assistant, self.s.draft_len)
         self.bar.set_description("warm-up")
-        ceilings.warm_up(self.target, self.prompts[0], self.s.temperature, self.drafter)
+        ceilings.warm_up(self.target, self.prompts[0], self.s.temperature, self.assistant)
 
     def _decode(self, n: int, assistant=None) -> ceilings.DecodeStats:
         seeds = [plan.SEED_BASE + i for i in range(n)]
@@ -135,11 +137,13 @@ class Run:
         self.bar.set_description("ceiling: target alone")
         alone = self._decode(self.s.loop_prompts)
         self.bar.set_description("ceiling: HF assisted generation")
-        try:
-            assisted = self._decode(self.s.loop_prompts, self.drafter)
-            err = None
-        except Exception as exc:  # e.g. a drafter transformers cannot use as an assistant
-            assisted, err = ceilings.DecodeStats(), f"{type(exc).__name__}: {exc}"
+        assisted, err = ceilings.DecodeStats(), f"{self.drafter.name} is not a transformers model"
+        if self.assistant is not None:
+            try:
+                assisted = self._decode(self.s.loop_prompts, self.assistant)
+                err = None
+            except Exception as exc:  # e.g. a drafter transformers cannot use as an assistant
+                assisted, err = ceilings.DecodeStats(), f"{type(exc).__name__}: {exc}"
         self.ceil = {"target": alone.to_json(), "assisted": assisted.to_json(), "assisted_error": err,
                      "draft_len": self.s.draft_len, "temperature": self.s.temperature,
                      "prompts": self.s.loop_prompts, "max_new_tokens": self.s.max_new_tokens}

@@ -48,6 +48,14 @@ def _generation_kwargs(target: LoadedModel, temperature: float, max_new_tokens: 
                                                   pad_token_id=eos[0] if eos else 0, **sampling)}
 
 
+def usable_as_assistant(drafter: LoadedModel) -> bool:
+    """transformers' assisted generation needs a transformers model (the default drafter's int8
+    LeanDrafter is not one)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(drafter.model, PreTrainedModel)
+
+
 def prepare_assistant(drafter: LoadedModel, draft_len: int) -> None:
     """Exactly ``draft_len`` drafted tokens per round, like our chain."""
     gc = drafter.model.generation_config
