@@ -404,6 +404,38 @@ def sample_token(probs: torch.Tensor | SparseDist, generator: torch.Generator) -
     return sample_token_from_uniform(probs, u)
 
 
+def gumbel_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:  # [V] float64
+    """``vocab_size`` i.i.d. standard Gumbel draws ``-log(-log u)`` from float64 uniforms of ``generator``
+    (a uniform of exactly 0 gives -inf: that token cannot win a Gumbel-max draw)."""
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    _check_vocab_size(vocab_size)
+    u = torch.rand(vocab_size, dtype=torch.float64, generator=generator)
+    return -torch.log(-torch.log(u))
+
+
+def sample_token_gumbel(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """Gumbel-max sampling: ``argmax_x log probs(x) + noise(x)``.
+
+    With ``noise`` i.i.d. standard Gumbel and independent of ``probs``, the token is distributed
+    exactly as ``probs`` (Gumbel 1954; the Gumbel-max trick), and a token with probability 0 is never
+    returned. Two laws sampled with the SAME noise give the same token with probability at least
+    ``(1 - TV) / (1 + TV)`` (the Gumbel-max coupling): the device can guess the edge's bonus token
+    from its own q (client.py's drafting ahead) without changing the bonus token's law.
+
+    Args:
+        probs: [V] float probabilities.
+        noise: [V] float64 Gumbel noise (:func:`gumbel_noise`).
+    """
+    check_probs(probs, "probs")
+    if not isinstance(noise, torch.Tensor) or noise.shape != probs.shape or torch.isnan(noise).any():
+        raise ValueError(f"noise must be a tensor of shape {tuple(probs.shape)} without NaN")
+    scores = torch.where(probs > 0, torch.log(probs.to(torch.float64)) + noise.to(torch.float64),
+                         torch.tensor(-math.inf, dtype=torch.float64))
+    best = int(scores.argmax())
+    return best if probs[best] > 0 else int(probs.argmax())  # every kept token drew u = 0 (p ~ 2^-53)
+
+
 # ----------------------------------------------------------------------------- target filtering
 
 

@@ -45,6 +45,8 @@ def validate_hello(hello: Hello) -> None:
         raise ValueError("draft_len must be >= 1")
     if hello.mode is Mode.DSSD and hello.draft.dssd_samples < 1:
         raise ValueError("dssd_samples must be >= 1")
+    if hello.draft.coupled_bonus and (hello.mode is Mode.DSSD or hello.draft.tree):
+        raise ValueError("coupled_bonus applies to chain rounds outside DSSD only")
     if hello.mode is Mode.CSQS:
         d = hello.draft
         if not 0.0 < d.csqs_alpha < 1.0 or d.csqs_eta <= 0:

@@ -26,6 +26,7 @@ class DraftSettings:
     max_k: int = 4096             # C-SQS support cap
     dssd_samples: int = 8         # DSSD: target samples sent downlink after a rejection
     tree: tuple[int, ...] = ()    # token tree expansion configuration <k1..kL>; () = chain
+    coupled_bonus: bool = False   # chain, not DSSD: bonus = Gumbel-max with noise from (seed, position)
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,14 @@ import torch
 
 # Inverse-CDF sampling with one float64 uniform, shared with the device's drafting code so both
 # sides sample identically (re-exported here for callers of the verification API).
-from specdec.common.distributions import sample_token, sample_token_from_uniform
+from specdec.common.distributions import (gumbel_noise, sample_token, sample_token_from_uniform,
+                                          sample_token_gumbel)
 
 __all__ = [
     "PROB_SUM_ATOL",
     "ChainResult",
     "DssdEdgeResult",
+    "bonus_noise",
     "chain_verify",
     "check_generator",
     "check_prob_rows",
@@ -56,6 +58,7 @@ __all__ = [
     "sample_candidates",
     "sample_token",
     "sample_token_from_uniform",
+    "sample_token_gumbel",
 ]
 
 # Rows of a probability matrix must sum to 1 within this (float64) tolerance. Decoded packets are
@@ -142,6 +145,27 @@ def draw_uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
+# Seeds the bonus noise apart from the edge's acceptance stream (seeded with the session seed itself)
+# and the device's drafting streams; the stride keeps every sequence position on its own stream.
+BONUS_NOISE_SEED_OFFSET = 0x2545F4914F6CDD1D
+BONUS_NOISE_STRIDE = 1_000_033
+
+
+def bonus_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [V] float64
+    """The Gumbel noise of a coupled bonus token at sequence index ``position`` (prompt included).
+
+    Both sides compute it from the session seed: the edge draws the bonus token with it
+    (:func:`chain_verify`), the device guesses that token with the same noise on its own q while the
+    edge verifies (drafting ahead). The bonus stays distributed exactly as ``p_{L+1}``: the noise of
+    a position is used for at most one emitted token and depends on nothing that decides ``p_{L+1}``
+    or whether the round ends there (its own stream, not the acceptance or drafting streams).
+    """
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    stream = ((int(seed) + BONUS_NOISE_SEED_OFFSET) * BONUS_NOISE_STRIDE + int(position)) % 2**63
+    return gumbel_noise(torch.Generator().manual_seed(stream), vocab_size)
+
+
 def _accepts(u: float, p_x: float, q_x: float) -> bool:
     """Rejection-sampling test ``u < min(1, p(x)/q(x))`` written as ``u * q(x) < p(x)``: equal for
     ``u`` in [0, 1) and ``q(x) > 0``, and it needs no division."""
@@ -190,6 +214,7 @@ def chain_verify(
     q: torch.Tensor,  # [L, V] float64, row i: the exact distribution draft_ids[i] was sampled from
     p: torch.Tensor,  # [L+1, V] float64, row i: target after prefix + draft_ids[:i]
     generator: torch.Generator,
+    bonus_noise: torch.Tensor | None = None,  # [V] float64 Gumbel noise for the bonus token, or None
 ) -> ChainResult:
     """Speculative sampling of a drafted chain (Leviathan et al. 2023 Alg. 1; TSLT Alg. 3 fixed).
 
@@ -199,7 +224,9 @@ def chain_verify(
 
     Random draws, in order: one uniform per accept test for positions 1..n+1 (n+1 tests if a
     rejection happens at position n+1, L tests if all are accepted), then exactly one uniform for
-    the inverse-CDF sample of the correction (or bonus) token. Total: n + 2 draws, or L + 1.
+    the inverse-CDF sample of the correction (or bonus) token. Total: n + 2 draws, or L + 1. With
+    ``bonus_noise`` (the coupled bonus, :func:`bonus_noise`), the bonus token is the Gumbel-max
+    draw ``argmax log p_{L+1} + bonus_noise`` instead, and takes no uniform from ``generator``.
 
     Raises:
         ValueError: on malformed input (shapes, dtypes, NaN, negative or unnormalised rows, ids out
@@ -221,6 +248,8 @@ def chain_verify(
     for i in range(L):
         if not _accepts(draw_uniform(generator), p_of_draft[i], q_of_draft[i]):
             return ChainResult(num_accepted=i, next_token=sample_token(_residual(p[i], q[i]), generator))
+    if bonus_noise is not None:
+        return ChainResult(num_accepted=L, next_token=sample_token_gumbel(p[L], bonus_noise))
     return ChainResult(num_accepted=L, next_token=sample_token(p[L], generator))
 
 

@@ -32,7 +32,7 @@ def settings_to_pb(s: P.DraftSettings) -> pb.DraftSettings:
         draft_len=s.draft_len, bit_budget=s.bit_budget, top_k=s.top_k, top_p=s.top_p,
         lattice=s.lattice, dense_dtype=_DTYPE_TO_PB[s.dense_dtype], csqs_alpha=s.csqs_alpha,
         csqs_eta=s.csqs_eta, csqs_beta0=s.csqs_beta0, max_k=s.max_k, dssd_samples=s.dssd_samples,
-        tree=list(s.tree),
+        tree=list(s.tree), coupled_bonus=s.coupled_bonus,
     )
 
 
@@ -43,7 +43,7 @@ def settings_from_pb(m: pb.DraftSettings) -> P.DraftSettings:
         draft_len=m.draft_len, bit_budget=m.bit_budget, top_k=m.top_k, top_p=m.top_p,
         lattice=m.lattice, dense_dtype=_PB_TO_DTYPE[m.dense_dtype], csqs_alpha=m.csqs_alpha,
         csqs_eta=m.csqs_eta, csqs_beta0=m.csqs_beta0, max_k=m.max_k, dssd_samples=m.dssd_samples,
-        tree=tuple(m.tree),
+        tree=tuple(m.tree), coupled_bonus=m.coupled_bonus,
     )
 
 

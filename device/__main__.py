@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="draft each round only after the last verdict (default: draft the next round "
                         "while the edge verifies; tokens are identical either way)")
+    p.add_argument("--no-coupled-bonus", dest="coupled_bonus", action="store_false",
+                   help="let the edge draw the bonus token from its own stream (default in chain rounds "
+                        "outside dssd: from noise both sides derive from the seed, so drafting ahead can "
+                        "guess it at T > 0; lossless either way)")
     p.add_argument("--bit-budget", type=_bounded(int, 1), default=None, help="per-round uplink bits B")
     p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0)
     p.add_argument("--target-top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=None)
@@ -100,6 +104,7 @@ def config_from_args(a) -> DeviceConfig:
         mode=Mode(a.mode), top_k=a.top_k, top_p=a.top_p or 0.0, lattice=a.lattice,
         dense_dtype=a.dense_dtype, csqs_alpha=a.alpha, csqs_eta=a.eta, csqs_beta0=a.beta0,
         max_k=a.max_k, dssd_samples=a.dssd_samples, tree=a.tree, draft_len=a.draft_len, draft_ahead=a.draft_ahead,
+        coupled_bonus=a.coupled_bonus,
         bit_budget=a.bit_budget or 0, temperature=a.temperature, target_top_p=a.target_top_p or 0.0,
         target_top_k=a.target_top_k or 0, seed=a.seed, max_new_tokens=a.max_new_tokens,
         num_samples=a.num_samples, timeout=a.timeout, json=a.json, metrics_port=a.metrics_port,

@@ -20,7 +20,7 @@ from specdec.common.budget import MIN_DRAFT_LEN, fits_budget
 from specdec.common.codecs import (Mode, decode_distribution, dssd_theoretical_bits,
                                    encode_distribution, encode_dssd_scalars)
 from specdec.common.conformal import ConformalController
-from specdec.common.distributions import densify, sample_token
+from specdec.common.distributions import densify, sample_token, sample_token_gumbel
 from specdec.common.engine import codec_config, model_probs
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.protocol import DraftBlock, Hello, Verdict
@@ -71,7 +71,7 @@ class _Partial:
 @dataclass
 class _Ahead:
     """The next round, drafted while the edge verifies the current one, on the guess that every
-    draft is accepted and the bonus token is the drafter's own argmax."""
+    draft is accepted and the bonus token is ``guess`` (:meth:`DraftSession._guess_bonus`)."""
     guess: int
     partial: _Partial
 
@@ -182,8 +182,8 @@ class DraftSession:
 
     # -- drafting ahead: the next round while the edge verifies this one -----------------------------
     def draft_ahead(self, rd: RoundDraft, max_tokens: int, stop: threading.Event) -> None:
-        """Called (in a worker thread) once ``rd`` is sent: guess that all of it is accepted and that
-        the bonus token is the drafter's argmax, and draft the next round from there until ``stop``
+        """Called (in a worker thread) once ``rd`` is sent: guess that all of it is accepted and what
+        the bonus token is (:meth:`_guess_bonus`), and draft the next round from there until ``stop``
         is set (when the verdict arrives) or the round is full. :meth:`commit` keeps the work if
         the guess was right and drops it otherwise. ``max_tokens``: what the next :meth:`draft`
         call will be given if the guess is right.
@@ -199,11 +199,21 @@ class DraftSession:
         t0 = time.perf_counter()
         logits = self.lm.forward(seq[self.lm.cache_len:], num_logits=1)[0]   # feeds the last draft token
         part.t_draft += time.perf_counter() - t0
-        self._ahead = _Ahead(guess=int(logits.argmax()), partial=part)
+        self._ahead = _Ahead(guess=self._guess_bonus(logits, len(seq)), partial=part)
         base = seq + [self._ahead.guess]
         limit = self._chain_limit(max_tokens)
         while len(part.ids) < limit and not stop.is_set() and self._draft_step(part, base):
             pass
+
+    def _guess_bonus(self, logits: torch.Tensor, position: int) -> int:
+        """The edge's likely bonus token at sequence index ``position``. With the coupled bonus the
+        edge draws it as ``argmax log p + g`` with noise g both sides derive from the seed and the
+        position (verification.bonus_noise); the same draw on the drafter's q is the edge's token
+        with probability >= (1 - TV) / (1 + TV). Otherwise (and at T = 0) the drafter's argmax."""
+        if not self.hello.draft.coupled_bonus or self.hello.temperature == 0:
+            return int(logits.argmax())
+        q = model_probs(logits.cpu(), self.hello.temperature)
+        return sample_token_gumbel(q, V.bonus_noise(self.hello.seed, position, self.vocab_size))
 
     def _take_ahead(self, limit: int) -> _Partial | None:
         """The round drafted ahead, if :meth:`commit` kept it and it fits this round."""

@@ -49,6 +49,8 @@ class DeviceConfig:
     tree: tuple[int, ...] = ()          # token tree expansion configuration; () = chain
     draft_len: int | None = None        # chain length L; None = the default drafter's recorded best, else 4
     draft_ahead: bool = True            # draft the next round while the edge verifies (chain rounds)
+    coupled_bonus: bool = True          # chain rounds outside DSSD: the edge draws the bonus token with
+                                        # noise the device can compute, so drafting ahead guesses it at T > 0
     bit_budget: int = 0
     temperature: float = 0.0
     target_top_p: float = 0.0
@@ -95,7 +97,8 @@ class DeviceConfig:
             draft_len=self.effective_draft_len(), bit_budget=self.bit_budget, top_k=min(self.top_k, vocab_size),
             top_p=self.top_p, lattice=self.lattice, dense_dtype=self.dense_dtype,
             csqs_alpha=self.csqs_alpha, csqs_eta=self.csqs_eta, csqs_beta0=self.csqs_beta0,
-            max_k=self.max_k, dssd_samples=self.dssd_samples, tree=tuple(self.tree))
+            max_k=self.max_k, dssd_samples=self.dssd_samples, tree=tuple(self.tree),
+            coupled_bonus=self.coupled_bonus and not self.tree and self.mode is not Mode.DSSD)
         return Hello(mode=self.mode, vocab_fingerprint=fingerprint, vocab_size=vocab_size,
                      temperature=self.temperature, draft=settings, seed=seed,
                      max_new_tokens=self.max_new_tokens, target_top_p=self.target_top_p,

@@ -167,9 +167,15 @@ class VerifierSession:
         ids = torch.tensor(draft_ids, dtype=torch.long)
         if self.hello.mode is Mode.DSSD:
             return self._finish_dssd(draft, ids, q, p)
-        result = V.chain_verify(ids, q, p, self.generator)
+        result = V.chain_verify(ids, q, p, self.generator, self._bonus_noise(len(draft_ids)))
         self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
         return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
+
+    def _bonus_noise(self, num_drafts: int) -> torch.Tensor | None:
+        """The coupled bonus's Gumbel noise for the position after this round's drafts, or None."""
+        if not self.hello.draft.coupled_bonus:
+            return None
+        return V.bonus_noise(self.hello.seed, len(self.tokens) + num_drafts, self.info.vocab_size)
 
     def _verify_tree(self, draft: DraftBlock, spec: TreeSpec, q: torch.Tensor) -> Verdict:
         """One target forward over prefix + whole tree (tree attention), then TSLT Alg. 8."""

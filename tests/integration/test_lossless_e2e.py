@@ -29,6 +29,8 @@ CONCURRENCY = 4  # sessions in flight: overlaps one session's network waits with
 MODES = {
     "dense": dict(mode=Mode.DENSE, dense_dtype="bf16"),
     "tslt": dict(mode=Mode.TSLT, top_k=3),
+    # chain modes draw the bonus token with the coupled noise by default; this one from the edge's stream
+    "tslt uncoupled bonus": dict(mode=Mode.TSLT, top_k=3, coupled_bonus=False),
     "ksqs": dict(mode=Mode.KSQS, top_k=3, lattice=8),
     "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.05, csqs_alpha=0.05, csqs_eta=0.05, lattice=8, max_k=8),
     "dssd": dict(mode=Mode.DSSD, dssd_samples=1),

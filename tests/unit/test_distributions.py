@@ -12,9 +12,11 @@ from specdec.common.distributions import (
     densify,
     dropped_mass,
     filter_target_probs,
+    gumbel_noise,
     probs_from_logits,
     sample_token,
     sample_token_from_uniform,
+    sample_token_gumbel,
     sparsify,
     support,
     top_k_ids,
@@ -355,3 +357,65 @@ def test_filter_target_batched_shape_and_dtype():
 def test_filter_target_rejects_bad_parameters(args):
     with pytest.raises(ValueError):
         filter_target_probs(dist([0.5, 0.5]), *args)
+
+
+# --- Gumbel-max sampling (the coupled bonus token) ------------------------------------------------
+GUMBEL_DRAWS = 20_000
+
+
+def _gumbel_counts(probs: torch.Tensor, noise_fn) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    counts = torch.zeros(probs.numel())
+    for _ in range(GUMBEL_DRAWS):
+        counts[sample_token_gumbel(probs, noise_fn(g, probs.numel()))] += 1
+    return counts
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    keep = probs > 0
+    expected = probs[keep] * counts.sum()
+    return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+
+CHI2_DOF4_CUT = 23.5  # upper 1e-4 tail of chi-square with 4 degrees of freedom
+
+
+def test_gumbel_max_draws_exactly_the_law():
+    probs = dist([0.05, 0.0, 0.4, 0.25, 0.2, 0.1])                    # 5 cells with mass: 4 dof
+    counts = _gumbel_counts(probs, gumbel_noise)
+    assert counts[1] == 0                                              # probability 0: never drawn
+    assert _chi2(counts, probs) < CHI2_DOF4_CUT
+
+
+def test_control_gumbel_max_with_uniform_noise_is_rejected():
+    probs = dist([0.05, 0.0, 0.4, 0.25, 0.2, 0.1])
+    uniform = lambda g, v: torch.rand(v, dtype=torch.float64, generator=g)  # noqa: E731
+    assert _chi2(_gumbel_counts(probs, uniform), probs) > 100 * CHI2_DOF4_CUT
+
+
+def test_gumbel_coupling_matches_close_laws_often():
+    """Two laws drawn with the same noise agree with probability >= (1 - TV) / (1 + TV): the bound
+    that lets the device guess the edge's bonus token from its own q."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(64, generator=gen, dtype=torch.float64), 0)
+    q = torch.softmax(torch.log(p) + 0.3 * torch.randn(64, generator=gen, dtype=torch.float64), 0)
+    tv = tv_distance(p, q)
+    g = torch.Generator().manual_seed(4)
+    n = 4000
+    same = sum(sample_token_gumbel(p, noise) == sample_token_gumbel(q, noise)
+               for noise in (gumbel_noise(g, 64) for _ in range(n)))
+    floor = (1 - tv) / (1 + tv)
+    assert same / n > floor - 4 * math.sqrt(floor * (1 - floor) / n), (same / n, floor)
+    assert same / n > float((p * q).sum()) + 0.5  # independent draws would agree this often
+
+
+def test_gumbel_max_rejects_bad_input():
+    probs = dist([0.5, 0.5])
+    with pytest.raises(ValueError, match="noise"):
+        sample_token_gumbel(probs, torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="noise"):
+        sample_token_gumbel(probs, torch.tensor([0.0, float("nan")], dtype=torch.float64))
+    with pytest.raises(ValueError):
+        sample_token_gumbel(torch.tensor([0.5, 0.6], dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="generator"):
+        gumbel_noise(None, 4)

@@ -30,10 +30,11 @@ from specdec.common.codecs import (
     encode_dssd_scalars,
 )
 from specdec.common.conformal import ConformalController
-from specdec.common.distributions import densify
+from specdec.common.distributions import densify, gumbel_noise, sample_token_gumbel
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.verification import (
     ChainResult,
+    bonus_noise,
     chain_verify,
     dssd_device_residual,
     dssd_device_resolve,
@@ -109,6 +110,35 @@ def chain_round(pair, L: int, g: torch.Generator, verify: ChainVerifier = chain_
             draft.append(sample_token(q if draft_law is None else draft_law(q), g))
         p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])  # [L+1, V]
         res = verify(torch.tensor(draft), torch.stack(q_rows), p, g)
+        return draft[: res.num_accepted] + [res.next_token]
+
+    return round_fn
+
+
+# noise(session seed, position, V) -> [V] Gumbel noise of a coupled bonus token
+BonusNoise = Callable[[int, int, int], torch.Tensor]
+
+
+def coupled_chain_round(pair, L: int, g: torch.Generator, noise: BonusNoise = bonus_noise, bonus=None):
+    """Chain rounds with the coupled bonus (edge: Gumbel-max with ``noise(seed, position)``), a new
+    session seed per generated sequence as every session has its own. ``bonus(p, q, noise)`` (controls
+    only) replaces the edge's bonus draw."""
+    session = {"seed": 0}
+
+    def round_fn(seq: list[int]) -> list[int]:
+        if len(seq) == len(PROMPT):  # a new sequence: a new session
+            session["seed"] = int(torch.randint(2**62, (1,), generator=g))
+        draft: list[int] = []
+        q_rows = []
+        for _ in range(L):
+            q = pair.q(seq + draft)
+            q_rows.append(q)
+            draft.append(sample_token(q, g))
+        p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])
+        g_bonus = noise(session["seed"], len(seq) + L, VOCAB)
+        res = chain_verify(torch.tensor(draft), torch.stack(q_rows), p, g, bonus_noise=g_bonus)
+        if bonus is not None and res.num_accepted == L:
+            res = ChainResult(L, bonus(p[L], pair.q(seq + draft), g_bonus))
         return draft[: res.num_accepted] + [res.next_token]
 
     return round_fn
@@ -270,6 +300,7 @@ def build_mode(name: str, pair, g: torch.Generator):
         "chain L=1": lambda: chain_round(pair, 1, g),
         "chain L=2": lambda: chain_round(pair, 2, g),
         "chain L=4": lambda: chain_round(pair, 4, g),
+        "chain L=2 coupled bonus": lambda: coupled_chain_round(pair, 2, g),
         "mc k=2 iid": lambda: mc_round(pair, 2, g, True),
         "mc k=3 distinct": lambda: mc_round(pair, 3, g, False),
         "tree <2,2>": lambda: tree_round(pair, (2, 2), g),
@@ -290,8 +321,8 @@ def build_mode(name: str, pair, g: torch.Generator):
 
 
 MODES = [
-    "chain L=1", "chain L=2", "chain L=4", "mc k=2 iid", "mc k=3 distinct", "tree <2,2>", "tree <3,1>",
-    "tree <2,2> distinct", "dssd L=3 m=4", "dssd wire scalars L=2 m=1", "dense fp16", "tslt top-2",
+    "chain L=1", "chain L=2", "chain L=4", "chain L=2 coupled bonus", "mc k=2 iid", "mc k=3 distinct",
+    "tree <2,2>", "tree <3,1>", "tree <2,2> distinct", "dssd L=3 m=4", "dssd wire scalars L=2 m=1", "dense fp16", "tslt top-2",
     "ksqs top-2", "csqs conformal",
 ]
 
@@ -327,6 +358,7 @@ def greedy_rounds(pair, g):
     return {
         "chain L=1": chain_round(pair, 1, g),
         "chain L=3": chain_round(pair, 3, g),
+        "chain L=3 coupled bonus": coupled_chain_round(pair, 3, g),
         "mc k=3": mc_round(pair, 3, g, True),
         "mc k=1 without replacement": mc_round(pair, 1, g, False),
         "tree <2,2>": tree_round(pair, (2, 2), g),
@@ -417,6 +449,35 @@ def residual_fallback_to_p(p_j, q_j, g) -> int:
 )
 def test_control_broken_chain_is_rejected(pair, exact, name: str, verify) -> None:
     round_fn = chain_round(pair, 2, torch.Generator().manual_seed(500), verify=verify)
+    assert_rejected(fit(round_fn, exact, num_seqs=CONTROL_SEQS))
+
+
+def _one_noise_for_every_session(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """BROKEN: the bonus noise ignores the session (a constant seed): bonus tokens are then a fixed
+    function of p at each position instead of fresh draws."""
+    return bonus_noise(0, position, vocab)
+
+
+def _uniform_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """BROKEN: uniform instead of Gumbel noise; argmax log p + u is not a draw from p."""
+    return torch.rand(vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + position))
+
+
+def _bonus_is_the_device_guess(p_next, q_next, noise) -> int:
+    """BROKEN: the edge emits the device's guess (the Gumbel-max draw on q) as the bonus."""
+    return sample_token_gumbel(q_next, noise)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("one bonus noise for every session", dict(noise=_one_noise_for_every_session)),
+        ("uniform instead of Gumbel noise", dict(noise=_uniform_noise)),
+        ("bonus taken from the device's guess", dict(bonus=_bonus_is_the_device_guess)),
+    ],
+)
+def test_control_broken_coupled_bonus_is_rejected(pair, exact, name: str, kwargs) -> None:
+    round_fn = coupled_chain_round(pair, 1, torch.Generator().manual_seed(550), **kwargs)
     assert_rejected(fit(round_fn, exact, num_seqs=CONTROL_SEQS))
 
 

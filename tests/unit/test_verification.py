@@ -11,6 +11,7 @@ import torch
 
 from specdec.common.verification import (
     ChainResult,
+    bonus_noise,
     chain_verify,
     dssd_device_residual,
     dssd_device_resolve,
@@ -347,3 +348,27 @@ def test_dssd_bad_input() -> None:
         dssd_device_resolve(ids(1), torch.tensor([0.0], dtype=torch.float64), Q_ROW, gen())
     with pytest.raises(ValueError, match="out of range"):
         dssd_device_resolve(ids(9), torch.tensor([0.5], dtype=torch.float64), Q_ROW, gen())
+
+
+def test_bonus_noise_is_a_function_of_seed_and_position() -> None:
+    """Both sides derive the coupled bonus's noise from (session seed, sequence index) alone."""
+    a = bonus_noise(7, 40, 16)
+    assert a.shape == (16,) and a.dtype == torch.float64 and torch.isfinite(a).all()
+    assert torch.equal(a, bonus_noise(7, 40, 16))
+    assert not torch.equal(a, bonus_noise(7, 41, 16)) and not torch.equal(a, bonus_noise(8, 40, 16))
+    with pytest.raises(ValueError):
+        bonus_noise(7, -1, 16)
+
+
+def test_coupled_bonus_uses_the_noise_and_no_uniform() -> None:
+    """All accepted: the bonus is argmax log p_{L+1} + noise and the generator gives one uniform per
+    accept test only; a rejection still samples the residual by inverse CDF."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64)
+    noise = torch.tensor([3.0, 0.0, 0.0], dtype=torch.float64)  # log 0.2 + 3 wins
+    g = torch.Generator().manual_seed(1)
+    res = chain_verify(torch.tensor([0]), q, p, g, bonus_noise=noise)
+    assert (res.num_accepted, res.next_token) == (1, 0)
+    reference = torch.Generator().manual_seed(1)
+    torch.rand((), generator=reference, dtype=torch.float64)           # the one accept test
+    assert torch.equal(g.get_state(), reference.get_state())
