@@ -9,9 +9,15 @@ cores hits both sides alike:
 Both stop at EOS or ``--max-new-tokens``. Reported per temperature: acceptance rate, mean accepted
 length, cost ratio c = T_draft / T_target per token, measured speedup (tokens/s of the pair over
 tokens/s of the target), and the oracle model's predicted speedup (tslt-mc-dsd eq. 5, 8, 10) from
-the same measured parts. At T = 0 the pair's tokens must equal the target's greedy tokens.
+the same measured parts, also extended to the device drafting ahead (latency.oracle_time_drafting_ahead)
+with the measured share of rounds whose drafting began during the previous verify. At T = 0 the
+pair's tokens must equal the target's greedy tokens.
 
-    .venv/bin/python bench/bench_drafter.py [--limit N] [--max-new-tokens 128] [-- device-client flags]
+The target alone gets one thread, as the edge does (the two hosts' shares of this machine: one core
+each); ``--target-threads 2`` gives it the whole machine instead.
+
+    .venv/bin/python bench/bench_drafter.py [--limit N | --per-category N] [--max-new-tokens 128]
+        [--draft-len L] [--target-threads T] [--out FILE] [-- device-client flags]
 
 Writes results/bench_drafter.json (and prints a summary table).
 """
@@ -31,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.common.latency import expected_tokens_per_call, oracle_time, predicted_speedup
+from specdec.common.latency import (expected_tokens_per_call, oracle_time, oracle_time_drafting_ahead,
+                                    predicted_speedup)
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
 from specdec.device.runner import DeviceConfig
 
@@ -92,6 +99,17 @@ def run_target(target, prompt_ids: list[int], temperature: float, max_new: int, 
     return {"token_ids": new, "wall_seconds": wall}
 
 
+def first_per_category(prompts: list[dict], n: int) -> list[dict]:
+    """The first ``n`` prompts of each category, in file order."""
+    taken: dict[str, int] = {}
+    out = []
+    for item in prompts:
+        if taken.get(item["category"], 0) < n:
+            taken[item["category"]] = taken.get(item["category"], 0) + 1
+            out.append(item)
+    return out
+
+
 def summarize(temperature: float, L: int, pairs: list[dict], alone: list[dict],
               greedy_mismatch: int | None) -> dict:
     """Per-temperature totals and the oracle prediction from the measured parts."""
@@ -110,6 +128,7 @@ def summarize(temperature: float, L: int, pairs: list[dict], alone: list[dict],
     # eq. (8) wants the per-token acceptance probability: accepted / positions the edge tested
     # (drafts after a rejection are never tested); accepted / drafted is lower and not that alpha.
     alpha = accepted / verified
+    hit_rate = sum(x["draft_ahead"]["rounds_used"] for x in s) / rounds  # rounds whose drafting began early
     parts = L * t_draft + t_comm + t_verify
     other = pair_wall / rounds - parts                        # per round, not in any part (loop, prefill)
     return {
@@ -128,9 +147,15 @@ def summarize(temperature: float, L: int, pairs: list[dict], alone: list[dict],
         "oracle_predicted_speedup": expected_tokens_per_call(alpha, L) * t_target / oracle_time(L, t_draft, t_comm, t_verify),
         # the paper's own form, which assumes a verify call costs one target step (T_LLM = t_target)
         "oracle_paper_form_speedup": predicted_speedup(alpha, L, t_draft, t_target, t_comm),
+        # eq. (5) extended to drafting ahead (latency.oracle_time_drafting_ahead), measured hit rate
+        "draft_ahead_hit_rate": hit_rate,
+        "oracle_drafting_ahead_speedup": expected_tokens_per_call(alpha, L) * t_target /
+        oracle_time_drafting_ahead(L, t_draft, t_comm, t_verify, hit_rate),
         "seconds_per_token": {"target": t_target, "draft": t_draft},
         "seconds_per_round": {"draft": L * t_draft, "network": t_comm, "verify": t_verify, "other": other},
         "generated_tokens": {"pair": pair_tokens, "target": alone_tokens},
+        "uplink_bytes_per_round": tot("uplink_bytes") / rounds,
+        "downlink_bytes_per_round": tot("downlink_bytes") / rounds,
         "greedy_mismatches": greedy_mismatch,
         "draft_model": pairs[0].get("draft_model"),
     }
@@ -140,16 +165,22 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=Path, default=PROMPTS)
     p.add_argument("--limit", type=int, default=0, help="first N prompts only (0 = all)")
+    p.add_argument("--per-category", type=int, default=0,
+                   help="first N prompts of each category only (0 = all): a quicker run that keeps the mix")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-len", type=int, default=DeviceConfig().effective_draft_len(),
                    help="draft length L of the pair (default: device-client's default)")
+    p.add_argument("--target-threads", type=int, default=THREADS,
+                   help="torch threads of the target-alone baseline (default 1, the edge's; 2 = the whole "
+                        "machine, which the pair's two processes share)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_drafter.json")
     p.add_argument("device_args", nargs="*", help="extra device-client flags (after --)")
     a = p.parse_args()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(a.target_threads)
     prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
+    prompts = first_per_category(prompts, a.per_category) if a.per_category else prompts
     prompts = prompts[:a.limit] if a.limit else prompts
     bindir = Path(sys.executable).parent
     target = load_model(ModelSpec())
@@ -157,6 +188,7 @@ def main() -> int:
     edge = start_edge(bindir, port)
     device_args = ["--draft-len", str(a.draft_len), *a.device_args]
     results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": THREADS,
+                           "target_alone_threads": a.target_threads,
                            "loadavg_at_start": os.getloadavg()},
                "max_new_tokens": a.max_new_tokens, "device_args": device_args, "per_temperature": []}
     try:
@@ -200,11 +232,13 @@ def main() -> int:
 
 
 def print_table(results: dict) -> None:
-    keys = ["acceptance_rate", "accepted_per_drafted", "mean_accepted_length", "draft_len", "cost_ratio_c", "target_tokens_per_second",
-            "pair_tokens_per_second", "measured_speedup", "oracle_predicted_speedup", "oracle_paper_form_speedup"]
-    print(f"\n{'':28s}" + "".join(f"T={r['temperature']:<10g}" for r in results["per_temperature"]))
+    keys = ["acceptance_rate", "accepted_per_drafted", "mean_accepted_length", "draft_len", "cost_ratio_c",
+            "target_tokens_per_second", "pair_tokens_per_second", "measured_speedup", "oracle_predicted_speedup",
+            "oracle_paper_form_speedup", "draft_ahead_hit_rate", "oracle_drafting_ahead_speedup",
+            "uplink_bytes_per_round"]
+    print(f"\n{'':32s}" + "".join(f"T={r['temperature']:<10g}" for r in results["per_temperature"]))
     for k in keys:
-        print(f"{k:28s}" + "".join(f"{r[k]:<12.3f}" for r in results["per_temperature"]))
+        print(f"{k:32s}" + "".join(f"{r[k]:<12.3f}" for r in results["per_temperature"]))
     for r in results["per_temperature"]:
         if r["greedy_mismatches"] is not None:
             print(f"greedy outputs differing from the target's (T=0): {r['greedy_mismatches']}/{r['prompts']}")

@@ -60,6 +60,23 @@ def oracle_time(L: int, t_slm: float, t_comm: float, t_llm: float) -> float:
     return _count(L, "L", 0) * _nonneg(t_slm, "t_slm") + _nonneg(t_comm, "t_comm") + _nonneg(t_llm, "t_llm")
 
 
+def oracle_time_drafting_ahead(L: int, t_slm: float, t_comm: float, t_llm: float, hit_rate: float) -> float:
+    """Eq. (5) when the device drafts round r + 1 while round r is verified (our extension, not in
+    the papers; device/drafter.py ``draft_ahead``).
+
+    Drafting ahead starts when round r is sent, on a guess of its verdict (all accepted, a guessed
+    bonus token); it needs L + 1 drafter steps (it first feeds the last draft token). With
+    probability ``hit_rate`` the guess holds and the steps that fit into the verify window
+    W = T_comm + T_LLM are kept: T = W + max(0, (L + 1) T_SLM - W). Otherwise the round is drafted
+    after the verdict, as in eq. (5): T = W + L T_SLM. ``hit_rate`` = 0 gives eq. (5) exactly.
+    """
+    L, h = _count(L, "L", 0), _acceptance(hit_rate)
+    window = _nonneg(t_comm, "t_comm") + _nonneg(t_llm, "t_llm")
+    drafting = _nonneg(t_slm, "t_slm")
+    kept = window + max(0.0, (L + 1) * drafting - window)
+    return h * kept + (1.0 - h) * (window + L * drafting)
+
+
 def expected_tokens_per_call(alpha: float, L: int) -> float:
     """Eq. (8): N_oracle = (1 - alpha^{L+1}) / (1 - alpha); L + 1 at alpha = 1 (the limit)."""
     alpha, L = _acceptance(alpha), _count(L, "L", 0)

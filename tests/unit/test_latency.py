@@ -7,12 +7,24 @@ from specdec.common.latency import (
     dsd_throughput,
     expected_tokens_per_call,
     oracle_time,
+    oracle_time_drafting_ahead,
     predicted_speedup,
     speedup,
     tree_num_distributions,
     tree_oracle_time,
     tree_speedup,
 )
+
+
+def test_oracle_time_drafting_ahead():
+    # hit rate 0: eq. (5); drafting (5 x 10 ms) hidden inside the 90 ms window when every guess holds
+    assert oracle_time_drafting_ahead(4, 0.01, 0.01, 0.08, 0.0) == pytest.approx(oracle_time(4, 0.01, 0.01, 0.08))
+    assert oracle_time_drafting_ahead(4, 0.01, 0.01, 0.08, 1.0) == pytest.approx(0.09)
+    # drafting longer than the window: the excess shows; half the guesses hold: the mean of both
+    assert oracle_time_drafting_ahead(4, 0.03, 0.01, 0.08, 1.0) == pytest.approx(0.15)
+    assert oracle_time_drafting_ahead(4, 0.03, 0.01, 0.08, 0.5) == pytest.approx(0.5 * 0.15 + 0.5 * 0.21)
+    with pytest.raises(ValueError):
+        oracle_time_drafting_ahead(4, 0.03, 0.01, 0.08, 1.5)
 
 
 def test_comm_and_uplink():
