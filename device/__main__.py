@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--mode", default="tslt", choices=[m.value for m in Mode])
-    p.add_argument("--top-k", type=_bounded(int, 1), default=64, help="tslt / ksqs support size K")
+    p.add_argument("--top-k", type=_bounded(int, 1), default=None,
+                   help="tslt / ksqs support size K (default: the default drafter's recorded K, else 64)")
     p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=None,
                    help="tslt nucleus mass (instead of top-K)")
     p.add_argument("--lattice", type=_bounded(int, 1), default=1000, help="ksqs / csqs lattice resolution")

@@ -1,25 +1,25 @@
 """The default drafter for the embedded target (SmolLM2-135M-Instruct).
 
-What it is: the target itself, run the way a CPU device runs it fast. Every linear layer holds int8
-weights (fbgemm dynamic quantization: activations quantized per call, int8 x int8 products), so a
-decode step reads ~4x fewer bytes; activation outliers, which per-tensor int8 handles badly, are
-first moved into the weights by SmoothQuant scales (Xiao et al. 2022, arXiv 2211.10438) folded
-exactly into the preceding norm / projection weights. The LM head covers only the ``N`` tokens the
-target emits most (q = 0 elsewhere: the device never drafts a token outside the head, and the edge
-verifies against exactly that q, so the system stays lossless). A plain KV-cached forward replaces
-the transformers module stack, whose per-layer Python overhead would cost as much as the int8
-matmuls.
+What it is: the target itself, computed the way a CPU device computes it fast. The target ships as a
+Q4_1 GGUF: every weight of its decoder layers is a 4-bit code times a float16 step plus a minimum,
+per group of 32, which transformers dequantizes to float32 (the edge verifies with that float32
+model). The drafter takes the same 4-bit codes back (:func:`q4_1_quantize` recovers them exactly
+from the float32 weights) and runs them with torch's int4 CPU kernel on bfloat16 activations, so a
+decode step reads ~7x fewer bytes than the float32 target's. Its only departures from the target are
+bfloat16 rounding and the LM head, which covers only the ``N`` tokens the target emits most (q = 0
+elsewhere: the device never drafts a token outside the head, and the edge verifies against exactly
+that q, so the system stays lossless). A plain KV-cached forward replaces the transformers module
+stack.
 
 What is committed (``drafter_weights/``, only what differs from the target): the head's token ids
-and the smoothing scales, plus ``delta.json``. The weights themselves are the target's, read at load
-time through :func:`specdec.common.modeling.load_model` (``ModelSpec.delta`` -> this module's
-:func:`build`), so drafter and target share their tokenizer and loading code exactly. How the files
-were made and what the drafter measures: ``drafter_weights/README.md``; the recipe: ``make drafter``.
+and ``delta.json``. The weights themselves are the target's, read at load time through
+:func:`specdec.common.modeling.load_model` (``ModelSpec.delta`` -> this module's :func:`build`), so
+drafter and target share their tokenizer and loading code exactly. How the files were made and what
+the drafter measures: ``drafter_weights/README.md``; the recipe: ``make drafter``.
 """
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +34,11 @@ HEAD_IDS = "head.keep_ids"          # [N] int64: vocabulary ids the head covers,
 # Logit of the tokens the head leaves out: finite (the codecs refuse inf), and exp() of it minus any
 # real logit is exactly 0 in float32 at every temperature <= 1e4, so q = 0 there.
 OUT_OF_HEAD_LOGIT = -1e9
-SMOOTH_ALPHA = 0.5                  # SmoothQuant migration strength: sqrt balance of act/weight ranges
-SMOOTH_KEYS = ("qkv", "o", "gate_up", "down")  # per layer; "head" once
+LAYER_LINEARS = ("qkv", "o", "gate_up", "down")  # the projections of one _Layer
+GROUP = 32              # Q4_1's block: 32 consecutive input weights share a step and a minimum
+Q4_LEVELS = 15          # codes 0..15
+INT4_ROWS_MULTIPLE = 16  # the CPU int4 kernel packs output rows in tiles of 16
+INNER_K_TILES = 2       # packing parameter of _convert_weight_to_int4pack_for_cpu (any of 1,2,4,8: same speed here)
 
 
 def has_default_drafter(path: Path = WEIGHTS_DIR) -> bool:
@@ -43,7 +46,7 @@ def has_default_drafter(path: Path = WEIGHTS_DIR) -> bool:
 
 
 def drafter_meta(path: Path = WEIGHTS_DIR) -> dict:
-    """``delta.json``: name, builder, num_layers, int8, draft_len and what the drafter measured."""
+    """``delta.json``: name, builder, num_layers, int4, draft_len and what the drafter measured."""
     return json.loads((path / DELTA_CONFIG).read_text())
 
 
@@ -166,141 +169,100 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-# ------------------------------------------------------------------------------- smoothing + int8
-def smooth(drafter: LeanDrafter, scales: dict[str, torch.Tensor]) -> None:
-    """Fold SmoothQuant scales s into the weights: X W^T = (X / s)(W s)^T, exactly in float.
+# ------------------------------------------------------------------------------------ int4 weights
+def q4_1_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes with GGUF Q4_1's rule (ggml ``quantize_row_q4_1_ref``): every :data:`GROUP`
+    consecutive input weights of a row share a minimum m and a step d = (max - m) / 15 (float16, as
+    Q4_1 stores it), and w ~ d * code + m with code in 0..15.
 
-    X / s is folded into what produces X: the norm weight (qkv, gate_up, head), the v rows (o: per
-    kv channel, shared by the query heads of a group) and the up rows (down, since silu(g) * u is
-    linear in u).
+    weight: [N, K] float -> (codes [N, K] int32, step [N, K / GROUP] float32, minimum [N, K / GROUP]).
+    Paired with :func:`q4_1_dequantize`. Weights that came from a Q4_1 file (the embedded target's
+    linear layers) round-trip exactly; any other weight is off by at most d / 2 (plus the float16
+    rounding of d times the code).
     """
-    with torch.no_grad():
-        for i, layer in enumerate(drafter.layers):
-            s = scales[f"{i}.qkv"]
-            layer.ln1.div_(s)
-            layer.qkv.weight.mul_(s)
-            s = scales[f"{i}.gate_up"]
-            layer.ln2.div_(s)
-            layer.gate_up.weight.mul_(s)
-            s = scales[f"{i}.o"]                                                 # [kv * d]
-            kv = layer.kv_heads * layer.head_dim
-            v_rows = slice(layer.heads * layer.head_dim + kv, layer.heads * layer.head_dim + 2 * kv)
-            layer.qkv.weight[v_rows].div_(s[:, None])
-            group = layer.heads // layer.kv_heads
-            s_o = s.view(layer.kv_heads, 1, layer.head_dim).expand(-1, group, -1).reshape(-1)
-            layer.o.weight.mul_(s_o)
-            s = scales[f"{i}.down"]
-            layer.gate_up.weight[layer.inter:].div_(s[:, None])
-            layer.down.weight.mul_(s)
-        s = scales["head"]
-        drafter.norm.div_(s)
-        drafter.head.weight.mul_(s)
+    assert weight.ndim == 2 and weight.shape[1] % GROUP == 0, weight.shape
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // GROUP, GROUP)                     # [N, K/G, G]
+    minimum = groups.amin(-1)                                                          # [N, K/G]
+    step = ((groups.amax(-1) - minimum) / Q4_LEVELS).half().float()                    # [N, K/G]
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = ((groups - minimum[..., None]) / safe[..., None]).round().clamp(0, Q4_LEVELS)
+    return codes.to(torch.int32).reshape(n, k), step, minimum
 
 
-def smoothing_scales(act_max: dict[str, torch.Tensor], drafter: LeanDrafter) -> dict[str, torch.Tensor]:
-    """s_j = max|X_j|^a / max|W_j|^(1-a) per input channel (SmoothQuant eq. 4), from calibration maxima."""
-    out = {}
-    for key, amax in act_max.items():
-        i, _, name = key.partition(".")
-        if key == "head":
-            w = drafter.head.weight
-        else:
-            w = getattr(drafter.layers[int(i)], name).weight
-        if name == "o":  # one scale per kv channel: the max over the query heads sharing it
-            layer = drafter.layers[int(i)]
-            group = layer.heads // layer.kv_heads
-            wmax = w.abs().amax(0).view(layer.kv_heads, group, layer.head_dim).amax(1).reshape(-1)
-            amax = amax.view(layer.kv_heads, group, layer.head_dim).amax(1).reshape(-1)
-        else:
-            wmax = w.abs().amax(0)
-        s = amax.clamp_min(1e-5) ** SMOOTH_ALPHA / wmax.clamp_min(1e-5) ** (1 - SMOOTH_ALPHA)
-        out[key] = s.clamp_min(1e-5).float()
-    return out
+def q4_1_dequantize(codes: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """d * code + m per group, in float32 as ggml dequantizes Q4_1: [N, K] float32."""
+    n, k = codes.shape
+    assert step.shape == minimum.shape == (n, k // GROUP), (step.shape, minimum.shape)
+    groups = codes.float().reshape(n, k // GROUP, GROUP)
+    return (groups * step[..., None] + minimum[..., None]).reshape(n, k)
 
 
-@torch.inference_mode()
-def calibrate(drafter: LeanDrafter, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Per-input-channel max |activation| of every linear over ``sequences`` (float drafter)."""
-    from transformers import DynamicCache
-
-    act_max: dict[str, torch.Tensor] = {}
-
-    def hook(key):
-        def record(_module, inputs, _output):
-            a = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(0)
-            act_max[key] = a if key not in act_max else torch.maximum(act_max[key], a)
-        return record
-
-    handles = [getattr(layer, name).register_forward_hook(hook(f"{i}.{name}"))
-               for i, layer in enumerate(drafter.layers) for name in SMOOTH_KEYS]
-    handles.append(drafter.head.register_forward_hook(hook("head")))
-    try:
-        for ids in sequences:
-            drafter(torch.tensor([ids]), DynamicCache(config=drafter.config))
-    finally:
-        for h in handles:
-            h.remove()
-    return act_max
+def int4_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-class _RowScaled(torch.nn.Module):
-    """A dynamic-int8 linear whose activation scale is, in effect, per row (token).
+class Int4Linear(torch.nn.Module):
+    """A bias-free linear layer with Q4_1 weights, run by torch's CPU int4 kernel.
 
-    fbgemm picks one activation scale per call, so in a multi-token call (the prompt, or the
-    correction token with the last draft) one outlier token coarsens all others. Dividing each row
-    by its max |x| first (and multiplying the output back: the map is linear) makes the one scale
-    fit every row. Measured on held-out answers: +0.02 acceptance at T = 0, +0.04 at T = 1.
+    The kernel (``_weight_int4pack_mm_for_cpu``, the one gpt-fast and torchao use) computes
+    x ((code - 8) s + z)^T with bfloat16 activations, scales and output: so s = d and z = m + 8 d,
+    both rounded to bfloat16. Its float32 path is ~30x slower here, hence bfloat16. A decode step
+    reads 4.5 bits per weight instead of 32.
     """
 
-    def __init__(self, inner: torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):                                           # [N, K]
         super().__init__()
-        self.inner = inner
+        n, k = weight.shape
+        if n % INT4_ROWS_MULTIPLE or k % GROUP:
+            raise ValueError(f"int4 needs out_features % {INT4_ROWS_MULTIPLE} == 0 and in_features % {GROUP} == 0, "
+                             f"got {tuple(weight.shape)}")
+        codes, step, minimum = q4_1_quantize(weight)
+        self.exact_fraction = float((q4_1_dequantize(codes, step, minimum) == weight.float()).float().mean())
+        self.out_features = n
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+        self.register_buffer("scales_and_zeros", torch.stack([step, minimum + 8 * step], dim=-1)
+                             .transpose(0, 1).contiguous().to(torch.bfloat16))         # [K/G, N, 2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2] == 1:
-            return self.inner(x)
-        m = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)                      # [..., n, 1]
-        return self.inner(x / m) * m
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_int8(drafter: LeanDrafter) -> None:
-    """int8 weights (per output channel) with dynamic int8 activations for every linear (CPU)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao eager quantization announces its move to torchao
-        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-        torch.ao.quantization.quantize_dynamic(drafter, {torch.nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
+def quantize_int4(drafter: LeanDrafter) -> float:
+    """Every decoder-layer linear -> :class:`Int4Linear` (the head stays float: its int8 or bfloat16
+    versions cost acceptance, see drafter_weights/README.md). Returns the fraction of weights the
+    4-bit grid reproduces exactly (1.0 for a target loaded from a Q4_1 GGUF)."""
+    exact = total = 0.0
     for layer in drafter.layers:
-        for name in SMOOTH_KEYS:
-            setattr(layer, name, _RowScaled(getattr(layer, name)))
-    drafter.head = _RowScaled(drafter.head)
+        for name in LAYER_LINEARS:
+            lin = Int4Linear(getattr(layer, name).weight)
+            setattr(layer, name, lin)
+            numel = lin.packed.numel() * 2
+            exact, total = exact + lin.exact_fraction * numel, total + numel
+    return exact / max(total, 1.0)
 
 
 def build(model, extra: dict[str, torch.Tensor], meta: dict, device: torch.device) -> LeanDrafter:
-    """The ``delta.json`` builder: target (truncated to ``num_layers``) + head ids + scales -> drafter.
+    """The ``delta.json`` builder: target + head ids -> drafter (int4 decoder layers on CPU).
 
-    int8 only on CPU (fbgemm); elsewhere the smoothed float drafter runs (same distribution family,
-    slightly different numbers: the device always sends the q it sampled from, so still lossless).
+    int4 only on CPU with torch's int4 kernel; elsewhere (CUDA) the float drafter runs: a different
+    q, still lossless, because the device always sends the q it sampled from.
     """
     keep = extra[HEAD_IDS].long()
     if keep.ndim != 1 or int(keep.min()) < 0 or int(keep.max()) >= model.config.vocab_size:
         raise ValueError("head ids outside the vocabulary")
     drafter = LeanDrafter(model, keep)
-    scales = {k.removeprefix("smooth."): v.float() for k, v in extra.items() if k.startswith("smooth.")}
-    if scales:
-        smooth(drafter, scales)
-    if meta.get("int8") and device.type == "cpu":
-        quantize_int8(drafter)
+    if meta.get("int4") and device.type == "cpu" and int4_kernel_available():
+        drafter.int4_exact_fraction = quantize_int4(drafter)
     return drafter
 
 
-def save_drafter(path: Path, keep_ids: torch.Tensor, scales: dict[str, torch.Tensor], meta: dict) -> None:
-    """Write the delta: head ids, smoothing scales (float16) and ``delta.json``."""
+def save_drafter(path: Path, keep_ids: torch.Tensor, meta: dict) -> None:
+    """Write the delta: the head's token ids and ``delta.json``."""
     from safetensors.torch import save_file
 
-    tensors = {HEAD_IDS: keep_ids.to(torch.int64).contiguous()}
-    tensors |= {f"smooth.{k}": v.to(torch.float16).contiguous() for k, v in scales.items()}
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / DELTA_WEIGHTS))
+    save_file({HEAD_IDS: keep_ids.to(torch.int64).contiguous()}, str(path / DELTA_WEIGHTS))
     (path / DELTA_CONFIG).write_text(json.dumps({"builder": BUILDER, **meta}, indent=2) + "\n")
-
-

@@ -23,6 +23,7 @@ from specdec.device.metrics import DeviceMetrics
 # its final norm and head (early exit): acceptance ~0.1 at 12 layers, self-contained but not fast.
 INTERIM_DRAFT_LAYERS = 12
 DEFAULT_DRAFT_LEN = 4  # chain length L for drafters that do not record their own best L
+DEFAULT_TOP_K = 64     # tslt / ksqs K for drafters that do not record their own (the papers' range)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same bound as the edge (dense fp32 rounds over big vocabularies)
 
 
@@ -37,7 +38,7 @@ class DeviceConfig:
     device: str = "cpu"
     dtype: str = "float32"
     mode: Mode = Mode.TSLT
-    top_k: int = 64
+    top_k: int | None = None            # tslt / ksqs K; None = the default drafter's recorded K, else 64
     top_p: float = 0.0
     lattice: int = 1000
     dense_dtype: str = "fp16"
@@ -83,6 +84,15 @@ class DeviceConfig:
             return int(drafter_meta().get("draft_len", DEFAULT_DRAFT_LEN))
         return DEFAULT_DRAFT_LEN
 
+    def effective_top_k(self) -> int:
+        """--top-k if given; else the K recorded with the default drafter (its T = 1 acceptance
+        through TSLT grows with K: drafter_weights/README.md), else DEFAULT_TOP_K."""
+        if self.top_k is not None:
+            return self.top_k
+        if self.uses_default_drafter():
+            return int(drafter_meta().get("top_k", DEFAULT_TOP_K))
+        return DEFAULT_TOP_K
+
     def model_spec(self) -> ModelSpec:
         if self.uses_default_drafter():
             return default_drafter_spec(self.device, self.dtype)
@@ -94,8 +104,8 @@ class DeviceConfig:
 
     def hello(self, fingerprint: str, vocab_size: int, seed: int) -> Hello:
         settings = DraftSettings(
-            draft_len=self.effective_draft_len(), bit_budget=self.bit_budget, top_k=min(self.top_k, vocab_size),
-            top_p=self.top_p, lattice=self.lattice, dense_dtype=self.dense_dtype,
+            draft_len=self.effective_draft_len(), bit_budget=self.bit_budget,
+            top_k=min(self.effective_top_k(), vocab_size), top_p=self.top_p, lattice=self.lattice, dense_dtype=self.dense_dtype,
             csqs_alpha=self.csqs_alpha, csqs_eta=self.csqs_eta, csqs_beta0=self.csqs_beta0,
             max_k=self.max_k, dssd_samples=self.dssd_samples, tree=tuple(self.tree),
             coupled_bonus=self.coupled_bonus and not self.tree and self.mode is not Mode.DSSD)

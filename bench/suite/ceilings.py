@@ -49,7 +49,7 @@ def _generation_kwargs(target: LoadedModel, temperature: float, max_new_tokens: 
 
 
 def usable_as_assistant(drafter: LoadedModel) -> bool:
-    """transformers' assisted generation needs a transformers model (the default drafter's int8
+    """transformers' assisted generation needs a transformers model (the default drafter's int4
     LeanDrafter is not one)."""
     from transformers import PreTrainedModel
 

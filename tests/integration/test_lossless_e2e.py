@@ -81,29 +81,30 @@ def test_mode_is_lossless_end_to_end(tiny_pair_v8, name) -> None:
     assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
 
 
-# The default drafter's construction on the tiny target: int8 (per-call activation scales) with a
-# head that leaves out "<unk>" and "w5" (ids 0 and 7), which the target does emit: q = 0 there, so
-# those tokens only ever come from the edge's residual.
+# The default drafter's construction on the tiny target: int4 decoder layers (bfloat16 activations)
+# with a head that leaves out "<unk>" and "w5" (ids 0 and 7), which the target does emit: q = 0
+# there, so those tokens only ever come from the edge's residual.
 HEAD_IDS = (1, 2, 3, 4, 5, 6)
 
 
 @pytest.fixture(scope="module")
-def int8_reduced_head_drafter(tiny_pair_v8, tmp_path_factory) -> LoadedModel:
+def int4_reduced_head_drafter(tiny_pair_v8, tmp_path_factory) -> LoadedModel:
     target_dir, _ = tiny_pair_v8
-    delta = tmp_path_factory.mktemp("int8_drafter")
-    default_drafter.save_drafter(delta, torch.tensor(HEAD_IDS), {}, {"name": "tiny-int8", "num_layers": 2,
-                                                                     "int8": True})
-    return load_model(ModelSpec(model=str(target_dir), delta=str(delta)))
+    delta = tmp_path_factory.mktemp("int4_drafter")
+    default_drafter.save_drafter(delta, torch.tensor(HEAD_IDS), {"name": "tiny-int4", "num_layers": 2, "int4": True})
+    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta)))
+    assert isinstance(drafter.model.layers[0].qkv, default_drafter.Int4Linear)  # int4 really runs
+    return drafter
 
 
-def test_int8_reduced_head_drafter_is_lossless_end_to_end(tiny_pair_v8, int8_reduced_head_drafter) -> None:
+def test_int4_reduced_head_drafter_is_lossless_end_to_end(tiny_pair_v8, int4_reduced_head_drafter) -> None:
     target_dir, _ = tiny_pair_v8
-    counts, law = _counts(target_dir, int8_reduced_head_drafter, **MODES["tslt"])
+    counts, law = _counts(target_dir, int4_reduced_head_drafter, **MODES["tslt"])
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     off_head = sum(c for seq, c in counts.items() if set(seq) - set(HEAD_IDS))
     assert off_head > 0, "no token outside the head was generated: the test did not exercise q = 0"
     fit = goodness_of_fit(counts, law)
-    assert fit.p_value > P_VALUE_CUT, f"int8 reduced-head drafter: {fit}"
+    assert fit.p_value > P_VALUE_CUT, f"int4 reduced-head drafter: {fit}"
 
 
 class SamplesOtherQ(DraftSession):

@@ -1,8 +1,8 @@
 """The committed default drafter: loads through the shared loading code, shares the target's
 tokenizer exactly, yields valid distributions only over its head, and its KV-cached forward equals a
-full forward. Equality is exact (float rounding) for the float build of the same module; the int8
-build the device runs picks activation scales per call, so there it is checked against the float
-build within the quantization error that make drafter measures as acceptance.
+full forward. Equality is exact (float rounding) for the float build of the same module. The int4
+build the device runs holds exactly the target's (Q4_1) weights and computes in bfloat16, so it is
+checked against the float build within the rounding that make drafter measures as acceptance.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ TEXT = ("<|im_start|>user\nHow do I reverse a list in Python?<|im_end|>\n<|im_st
 MAX_COMMITTED_BYTES = 40_000_000  # issue 9: only what differs from the target, at most ~40 MB
 PREFIX = 9                       # tokens fed at once before the one-by-one steps
 FLOAT_ATOL = 1e-4                # same float32 math in another order (cached vs full attention)
-INT8_ARGMAX_AGREEMENT = 0.75     # measured 0.91 on TEXT; make drafter measures ~0.9 on held-out answers
-INT8_MEAN_TV = 0.2               # measured 0.08 on TEXT (1 - TV is the acceptance rate at T = 1)
+INT4_ARGMAX_AGREEMENT = 0.9      # measured 0.97 (33 of 34) on TEXT; make drafter: 0.984 held out
+INT4_MEAN_TV = 0.05              # measured 0.007 on TEXT (1 - TV is the acceptance rate at T = 1)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +39,10 @@ def drafter():
 
 @pytest.fixture(scope="module")
 def float_drafter(tmp_path_factory):
-    """The same weights without int8 (a sibling delta directory that links the weights)."""
+    """The same weights without int4 (a sibling delta directory that links the weights)."""
     path = tmp_path_factory.mktemp("float_drafter")
     (path / DELTA_WEIGHTS).symlink_to((WEIGHTS_DIR / DELTA_WEIGHTS).resolve())
-    (path / DELTA_CONFIG).write_text(json.dumps({**drafter_meta(), "int8": False}))
+    (path / DELTA_CONFIG).write_text(json.dumps({**drafter_meta(), "int4": False}))
     return load_model(default_drafter_spec(path=path))
 
 
@@ -93,9 +93,14 @@ def test_cached_forward_equals_full_forward_float(float_drafter):
     assert torch.allclose(full, cached, atol=FLOAT_ATOL, rtol=0)
 
 
-def test_int8_cached_forward_close_to_float(drafter, float_drafter):
+def test_int4_holds_exactly_the_targets_weights(drafter):
+    """The embedded target ships as Q4_1: every decoder weight is back on its 4-bit grid, exactly."""
+    assert drafter.model.int4_exact_fraction == 1.0
+
+
+def test_int4_cached_forward_close_to_float(drafter, float_drafter):
     reference, _ = _full_and_cached(float_drafter)
     _, cached = _full_and_cached(drafter)
-    assert (reference.argmax(-1) == cached.argmax(-1)).float().mean() >= INT8_ARGMAX_AGREEMENT
+    assert (reference.argmax(-1) == cached.argmax(-1)).float().mean() >= INT4_ARGMAX_AGREEMENT
     tv = 0.5 * (model_probs(reference, 1.0) - model_probs(cached, 1.0)).abs().sum(-1)
-    assert float(tv.mean()) < INT8_MEAN_TV
+    assert float(tv.mean()) < INT4_MEAN_TV
