@@ -77,21 +77,20 @@ class DeviceConfig:
                 and has_default_drafter())
 
     def effective_draft_len(self) -> int:
-        """--draft-len if given; else the L that make drafter measured best for the default drafter."""
-        if self.draft_len is not None:
-            return self.draft_len
-        if self.uses_default_drafter():
-            return int(drafter_meta().get("draft_len", DEFAULT_DRAFT_LEN))
-        return DEFAULT_DRAFT_LEN
+        """--draft-len if given; else the L recorded with the default drafter, else DEFAULT_DRAFT_LEN."""
+        return self._operating_point("draft_len", self.draft_len, DEFAULT_DRAFT_LEN)
 
     def effective_top_k(self) -> int:
         """--top-k if given; else the K recorded with the default drafter (its T = 1 acceptance
         through TSLT grows with K: drafter_weights/README.md), else DEFAULT_TOP_K."""
-        if self.top_k is not None:
-            return self.top_k
+        return self._operating_point("top_k", self.top_k, DEFAULT_TOP_K)
+
+    def _operating_point(self, key: str, given: int | None, fallback: int) -> int:
+        if given is not None:
+            return given
         if self.uses_default_drafter():
-            return int(drafter_meta().get("top_k", DEFAULT_TOP_K))
-        return DEFAULT_TOP_K
+            return int(drafter_meta().get(key, fallback))
+        return fallback
 
     def model_spec(self) -> ModelSpec:
         if self.uses_default_drafter():
@@ -105,7 +104,8 @@ class DeviceConfig:
     def hello(self, fingerprint: str, vocab_size: int, seed: int) -> Hello:
         settings = DraftSettings(
             draft_len=self.effective_draft_len(), bit_budget=self.bit_budget,
-            top_k=min(self.effective_top_k(), vocab_size), top_p=self.top_p, lattice=self.lattice, dense_dtype=self.dense_dtype,
+            top_k=min(self.effective_top_k(), vocab_size), top_p=self.top_p, lattice=self.lattice,
+            dense_dtype=self.dense_dtype,
             csqs_alpha=self.csqs_alpha, csqs_eta=self.csqs_eta, csqs_beta0=self.csqs_beta0,
             max_k=self.max_k, dssd_samples=self.dssd_samples, tree=tuple(self.tree),
             coupled_bonus=self.coupled_bonus and not self.tree and self.mode is not Mode.DSSD)

@@ -104,3 +104,18 @@ def test_int4_cached_forward_close_to_float(drafter, float_drafter):
     assert (reference.argmax(-1) == cached.argmax(-1)).float().mean() >= INT4_ARGMAX_AGREEMENT
     tv = 0.5 * (model_probs(reference, 1.0) - model_probs(cached, 1.0)).abs().sum(-1)
     assert float(tv.mean()) < INT4_MEAN_TV
+
+
+def test_device_client_defaults_to_the_recorded_operating_point():
+    """Without --draft-len / --top-k, device-client drafts with the L and K recorded with the default
+    drafter; flags win, and any other drafter gets the generic defaults."""
+    from specdec.device.runner import DEFAULT_DRAFT_LEN, DEFAULT_TOP_K, DeviceConfig
+
+    meta = drafter_meta()
+    hello = DeviceConfig().hello("fp", 49152, seed=0)
+    assert (hello.draft.draft_len, hello.draft.top_k) == (meta["draft_len"], meta["top_k"])
+    assert (meta["draft_len"], meta["top_k"]) != (DEFAULT_DRAFT_LEN, DEFAULT_TOP_K)  # the test can fail
+    given = DeviceConfig(draft_len=2, top_k=8).hello("fp", 49152, seed=0)
+    assert (given.draft.draft_len, given.draft.top_k) == (2, 8)
+    other = DeviceConfig(draft_layers=12).hello("fp", 49152, seed=0)
+    assert (other.draft.draft_len, other.draft.top_k) == (DEFAULT_DRAFT_LEN, DEFAULT_TOP_K)

@@ -98,16 +98,23 @@ def assert_rejected(result: "tm.FitResult") -> None:
 ChainVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], ChainResult]
 
 
+def draft_chain(pair, seq: list[int], L: int, g: torch.Generator, draft_law=None) -> tuple[list[int], list]:
+    """The device's L drafts after ``seq``, each from q (or from ``draft_law(q)`` for a control), and
+    the q rows [V] the verifier sees."""
+    draft: list[int] = []
+    q_rows = []
+    for _ in range(L):
+        q = pair.q(seq + draft)  # [V]
+        q_rows.append(q)
+        draft.append(sample_token(q if draft_law is None else draft_law(q), g))
+    return draft, q_rows
+
+
 def chain_round(pair, L: int, g: torch.Generator, verify: ChainVerifier = chain_verify, draft_law=None):
     """Draft L tokens from q (or from ``draft_law(q)`` for a control), verify against q and p."""
 
     def round_fn(seq: list[int]) -> list[int]:
-        draft: list[int] = []
-        q_rows = []
-        for _ in range(L):
-            q = pair.q(seq + draft)  # [V]
-            q_rows.append(q)
-            draft.append(sample_token(q if draft_law is None else draft_law(q), g))
+        draft, q_rows = draft_chain(pair, seq, L, g, draft_law)
         p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])  # [L+1, V]
         res = verify(torch.tensor(draft), torch.stack(q_rows), p, g)
         return draft[: res.num_accepted] + [res.next_token]
@@ -128,12 +135,7 @@ def coupled_chain_round(pair, L: int, g: torch.Generator, noise: BonusNoise = bo
     def round_fn(seq: list[int]) -> list[int]:
         if len(seq) == len(PROMPT):  # a new sequence: a new session
             session["seed"] = int(torch.randint(2**62, (1,), generator=g))
-        draft: list[int] = []
-        q_rows = []
-        for _ in range(L):
-            q = pair.q(seq + draft)
-            q_rows.append(q)
-            draft.append(sample_token(q, g))
+        draft, q_rows = draft_chain(pair, seq, L, g)
         p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])
         g_bonus = noise(session["seed"], len(seq) + L, VOCAB)
         res = chain_verify(torch.tensor(draft), torch.stack(q_rows), p, g, bonus_noise=g_bonus)
@@ -182,12 +184,7 @@ def dssd_round(pair, L: int, m: int, g: torch.Generator, stats: dict, residual_f
     g_edge = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=g)))
 
     def round_fn(seq: list[int]) -> list[int]:
-        draft: list[int] = []
-        q_rows = []
-        for _ in range(L):
-            q = pair.q(seq + draft)
-            q_rows.append(q)
-            draft.append(sample_token(q, g))
+        draft, q_rows = draft_chain(pair, seq, L, g)
         ids = torch.tensor(draft)
         q_of_draft = torch.stack(q_rows).gather(1, ids.unsqueeze(1)).squeeze(1)  # [L], the uplink scalars
         if scalar_wire is not None:
