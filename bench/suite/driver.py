@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from dataclasses import fields, replace
 
@@ -40,27 +41,67 @@ WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the
 
 
 class RecordingSession(DraftSession):
-    """A DraftSession that also logs each round and each encoded distribution (read-only hooks)."""
+    """A DraftSession that also logs each round and each encoded distribution (read-only hooks).
 
-    def __init__(self, drafter, hello, topk_grid=None):
-        super().__init__(drafter, hello)
+    With drafting ahead, positions are encoded in a worker thread before their round is sent, and a
+    round drafted on a wrong guess is thrown away: each encoding is kept by the sequence position it
+    drafts and logged only when :meth:`draft` returns the round that holds it, so the logs describe
+    exactly the distributions the edge received.
+    """
+
+    def __init__(self, drafter, hello, topk_grid=None, *, draft_ahead: bool = False):
+        super().__init__(drafter, hello, draft_ahead=draft_ahead)
         self.rounds_log: list[tuple[int, int]] = []   # (draft positions, accepted) per round
         self.sigma: list[float] = []                  # dropped mass of each encoded q (TSLT Thm. 1)
         self.support: list[int] = []                  # transmitted support size K of each encoded q
         self.topk_grid = list(topk_grid or [])
         self.topk_mass: list[list[float]] = []        # [steps][len(grid)] mass of the drafter's top-K
+        self._local = threading.local()               # the position this thread is drafting (chains)
+        self._by_position: dict[int, tuple] = {}      # position -> (support, sigma, top-K masses)
 
     def _encode_q(self, q):
         out = super()._encode_q(q)
         try:  # (payload, q_hat, bits, support size, dropped mass); skip quietly if that ever changes
-            self.support.append(int(out[3]))
-            self.sigma.append(float(out[4]))
+            entry = (int(out[3]), float(out[4]), self._topk_masses(q))
         except (TypeError, IndexError, ValueError):
-            pass
-        if self.topk_grid:
-            cum = q.double().sort(descending=True).values.cumsum(0)  # [V]; K beyond V means K = V
-            self.topk_mass.append([min(1.0, float(cum[min(k, cum.numel()) - 1])) for k in self.topk_grid])
+            return out
+        position = getattr(self._local, "position", None)
+        if position is None:
+            self._log(entry)  # tree rounds: encoded in order in this thread, never drafted ahead
+        else:
+            self._by_position[position] = entry
         return out
+
+    def _topk_masses(self, q) -> list[float]:
+        if not self.topk_grid:
+            return []
+        cum = q.double().sort(descending=True).values.cumsum(0)  # [V]; K beyond V means K = V
+        return [min(1.0, float(cum[min(k, cum.numel()) - 1])) for k in self.topk_grid]
+
+    def _log(self, entry: tuple) -> None:
+        support, sigma, masses = entry
+        self.support.append(support)
+        self.sigma.append(sigma)
+        if masses:
+            self.topk_mass.append(masses)
+
+    def _draft_step(self, part, base):
+        self._local.position = part.start + len(part.ids)
+        try:
+            return super()._draft_step(part, base)
+        finally:
+            self._local.position = None
+
+    def draft(self, max_tokens):
+        start = len(self.tokens)
+        rd = super().draft(max_tokens)
+        if rd.tree is None:
+            for position in range(start, start + len(rd.block.token_ids)):
+                entry = self._by_position.pop(position, None)
+                if entry is not None:
+                    self._log(entry)
+            self._by_position.clear()  # encodings of positions no round sent (bit budget, wrong guess)
+        return rd
 
     def commit(self, rd, verdict, next_token, *, dssd_correction):
         new = super().commit(rd, verdict, next_token, dssd_correction=dssd_correction)
@@ -90,7 +131,7 @@ def emit(obj: dict) -> None:
 async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: int, topk_grid) -> tuple[dict, dict]:
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
-    session = RecordingSession(drafter, hello, topk_grid)
+    session = RecordingSession(drafter, hello, topk_grid, draft_ahead=cfg.draft_ahead)
     r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
                        policy=cfg.policy())
     record = result_json(cfg, drafter, session, r)

@@ -10,8 +10,10 @@ client stops at the verdict, which only cuts the work shorter.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -154,3 +156,51 @@ def test_client_drafts_ahead_by_default_for_chain_modes_only(diverse_pair, tiny_
                          (dict(mode=Mode.TSLT, bit_budget=4000), False)):
         hello = device_config(**kw).hello("fp", drafter.vocab_size, seed=0)
         assert DraftSession(drafter, hello, draft_ahead=True).draft_ahead_enabled is eligible, kw
+
+
+def _bench_driver():
+    """bench/suite/driver.py, the benchmark's device process (a script, not an installed module)."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    from suite import driver
+    return driver
+
+
+def test_bench_driver_drafts_ahead_and_logs_only_what_was_sent(diverse_pair) -> None:
+    """The benchmark must time what device-client runs: its session drafts ahead when the config
+    says so (it once did not, and every chain in `make bench` ran without drafting ahead), and its
+    per-position logs (sigma, support, top-K mass) hold exactly the distributions the edge received,
+    not those of rounds drafted ahead on a wrong guess and thrown away."""
+    driver = _bench_driver()
+    grid = [1, 4]
+
+    class RecordingToTheEnd(driver.RecordingSession):
+        def draft_ahead(self, rd, max_tokens, stop):
+            super().draft_ahead(rd, max_tokens, threading.Event())
+
+    ahead = _sessions(diverse_pair, partial(RecordingToTheEnd, topk_grid=grid, draft_ahead=True), SEEDS,
+                      **MODES["tslt"])
+    plain = _sessions(diverse_pair, partial(driver.RecordingSession, topk_grid=grid), SEEDS, **MODES["tslt"])
+    assert sum(s.stats.ahead_tokens_discarded for _, _, s in ahead) > 0, "no wrong guess: nothing to filter"
+    assert sum(s.stats.ahead_rounds_used for _, _, s in ahead) >= 10
+    for (tokens, _, s), (plain_tokens, _, p) in zip(ahead, plain):
+        assert tokens == plain_tokens
+        sent = sum(positions for positions, _ in s.rounds_log)
+        assert len(s.sigma) == len(s.support) == len(s.topk_mass) == sent
+        assert (s.sigma, s.support, s.topk_mass) == (p.sigma, p.support, p.topk_mass)
+
+    target_dir, drafter_dir = diverse_pair
+    drafter = load(str(drafter_dir))
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, draft_len=3, **MODES["tslt"])
+    assert cfg.draft_ahead, "device-client drafts ahead by default; the driver must follow its config"
+
+    async def main():
+        async with edge(target_dir) as address:
+            bench_cfg = replace(cfg, edge=address)
+            async with bench_cfg.channel() as channel:
+                return [await driver.run_session(channel, drafter, bench_cfg, PROMPT, seed, None)
+                        for seed in range(10)]
+
+    records = run(main())
+    assert sum(record["stats"]["draft_ahead"]["rounds_used"] for record, _ in records) > 0
