@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specdec.common.latency import expected_tokens_per_call, oracle_time
+from specdec.common.latency import expected_tokens_per_call, oracle_time_drafting_ahead
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Agg:
     verify_s: float = 0.0
     rejected_rounds: int = 0
     fallbacks: int = 0
+    ahead_rounds: int = 0       # rounds whose drafting began while the edge verified the previous one
     sigma: list[float] = field(default_factory=list)
     support: list[int] = field(default_factory=list)
 
@@ -63,6 +64,7 @@ class Agg:
         self.net_s += s["time"]["network"]
         self.verify_s += s["time"]["verify"]
         self.fallbacks += s.get("dssd_fallbacks", 0)
+        self.ahead_rounds += s.get("draft_ahead", {}).get("rounds_used", 0)
         self.rejected_rounds += sum(1 for pos, acc in extra.get("rounds", []) if acc < pos)
         self.sigma += extra.get("sigma", [])
         self.support += extra.get("support", [])
@@ -93,6 +95,10 @@ class Agg:
         return (self.draft_s + self.encode_s) / self.positions if self.positions else float("nan")
 
     @property
+    def draft_ahead_hit_rate(self) -> float:
+        return self.ahead_rounds / self.rounds if self.rounds else 0.0
+
+    @property
     def sigma_mean(self) -> float:
         return sum(self.sigma) / len(self.sigma) if self.sigma else float("nan")
 
@@ -115,6 +121,7 @@ class Agg:
             "sigma_mean": self.sigma_mean,
             "support_mean": sum(self.support) / len(self.support) if self.support else float("nan"),
             "dssd_fallbacks": self.fallbacks,
+            "draft_ahead_hit_rate": self.draft_ahead_hit_rate,
         }
 
 
@@ -132,7 +139,11 @@ def depth(shape: str, draft_len: int, tree: tuple[int, ...]) -> int:
 
 def predicted_speedup(agg: Agg, shape: str, draft_len: int, tree: tuple[int, ...], rate_bps: float,
                       down_rate_bps: float, target_tps: float) -> float:
-    """TSLT eq. 5/8/10 (chain) or 26-28 (tree) from measured parts; rate 0 = no link time."""
+    """TSLT eq. 5/8/10 (chain) or 26-28 (tree) from measured parts; rate 0 = no link time.
+
+    Eq. 5 is extended to the device drafting round r + 1 while round r is verified, with the
+    measured share of rounds whose early drafting was kept (latency.oracle_time_drafting_ahead;
+    a share of 0, as for trees, C-SQS and DSSD, is eq. 5 itself)."""
     if not agg.rounds or not agg.positions or not (target_tps > 0):
         return float("nan")
     L = depth(shape, draft_len, tree)
@@ -143,7 +154,8 @@ def predicted_speedup(agg: Agg, shape: str, draft_len: int, tree: tuple[int, ...
         t_comm += agg.per_round(8 * agg.up_bytes) / rate_bps
     if down_rate_bps > 0:
         t_comm += agg.per_round(8 * agg.down_bytes) / down_rate_bps
-    t_oracle = oracle_time(L, agg.t_slm, t_comm, agg.per_round(agg.verify_s))
+    t_oracle = oracle_time_drafting_ahead(L, agg.t_slm, t_comm, agg.per_round(agg.verify_s),
+                                          agg.draft_ahead_hit_rate)
     return n_tokens * (1.0 / target_tps) / t_oracle
 
 
