@@ -369,13 +369,16 @@ def print_report(summary: dict, t_path: Path) -> None:
     print(f"\nresults: {t_path}")
     c = summary.get("ceilings") or {}
     if c:
+        ran = not c.get("assisted_error")
         print(f"target alone {c.get('target_tps', float('nan')):.2f} tok/s, HF assisted "
-              f"{c.get('assisted_tps', float('nan')):.2f} tok/s")
+              + (f"{c.get('assisted_tps', float('nan')):.2f} tok/s" if ran else f"not run: {c['assisted_error']}"))
         for name, v in (c.get("ours_loopback") or {}).items():
-            print(f"  ours {name:10s} loopback {v['tokens_per_s']:.2f} tok/s = "
-                  f"{(v['ratio_to_assisted'] or float('nan')):.2f}x assisted "
-                  f"({(v['ratio_to_assisted_normalized'] or float('nan')):.2f}x as speedups, "
-                  f"{(v['ratio_to_assisted_cpu'] or float('nan')):.2f}x in CPU time), "
+            vs_assisted = (f"{(v['ratio_to_assisted'] or float('nan')):.2f}x assisted "
+                           f"({(v['ratio_to_assisted_normalized'] or float('nan')):.2f}x as speedups, "
+                           f"{(v['ratio_to_assisted_cpu'] or float('nan')):.2f}x in CPU time), ") if ran else ""
+            print(f"  ours {name:10s} loopback {v['tokens_per_s']:.2f} tok/s = {vs_assisted}"
+                  f"{(v['speedup_vs_target'] or float('nan')):.2f}x the target alone "
+                  f"({(v['speedup_cpu_vs_target'] or float('nan')):.2f}x in CPU time), "
                   f"acceptance {v['acceptance']:.3f}")
     print("speedup over the target alone, measured / oracle model, per link:")
     for k, v in summary["key_speedups"].items():

@@ -181,26 +181,32 @@ def ceilings(c: dict, path: Path) -> Path:
     stretch wall time, not CPU time). Labels: ratio to HF assisted, wall clock.
     """
     ours = c["ours"]
-    names = ["target alone", "HF assisted\n(one process)"] + [f"ours: {k}" for k in ours]
-    wall = [1.0, c["assisted_speedup"]] + [v["speedup_vs_target"] for v in ours.values()]
-    cpu = [1.0, c.get("assisted_speedup_cpu")] + [v.get("speedup_cpu_vs_target") for v in ours.values()]
-    colours = ["black", "tab:gray"] + [FAMILY_COLOURS.get(v["family"], "tab:blue") for v in ours.values()]
+    a = c["assisted_speedup"]
+    assisted = _ok(a) and a > 0  # not run when the drafter is not a transformers model
+    names = ["target alone"] + (["HF assisted\n(one process)"] if assisted else []) + [f"ours: {k}" for k in ours]
+    wall = [1.0] + ([a] if assisted else []) + [v["speedup_vs_target"] for v in ours.values()]
+    cpu = [1.0] + ([c.get("assisted_speedup_cpu")] if assisted else []) + \
+        [v.get("speedup_cpu_vs_target") for v in ours.values()]
+    colours = ["black"] + (["tab:gray"] if assisted else []) + \
+        [FAMILY_COLOURS.get(v["family"], "tab:blue") for v in ours.values()]
     fig, ax = plt.subplots(figsize=(8.5, 3.9))
     xs = list(range(len(wall)))
     w = 0.4
     ax.bar([x - w / 2 for x in xs], [v if _ok(v) else 0 for v in wall], w, color=colours, label="wall clock")
     ax.bar([x + w / 2 for x in xs], [v if _ok(v) else 0 for v in cpu], w, color=colours, alpha=0.45, hatch="//",
            label="CPU time")
-    a = c["assisted_speedup"]
     for x, v in zip(xs, wall):
-        if _ok(v) and _ok(a) and a > 0:
-            ax.text(x - w / 2, v, f"{v / a:.2f}x", ha="center", va="bottom", fontsize=6.5)
+        if _ok(v):
+            ax.text(x - w / 2, v, f"{v / a:.2f}x" if assisted else f"{v:.2f}x", ha="center", va="bottom",
+                    fontsize=6.5)
     ax.set_xticks(xs)
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("speedup over the target alone")
     ax.legend(fontsize=7)
-    ax.set_title(f"Ceilings: same pair, L = {c.get('draft_len')}, same prompts and seeds (labels: ratio to HF "
-                 f"assisted, wall)\nraw: target alone {c['target_tps']:.1f} tok/s, HF assisted {c['assisted_tps']:.1f} "
-                 f"tok/s on {c.get('prompts')} prompt(s); target alone over the whole run: median "
-                 f"{c.get('target_tps_run_median', float('nan')):.1f} tok/s", fontsize=8)
+    labels = "labels: ratio to HF assisted, wall" if assisted else "labels: speedup, wall"
+    raw = f"HF assisted {c['assisted_tps']:.1f} tok/s " if assisted else "HF assisted not run (ceilings.json says why) "
+    ax.set_title(f"Ceilings: same pair, L = {c.get('draft_len')}, same prompts and seeds ({labels})\n"
+                 f"raw: target alone {c['target_tps']:.1f} tok/s, {raw}on {c.get('prompts')} prompt(s); target "
+                 f"alone over the whole run: median {c.get('target_tps_run_median', float('nan')):.1f} tok/s",
+                 fontsize=8)
     return _save(fig, path)
