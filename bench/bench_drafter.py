@@ -17,7 +17,7 @@ The target alone gets one thread, as the edge does (the two hosts' shares of thi
 each); ``--target-threads 2`` gives it the whole machine instead.
 
     .venv/bin/python bench/bench_drafter.py [--limit N | --per-category N] [--max-new-tokens 128]
-        [--draft-len L] [--target-threads T] [--out FILE] [-- device-client flags]
+        [--draft-len L] [--target-threads T] [--edge-threads T] [--out FILE] [-- device-client flags]
 
 Writes results/bench_drafter.json (and prints a summary table).
 """
@@ -56,9 +56,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_edge(bindir: Path, port: int) -> subprocess.Popen:
+def start_edge(bindir: Path, port: int, threads: int) -> subprocess.Popen:
     """Start the edge (its INFO log carries the ready line) and keep draining its output."""
-    edge = subprocess.Popen([str(bindir / "edge-server"), "--port", str(port), "--threads", str(THREADS)],
+    edge = subprocess.Popen([str(bindir / "edge-server"), "--port", str(port), "--threads", str(threads)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -175,6 +175,9 @@ def main() -> int:
     p.add_argument("--target-threads", type=int, default=THREADS,
                    help="torch threads of the target-alone baseline (default 1, the edge's; 2 = the whole "
                         "machine, which the pair's two processes share)")
+    p.add_argument("--edge-threads", type=int, default=THREADS,
+                   help="torch threads of the pair's edge-server (default 1; 2 lets a verify use both cores "
+                        "while it competes with the drafter for them)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_drafter.json")
     p.add_argument("device_args", nargs="*", help="extra device-client flags (after --)")
     a = p.parse_args()
@@ -185,10 +188,11 @@ def main() -> int:
     bindir = Path(sys.executable).parent
     target = load_model(ModelSpec())
     port = free_port()
-    edge = start_edge(bindir, port)
+    edge = start_edge(bindir, port, a.edge_threads)
     device_args = ["--draft-len", str(a.draft_len), *a.device_args]
     results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": THREADS,
                            "target_alone_threads": a.target_threads,
+                           "edge_threads": a.edge_threads,
                            "loadavg_at_start": os.getloadavg()},
                "max_new_tokens": a.max_new_tokens, "device_args": device_args, "per_temperature": []}
     try:
