@@ -1,0 +1,106 @@
+"""Named random streams: every random number of a session is drawn from (session seed, purpose, position).
+
+Why: a round retried for any reason (a resume with the edge's KV, a re-prefill on an edge that
+restarted or let the session expire, a DSSD fallback whose extra round trip broke) must draw exactly
+the numbers its first attempt drew, or the retry re-rolls an outcome that already happened and
+biases the output law against the outcomes that make rounds fail. And two different rounds must
+never share numbers, or one round's outcome leaks into the next (a fresh edge that seeded one
+generator per session reused the uniform that decided round 1 for round 2). Keying every stream by
+what it is for and where it is used gives both: a stream is a pure function of its key.
+
+The streams of a session (the one table of who draws what; ``position`` is a sequence index,
+prompt included, so the first generated token has position ``len(prompt)``):
+
+============  ======  ===================  ================================================
+purpose       side    position             draws, in order
+============  ======  ===================  ================================================
+DRAFT         device  round start          draft tokens: one uniform per chain position
+                                           (inverse CDF of the sent q); trees: k_l uniforms
+                                           per internal node, layer by layer
+VERIFY        edge    round start          accept uniforms, then the correction or bonus
+                                           draw; trees: recursive rejection per node; DSSD:
+                                           accepts then the m downlink samples of p_j
+DSSD_RESOLVE  device  round start          one uniform per downlink sample y ~ p_j tried
+DSSD_RESIDUAL device  round start          the one draw from norm(max(0, p_j - q_j)) after a
+                                           full-p_j fallback
+BONUS_NOISE   both    the bonus's position Gumbel noise [V] of the coupled bonus token
+============  ======  ===================  ================================================
+
+A round's start is the position of its first draft token (the verified length when it is drafted;
+after a DSSD rejection the correction token is verified first). Rounds of a session start at
+strictly increasing positions, so no two rounds share a stream; a retried round starts where its
+first attempt started, so it shares exactly that attempt's streams.
+
+Full 64-bit seeds: torch's CPU generator keeps only the low 32 bits of ``manual_seed``, so seeds
+``s`` and ``s + 2**32`` would give identical sessions. The key is hashed (SHAKE-256) into the whole
+19,968-bit Mersenne Twister state instead, so every bit of seed, purpose and position matters and
+two distinct keys collide with probability about 2**-256.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+
+import numpy as np
+import torch
+
+__all__ = ["Purpose", "SEED_BITS", "stream", "stream_key"]
+
+SEED_BITS = 64                  # the wire's seed is a uint64; every bit of it reaches the streams
+POSITION_BITS = 64
+KEY_FORMAT = "<QQQ"             # seed, purpose, position: fixed width, so no two keys share bytes
+KEY_DOMAIN = b"specdec.rng.v1:"  # versioned: changing how streams are derived changes this prefix
+DIGEST_BYTES = 32
+
+# torch's CPU generator state (ATen CPUGeneratorImplState, torch 2.x): int64 initial seed, int32
+# `left`, int32 `seeded`, uint64 `next`, then the 624 Mersenne Twister words as uint64.
+MT_WORDS = 624
+MT_STATE_BYTES = 5056
+MT_LEFT_OFFSET, MT_NEXT_OFFSET, MT_WORDS_OFFSET = 8, 16, 24
+
+
+class Purpose(enum.IntEnum):
+    """What a stream is for; the values are part of the key, never reuse or renumber one."""
+    DRAFT = 1
+    VERIFY = 2
+    DSSD_RESOLVE = 3
+    DSSD_RESIDUAL = 4
+    BONUS_NOISE = 5
+
+
+def stream_key(seed: int, purpose: Purpose, position: int) -> bytes:
+    """The 32-byte digest naming one stream (distinct keys give independent streams)."""
+    seed, position = _check_int(seed, "seed", SEED_BITS), _check_int(position, "position", POSITION_BITS)
+    purpose = Purpose(purpose)
+    packed = struct.pack(KEY_FORMAT, seed, int(purpose), position)
+    return hashlib.blake2b(KEY_DOMAIN + packed, digest_size=DIGEST_BYTES).digest()
+
+
+def stream(seed: int, purpose: Purpose, position: int) -> torch.Generator:
+    """A fresh CPU generator for one stream: the same key always draws the same numbers.
+
+    The twister's 624 words are filled from the key's digest (stretched with SHAKE-256), and the
+    generator is set to twist them before its first output, exactly as after a seeding.
+    """
+    words = np.frombuffer(hashlib.shake_256(stream_key(seed, purpose, position)).digest(MT_WORDS * 4),
+                          dtype="<u4")
+    generator = torch.Generator()
+    generator.manual_seed(int(words[0]))  # a valid state of the right layout to overwrite
+    state = generator.get_state().numpy().copy()
+    if state.size != MT_STATE_BYTES:
+        raise RuntimeError(f"unexpected torch generator state of {state.size} bytes; "
+                           f"streams.py knows the {MT_STATE_BYTES}-byte layout")
+    state[MT_LEFT_OFFSET:MT_LEFT_OFFSET + 4] = np.frombuffer(struct.pack("<i", 1), np.uint8)  # twist next
+    state[MT_NEXT_OFFSET:MT_NEXT_OFFSET + 8] = 0
+    state[MT_WORDS_OFFSET:MT_WORDS_OFFSET + MT_WORDS * 8] = words.astype("<u8").view(np.uint8)
+    generator.set_state(torch.from_numpy(state))
+    return generator
+
+
+def _check_int(value: int, name: str, bits: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= int(value) < 2**bits:
+        raise ValueError(f"{name} must be in [0, 2**{bits}), got {value}")
+    return int(value)
