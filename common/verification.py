@@ -38,6 +38,7 @@ import torch
 # sides sample identically (re-exported here for callers of the verification API).
 from specdec.common.distributions import (gumbel_noise, sample_token, sample_token_from_uniform,
                                           sample_token_gumbel)
+from specdec.common.streams import Purpose, stream
 
 __all__ = [
     "PROB_SUM_ATOL",
@@ -145,12 +146,6 @@ def draw_uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
-# Seeds the bonus noise apart from the edge's acceptance stream (seeded with the session seed itself)
-# and the device's drafting streams; the stride keeps every sequence position on its own stream.
-BONUS_NOISE_SEED_OFFSET = 0x2545F4914F6CDD1D
-BONUS_NOISE_STRIDE = 1_000_033
-
-
 def bonus_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [V] float64
     """The Gumbel noise of a coupled bonus token at sequence index ``position`` (prompt included).
 
@@ -158,12 +153,11 @@ def bonus_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [
     (:func:`chain_verify`), the device guesses that token with the same noise on its own q while the
     edge verifies (drafting ahead). The bonus stays distributed exactly as ``p_{L+1}``: the noise of
     a position is used for at most one emitted token and depends on nothing that decides ``p_{L+1}``
-    or whether the round ends there (its own stream, not the acceptance or drafting streams).
+    or whether the round ends there (its own stream, ``Purpose.BONUS_NOISE`` in streams.py).
     """
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
-    stream = ((int(seed) + BONUS_NOISE_SEED_OFFSET) * BONUS_NOISE_STRIDE + int(position)) % 2**63
-    return gumbel_noise(torch.Generator().manual_seed(stream), vocab_size)
+    return gumbel_noise(stream(seed, Purpose.BONUS_NOISE, position), vocab_size)
 
 
 def _accepts(u: float, p_x: float, q_x: float) -> bool:

@@ -24,15 +24,14 @@ from specdec.common.distributions import densify, sample_token, sample_token_gum
 from specdec.common.engine import codec_config, model_probs
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.protocol import DraftBlock, Hello, Verdict
+from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import draft_layer_inputs, layer_node_ids, path_cache_indices
 
-# The device's generator is seeded apart from the edge's so the two streams of uniforms differ.
-DEVICE_SEED_OFFSET = 0x5DEECE66D
-ROUND_SEED_STRIDE = 1_000_003  # per-round generators: seed = base * stride + start position (mod 2^63)
 # Modes whose chain rounds carry no state but the cache and the tokens: their rounds can be drafted
 # ahead (C-SQS updates its threshold while drafting, DSSD resolves on the device, trees and bit
-# budgets shape the round: those keep one generator per session and draft after each verdict).
+# budgets shape the round: those draft after each verdict). Every round of every mode draws from
+# its own stream (streams.py), keyed by where it starts.
 DRAFT_AHEAD_MODES = (Mode.DENSE, Mode.TSLT, Mode.KSQS)
 
 
@@ -45,6 +44,7 @@ class RoundDraft:
     support_sizes: list[int]
     draft_seconds: float            # drafter forwards + sampling
     encode_seconds: float           # codec encode + decode
+    start: int = 0                  # sequence position of the round's first draft token (its streams' key)
     tree: TreeSpec | None = None    # the round's tree (a prefix of the configured one)
     dropped: list[float] = field(default_factory=list)  # C-SQS: dropped mass per encoded q
 
@@ -100,7 +100,6 @@ class DraftSession:
         self.hello = hello
         self.vocab_size = drafter.vocab_size
         self.codec = None if hello.mode is Mode.DSSD else codec_config(hello.mode, hello.draft, self.vocab_size)
-        self.generator = torch.Generator().manual_seed((int(hello.seed) + DEVICE_SEED_OFFSET) % 2**63)
         self.lm = CachedLM(drafter.model, drafter.device)
         d = hello.draft
         self.controller = (ConformalController(d.csqs_alpha, d.csqs_eta, d.csqs_beta0)
@@ -111,12 +110,11 @@ class DraftSession:
         self.pending_correction: int | None = None
         self.tree = tuple(hello.draft.tree)
         self._specs: dict[int, TreeSpec] = {}
-        # One generator per round, seeded by where the round starts, and the last draft + bonus fed
-        # one token per forward: a round drafted ahead is then bit for bit the round that would be
+        # Rounds that may be drafted ahead feed the last draft + bonus one token per forward: with
+        # the round's own stream, a round drafted ahead is then bit for bit the round that would be
         # drafted after the verdict, so drafting ahead changes timing only, never tokens.
-        self.per_round_rng = (not self.tree and hello.mode in DRAFT_AHEAD_MODES and not hello.draft.bit_budget)
-        self.draft_ahead_enabled = draft_ahead and self.per_round_rng
-        self._seed_base = (int(hello.seed) + DEVICE_SEED_OFFSET) % 2**63
+        self.ahead_eligible = (not self.tree and hello.mode in DRAFT_AHEAD_MODES and not hello.draft.bit_budget)
+        self.draft_ahead_enabled = draft_ahead and self.ahead_eligible
         self._ahead: _Ahead | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -146,17 +144,17 @@ class DraftSession:
         part = self._take_ahead(limit) or self._new_partial(len(self.tokens))
         while len(part.ids) < limit and self._draft_step(part, self.tokens):
             pass
-        return self._round(part.ids, part.payloads, part.q_rows, part.sizes, part.bits, part.t_draft,
-                           part.t_encode)
+        return self._round(part)
 
     def _chain_limit(self, max_tokens: int) -> int:
         return max(MIN_DRAFT_LEN, min(self.hello.draft.draft_len, max_tokens))
 
     def _new_partial(self, start: int) -> _Partial:
-        if not self.per_round_rng:
-            return _Partial(start, self.generator)
-        seed = (self._seed_base * ROUND_SEED_STRIDE + start) % 2**63
-        return _Partial(start, torch.Generator().manual_seed(seed))
+        return _Partial(start, self._stream(Purpose.DRAFT, start))
+
+    def _stream(self, purpose: Purpose, start: int) -> torch.Generator:
+        """The generator of one of this session's streams (streams.py's table says which is which)."""
+        return stream(self.hello.seed, purpose, start)
 
     def _draft_step(self, part: _Partial, base: list[int]) -> bool:
         """Sample and encode one more draft token after ``base + part.ids``; False if the bit budget
@@ -228,19 +226,20 @@ class DraftSession:
         self.stats.ahead_tokens_used += len(part.ids)
         return part
 
-    def _round(self, ids, payloads, q_rows, sizes, bits, t_draft, t_encode) -> RoundDraft:
+    def _round(self, part: _Partial) -> RoundDraft:
         self.round_id += 1
+        ids, bits = part.ids, part.bits
         if self.hello.mode is Mode.DSSD:
-            scalars = torch.stack([row[t] for row, t in zip(q_rows, ids)])  # float64: bit for bit
+            scalars = torch.stack([row[t] for row, t in zip(part.q_rows, ids)])  # float64: bit for bit
             block = DraftBlock(round_id=self.round_id, token_ids=tuple(ids),
                                dssd_scalars=encode_dssd_scalars(scalars),
                                correction_token=self.pending_correction)
             bits = dssd_theoretical_bits(len(ids), self.vocab_size)
         else:
-            block = DraftBlock(round_id=self.round_id, token_ids=tuple(ids), distributions=tuple(payloads))
+            block = DraftBlock(round_id=self.round_id, token_ids=tuple(ids), distributions=tuple(part.payloads))
         self.pending_correction = None
-        return RoundDraft(block=block, q_rows=q_rows, theoretical_bits=bits, support_sizes=sizes,
-                          draft_seconds=t_draft, encode_seconds=t_encode)
+        return RoundDraft(block=block, q_rows=part.q_rows, theoretical_bits=bits, support_sizes=part.sizes,
+                          draft_seconds=part.t_draft, encode_seconds=part.t_encode, start=part.start)
 
     # -- token trees (TSLT Alg. 7: one batched forward per layer, tree attention) -------------------
     def _draft_tree(self, depth: int) -> RoundDraft:
@@ -251,6 +250,7 @@ class DraftSession:
             self.controller.start_round()  # one threshold per round; updated along the path later
         nodes = [0] * spec.num_nodes
         steps = []
+        generator = self._stream(Purpose.DRAFT, len(self.tokens))
         t_draft = t_encode = 0.0
         t0 = time.perf_counter()
         q_layer = [self._next_q(self.tokens)]  # layer 0: the root's q, after the prefix
@@ -262,7 +262,7 @@ class DraftSession:
                 step = self._encode_q(q)
                 kids = spec.children(parent)
                 t2 = time.perf_counter()
-                picks = V.sample_candidates(step[1], len(kids), self.generator, with_replacement=True)
+                picks = V.sample_candidates(step[1], len(kids), generator, with_replacement=True)
                 nodes[kids.start:kids.stop] = picks.tolist()
                 t_encode += t2 - t1
                 t_draft += time.perf_counter() - t2
@@ -285,7 +285,8 @@ class DraftSession:
         block = DraftBlock(round_id=self.round_id, token_ids=tuple(nodes[1:]), distributions=tuple(payloads),
                            tree_depth=spec.depth)
         return RoundDraft(block=block, q_rows=q_rows, theoretical_bits=sum(bits), support_sizes=sizes,
-                          draft_seconds=t_draft, encode_seconds=t_encode, tree=spec, dropped=dropped)
+                          draft_seconds=t_draft, encode_seconds=t_encode, start=len(self.tokens), tree=spec,
+                          dropped=dropped)
 
     def _encode_q(self, q: torch.Tensor):
         """(payload, decoded q_hat [V] float64, bits, support size, dropped mass)."""
@@ -297,16 +298,15 @@ class DraftSession:
     def _next_q(self, seq: list[int]) -> torch.Tensor:
         """The drafter's distribution after ``seq`` (verified tokens + drafts): [V] float64."""
         pending = seq[self.lm.cache_len:]
-        if self.per_round_rng and len(pending) == 2:
+        if self.ahead_eligible and len(pending) == 2:
             # the last draft token + the bonus: one call each, as drafting ahead feeds them
             self.lm.forward(pending[:1], num_logits=1)
             pending = pending[1:]
         logits = self.lm.forward(pending, num_logits=1)[0]
         return model_probs(logits.cpu(), self.hello.temperature)
 
-    def _encode_and_sample(self, q: torch.Tensor, generator: torch.Generator | None = None):
+    def _encode_and_sample(self, q: torch.Tensor, generator: torch.Generator):
         """(token, q row it was sampled from, payload, bits, support size, dropped mass)."""
-        generator = generator or self.generator
         if self.hello.mode is Mode.DSSD:
             token = sample_token(q, generator)
             return token, q, b"", 0, self.vocab_size, 0.0
@@ -320,10 +320,11 @@ class DraftSession:
         q_j = rd.q_rows[verdict.num_accepted]
         samples = torch.tensor(verdict.reject_samples, dtype=torch.long)
         probs = torch.tensor(verdict.reject_sample_probs, dtype=torch.float64)
-        return V.dssd_device_resolve(samples, probs, q_j, self.generator)
+        return V.dssd_device_resolve(samples, probs, q_j, self._stream(Purpose.DSSD_RESOLVE, rd.start))
 
     def residual_from_full(self, rd: RoundDraft, verdict: Verdict, p_j: torch.Tensor) -> int:
-        return V.dssd_device_residual(p_j, rd.q_rows[verdict.num_accepted], self.generator)
+        q_j = rd.q_rows[verdict.num_accepted]
+        return V.dssd_device_residual(p_j, q_j, self._stream(Purpose.DSSD_RESIDUAL, rd.start))
 
     def commit(self, rd: RoundDraft, verdict: Verdict, next_token: int, *, dssd_correction: bool) -> list[int]:
         """Apply a verdict: keep the accepted prefix, roll the draft cache back, return new tokens."""

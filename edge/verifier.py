@@ -21,6 +21,7 @@ from specdec.common.codecs import Mode, decode_distribution, decode_dssd_scalars
 from specdec.common.distributions import densify
 from specdec.common.engine import codec_config, encode_target_probs, model_probs, validate_hello
 from specdec.common.modeling import CachedLM, LoadedModel
+from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
 from specdec.common.protocol import (PROTOCOL_VERSION, DraftBlock, Hello, Prompt, ResidualReply,
@@ -69,8 +70,6 @@ class VerifierSession:
         self.session_id = session_id
         self.max_context = min(limits.max_context or info.max_context, info.max_context)
         self.codec = None if hello.mode is Mode.DSSD else codec_config(hello.mode, hello.draft, info.vocab_size)
-        # Per-session generator seeded from the session seed: a seeded run is reproducible.
-        self.generator = torch.Generator().manual_seed(int(hello.seed))
         self.lm = CachedLM(target.model, target.device)
         self.tokens: list[int] = []
         self.round_id = 0
@@ -154,20 +153,23 @@ class VerifierSession:
         t_decode = time.perf_counter()
         q = self._decode_q(draft, spec)
         decode_seconds = time.perf_counter() - t_decode
+        # The round's numbers come from its own stream, keyed by where it starts: a retry of this
+        # round (resume, re-prefill on a fresh edge, a broken DSSD fallback) draws them again exactly.
+        generator = stream(self.hello.seed, Purpose.VERIFY, len(self.tokens))
         if spec is not None:
-            verdict = self._verify_tree(draft, spec, q)
+            verdict = self._verify_tree(draft, spec, q, generator)
         else:
-            verdict = self._verify_chain(draft, q)
+            verdict = self._verify_chain(draft, q, generator)
         self.round_id = draft.round_id
         return replace(verdict, verify_seconds=time.perf_counter() - start, decode_seconds=decode_seconds)
 
-    def _verify_chain(self, draft: DraftBlock, q: torch.Tensor) -> Verdict:
+    def _verify_chain(self, draft: DraftBlock, q: torch.Tensor, generator: torch.Generator) -> Verdict:
         draft_ids = list(draft.token_ids)
         p = self._target_probs(self._feed_logits(draft_ids, len(draft_ids) + 1))
         ids = torch.tensor(draft_ids, dtype=torch.long)
         if self.hello.mode is Mode.DSSD:
-            return self._finish_dssd(draft, ids, q, p)
-        result = V.chain_verify(ids, q, p, self.generator, self._bonus_noise(len(draft_ids)))
+            return self._finish_dssd(draft, ids, q, p, generator)
+        result = V.chain_verify(ids, q, p, generator, self._bonus_noise(len(draft_ids)))
         self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
         return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
 
@@ -177,14 +179,15 @@ class VerifierSession:
             return None
         return V.bonus_noise(self.hello.seed, len(self.tokens) + num_drafts, self.info.vocab_size)
 
-    def _verify_tree(self, draft: DraftBlock, spec: TreeSpec, q: torch.Tensor) -> Verdict:
+    def _verify_tree(self, draft: DraftBlock, spec: TreeSpec, q: torch.Tensor,
+                     generator: torch.Generator) -> Verdict:
         """One target forward over prefix + whole tree (tree attention), then TSLT Alg. 8."""
         tail = self.tokens[self.lm.cache_len:]
         attend, positions = edge_tree_inputs(spec, self.lm.cache_len, len(tail))
         logits = self.lm.forward_masked(tail + list(draft.token_ids), attend, positions, spec.num_nodes)
         p = self._target_probs(logits)  # row 0: after the prefix; row n: after node n
         node_tokens = torch.tensor([0, *draft.token_ids], dtype=torch.long)  # root entry unused
-        result = tree_verify(spec, node_tokens, q, p, self.generator)
+        result = tree_verify(spec, node_tokens, q, p, generator)
         prefix_len = len(self.tokens)
         # Keep KV only for the prefix and the accepted path; the final token is not in the cache.
         self.lm.keep(path_cache_indices(prefix_len, result.accepted_nodes, fed_until=spec.num_nodes))
@@ -265,8 +268,8 @@ class VerifierSession:
         if next_token is not None:
             self.tokens.append(int(next_token))
 
-    def _finish_dssd(self, draft: DraftBlock, ids, q_of_draft, p) -> Verdict:
-        res = V.dssd_edge_verify(ids, q_of_draft, p, self.generator, self.hello.draft.dssd_samples)
+    def _finish_dssd(self, draft: DraftBlock, ids, q_of_draft, p, generator: torch.Generator) -> Verdict:
+        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, self.hello.draft.dssd_samples)
         n = res.num_accepted
         self._commit(list(draft.token_ids[:n]), n, res.bonus_token)
         if res.bonus_token is not None:

@@ -112,10 +112,10 @@ class SamplesOtherQ(DraftSession):
     support (here uniform on it, as when sampling and packet use different settings). Same support,
     so the edge's "q_hat(x) = 0" check cannot catch it: only the statistics can."""
 
-    def _encode_and_sample(self, q, generator=None):
+    def _encode_and_sample(self, q, generator):
         token, row, payload, bits, support, dropped = super()._encode_and_sample(q, generator)
         other = (row > 0).double()
-        token = int(torch.multinomial(other / other.sum(), 1, generator=self.generator))
+        token = int(torch.multinomial(other / other.sum(), 1, generator=generator))
         return token, row, payload, bits, support, dropped
 
 
