@@ -128,6 +128,21 @@ def _check_real(value: object, name: str) -> float:
 # ----------------------------------------------------------------------------- logits -> probs
 
 
+def check_logits(logits: torch.Tensor, temperature: float) -> float:
+    """Raise ValueError unless ``logits`` is a finite float tensor [..., V] and ``temperature`` >= 0;
+    returns the temperature as a float."""
+    _check_tensor(logits, "logits")
+    if not logits.is_floating_point() or logits.ndim < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be a float tensor [..., V] with V >= 1, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    temperature = _check_real(temperature, "temperature")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("logits contain NaN or inf")
+    return temperature
+
+
 def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Temperature softmax; ``temperature == 0`` is greedy decoding (one-hot at the argmax).
 
@@ -139,15 +154,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         [..., V] float32 probabilities. At T = 0 the one-hot sits at the first index of the
         maximum, exactly like ``torch.argmax`` (and hence like a transformers greedy decode).
     """
-    _check_tensor(logits, "logits")
-    if not logits.is_floating_point() or logits.ndim < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be a float tensor [..., V] with V >= 1, got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
-    temperature = _check_real(temperature, "temperature")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("logits contain NaN or inf")
+    temperature = check_logits(logits, temperature)
     if temperature == 0.0:
         # argmax on the original dtype: a cast could merge distinct maxima and move the argmax.
         top = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
@@ -439,48 +446,45 @@ def sample_token_gumbel(probs: torch.Tensor, noise: torch.Tensor) -> int:
 # ----------------------------------------------------------------------------- target filtering
 
 
-def filter_target_probs(p: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Apply top-k then top-p to target distributions and renormalise each row.
+def filter_target_logits(scores: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Top-k then top-p on target scores, exactly as transformers' sampling does (``-inf`` = removed).
 
-    Used when the user asks for top-k/top-p sampling: the target distribution the verifier
-    checks against is then the filtered one, so the output is exactly "sample from the filtered
-    target". Order as in transformers (top-k warper before top-p): top-p is computed on the
-    renormalised top-k distribution. ``top_k`` larger than V is clamped to V (as transformers
-    does); ``None`` disables a filter.
+    The target distribution is "the target alone" as transformers samples it: ``generate`` divides
+    the float32 logits by the temperature, then applies ``TopKLogitsWarper`` (keeps every token
+    whose score is >= the k-th largest, so all ties at the k-th score stay) and ``TopPLogitsWarper``
+    (sorts ascending, removes tokens whose cumulative softmax is <= 1 - top_p, always keeps the
+    last), then samples ``softmax(scores)``. The same operations on the same float32 scores keep
+    the same tokens, ties and rounding included (tested against transformers' own processors).
 
     Args:
-        p: [..., V] float probabilities, each row summing to 1.
-        top_k: None or >= 1.
-        top_p: None or in (0, 1].
+        scores: [..., V] float32 logits already divided by the temperature.
+        top_k: None (off) or >= 1; clamped to V.
+        top_p: None (off) or in (0, 1]; 1 is off, as in transformers.
 
     Returns:
-        [..., V] tensor of p's dtype, each row renormalised over its kept tokens.
+        [..., V] float32 scores with the removed tokens at ``-inf``.
     """
-    _check_tensor(p, "p")
-    if p.ndim < 1 or p.shape[-1] == 0:
-        raise ValueError(f"p must be [..., V] with V >= 1, got {tuple(p.shape)}")
-    _check_prob_values(p, "p")
+    _check_tensor(scores, "scores")
+    if scores.dtype != torch.float32 or scores.ndim < 1 or scores.shape[-1] == 0:
+        raise ValueError(f"scores must be float32 [..., V] with V >= 1, got {scores.dtype} {tuple(scores.shape)}")
     if top_k is not None:
-        top_k = min(_check_int(top_k, "top_k", 1, 2**62), p.shape[-1])
+        top_k = min(_check_int(top_k, "top_k", 1, 2**62), scores.shape[-1])
+        kth = torch.topk(scores, top_k)[0][..., -1, None]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, -math.inf)
     if top_p is not None:
         top_p = _check_real(top_p, "top_p")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    rows = p.reshape(-1, p.shape[-1])  # [N, V]
-    out = torch.stack([_filter_row(row, top_k, top_p) for row in rows]) if rows.shape[0] else rows
-    return out.reshape(p.shape).to(p.dtype)
+        if top_p < 1.0:
+            scores = _top_p_filter(scores, top_p)
+    return scores
 
 
-def _filter_row(row: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    dense = row.to(torch.float64) / row.to(torch.float64).sum()  # [V]
-    if top_k is not None:
-        dense = _densify_unchecked(_renormalised(dense, _drop_zeros(dense, _top_ids_ordered(dense, top_k))))
-    if top_p is not None:
-        dense = _densify_unchecked(_renormalised(dense, _top_p_ids(dense, top_p)))
-    return dense
-
-
-def _densify_unchecked(sd: SparseDist) -> torch.Tensor:
-    dense = torch.zeros(sd.vocab_size, dtype=torch.float64)
-    dense[sd.ids] = sd.probs
-    return dense
+def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """transformers' TopPLogitsWarper with min_tokens_to_keep = 1, on [..., V] float32 scores."""
+    sorted_scores, sorted_ids = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1] = False  # the most probable token always stays
+    remove = remove_sorted.scatter(-1, sorted_ids, remove_sorted)
+    return scores.masked_fill(remove, -math.inf)

@@ -9,7 +9,7 @@ import math
 import torch
 
 from specdec.common.codecs import CodecConfig, Mode
-from specdec.common.distributions import filter_target_probs, probs_from_logits
+from specdec.common.distributions import check_logits, filter_target_logits, probs_from_logits
 from specdec.common.protocol import DraftSettings, Hello
 
 
@@ -18,11 +18,16 @@ def model_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
 
     ``probs_from_logits`` computes in float32 (one-hot argmax at temperature 0, i.e. greedy);
     the result is renormalised in float64 so that verification's sum checks hold exactly.
-    Optional top-k / top-p filtering defines the target distribution itself (0 = off).
+    Optional top-k / top-p (0 = off) define the target distribution itself, as transformers'
+    sampling defines it: the float32 logits divided by the temperature, filtered by its top-k and
+    top-p warpers (:func:`filter_target_logits`), then softmax. Greedy ignores them, as there.
     """
-    probs = probs_from_logits(logits, temperature).double()
-    if top_k or top_p:
-        probs = filter_target_probs(probs, top_k or None, top_p or None)
+    if temperature == 0 or not (top_k or top_p):
+        probs = probs_from_logits(logits, temperature).double()
+    else:
+        check_logits(logits, temperature)
+        scores = filter_target_logits(logits.float() / temperature, top_k or None, top_p or None)
+        probs = torch.softmax(scores, dim=-1).double()
     return probs / probs.sum(dim=-1, keepdim=True)
 
 

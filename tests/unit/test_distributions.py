@@ -6,12 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.common.engine import model_probs
 from specdec.common.distributions import (
     SparseDist,
     check_sparse_dist,
     densify,
     dropped_mass,
-    filter_target_probs,
+    filter_target_logits,
     gumbel_noise,
     probs_from_logits,
     sample_token,
@@ -331,32 +332,68 @@ def test_sample_token_rejects_non_generator():
 # ----------------------------------------------------------------------------- target filtering
 
 
-def test_filter_target_top_k_then_top_p():
-    p = dist([0.05, 0.4, 0.3, 0.15, 0.1])
-    assert torch.allclose(filter_target_probs(p, 2, None), dist([0, 0.4, 0.3, 0, 0]))
-    assert torch.allclose(filter_target_probs(p, None, 0.6), dist([0, 0.4, 0.3, 0, 0]))
-    # top-p on the renormalised top-3 (0.4, 0.3, 0.15 -> 0.47, 0.35, 0.18): 0.8 needs two,
-    # 0.85 all three (on the unfiltered p, 0.8 would need three and 0.85 four).
-    assert torch.allclose(filter_target_probs(p, 3, 0.8), dist([0, 0.4, 0.3, 0, 0]))
-    assert torch.allclose(filter_target_probs(p, 3, 0.85), dist([0, 0.4, 0.3, 0.15, 0]))
-    assert torch.allclose(filter_target_probs(p, 100, None), p)  # top_k clamped to V
-    assert torch.equal(filter_target_probs(p, None, None), p)
+# Target top-k / top-p: "the target alone" is transformers' own sampling with the same settings.
+TIED_LOGIT_STEP = 0.5  # integer multiples of it: many exact ties, also across the k-th cut
+FILTER_GRID = [(t, k, p) for t in (0.7, 1.0, 1.3) for k in (0, 1, 3, 10, 60) for p in (0.0, 0.3, 0.9, 1.0)
+               if k or p]
 
 
-def test_filter_target_batched_shape_and_dtype():
-    p = probs_from_logits(torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(3)), 1.0)
-    out = filter_target_probs(p, 5, 0.9)
-    assert out.shape == p.shape and out.dtype == torch.float32
-    assert bool(((out > 0).sum(-1) <= 5).all())
-    assert torch.allclose(out.double().sum(-1), torch.ones(2, 3, dtype=torch.float64), atol=1e-6)
-    one_hot = probs_from_logits(torch.randn(2, 40), 0.0)
-    assert torch.equal(filter_target_probs(one_hot, 3, 0.5), one_hot)
+@pytest.fixture(scope="module")
+def hf_model():
+    """A tiny in-memory transformers model: only to ask transformers which processors it samples with."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=40, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    return LlamaForCausalLM(config)
+
+
+def _transformers_probs(model, logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """softmax of the scores after the processors transformers' generate(do_sample=True) applies."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p or 1.0)
+    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=1,
+                                             logits_processor=LogitsProcessorList(), device="cpu",
+                                             model_kwargs={})
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    rows = [torch.softmax(processors(ids, row[None].float()), dim=-1)[0] for row in logits]
+    return torch.stack(rows).double()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_target_filter_equals_transformers_sampling(hf_model, tied):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 40, generator=g) * 3
+    if tied:
+        logits = torch.round(logits / TIED_LOGIT_STEP) * TIED_LOGIT_STEP
+    ties_across_cut = 0
+    for temperature, top_k, top_p in FILTER_GRID:
+        ours = model_probs(logits, temperature, top_k, top_p)
+        theirs = _transformers_probs(hf_model, logits, temperature, top_k, top_p)
+        case = (temperature, top_k, top_p)
+        assert torch.equal(ours > 0, theirs > 0), f"kept tokens differ for {case}"
+        assert torch.allclose(ours, theirs, atol=1e-6), case
+        if top_k and not top_p:
+            ties_across_cut += int(((ours > 0).sum(-1) > top_k).sum())
+    if tied:
+        assert ties_across_cut > 0, "no tie straddled the k-th score: the tie rule was not exercised"
+
+
+def test_target_top_k_keeps_every_tie_at_the_kth_score():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    assert (model_probs(logits, 1.0, top_k=2) > 0).tolist() == [[True, True, True, True, False]]
+
+
+def test_target_filter_off_and_greedy():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(filter_target_logits(logits, None, None), logits)
+    assert torch.equal(filter_target_logits(logits, None, 1.0), logits)  # top_p = 1 is off
+    assert torch.equal(model_probs(logits, 0.0, 3, 0.5), model_probs(logits, 0.0))  # greedy ignores them
 
 
 @pytest.mark.parametrize("args", [(0, None), (None, 0.0), (None, 1.2), (2.5, None)])
-def test_filter_target_rejects_bad_parameters(args):
+def test_target_filter_rejects_bad_parameters(args):
     with pytest.raises(ValueError):
-        filter_target_probs(dist([0.5, 0.5]), *args)
+        filter_target_logits(torch.zeros(1, 2), *args)
 
 
 # --- Gumbel-max sampling (the coupled bonus token) ------------------------------------------------
