@@ -187,7 +187,7 @@ class DraftSession:
         call will be given if the guess is right.
 
         Lossless: the round drafted ahead is exactly the round :meth:`draft` would produce after the
-        verdict (same context, same per-round generator, same forward calls), so this only moves
+        verdict (same context, same per-round stream, same forward calls), so this only moves
         work into time the device would otherwise spend waiting.
         """
         if not self.draft_ahead_enabled or rd.tree is not None or stop.is_set():

@@ -3,7 +3,7 @@ round r, on the guess that all of round r is accepted with the drafter's argmax 
 
 Its contract is exactness, not just losslessness: the same seed gives the same tokens with and
 without it, because a round drafted ahead is the round that would have been drafted after the
-verdict (same context, same per-round generator, same forward calls). Over real gRPC, tiny
+verdict (same context, same per-round stream, same forward calls). Over real gRPC, tiny
 checkpoints. On these models the edge answers faster than the drafter drafts, so a test session
 drafts each ahead round to its end before the verdict is applied (``AheadToTheEnd``); the real
 client stops at the verdict, which only cuts the work shorter.
