@@ -153,15 +153,19 @@ class VerifierSession:
         t_decode = time.perf_counter()
         q = self._decode_q(draft, spec)
         decode_seconds = time.perf_counter() - t_decode
-        # The round's numbers come from its own stream, keyed by where it starts: a retry of this
-        # round (resume, re-prefill on a fresh edge, a broken DSSD fallback) draws them again exactly.
-        generator = stream(self.hello.seed, Purpose.VERIFY, len(self.tokens))
+        generator = self._round_generator()
         if spec is not None:
             verdict = self._verify_tree(draft, spec, q, generator)
         else:
             verdict = self._verify_chain(draft, q, generator)
         self.round_id = draft.round_id
         return replace(verdict, verify_seconds=time.perf_counter() - start, decode_seconds=decode_seconds)
+
+    def _round_generator(self) -> torch.Generator:
+        """The numbers of the round that starts at ``len(self.tokens)``, from its own stream: a retry
+        of this round (resume, re-prefill on a fresh edge, a broken DSSD fallback) draws them again
+        exactly, and no two rounds share them."""
+        return stream(self.hello.seed, Purpose.VERIFY, len(self.tokens))
 
     def _verify_chain(self, draft: DraftBlock, q: torch.Tensor, generator: torch.Generator) -> Verdict:
         draft_ids = list(draft.token_ids)

@@ -14,10 +14,13 @@ import torch
 
 from harness import device_config, edge, load, run, run_sessions
 from specdec.common.codecs import Mode
+from specdec.common.distributions import filter_target_logits
 from specdec.common.engine import model_probs
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model
 from specdec.device import default_drafter
 from specdec.device.drafter import DraftSession
+from specdec.edge import servicer
+from specdec.edge.verifier import VerifierSession
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit
 
 PROMPT = "w1 w2"
@@ -37,9 +40,11 @@ MODES = {
 }
 
 
-@lru_cache(maxsize=2)
-def exact_law(target_dir: str, prompt_ids: tuple[int, ...]) -> dict[tuple[int, ...], float]:
-    """P(first N_TOKENS generated tokens = s) for the target alone, by enumeration."""
+@lru_cache(maxsize=4)
+def exact_law(target_dir: str, prompt_ids: tuple[int, ...], temperature: float = TEMPERATURE, top_k: int = 0,
+              top_p: float = 0.0) -> dict[tuple[int, ...], float]:
+    """P(first N_TOKENS generated tokens = s) for the target alone, by enumeration (with the target's
+    own temperature, top-k and top-p, as transformers samples it)."""
     m = load(target_dir)
     eos = set(m.eos_token_ids)
     law: dict[tuple[int, ...], float] = {}
@@ -50,7 +55,7 @@ def exact_law(target_dir: str, prompt_ids: tuple[int, ...]) -> dict[tuple[int, .
             return
         with torch.inference_mode():
             logits = m.model(torch.tensor([list(prompt_ids) + list(seq)])).logits[0, -1].float()
-        p = model_probs(logits, TEMPERATURE)
+        p = model_probs(logits, temperature, top_k, top_p)
         for tok, pt in enumerate(p.tolist()):
             if pt > 0:
                 visit(seq + (tok,), prob * pt)
@@ -59,14 +64,16 @@ def exact_law(target_dir: str, prompt_ids: tuple[int, ...]) -> dict[tuple[int, .
     return law
 
 
-def _counts(target_dir, drafter_dir, session_factory=DraftSession, **kw) -> tuple[Counter, dict]:
-    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=2, **kw)
+def _counts(target_dir, drafter_dir, session_factory=DraftSession, temperature=TEMPERATURE,
+            num_sessions=NUM_SESSIONS, **kw) -> tuple[Counter, dict]:
+    cfg = device_config(temperature=temperature, max_new_tokens=N_TOKENS, draft_len=2, **kw)
     tok = (drafter_dir if isinstance(drafter_dir, LoadedModel) else load(str(drafter_dir))).tokenizer
-    law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)))
+    law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)), temperature,
+                    cfg.target_top_k, cfg.target_top_p)
 
     async def main():
         async with edge(target_dir) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(NUM_SESSIONS), session_factory,
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(num_sessions), session_factory,
                                         concurrency=CONCURRENCY)
 
     counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
@@ -79,6 +86,46 @@ def test_mode_is_lossless_end_to_end(tiny_pair_v8, name) -> None:
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
+
+
+# The target's own top-k / top-p define the law: the verifier must apply them to every p it uses
+# (accept test, residual, bonus). On this peaked target, T = 2 keeps 16 sequences in the filtered
+# law, and filtering before the temperature instead of after it (as transformers does) moves it by
+# a total variation of 0.29.
+TARGET_FILTER = dict(temperature=2.0, target_top_k=5, target_top_p=0.9)
+
+
+def test_target_top_k_top_p_through_the_verifier(tiny_pair_v8) -> None:
+    counts, law = _counts(*tiny_pair_v8, **TARGET_FILTER, **MODES["tslt"])
+    assert len(law) < len(exact_law(str(tiny_pair_v8[0]), tuple(counts_prompt(tiny_pair_v8)), 2.0)), \
+        "the filters removed nothing: the test would not see them ignored"
+    assert set(counts) <= set(law), "generated a sequence the filtered target cannot produce"
+    fit = goodness_of_fit(counts, law)
+    print(f"target top-k 5, top-p 0.9, T 2: {fit}")
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+class FiltersBeforeTemperature(VerifierSession):
+    """Negative control, a classic: top-k / top-p applied to the untempered distribution."""
+
+    def _target_probs(self, logits):
+        h = self.hello
+        scores = filter_target_logits(logits.cpu().float(), h.target_top_k or None, h.target_top_p or None)
+        return torch.softmax(scores / h.temperature, dim=-1).double()
+
+
+def test_control_target_filter_before_temperature_is_detected(tiny_pair_v8, monkeypatch) -> None:
+    monkeypatch.setattr(servicer, "VerifierSession", FiltersBeforeTemperature)
+    # a TV of 0.29 needs few samples (p ~ 1e-96 at 1500 sessions)
+    counts, law = _counts(*tiny_pair_v8, num_sessions=300, **TARGET_FILTER, **MODES["tslt"])
+    outside = sum(c for seq, c in counts.items() if seq not in law)
+    fit = goodness_of_fit(Counter({s: c for s, c in counts.items() if s in law}), law)
+    print(f"control, filter before temperature: {outside} sequences outside the law, {fit}")
+    assert outside > 0 or fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
+
+
+def counts_prompt(pair) -> list[int]:
+    return encode_prompt(load(str(pair[1])).tokenizer, PROMPT, raw=True)
 
 
 # The default drafter's construction on the tiny target: int4 decoder layers (bfloat16 activations)
