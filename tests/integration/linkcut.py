@@ -26,6 +26,10 @@ class CuttableLink:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def retarget(self, host: str, port: int) -> None:
+        """Send new connections to another server (a restarted edge at a new address)."""
+        self.target = (host, port)
+
     def cut(self, seconds: float) -> None:
         """Drop all connections now and refuse new ones for ``seconds``."""
         self.down_until = time.monotonic() + seconds

@@ -1,0 +1,268 @@
+"""Resuming is lossless at temperature 1, over real gRPC (issue 16).
+
+Each session runs through its own cuttable loopback relay (``linkcut.py``) on its own channel. After
+its first round the relay drops the connection and the device resumes the session:
+
+- *restarted*: the relay now leads to a second edge that never saw the session (an edge that
+  restarted), which re-prefills the device's verified prefix;
+- *expired*: the same edge, whose resume window is 0 s, has freed the session and re-prefills;
+- *mid-fallback* (DSSD): the link breaks while the device waits for a DSSD fallback's residual; the
+  edge still holds the session and resumes it with its KV cache, and the round is drafted, verified
+  and resolved again.
+
+The first N_TOKENS tokens of each session are compared with the target's exact law (the same tiny
+8-token pair and enumeration as ``test_lossless_e2e``). Edge metrics prove the faults happened.
+Negative control: an edge that draws every round of a session from one generator seeded by the
+session seed (the pre-issue-16 edge) reuses round 1's uniforms after a restart, and is rejected.
+
+In process, without sampling statistics: for chain, DSSD and tree rounds, a fresh edge session
+re-prefilled at a round's start reaches exactly the verdict the original session reached, and with
+one generator per session it does not.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from harness import device_config, edge, load, run
+from linkcut import CuttableLink
+from specdec.common.codecs import Mode
+from specdec.common.engine import decode_target_probs
+from specdec.common.modeling import encode_prompt, vocab_fingerprint
+from specdec.common.protocol import Prompt, ResidualRequest
+from specdec.device.client import ConnectionPolicy, generate
+from specdec.device.drafter import DraftSession
+from specdec.device.runner import open_channel
+from specdec.edge import servicer
+from specdec.edge.metrics import EdgeMetrics
+from specdec.edge.server import target_info
+from specdec.edge.verifier import EdgeLimits, VerifierSession
+from test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+
+NUM_SESSIONS = 1200  # the control falls far below the cut at this size (p ~ 1e-10 expected)
+DRAFT_LEN = 1  # round 1 yields at most 2 of the N_TOKENS = 3 tokens: a cut after it always matters
+# Reconnect at once: the relay accepts again right away; only the break's detection takes time.
+POLICY = ConnectionPolicy(round_timeout_s=30.0, reconnect_timeout_s=30.0, backoff_initial_s=0.02,
+                          backoff_max_s=0.2)
+MIN_CUT_FRACTION = 0.9  # sessions whose first round left work to do (EOS can end one earlier)
+
+CHAIN = dict(mode=Mode.TSLT, top_k=3)
+DSSD = dict(mode=Mode.DSSD, dssd_samples=1)
+TREE = dict(mode=Mode.TSLT, top_k=3, tree=(2,))
+
+
+class CutOnFallback(DraftSession):
+    """Cuts the link (once) right when the device decides it needs a DSSD fallback round trip."""
+
+    cut = None  # (loop, callback), set per session
+
+    def resolve_dssd(self, rd, verdict):
+        token = super().resolve_dssd(rd, verdict)
+        if token is None and self.cut is not None:
+            (loop, callback), self.cut = self.cut, None
+            loop.call_soon_threadsafe(callback)
+        return token
+
+
+class OneGeneratorPerSession(VerifierSession):
+    """Negative control, the edge before issue 16: one generator per session seeded by hello.seed,
+    so a fresh session built from the same Hello draws round 1's uniforms again."""
+
+    def _round_generator(self) -> torch.Generator:
+        if not hasattr(self, "_session_generator"):
+            self._session_generator = torch.Generator().manual_seed(self.hello.seed)
+        return self._session_generator
+
+
+def _cut_after_first_round(link: CuttableLink, eos: set[int], retarget=None):
+    """on_tokens: after round 1, if the session is not over, cut the link (and maybe retarget)."""
+    state = {"done": False, "n": 0}
+
+    def on_tokens(new):
+        state["n"] += len(new)
+        if state["done"] or state["n"] >= N_TOKENS or eos & set(new):
+            state["done"] = True
+            return
+        state["done"] = True
+        if retarget:
+            link.retarget(*retarget)
+        link.cut(0)
+    return on_tokens
+
+
+async def _session(seed, cfg, drafter, first: str, second: str | None, fallback_cut: bool, cuts: list):
+    host, port = first.split(":")
+    link = await CuttableLink(host, int(port)).start()
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
+    prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    eos = set(drafter.eos_token_ids)
+
+    def cut():
+        cuts.append(seed)
+        link.cut(0)
+
+    session = (CutOnFallback if fallback_cut else DraftSession)(drafter, hello)
+    on_tokens = None
+    if fallback_cut:
+        session.cut = (asyncio.get_running_loop(), cut)
+    else:
+        retarget = tuple(second.split(":")) if second else None
+        on_tokens = _cut_after_first_round(link, eos, (retarget[0], int(retarget[1])) if retarget else None)
+    try:
+        async with open_channel(link.address) as channel:
+            r = await generate(channel, session, hello, prompt, drafter.eos_token_ids, on_tokens=on_tokens,
+                               timeout=120, policy=POLICY)
+    finally:
+        await link.close()
+    return tuple(r.token_ids), r.reconnects
+
+
+def _run(pair, scenario: str, mode_kw: dict):
+    """(counts, law, sessions that reconnected, metrics of the first edge, of the second edge)."""
+    target_dir, drafter_dir = pair
+    drafter = load(str(drafter_dir))
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=DRAFT_LEN, **mode_kw)
+    law = exact_law(str(target_dir), tuple(encode_prompt(drafter.tokenizer, PROMPT, raw=True)))
+    window = 0.0 if scenario == "expired" else 60.0
+    m1, m2 = EdgeMetrics(), EdgeMetrics()
+    cuts: list[int] = []
+
+    async def main():
+        # the first edge keeps each abandoned session detached (restarted scenario): room for all
+        limits = EdgeLimits(resume_window_s=window, max_sessions=2 * NUM_SESSIONS)
+        async with edge(target_dir, metrics=m1, limits=limits) as first, edge(target_dir, metrics=m2) as second:
+            gate = asyncio.Semaphore(CONCURRENCY)
+
+            async def one(seed):
+                async with gate:
+                    return await _session(seed, cfg, drafter, first, second if scenario == "restarted" else None,
+                                          scenario == "mid-fallback", cuts)
+            return await asyncio.gather(*(one(s) for s in range(NUM_SESSIONS)))
+
+    results = run(main())
+    counts = Counter(tokens for tokens, _ in results)
+    reconnected = sum(1 for _, n in results if n > 0)
+    return counts, law, reconnected, m1.registry, m2.registry
+
+
+def _started(registry, mode: Mode) -> float:
+    return registry.get_sample_value("specdec_edge_sessions_started_total", {"mode": mode.value}) or 0.0
+
+
+def _resumed(registry) -> float:
+    return registry.get_sample_value("specdec_edge_sessions_resumed_total") or 0.0
+
+
+def _check_fit(counts, law, label):
+    assert set(counts) <= set(law), f"{label}: generated a sequence the target cannot produce"
+    fit = goodness_of_fit(counts, law)
+    print(f"{label}: {fit}")
+    return fit
+
+
+# ~1 min each here: TSLT runs by default; DSSD, the tree, the expired session and the DSSD fallback
+# run with `make test-slow` (their exact replay is checked by default, in process, further below)
+@pytest.mark.parametrize("mode_kw", [CHAIN, pytest.param(DSSD, marks=pytest.mark.slow),
+                                     pytest.param(TREE, marks=pytest.mark.slow)], ids=["tslt", "dssd", "tree"])
+def test_resume_on_a_restarted_edge_is_lossless(tiny_pair_v8, mode_kw) -> None:
+    counts, law, reconnected, first, second = _run(tiny_pair_v8, "restarted", mode_kw)
+    mode = mode_kw["mode"]
+    assert reconnected >= MIN_CUT_FRACTION * NUM_SESSIONS, reconnected
+    # every reconnected session was re-created on the second edge, none resumed there
+    assert _started(second, mode) == reconnected and _resumed(second) == 0
+    fit = _check_fit(counts, law, f"restarted {mode.value}{' tree' if 'tree' in mode_kw else ''}")
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+@pytest.mark.slow
+def test_resume_after_the_session_expired_is_lossless(tiny_pair_v8) -> None:
+    counts, law, reconnected, first, _ = _run(tiny_pair_v8, "expired", CHAIN)
+    assert reconnected >= MIN_CUT_FRACTION * NUM_SESSIONS, reconnected
+    # The edge had freed each session (0 s window) before the device came back: all re-created.
+    assert _started(first, Mode.TSLT) == NUM_SESSIONS + reconnected and _resumed(first) == 0
+    fit = _check_fit(counts, law, "expired tslt")
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+@pytest.mark.slow
+def test_resume_in_the_middle_of_a_dssd_fallback_is_lossless(tiny_pair_v8) -> None:
+    counts, law, reconnected, first, _ = _run(tiny_pair_v8, "mid-fallback", DSSD)
+    # a fallback happens only after a rejection that the device's samples did not resolve
+    assert reconnected >= 100, reconnected
+    assert _resumed(first) == reconnected  # the edge kept the session: resumed with its KV cache
+    fit = _check_fit(counts, law, f"mid-fallback dssd ({reconnected} fallbacks cut)")
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+def test_control_resume_reusing_the_first_attempts_numbers_is_rejected(tiny_pair_v8, monkeypatch) -> None:
+    monkeypatch.setattr(servicer, "VerifierSession", OneGeneratorPerSession)
+    counts, law, reconnected, _, second = _run(tiny_pair_v8, "restarted", CHAIN)
+    assert _started(second, Mode.TSLT) == reconnected >= MIN_CUT_FRACTION * NUM_SESSIONS
+    fit = _check_fit(counts, law, "control: one generator per session, restarted tslt")
+    assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
+
+
+# -- exact replay, in process: a fresh edge re-prefilled at a round's start gives the same verdict ----
+REPLAY_SEEDS = range(12)
+REPLAY_TOKENS = 12
+DECISIONS = ("num_accepted", "next_token", "reject_samples", "accepted_nodes")
+# p_j(y) comes from a forward over a freshly prefilled cache instead of an incremental one: the
+# same draws, float32 rounding apart (measured ~1e-7 relative)
+PROB_RTOL = 1e-5
+
+
+def _same_verdict(a, b) -> bool:
+    return all(getattr(a, f) == getattr(b, f) for f in DECISIONS) and \
+        torch.allclose(torch.tensor(a.reject_sample_probs), torch.tensor(b.reject_sample_probs), rtol=PROB_RTOL)
+
+
+def _replays(pair, mode_kw: dict, verifier_cls) -> tuple[int, int]:
+    """(rounds, rounds whose verdict a fresh edge re-prefilled at the round's start reproduced)."""
+    target_dir, drafter_dir = pair
+    target, drafter = load(str(target_dir)), load(str(drafter_dir))
+    info = target_info(target)
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=REPLAY_TOKENS, draft_len=2, **mode_kw)
+    prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    rounds = same = 0
+    for seed in REPLAY_SEEDS:
+        hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
+        device, edge_session = DraftSession(drafter, hello), verifier_cls(target, info, hello, EdgeLimits(), "a")
+        device.start(prompt)
+        edge_session.prefill(Prompt(tuple(prompt)))
+        while len(device.tokens) - len(prompt) < REPLAY_TOKENS:
+            prefix = tuple(device.tokens)  # the verified prefix a resuming device sends
+            rd = device.draft(REPLAY_TOKENS)
+            verdict = edge_session.verify(rd.block)
+            fresh = verifier_cls(target, info, hello, EdgeLimits(), "b")
+            fresh.prefill(Prompt(prefix))
+            replayed = fresh.verify(replace(rd.block, round_id=1, correction_token=None))
+            rounds += 1
+            same += _same_verdict(replayed, verdict)
+            token = verdict.next_token
+            if token is None:
+                token = device.resolve_dssd(rd, verdict)
+                if token is None:
+                    reply = edge_session.residual(ResidualRequest(verdict.round_id))
+                    token = device.residual_from_full(rd, verdict,
+                                                      decode_target_probs(reply.target_probs, drafter.vocab_size))
+            new = device.commit(rd, verdict, token, dssd_correction=verdict.next_token is None)
+            if set(new) & set(drafter.eos_token_ids):
+                break
+    return rounds, same
+
+
+@pytest.mark.parametrize("mode_kw", [CHAIN, DSSD, dict(TREE, tree=(2, 2))], ids=["tslt", "dssd", "tree"])
+def test_a_fresh_edge_replays_every_round_exactly(tiny_pair_v8, mode_kw) -> None:
+    rounds, same = _replays(tiny_pair_v8, mode_kw, VerifierSession)
+    assert rounds >= 3 * len(REPLAY_SEEDS)
+    assert same == rounds, f"{rounds - same} of {rounds} rounds drew other numbers on a fresh edge"
+
+
+def test_control_one_generator_per_session_does_not_replay(tiny_pair_v8) -> None:
+    rounds, same = _replays(tiny_pair_v8, CHAIN, OneGeneratorPerSession)
+    assert same < rounds, "the replay check would not see a fresh edge reuse round 1's numbers"
