@@ -72,15 +72,19 @@ class AheadOwnStream(AheadToTheEnd):
         return part
 
 
+_RUNS: dict = {}  # several tests compare against the same run: each distinct run happens once
+
+
 def _sessions(pair, factory, seeds, **kw):
     target_dir, drafter_dir = pair
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, draft_len=3, **kw)
-
-    async def main():
-        async with edge(target_dir) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, seeds, factory, concurrency=4)
-
-    return run(main())
+    key = (tuple(pair), factory, tuple(seeds), cfg)
+    if key not in _RUNS:
+        async def main():
+            async with edge(target_dir) as address:
+                return await run_sessions(address, drafter_dir, cfg, PROMPT, seeds, factory, concurrency=4)
+        _RUNS[key] = run(main())
+    return _RUNS[key]
 
 
 @pytest.mark.parametrize("name", list(MODES))
