@@ -221,39 +221,53 @@ def _same_verdict(a, b) -> bool:
         torch.allclose(torch.tensor(a.reject_sample_probs), torch.tensor(b.reject_sample_probs), rtol=PROB_RTOL)
 
 
-def _replays(pair, mode_kw: dict, verifier_cls) -> tuple[int, int]:
-    """(rounds, rounds whose verdict a fresh edge re-prefilled at the round's start reproduced)."""
+def _in_process(pair, mode_kw: dict, seed: int, max_new: int, draft_len: int, verifier_cls=VerifierSession,
+                on_round=None) -> list[int]:
+    """One session with the real DraftSession and VerifierSession in this process (no transport):
+    the client's round loop, DSSD fallback included. ``on_round(hello, prefix, rd, verdict)`` sees each
+    round with the verified prefix it started from. Returns the generated tokens (may pass max_new)."""
     target_dir, drafter_dir = pair
     target, drafter = load(str(target_dir)), load(str(drafter_dir))
-    info = target_info(target)
-    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=REPLAY_TOKENS, draft_len=2, **mode_kw)
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=max_new, draft_len=draft_len, **mode_kw)
     prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
-    rounds = same = 0
-    for seed in REPLAY_SEEDS:
-        hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
-        device, edge_session = DraftSession(drafter, hello), verifier_cls(target, info, hello, EdgeLimits(), "a")
-        device.start(prompt)
-        edge_session.prefill(Prompt(tuple(prompt)))
-        while len(device.tokens) - len(prompt) < REPLAY_TOKENS:
-            prefix = tuple(device.tokens)  # the verified prefix a resuming device sends
-            rd = device.draft(REPLAY_TOKENS)
-            verdict = edge_session.verify(rd.block)
-            fresh = verifier_cls(target, info, hello, EdgeLimits(), "b")
-            fresh.prefill(Prompt(prefix))
-            replayed = fresh.verify(replace(rd.block, round_id=1, correction_token=None))
-            rounds += 1
-            same += _same_verdict(replayed, verdict)
-            token = verdict.next_token
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
+    device, edge_session = DraftSession(drafter, hello), verifier_cls(target, target_info(target), hello,
+                                                                     EdgeLimits(), "a")
+    device.start(prompt)
+    edge_session.prefill(Prompt(tuple(prompt)))
+    out: list[int] = []
+    while len(out) < max_new and not set(out) & set(drafter.eos_token_ids):
+        prefix = tuple(device.tokens)  # the verified prefix a resuming device sends
+        rd = device.draft(max(1, max_new - len(out) - 1))  # as the client: the last token is the bonus
+        verdict = edge_session.verify(rd.block)
+        if on_round:
+            on_round(hello, prefix, rd, verdict)
+        token = verdict.next_token
+        if token is None:
+            token = device.resolve_dssd(rd, verdict)
             if token is None:
-                token = device.resolve_dssd(rd, verdict)
-                if token is None:
-                    reply = edge_session.residual(ResidualRequest(verdict.round_id))
-                    token = device.residual_from_full(rd, verdict,
-                                                      decode_target_probs(reply.target_probs, drafter.vocab_size))
-            new = device.commit(rd, verdict, token, dssd_correction=verdict.next_token is None)
-            if set(new) & set(drafter.eos_token_ids):
-                break
-    return rounds, same
+                reply = edge_session.residual(ResidualRequest(verdict.round_id))
+                token = device.residual_from_full(rd, verdict,
+                                                  decode_target_probs(reply.target_probs, drafter.vocab_size))
+        out += device.commit(rd, verdict, token, dssd_correction=verdict.next_token is None)
+    return out
+
+
+def _replays(pair, mode_kw: dict, verifier_cls) -> tuple[int, int]:
+    """(rounds, rounds whose verdict a fresh edge re-prefilled at the round's start reproduced)."""
+    target = load(str(pair[0]))
+    tally = {"rounds": 0, "same": 0}
+
+    def replay(hello, prefix, rd, verdict):
+        fresh = verifier_cls(target, target_info(target), hello, EdgeLimits(), "b")
+        fresh.prefill(Prompt(prefix))
+        replayed = fresh.verify(replace(rd.block, round_id=1, correction_token=None))
+        tally["rounds"] += 1
+        tally["same"] += _same_verdict(replayed, verdict)
+
+    for seed in REPLAY_SEEDS:
+        _in_process(pair, mode_kw, seed, REPLAY_TOKENS, 2, verifier_cls, replay)
+    return tally["rounds"], tally["same"]
 
 
 @pytest.mark.parametrize("mode_kw", [CHAIN, DSSD, dict(TREE, tree=(2, 2))], ids=["tslt", "dssd", "tree"])
@@ -266,3 +280,32 @@ def test_a_fresh_edge_replays_every_round_exactly(tiny_pair_v8, mode_kw) -> None
 def test_control_one_generator_per_session_does_not_replay(tiny_pair_v8) -> None:
     rounds, same = _replays(tiny_pair_v8, CHAIN, OneGeneratorPerSession)
     assert same < rounds, "the replay check would not see a fresh edge reuse round 1's numbers"
+
+
+LAW_SEEDS = 12_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode_kw", [CHAIN, DSSD], ids=["tslt", "dssd"])
+def test_in_process_law_over_many_seeds(tiny_pair_v8, mode_kw) -> None:
+    """The gRPC tests above use seeds 0..NUM_SESSIONS-1, and a resumed session yields exactly the
+    tokens of the uninterrupted one, so their p-values are those of that one block of seeds. The same
+    sessions in process (same tokens, ~10x faster) over many more seeds: ~3 min each here."""
+    eos = set(load(str(tiny_pair_v8[1])).eos_token_ids)
+    counts: Counter = Counter()
+    for seed in range(LAW_SEEDS):
+        tokens = _in_process(tiny_pair_v8, mode_kw, seed, N_TOKENS, DRAFT_LEN)
+        counts[_first(tokens, eos)] += 1
+    law = exact_law(str(tiny_pair_v8[0]), tuple(encode_prompt(load(str(tiny_pair_v8[1])).tokenizer, PROMPT, raw=True)))
+    fit = _check_fit(counts, law, f"in process, {LAW_SEEDS} seeds, {mode_kw['mode'].value}")
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+def _first(tokens: list[int], eos: set[int]) -> tuple[int, ...]:
+    """The first N_TOKENS tokens, up to and including an EOS (what the client delivers)."""
+    out = []
+    for t in tokens[:N_TOKENS]:
+        out.append(t)
+        if t in eos:
+            break
+    return tuple(out)
