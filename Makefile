@@ -11,7 +11,7 @@ PB_OUT := $(PB_DIR)/speculative_pb2.py
 .PHONY: venv proto test test-slow demo testbed bench-lattice soak drafter bench-drafter clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -e '.[test]'
@@ -22,11 +22,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-$(PB_OUT): $(PROTO) $(STAMP)
-	$(PY) -m grpc_tools.protoc -Iproto/specdec/v1 --python_out=$(PB_DIR) --pyi_out=$(PB_DIR) \
-		--grpc_python_out=$(PB_DIR) $(PROTO)
-	# protoc emits absolute imports of sibling modules; make them package-relative (as TGI does).
-	sed -i -e 's/^import speculative_pb2/from . import speculative_pb2/' $(PB_DIR)/speculative_pb2_grpc.py
+# The same generator the packaging's build step runs (setup.py): pip-built wheels and editable
+# installs get this code without make.
+$(PB_OUT): $(PROTO) proto/codegen.py $(STAMP)
+	$(PY) proto/codegen.py $(PB_DIR)
 
 proto: $(PB_OUT)
 

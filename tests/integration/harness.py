@@ -88,10 +88,12 @@ def target_greedy(target_dir, prompt_ids: list[int], max_new_tokens: int) -> lis
 class EdgeProcess:
     """`edge-server` as a real subprocess; waits for its ready line and reads the port from it."""
 
-    def __init__(self, *args: str, env: dict | None = None, port: int = 0):
-        cmd = [str(VENV_BIN / "edge-server"), "--port", str(port), *args]
+    def __init__(self, *args: str, env: dict | None = None, port: int = 0, bindir: Path = VENV_BIN,
+                 cwd: Path | None = None):
+        cmd = [str(bindir / "edge-server"), "--port", str(port), *args]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                                     cwd=cwd)
         self.lines: list[str] = []
         self.port = self._wait_ready()
 
