@@ -91,7 +91,8 @@ class EdgeProcess:
     def __init__(self, *args: str, env: dict | None = None, port: int = 0, bindir: Path = VENV_BIN,
                  cwd: Path | None = None):
         cmd = [str(bindir / "edge-server"), "--port", str(port), *args]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        merged = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        full_env = {k: v for k, v in merged.items() if v is not None}  # env={"X": None} unsets X
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                                      cwd=cwd)
         self.lines: list[str] = []
