@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto test test-slow demo testbed bench-lattice soak drafter bench-drafter clean
+.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml setup.py
@@ -29,7 +29,12 @@ $(PB_OUT): $(PROTO) proto/codegen.py $(STAMP)
 
 proto: $(PB_OUT)
 
-test: $(PB_OUT)
+# Prometheus and tc for the integration tests that run them: installed when root and apt-get can,
+# otherwise one line says which tests skip (.ci/system-deps.sh).
+system-deps:
+	@.ci/system-deps.sh
+
+test: $(PB_OUT) system-deps
 	$(VENV)/bin/pytest -m "not slow and not gpu" tests
 
 test-slow: $(PB_OUT)
@@ -59,6 +64,11 @@ drafter: $(STAMP)
 # The default pair against the target alone on bench/prompts.jsonl at T = 0 and T = 1 (results/).
 bench-drafter: $(PB_OUT)
 	$(PY) bench/bench_drafter.py $(ARGS)
+
+# edge-server + device-client with no tuning flags (OMP_NUM_THREADS unset) against transformers
+# generate on every core, greedy, 3 prompts x 64 tokens x 3 repeats interleaved: results/bench_defaults.json.
+bench-defaults: $(PB_OUT)
+	env -u OMP_NUM_THREADS $(PY) bench/bench_defaults.py $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.
