@@ -64,19 +64,25 @@ class _Output:
 
 
 class _Layer(torch.nn.Module):
-    """One Llama decoder layer with fused q|k|v and gate|up projections."""
+    """One Llama decoder layer with fused q|k|v and gate|up projections (each a float
+    ``torch.nn.Linear`` or an :class:`Int4Linear`)."""
 
-    def __init__(self, hf_layer, heads: int, kv_heads: int, head_dim: int, eps: float):
+    def __init__(self, ln1, ln2, qkv, o, gate_up, down, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
-        a, m = hf_layer.self_attn, hf_layer.mlp
-        self.ln1 = torch.nn.Parameter(hf_layer.input_layernorm.weight.detach().clone(), requires_grad=False)
-        self.ln2 = torch.nn.Parameter(hf_layer.post_attention_layernorm.weight.detach().clone(), requires_grad=False)
-        self.qkv = _linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        self.o = _linear(a.o_proj.weight)
-        self.gate_up = _linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-        self.down = _linear(m.down_proj.weight)
+        self.ln1 = torch.nn.Parameter(ln1, requires_grad=False)                     # [H]
+        self.ln2 = torch.nn.Parameter(ln2, requires_grad=False)                     # [H]
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
-        self.inter = m.down_proj.weight.shape[1]
+        self.inter = gate_up.out_features // 2
+
+    @classmethod
+    def from_hf(cls, hf_layer, heads: int, kv_heads: int, head_dim: int, eps: float) -> "_Layer":
+        a, m = hf_layer.self_attn, hf_layer.mlp
+        return cls(hf_layer.input_layernorm.weight.detach().clone(),
+                   hf_layer.post_attention_layernorm.weight.detach().clone(),
+                   _linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), _linear(a.o_proj.weight),
+                   _linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])), _linear(m.down_proj.weight),
+                   heads, kv_heads, head_dim, eps)
 
     def forward(self, x, cos, sin, cache, idx: int, mask):
         """x: [1, n, H]; cos, sin: [n, head_dim] (sin sign-folded, see _rope); mask: [1, 1, n, S] or None."""
@@ -100,23 +106,47 @@ class LeanDrafter(torch.nn.Module):
     full-vocabulary logits with :data:`OUT_OF_HEAD_LOGIT` outside the head.
     """
 
-    def __init__(self, hf_model, keep_ids: torch.Tensor):
+    def __init__(self, config, embed: torch.Tensor, layers: list[_Layer], norm: torch.Tensor,
+                 head: torch.nn.Module, keep_ids: torch.Tensor):
         super().__init__()
+        _check_supported(config)
+        self.config = config
+        self.embed = torch.nn.Embedding.from_pretrained(embed, freeze=True)            # [V, H]
+        self.layers = torch.nn.ModuleList(layers)
+        self.norm = torch.nn.Parameter(norm, requires_grad=False)                      # [H]
+        self.eps = config.rms_norm_eps
+        self.head = head                                                               # [N, H] rows of the tied head
+        self.register_buffer("keep_ids", keep_ids.long())                              # [N]
+        head_dim = _head_dim(config)
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta")
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
+                             persistent=False)                                          # [d / 2]
+
+    @classmethod
+    def from_hf(cls, hf_model, keep_ids: torch.Tensor) -> "LeanDrafter":
+        """The float drafter from a transformers Llama (shares its token embeddings)."""
         cfg = hf_model.config
         _check_supported(cfg)
-        self.config = cfg
-        self.embed = hf_model.model.embed_tokens                              # shared with the target
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = torch.nn.ModuleList(
-            _Layer(layer, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.rms_norm_eps)
-            for layer in hf_model.model.layers)
-        self.norm = torch.nn.Parameter(hf_model.model.norm.weight.detach().clone(), requires_grad=False)
-        self.eps = cfg.rms_norm_eps
-        self.head = _linear(hf_model.get_output_embeddings().weight[keep_ids])   # [N, H] rows of the tied head
-        self.register_buffer("keep_ids", keep_ids.long(), persistent=False)     # [N]
-        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or getattr(cfg, "rope_theta")
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
-                             persistent=False)                                   # [d / 2]
+        layers = [_Layer.from_hf(layer, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg),
+                                 cfg.rms_norm_eps) for layer in hf_model.model.layers]
+        return cls(cfg, hf_model.model.embed_tokens.weight.detach(), layers,
+                   hf_model.model.norm.weight.detach().clone(),
+                   _linear(hf_model.get_output_embeddings().weight[keep_ids]), keep_ids)
+
+    @classmethod
+    def from_state(cls, config, state: dict[str, torch.Tensor]) -> "LeanDrafter":
+        """The drafter back from its own ``state_dict()`` (float or int4 linears), without copying
+        the tensors: what :func:`load_prebuilt` uses, so a warm start never builds the float model."""
+        def linear(prefix: str) -> torch.nn.Module:
+            if f"{prefix}.packed" in state:
+                return Int4Linear(state[f"{prefix}.packed"], state[f"{prefix}.scales_and_zeros"])
+            return _linear(state[f"{prefix}.weight"], copy=False)
+
+        layers = [_Layer(state[f"layers.{i}.ln1"], state[f"layers.{i}.ln2"],
+                         *(linear(f"layers.{i}.{name}") for name in LAYER_LINEARS),
+                         config.num_attention_heads, config.num_key_value_heads, _head_dim(config),
+                         config.rms_norm_eps) for i in range(config.num_hidden_layers)]
+        return cls(config, state["embed.weight"], layers, state["norm"], linear("head"), state["keep_ids"])
 
     @torch.inference_mode()
     def forward(self, input_ids, past_key_values, position_ids=None, attention_mask=None,
@@ -156,10 +186,14 @@ def _check_supported(cfg) -> None:
         raise ValueError(f"LeanDrafter supports plain Llama models only, not: {', '.join(problems)}")
 
 
-def _linear(weight: torch.Tensor) -> torch.nn.Linear:
-    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    lin.weight.data.copy_(weight.detach())
-    lin.weight.requires_grad_(False)
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _linear(weight: torch.Tensor, copy: bool = True) -> torch.nn.Linear:
+    """A frozen bias-free linear layer holding ``weight`` [N, K] (a copy of it, or itself)."""
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = torch.nn.Parameter(weight.detach().clone() if copy else weight, requires_grad=False)
     return lin
 
 
@@ -211,18 +245,24 @@ class Int4Linear(torch.nn.Module):
     reads 4.5 bits per weight instead of 32.
     """
 
-    def __init__(self, weight: torch.Tensor):                                           # [N, K]
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, exact_fraction: float = float("nan")):
         super().__init__()
+        self.out_features = scales_and_zeros.shape[1]
+        self.exact_fraction = exact_fraction   # of the float weights it was made from (nan: not known here)
+        self.register_buffer("packed", packed)                                          # the kernel's tiles
+        self.register_buffer("scales_and_zeros", scales_and_zeros)                      # [K/G, N, 2] bfloat16
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Int4Linear":                          # [N, K]
         n, k = weight.shape
         if n % INT4_ROWS_MULTIPLE or k % GROUP:
             raise ValueError(f"int4 needs out_features % {INT4_ROWS_MULTIPLE} == 0 and in_features % {GROUP} == 0, "
                              f"got {tuple(weight.shape)}")
         codes, step, minimum = q4_1_quantize(weight)
-        self.exact_fraction = float((q4_1_dequantize(codes, step, minimum) == weight.float()).float().mean())
-        self.out_features = n
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
-        self.register_buffer("scales_and_zeros", torch.stack([step, minimum + 8 * step], dim=-1)
-                             .transpose(0, 1).contiguous().to(torch.bfloat16))         # [K/G, N, 2]
+        exact = float((q4_1_dequantize(codes, step, minimum) == weight.float()).float().mean())
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+        scales_and_zeros = torch.stack([step, minimum + 8 * step], dim=-1).transpose(0, 1).contiguous()
+        return cls(packed, scales_and_zeros.to(torch.bfloat16), exact)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -237,7 +277,7 @@ def quantize_int4(drafter: LeanDrafter) -> float:
     exact = total = 0.0
     for layer in drafter.layers:
         for name in LAYER_LINEARS:
-            lin = Int4Linear(getattr(layer, name).weight)
+            lin = Int4Linear.from_float(getattr(layer, name).weight)
             setattr(layer, name, lin)
             numel = lin.packed.numel() * 2
             exact, total = exact + lin.exact_fraction * numel, total + numel
@@ -253,7 +293,7 @@ def build(model, extra: dict[str, torch.Tensor], meta: dict, device: torch.devic
     keep = extra[HEAD_IDS].long()
     if keep.ndim != 1 or int(keep.min()) < 0 or int(keep.max()) >= model.config.vocab_size:
         raise ValueError("head ids outside the vocabulary")
-    drafter = LeanDrafter(model, keep)
+    drafter = LeanDrafter.from_hf(model, keep)
     if meta.get("int4") and device.type == "cpu" and int4_kernel_available():
         drafter.int4_exact_fraction = quantize_int4(drafter)
     return drafter

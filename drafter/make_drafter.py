@@ -109,7 +109,7 @@ def measure_costs(drafter, target, max_l: int) -> dict:
     and the drafter's own forward in float32 with the full head (``t_lean_float``: the target's
     weights and math as the drafter runs them, so T_target / t_lean_float is what the plain forward
     saves and t_lean_float / T_draft what int4 and the reduced head save)."""
-    lean_float = D.LeanDrafter(target.model, torch.arange(target.vocab_size))
+    lean_float = D.LeanDrafter.from_hf(target.model, torch.arange(target.vocab_size))
     lms = {"draft": CachedLM(drafter.model, drafter.device), "lean_float": CachedLM(lean_float, target.device),
            "target": CachedLM(target.model, target.device)}
     for lm in lms.values():

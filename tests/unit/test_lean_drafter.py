@@ -121,12 +121,12 @@ def test_q4_1_round_trip_error_is_at_most_half_a_step():
     bound = step / 2 + D.Q4_LEVELS * step * 2.0 ** -11
     assert bool((err.amax(-1) <= bound * (1 + 1e-6)).all())
     assert float(err.max()) > 0  # random weights are not on the grid: the bound is what is tested
-    assert D.Int4Linear(w).exact_fraction < 0.1
+    assert D.Int4Linear.from_float(w).exact_fraction < 0.1
 
 
 def test_int4_linear_computes_with_the_q4_1_weights():
     w = _q4_1_weights(64, 96, seed=3)
-    lin = D.Int4Linear(w)
+    lin = D.Int4Linear.from_float(w)
     assert lin.exact_fraction == 1.0
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4))
     ref = x @ w.T
@@ -134,7 +134,7 @@ def test_int4_linear_computes_with_the_q4_1_weights():
     tol = 2.0 ** -7 * (x.abs() @ w.abs().T)
     assert bool(((lin(x) - ref).abs() <= tol).all())
     with pytest.raises(ValueError, match="int4 needs"):
-        D.Int4Linear(torch.randn(24, 96))
+        D.Int4Linear.from_float(torch.randn(24, 96))
 
 
 @pytest.fixture(scope="module")
@@ -199,4 +199,4 @@ def test_lean_drafter_refuses_other_architectures(target_dir):
     m = load_model(ModelSpec(model=str(target_dir)))
     m.model.config.mlp_bias = True
     with pytest.raises(ValueError, match="mlp_bias"):
-        D.LeanDrafter(m.model, torch.arange(VOCAB))
+        D.LeanDrafter.from_hf(m.model, torch.arange(VOCAB))
