@@ -39,6 +39,9 @@ GROUP = 32              # Q4_1's block: 32 consecutive input weights share a ste
 Q4_LEVELS = 15          # codes 0..15
 INT4_ROWS_MULTIPLE = 16  # the CPU int4 kernel packs output rows in tiles of 16
 INNER_K_TILES = 2       # packing parameter of _convert_weight_to_int4pack_for_cpu (any of 1,2,4,8: same speed here)
+# What build() computes from the target and delta.json, as a version: part of the key of the prebuilt
+# drafter in the cache (common/modeling.py), so bump it whenever build()'s output changes.
+PREBUILT_VERSION = 1
 
 
 def has_default_drafter(path: Path = WEIGHTS_DIR) -> bool:
@@ -147,6 +150,14 @@ class LeanDrafter(torch.nn.Module):
                          config.num_attention_heads, config.num_key_value_heads, _head_dim(config),
                          config.rms_norm_eps) for i in range(config.num_hidden_layers)]
         return cls(config, state["embed.weight"], layers, state["norm"], linear("head"), state["keep_ids"])
+
+    def prebuilt_state(self) -> tuple[dict[str, torch.Tensor], dict, dict] | None:
+        """(tensors, info, delta meta) for the cache (common/modeling.py), None off the CPU (the
+        cache saves a CPU start its float build; other devices run the float drafter anyway)."""
+        if self.norm.device.type != "cpu":
+            return None
+        info = {"int4_exact_fraction": getattr(self, "int4_exact_fraction", None)}
+        return self.state_dict(), info, getattr(self, "delta_meta", {"builder": BUILDER})
 
     @torch.inference_mode()
     def forward(self, input_ids, past_key_values, position_ids=None, attention_mask=None,
@@ -294,8 +305,17 @@ def build(model, extra: dict[str, torch.Tensor], meta: dict, device: torch.devic
     if keep.ndim != 1 or int(keep.min()) < 0 or int(keep.max()) >= model.config.vocab_size:
         raise ValueError("head ids outside the vocabulary")
     drafter = LeanDrafter.from_hf(model, keep)
+    drafter.delta_meta = meta
     if meta.get("int4") and device.type == "cpu" and int4_kernel_available():
         drafter.int4_exact_fraction = quantize_int4(drafter)
+    return drafter
+
+
+def load_prebuilt(config, state: dict[str, torch.Tensor], info: dict, device: torch.device) -> LeanDrafter:
+    """What :func:`build` made, back from its cached tensors (the cache's loader calls this)."""
+    drafter = LeanDrafter.from_state(config, state)
+    if info.get("int4_exact_fraction") is not None:
+        drafter.int4_exact_fraction = info["int4_exact_fraction"]
     return drafter
 
 

@@ -184,7 +184,7 @@ def main() -> int:
         records = generate_dataset(gen_cfg, training_prompts(gen_cfg.num_prompts, gen_cfg.seed, exclude), a.data)
     target = load_model(ModelSpec())
     meta = {"name": f"int4-q4_1-{a.head_size}v", "num_layers": target.model.config.num_hidden_layers,
-            "int4": True, "group_size": D.GROUP, "head_size": a.head_size,
+            "int4": True, "cache_prebuilt": True, "group_size": D.GROUP, "head_size": a.head_size,
             "data": {**asdict(gen_cfg), "answers": len(records), "tokens": sum(len(r["gen"]) for r in records)}}
     build_files(records, target, a.out, a.head_size, meta)
 
