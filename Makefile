@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto test test-slow demo testbed bench-lattice soak drafter bench-drafter clean
+.PHONY: venv proto test test-slow demo testbed bench-lattice soak drafter bench-drafter footprint clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml
@@ -60,6 +60,11 @@ drafter: $(STAMP)
 # The default pair against the target alone on bench/prompts.jsonl at T = 0 and T = 1 (results/).
 bench-drafter: $(PB_OUT)
 	$(PY) bench/bench_drafter.py $(ARGS)
+
+# The device's footprint with the default drafter: device-client's seconds from start to first token
+# on a warm cache and its peak RSS, with the breakdown (results/bench_footprint.json; ~1 min).
+footprint: $(PB_OUT)
+	$(PY) bench/bench_footprint.py $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.
