@@ -9,7 +9,7 @@ the recorded operating point. Reports:
     the full-vocabulary logits, dtype conversions, other ops, and Python / dispatch overhead (the
     forward's wall time that no operator accounts for).
 
-    .venv/bin/python bench/profile_drafter.py [--tokens 64] [--temperature 1] [--compare-caches N] [--out FILE]
+    .venv/bin/python bench/profile_drafter.py [--tokens 64] [--temperature 1] [--out FILE]
 
 Writes results/profile_drafter.json and prints the table.
 """
@@ -88,30 +88,10 @@ def time_sampling(session, lm, tokens: list[int], temperature: float) -> list[fl
     return out
 
 
-def compare_caches(drafter, prompt: list[int], tokens: int, repeats: int) -> dict[str, list[float]]:
-    """Median ms per forward over ``tokens`` greedy steps after the prompt, with the drafter's own
-    KVBuffer and with transformers' DynamicCache, interleaved (A B A B) ``repeats`` times."""
-    from transformers import DynamicCache
-
-    from specdec.common.modeling import CachedLM
-
-    out: dict[str, list[float]] = {"KVBuffer": [], "DynamicCache": []}
-    for _ in range(repeats):
-        for name in out:
-            lm = CachedLM(drafter.model, drafter.device)
-            if name == "DynamicCache":
-                lm.cache = DynamicCache(config=drafter.model.config)
-            first = int(lm.forward(prompt, num_logits=1)[-1].argmax())
-            out[name].append(1e3 * statistics.median(_time_steps(lm, first, tokens)[0]))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--compare-caches", type=int, default=0, metavar="REPEATS",
-                    help="also time the forward with KVBuffer and with DynamicCache, interleaved REPEATS times")
     ap.add_argument("--out", default=str(ROOT / "results" / "profile_drafter.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -138,8 +118,6 @@ def main() -> None:
         "forward_ms_by_group_profiled": groups,
         "load_average": os.getloadavg(), "torch": torch.__version__,
     }
-    if args.compare_caches:
-        result["forward_ms_by_cache"] = compare_caches(drafter, prompt, args.tokens, args.compare_caches)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{drafter.name}: forward {result['forward_ms_median']:.2f} ms/token, q + {cfg.mode.value} encode/decode "
@@ -147,9 +125,6 @@ def main() -> None:
     print("forward under the profiler, ms per token (self CPU time):")
     for g, ms in groups.items():
         print(f"  {g:<45} {ms:6.2f}")
-    for name, runs in result.get("forward_ms_by_cache", {}).items():
-        print(f"  forward with {name:<12} median of {len(runs)} runs: {statistics.median(runs):.2f} ms/token "
-              f"({', '.join(f'{r:.1f}' for r in runs)})")
     print(f"wrote {args.out}  (load average {os.getloadavg()[0]:.2f})")
 
 

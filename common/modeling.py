@@ -386,9 +386,7 @@ class CachedLM:
 
         self.model = model
         self.device = device
-        # A model may bring its own cache (LeanDrafter: preallocated, written in place).
-        make_cache = getattr(model, "make_cache", None)
-        self.cache = make_cache() if make_cache is not None else DynamicCache(config=model.config)
+        self.cache = DynamicCache(config=model.config)
 
     @property
     def cache_len(self) -> int:
@@ -432,9 +430,6 @@ class CachedLM:
         idx = torch.tensor(indices, dtype=torch.long, device=self.device)
         if len(indices) and (int(idx.min()) < 0 or int(idx.max()) >= self.cache_len):
             raise ValueError("keep(): index outside the cache")
-        if hasattr(self.cache, "keep"):
-            self.cache.keep(idx)
-            return
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, idx)
             layer.values = layer.values.index_select(-2, idx)

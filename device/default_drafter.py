@@ -60,80 +60,6 @@ def default_drafter_spec(device: str = "cpu", dtype: str = "float32", path: Path
 
 
 # ----------------------------------------------------------------------------------- the module
-KV_INITIAL_TOKENS = 256  # first capacity of a KVBuffer (46 KB a token for SmolLM2: ~12 MB); doubles when full
-
-
-class _LayerKV:
-    """One layer's view of a :class:`KVBuffer` (``keys`` / ``values`` [1, kv, S, d]), as transformers'
-    cache layers expose them (bench_footprint counts their bytes)."""
-
-    def __init__(self, buf: "KVBuffer", idx: int):
-        self.buf, self.idx = buf, idx
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.buf.k[self.idx, :, :, :self.buf.length]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.buf.v[self.idx, :, :, :self.buf.length]
-
-
-class KVBuffer:
-    """A preallocated KV cache for :class:`LeanDrafter`: each step writes its keys and values in
-    place and attention reads a view of the first S positions. transformers' DynamicCache instead
-    concatenates every layer's whole cache at every step: a new ~S x 0.8 KB tensor per layer and
-    step, which past ~170 tokens crosses glibc's mmap threshold, so every step of every layer also
-    maps, faults in and unmaps fresh pages (~8 ms of a ~30 ms draft step at 150-200 tokens here).
-
-    The subset of the DynamicCache interface that LeanDrafter and CachedLM use: ``update``,
-    ``get_seq_length``, ``crop`` (negative: drop that many tokens), ``keep`` and ``layers``.
-    """
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype=torch.float32, device=None):
-        self.length = 0
-        self.k = torch.empty(layers, 1, kv_heads, KV_INITIAL_TOKENS, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)                                               # [L, 1, kv, cap, d]
-        self.layers = [_LayerKV(self, i) for i in range(layers)]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [1, kv, n, d] of the new tokens -> the layer's keys, values [1, kv, S + n, d].
-        The length advances after the last layer (every layer gets the same n new tokens)."""
-        n = k.shape[2]
-        end = self.length + n
-        if end > self.k.shape[3]:
-            self._grow(end)
-        self.k[idx, :, :, self.length:end] = k
-        self.v[idx, :, :, self.length:end] = v
-        if idx == len(self.layers) - 1:
-            self.length = end
-        return self.k[idx, :, :, :end], self.v[idx, :, :, :end]
-
-    def _grow(self, needed: int) -> None:
-        cap = self.k.shape[3]
-        while cap < needed:
-            cap *= 2
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_empty(*old.shape[:3], cap, old.shape[4])
-            new[:, :, :, :old.shape[3]] = old
-            setattr(self, name, new)
-
-    def crop(self, max_length: int) -> None:
-        """As DynamicCache.crop: a negative argument drops that many tokens, else keep that many."""
-        self.length = max(0, self.length + max_length if max_length < 0 else min(self.length, max_length))
-
-    @torch.inference_mode()  # the buffers may be inference tensors (grown inside a forward)
-    def keep(self, idx: torch.Tensor) -> None:
-        """Compact to the given cached positions, in order (an accepted token-tree path)."""
-        for buf in (self.k, self.v):
-            buf[:, :, :, :len(idx)] = buf[:, :, :, :self.length].index_select(3, idx)
-        self.length = len(idx)
-
-
 @dataclass
 class _Output:
     logits: torch.Tensor            # [B, logits_to_keep, V]
@@ -224,11 +150,6 @@ class LeanDrafter(torch.nn.Module):
                          config.num_attention_heads, config.num_key_value_heads, _head_dim(config),
                          config.rms_norm_eps) for i in range(config.num_hidden_layers)]
         return cls(config, state["embed.weight"], layers, state["norm"], linear("head"), state["keep_ids"])
-
-    def make_cache(self) -> KVBuffer:
-        """The KV cache CachedLM gives this module (transformers' own caches work too)."""
-        cfg = self.config
-        return KVBuffer(len(self.layers), cfg.num_key_value_heads, _head_dim(cfg), self.norm.dtype, self.norm.device)
 
     def prebuilt_state(self) -> tuple[dict[str, torch.Tensor], dict, dict] | None:
         """(tensors, info, delta meta) for the cache (common/modeling.py), None off the CPU (the

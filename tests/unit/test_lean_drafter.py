@@ -200,25 +200,3 @@ def test_lean_drafter_refuses_other_architectures(target_dir):
     m.model.config.mlp_bias = True
     with pytest.raises(ValueError, match="mlp_bias"):
         D.LeanDrafter.from_hf(m.model, torch.arange(VOCAB))
-
-
-def test_kv_buffer_equals_dynamic_cache(target_dir, tmp_path, monkeypatch):
-    """LeanDrafter's preallocated cache (CachedLM's default for it) against transformers' DynamicCache
-    through prefill, steps, growth past its capacity, truncate and a tree-path keep: same logits."""
-    from transformers import DynamicCache
-
-    monkeypatch.setattr(D, "KV_INITIAL_TOKENS", 4)  # grows twice within IDS
-    lean = _load(target_dir, _delta(tmp_path / "d", torch.arange(VOCAB), int4=True))
-    static, dynamic = CachedLM(lean.model, lean.device), CachedLM(lean.model, lean.device)
-    dynamic.cache = DynamicCache(config=lean.model.config)
-    assert isinstance(static.cache, D.KVBuffer)
-    outs = {}
-    for name, lm in (("static", static), ("dynamic", dynamic)):
-        rows = [lm.forward(IDS[:3], num_logits=3)] + [lm.forward([t], num_logits=1) for t in IDS[3:9]]
-        lm.truncate(6)
-        rows.append(lm.forward(IDS[6:], num_logits=len(IDS) - 6))
-        lm.keep([0, 1, 2, 4, 7, 8])
-        rows.append(lm.forward([5, 6], num_logits=2))
-        outs[name] = torch.cat(rows)
-    assert static.cache_len == dynamic.cache_len == 8
-    assert torch.equal(outs["static"], outs["dynamic"])
