@@ -177,6 +177,20 @@ def test_int4_build_on_q4_1_weights_is_the_target_up_to_bfloat16(q4_target_dir, 
     assert float(tv.mean()) < 0.02 and float(tv.max()) < 0.05, tv
 
 
+def test_float16_head_is_the_float32_head_within_float16_rounding(target_dir, tmp_path):
+    keep = torch.arange(0, VOCAB, 2)
+    full = _load(target_dir, _delta(tmp_path / "f32", keep))
+    half = _load(target_dir, _delta(tmp_path / "f16", keep, head_dtype="float16"))
+    assert isinstance(half.model.head, D.HalfHead) and half.model.head.weight.dtype == torch.float16
+    ref, out = (CachedLM(m.model, m.device).forward(IDS, num_logits=len(IDS)) for m in (full, half))
+    # float16 weights, activations and output: a few 2^-11 of the largest logit (measured max 0.004 of ~10)
+    err = (out[:, keep] - ref[:, keep]).abs().max()
+    assert 0 < err <= 2.0 ** -8 * ref[:, keep].abs().max()
+    off = torch.ones(VOCAB, dtype=torch.bool)
+    off[keep] = False
+    assert float(model_probs(out, 1.0)[:, off].max()) == 0.0
+
+
 def test_delta_refusals(target_dir, tmp_path):
     bad = _delta(tmp_path / "builder", torch.arange(VOCAB))
     meta = json.loads((bad / DELTA_CONFIG).read_text())

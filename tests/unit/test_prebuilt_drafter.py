@@ -65,13 +65,16 @@ def _entries(cache: Path) -> list[Path]:
     return sorted(p for p in cache.glob("drafter-tiny-*") if p.is_dir())
 
 
-def test_cached_drafter_is_bit_identical_and_skips_the_float_model(target_dir, tmp_path, cache, builds):
-    spec = ModelSpec(model=str(target_dir), delta=str(_delta(tmp_path / "d")))
+@pytest.mark.parametrize("head_dtype", ["float32", "float16"])
+def test_cached_drafter_is_bit_identical_and_skips_the_float_model(target_dir, tmp_path, cache, builds, head_dtype):
+    spec = ModelSpec(model=str(target_dir), delta=str(_delta(tmp_path / "d", head_dtype=head_dtype)))
     fresh = load_model(spec)
     assert len(builds) == 1 and len(_entries(cache)) == 1
     warm = load_model(spec)
     assert len(builds) == 1                                  # read back, not built again
     assert isinstance(warm.model.layers[0].qkv, D.Int4Linear)  # the int4 weights came back as int4
+    assert type(warm.model.head) is type(fresh.model.head)    # and the head as it was built
+    assert isinstance(warm.model.head, D.HalfHead) == (head_dtype == "float16")
     assert warm.model.int4_exact_fraction == fresh.model.int4_exact_fraction
     assert warm.name == fresh.name
     assert modeling.vocab_fingerprint(warm.tokenizer) == modeling.vocab_fingerprint(fresh.tokenizer)
