@@ -9,7 +9,7 @@ the recorded operating point. Reports:
     the full-vocabulary logits, dtype conversions, other ops, and Python / dispatch overhead (the
     forward's wall time that no operator accounts for).
 
-    .venv/bin/python bench/profile_drafter.py [--tokens 64] [--temperature 1] [--out FILE]
+    .venv/bin/python bench/profile_drafter.py [--tokens 64] [--temperature 1] [--compare-heads N] [--out FILE]
 
 Writes results/profile_drafter.json and prints the table.
 """
@@ -88,10 +88,38 @@ def time_sampling(session, lm, tokens: list[int], temperature: float) -> list[fl
     return out
 
 
+def compare_heads(drafter, prompt: list[int], tokens: int, repeats: int) -> dict[str, list[float]]:
+    """Median ms per forward over ``tokens`` greedy steps after the prompt with the drafter's head
+    and with a float32 copy of it (the previous default), interleaved (A B A B) ``repeats`` times."""
+    from specdec.common.modeling import CachedLM
+    from specdec.device.default_drafter import HalfHead
+
+    model = drafter.model
+    built = model.head
+    heads = {type(built).__name__: built}
+    if isinstance(built, HalfHead):
+        f32 = torch.nn.Linear(built.weight.shape[1], built.out_features, bias=False, device="meta")
+        f32.weight = torch.nn.Parameter(built.weight.float(), requires_grad=False)
+        heads["float32 Linear"] = f32
+    out: dict[str, list[float]] = {name: [] for name in heads}
+    try:
+        for _ in range(repeats):
+            for name, head in heads.items():
+                model.head = head
+                lm = CachedLM(model, drafter.device)
+                first = int(lm.forward(prompt, num_logits=1)[-1].argmax())
+                out[name].append(1e3 * statistics.median(_time_steps(lm, first, tokens)[0]))
+    finally:
+        model.head = built
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--compare-heads", type=int, default=0, metavar="REPEATS",
+                    help="also time the forward with the drafter's head and a float32 copy, interleaved REPEATS times")
     ap.add_argument("--out", default=str(ROOT / "results" / "profile_drafter.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -118,6 +146,8 @@ def main() -> None:
         "forward_ms_by_group_profiled": groups,
         "load_average": os.getloadavg(), "torch": torch.__version__,
     }
+    if args.compare_heads:
+        result["forward_ms_by_head"] = compare_heads(drafter, prompt, args.tokens, args.compare_heads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{drafter.name}: forward {result['forward_ms_median']:.2f} ms/token, q + {cfg.mode.value} encode/decode "
@@ -125,6 +155,9 @@ def main() -> None:
     print("forward under the profiler, ms per token (self CPU time):")
     for g, ms in groups.items():
         print(f"  {g:<45} {ms:6.2f}")
+    for name, runs in result.get("forward_ms_by_head", {}).items():
+        print(f"  forward with head {name:<15} median of {len(runs)} runs: {statistics.median(runs):.2f} ms/token "
+              f"({', '.join(f'{r:.1f}' for r in runs)})")
     print(f"wrote {args.out}  (load average {os.getloadavg()[0]:.2f})")
 
 
