@@ -9,6 +9,10 @@ the recorded operating point. Reports:
     the full-vocabulary logits, dtype conversions, other ops, and Python / dispatch overhead (the
     forward's wall time that no operator accounts for).
 
+The profiler inflates small operators: it charges ``aten::cat`` (the KV-cache update) 1-9 ms per
+token, which a cache written in place did not save in wall time (git history: the KVBuffer
+experiment). Trust the unprofiled medians and the interleaved comparisons over the group split.
+
     .venv/bin/python bench/profile_drafter.py [--tokens 64] [--temperature 1] [--compare-heads N] [--out FILE]
 
 Writes results/profile_drafter.json and prints the table.
