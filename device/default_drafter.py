@@ -6,7 +6,8 @@ per group of 32, which transformers dequantizes to float32 (the edge verifies wi
 model). The drafter takes the same 4-bit codes back (:func:`q4_1_quantize` recovers them exactly
 from the float32 weights) and runs them with torch's int4 CPU kernel on bfloat16 activations, so a
 decode step reads ~7x fewer bytes than the float32 target's. Its only departures from the target are
-bfloat16 rounding and the LM head, which covers only the ``N`` tokens the target emits most (q = 0
+bfloat16 rounding and the LM head (float16 with ``head_dtype``: :class:`HalfHead`), which covers only
+the ``N`` tokens the target emits most (q = 0
 elsewhere: the device never drafts a token outside the head, and the edge verifies against exactly
 that q, so the system stays lossless). A plain KV-cached forward replaces the transformers module
 stack.
@@ -14,7 +15,9 @@ stack.
 What is committed (``drafter_weights/``, only what differs from the target): the head's token ids
 and ``delta.json``. The weights themselves are the target's, read at load time through
 :func:`specdec.common.modeling.load_model` (``ModelSpec.delta`` -> this module's :func:`build`), so
-drafter and target share their tokenizer and loading code exactly. How the files were made and what
+drafter and target share their tokenizer and loading code exactly; what :func:`build` makes is cached
+once (``delta.json``'s ``cache_prebuilt``) and later starts read it back through
+:func:`load_prebuilt` without the float32 target. How the files were made and what
 the drafter measures: ``drafter_weights/README.md``; the recipe: ``make drafter``.
 """
 from __future__ import annotations
@@ -156,8 +159,8 @@ class LeanDrafter(torch.nn.Module):
         return cls(config, state["embed.weight"], layers, state["norm"], linear("head"), state["keep_ids"])
 
     def prebuilt_state(self) -> tuple[dict[str, torch.Tensor], dict, dict] | None:
-        """(tensors, info, delta meta) for the cache (common/modeling.py), None off the CPU (the
-        cache saves a CPU start its float build; other devices run the float drafter anyway)."""
+        """(tensors, info, delta meta) for the prebuilt-drafter cache (common/modeling.py); None off
+        the CPU: the cache is for the int4 CPU build, elsewhere the float drafter is built as before."""
         if self.norm.device.type != "cpu":
             return None
         info = {"int4_exact_fraction": getattr(self, "int4_exact_fraction", None)}
@@ -304,8 +307,8 @@ class Int4Linear(torch.nn.Module):
 
 
 def quantize_int4(drafter: LeanDrafter) -> float:
-    """Every decoder-layer linear -> :class:`Int4Linear` (the head stays float: its int8 or bfloat16
-    versions cost acceptance, see drafter_weights/README.md). Returns the fraction of weights the
+    """Every decoder-layer linear -> :class:`Int4Linear` (the head stays float32 or float16: its int8
+    or bfloat16 versions cost acceptance, see drafter_weights/README.md). Returns the fraction of weights the
     4-bit grid reproduces exactly (1.0 for a target loaded from a Q4_1 GGUF)."""
     exact = total = 0.0
     for layer in drafter.layers:
