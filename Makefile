@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults clean
+.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml setup.py
@@ -69,6 +69,11 @@ bench-drafter: $(PB_OUT)
 # generate on every core, greedy, 3 prompts x 64 tokens x 3 repeats interleaved: results/bench_defaults.json.
 bench-defaults: $(PB_OUT)
 	env -u OMP_NUM_THREADS $(PY) bench/bench_defaults.py $(ARGS)
+
+# The device's footprint with the default drafter: device-client's seconds from start to first token
+# on a warm cache and its peak RSS, with the breakdown (results/bench_footprint.json; ~1 min).
+footprint: $(PB_OUT)
+	$(PY) bench/bench_footprint.py $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.
