@@ -8,10 +8,10 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto test test-slow demo testbed bench-lattice soak drafter bench-drafter clean
+.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -e '.[test]'
@@ -22,15 +22,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-$(PB_OUT): $(PROTO) $(STAMP)
-	$(PY) -m grpc_tools.protoc -Iproto/specdec/v1 --python_out=$(PB_DIR) --pyi_out=$(PB_DIR) \
-		--grpc_python_out=$(PB_DIR) $(PROTO)
-	# protoc emits absolute imports of sibling modules; make them package-relative (as TGI does).
-	sed -i -e 's/^import speculative_pb2/from . import speculative_pb2/' $(PB_DIR)/speculative_pb2_grpc.py
+# The same generator the packaging's build step runs (setup.py): pip-built wheels and editable
+# installs get this code without make.
+$(PB_OUT): $(PROTO) proto/codegen.py $(STAMP)
+	$(PY) proto/codegen.py $(PB_DIR)
 
 proto: $(PB_OUT)
 
-test: $(PB_OUT)
+# Prometheus and tc for the integration tests that run them: installed when root and apt-get can,
+# otherwise one line says which tests skip (.ci/system-deps.sh).
+system-deps:
+	@.ci/system-deps.sh
+
+test: $(PB_OUT) system-deps
 	$(VENV)/bin/pytest -m "not slow and not gpu" tests
 
 test-slow: $(PB_OUT)
@@ -60,6 +64,16 @@ drafter: $(STAMP)
 # The default pair against the target alone on bench/prompts.jsonl at T = 0 and T = 1 (results/).
 bench-drafter: $(PB_OUT)
 	$(PY) bench/bench_drafter.py $(ARGS)
+
+# edge-server + device-client with no tuning flags (OMP_NUM_THREADS unset) against transformers
+# generate on every core, greedy, 3 prompts x 64 tokens x 3 repeats interleaved: results/bench_defaults.json.
+bench-defaults: $(PB_OUT)
+	env -u OMP_NUM_THREADS $(PY) bench/bench_defaults.py $(ARGS)
+
+# The device's footprint with the default drafter: device-client's seconds from start to first token
+# on a warm cache and its peak RSS, with the breakdown (results/bench_footprint.json; ~1 min).
+footprint: $(PB_OUT)
+	$(PY) bench/bench_footprint.py $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.

@@ -15,7 +15,7 @@ results/<timestamp>/ (and points results/latest at it):
   4. uplink / downlink bytes per generated token per mode                 loopback.csv
   5. K-SQS vs C-SQS latency and resampling rate across temperatures (SQS Fig. 2)   sqs.csv
   6. ceilings: target alone and transformers assisted generation, same pair, prompts and seeds
-                                                                          ceilings.json
+     (assisted on the pair's two cores: ceilings.ASSISTED_THREADS threads)  ceilings.json
 plus plots/*.png, sessions.jsonl (every session's device JSON), summary.json (machine, models,
 settings, git revision, what was sampled, the spread of the repeated target-alone baselines = noise).
 Shaped links need root (network namespaces, tc); without it the run keeps loopback only and says so.
@@ -115,7 +115,7 @@ class Run:
         self.bar.set_description("loading models")
         self.target = load_model(ModelSpec())
         self.drafter = load_model(DeviceConfig().model_spec())
-        self.assistant = self.drafter if ceilings.usable_as_assistant(self.drafter) else None
+        self.assistant = ceilings.as_assistant(self.drafter)
         if self.assistant is not None:
             ceilings.prepare_assistant(self.assistant, self.s.draft_len)
         self.bar.set_description("warm-up")
@@ -137,7 +137,7 @@ class Run:
         self.bar.set_description("ceiling: target alone")
         alone = self._decode(self.s.loop_prompts)
         self.bar.set_description("ceiling: HF assisted generation")
-        assisted, err = ceilings.DecodeStats(), f"{self.drafter.name} is not a transformers model"
+        assisted, err = ceilings.DecodeStats(), f"{self.drafter.name} cannot be a transformers assistant"
         if self.assistant is not None:
             try:
                 assisted = self._decode(self.s.loop_prompts, self.assistant)
@@ -145,6 +145,7 @@ class Run:
             except Exception as exc:  # e.g. a drafter transformers cannot use as an assistant
                 assisted, err = ceilings.DecodeStats(), f"{type(exc).__name__}: {exc}"
         self.ceil = {"target": alone.to_json(), "assisted": assisted.to_json(), "assisted_error": err,
+                     "assisted_threads": ceilings.ASSISTED_THREADS,
                      "draft_len": self.s.draft_len, "temperature": self.s.temperature,
                      "prompts": self.s.loop_prompts, "max_new_tokens": self.s.max_new_tokens}
 

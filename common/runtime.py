@@ -1,9 +1,21 @@
-"""Process plumbing shared by both entry points: the event loop and the first lines of logging."""
+"""Process plumbing shared by both entry points: the event loop, flag errors, torch's thread count."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
+import os
+import socket
 import sys
+from dataclasses import dataclass
+
+# edge-server and device-client on one host split its cores between them: each taking every core
+# made the pair ~3x slower than the target alone on 2 cores (issue 20), one thread each ~2x faster.
+PAIR_PROCESSES = 2
+# At or below this many cores a process leaves the others to its peer even when the address does not
+# say the peer is here (an edge bound to 0.0.0.0, a device given this host's public name): halving
+# costs a lone process at most ~1.6x (the 135M target on 1 vs 2 threads here), oversubscribing 3x.
+FEW_CORES = 2
 
 
 def run_async(coro):
@@ -21,3 +33,81 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int  # torch intra-op threads to set; 0 = keep torch's default
+    reason: str   # why, for the one log line; "" when the user chose (--threads or OMP_NUM_THREADS)
+
+
+def choose_threads(requested: int, cores: int, peer_on_host: bool, omp_env: str | None = None) -> ThreadChoice:
+    """The torch thread count of one process of the pair: the one rule both CLIs use.
+
+    ``requested``: --threads (0 = not given); ``cores``: cores this process may run on;
+    ``peer_on_host``: the other process runs on this host too; ``omp_env``: $OMP_NUM_THREADS.
+    """
+    if requested > 0:
+        return ThreadChoice(requested, "")
+    if omp_env:  # torch's default already follows it
+        return ThreadChoice(0, "")
+    share = max(1, cores // PAIR_PROCESSES)
+    if peer_on_host:
+        return ThreadChoice(share, f"the edge and the device share this host's {cores} cores")
+    if cores <= FEW_CORES:
+        return ThreadChoice(share, f"only {cores} cores: leaving the rest to the other process, "
+                                   "which may run here")
+    return ThreadChoice(cores, f"the other process runs on another host: all {cores} cores")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback literals (an edge bound there serves only this host)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_address(host: str) -> bool:
+    """True if ``host`` resolves to loopback or to an address of this machine (a socket binds to it)."""
+    if is_loopback(host):
+        return True
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        if ip.is_loopback:
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def apply_threads(prog: str, requested: int, peer_on_host: bool) -> int:
+    """Set torch's thread count by choose_threads; say what and why in one stderr line unless the user
+    chose. Returns the threads torch now uses."""
+    import torch
+
+    choice = choose_threads(requested, usable_cores(), peer_on_host, os.environ.get("OMP_NUM_THREADS"))
+    if choice.threads > 0:
+        torch.set_num_threads(choice.threads)
+    if choice.reason:
+        sys.stderr.write(f"{prog}: {torch.get_num_threads()} torch thread(s): {choice.reason} "
+                         "(--threads N overrides)\n")
+    return torch.get_num_threads()

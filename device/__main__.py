@@ -7,7 +7,7 @@ import sys
 
 from specdec.common.codecs import Mode
 from specdec.common.modeling import DTYPES
-from specdec.common.runtime import OneLineParser, run_async
+from specdec.common.runtime import OneLineParser, apply_threads, is_local_address, run_async
 from specdec.device.runner import DeviceConfig, run_device
 
 
@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address")
     p.add_argument("--linger", type=_bounded(float, 0.0), default=0.0,
                    help="keep /metrics up this many seconds after the last session (needs --metrics-port)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (0 = torch's default); 1 suits tiny models and shared cores")
+    p.add_argument("--threads", type=_bounded(int, 0), default=0,
+                   help="torch intra-op threads (default 0: half the cores when the edge is on this host "
+                        "or the host has 2 cores or fewer, else all; the choice is logged)")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -130,6 +131,12 @@ def _host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _edge_on_this_host(edge: str) -> bool:
+    """Whether --edge names this machine (then the two processes share its cores)."""
+    host = edge.rpartition(":")[0] or edge
+    return is_local_address(host)
+
+
 def build_serve_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="device-client serve",
                 description="specdec device daemon: an OpenAI-compatible HTTP API over speculative decoding")
@@ -153,9 +160,7 @@ def serve_main(argv: list[str]) -> int:
     host, port = args.listen
     cfg = DaemonConfig(device=config_from_args(args), host=host, port=port,
                        model_name=args.served_model_name, connect_timeout=args.connect_timeout)
-    if args.threads > 0:
-        import torch
-        torch.set_num_threads(args.threads)
+    apply_threads("device-client serve", args.threads, _edge_on_this_host(args.edge))
     try:
         run_async(serve(cfg))
     except Exception as exc:  # any failure: one line and a non-zero status
@@ -174,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--linger needs --metrics-port")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(args)
-    if args.threads > 0:
-        import torch
-        torch.set_num_threads(args.threads)
+    apply_threads("device-client", args.threads, _edge_on_this_host(args.edge))
     try:
         run_async(run_device(cfg, out=sys.stdout))
     except Exception as exc:  # any failure: one line and a non-zero status

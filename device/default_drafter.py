@@ -6,7 +6,8 @@ per group of 32, which transformers dequantizes to float32 (the edge verifies wi
 model). The drafter takes the same 4-bit codes back (:func:`q4_1_quantize` recovers them exactly
 from the float32 weights) and runs them with torch's int4 CPU kernel on bfloat16 activations, so a
 decode step reads ~7x fewer bytes than the float32 target's. Its only departures from the target are
-bfloat16 rounding and the LM head, which covers only the ``N`` tokens the target emits most (q = 0
+bfloat16 rounding and the LM head (float16 with ``head_dtype``: :class:`HalfHead`), which covers only
+the ``N`` tokens the target emits most (q = 0
 elsewhere: the device never drafts a token outside the head, and the edge verifies against exactly
 that q, so the system stays lossless). A plain KV-cached forward replaces the transformers module
 stack.
@@ -14,7 +15,9 @@ stack.
 What is committed (``drafter_weights/``, only what differs from the target): the head's token ids
 and ``delta.json``. The weights themselves are the target's, read at load time through
 :func:`specdec.common.modeling.load_model` (``ModelSpec.delta`` -> this module's :func:`build`), so
-drafter and target share their tokenizer and loading code exactly. How the files were made and what
+drafter and target share their tokenizer and loading code exactly; what :func:`build` makes is cached
+once (``delta.json``'s ``cache_prebuilt``) and later starts read it back through
+:func:`load_prebuilt` without the float32 target. How the files were made and what
 the drafter measures: ``drafter_weights/README.md``; the recipe: ``make drafter``.
 """
 from __future__ import annotations
@@ -39,6 +42,9 @@ GROUP = 32              # Q4_1's block: 32 consecutive input weights share a ste
 Q4_LEVELS = 15          # codes 0..15
 INT4_ROWS_MULTIPLE = 16  # the CPU int4 kernel packs output rows in tiles of 16
 INNER_K_TILES = 2       # packing parameter of _convert_weight_to_int4pack_for_cpu (any of 1,2,4,8: same speed here)
+# What build() computes from the target and delta.json, as a version: part of the key of the prebuilt
+# drafter in the cache (common/modeling.py), so bump it whenever build()'s output changes.
+PREBUILT_VERSION = 1
 
 
 def has_default_drafter(path: Path = WEIGHTS_DIR) -> bool:
@@ -64,32 +70,40 @@ class _Output:
 
 
 class _Layer(torch.nn.Module):
-    """One Llama decoder layer with fused q|k|v and gate|up projections."""
+    """One Llama decoder layer with fused q|k|v and gate|up projections (each a float
+    ``torch.nn.Linear`` or an :class:`Int4Linear`)."""
 
-    def __init__(self, hf_layer, heads: int, kv_heads: int, head_dim: int, eps: float):
+    def __init__(self, ln1, ln2, qkv, o, gate_up, down, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
-        a, m = hf_layer.self_attn, hf_layer.mlp
-        self.ln1 = torch.nn.Parameter(hf_layer.input_layernorm.weight.detach().clone(), requires_grad=False)
-        self.ln2 = torch.nn.Parameter(hf_layer.post_attention_layernorm.weight.detach().clone(), requires_grad=False)
-        self.qkv = _linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        self.o = _linear(a.o_proj.weight)
-        self.gate_up = _linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-        self.down = _linear(m.down_proj.weight)
+        self.ln1 = torch.nn.Parameter(ln1, requires_grad=False)                     # [H]
+        self.ln2 = torch.nn.Parameter(ln2, requires_grad=False)                     # [H]
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
-        self.inter = m.down_proj.weight.shape[1]
+        self.inter = gate_up.out_features // 2
+
+    @classmethod
+    def from_hf(cls, hf_layer, heads: int, kv_heads: int, head_dim: int, eps: float) -> "_Layer":
+        a, m = hf_layer.self_attn, hf_layer.mlp
+        return cls(hf_layer.input_layernorm.weight.detach().clone(),
+                   hf_layer.post_attention_layernorm.weight.detach().clone(),
+                   _linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), _linear(a.o_proj.weight),
+                   _linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])), _linear(m.down_proj.weight),
+                   heads, kv_heads, head_dim, eps)
 
     def forward(self, x, cos, sin, cache, idx: int, mask):
-        """x: [1, n, H]; cos, sin: [n, head_dim] (sin sign-folded, see _rope); mask: [1, 1, n, S] or None."""
-        n, d = x.shape[1], self.head_dim
-        qkv = self.qkv(F.rms_norm(x, x.shape[-1:], self.ln1, self.eps))
-        qk = _rope(qkv[..., :(self.heads + self.kv_heads) * d].view(1, n, -1, d), cos, sin)  # q and k heads at once
-        q = qk[:, :, :self.heads].transpose(1, 2)                                          # [1, h, n, d]
-        k = qk[:, :, self.heads:].transpose(1, 2)                                          # [1, kv, n, d]
-        v = qkv[..., (self.heads + self.kv_heads) * d:].view(1, n, self.kv_heads, d).transpose(1, 2)
-        k, v = cache.update(k, v, idx)                                                     # [1, kv, S, d]
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)      # [1, h, n, d]
-        x = x + self.o(att.transpose(1, 2).reshape(1, n, self.heads * d))
-        gate, up = self.gate_up(F.rms_norm(x, x.shape[-1:], self.ln2, self.eps)).split([self.inter, self.inter], dim=-1)
+        """x: [n, H], the one sequence's hidden states (2-D all through: no reshapes around the int4
+        kernel, which takes [rows, K]); cos, sin: [n, 1, d] (sin sign-folded, see _rope);
+        mask: [1, 1, n, S] or None."""
+        n, d, h, kv = x.shape[0], self.head_dim, self.heads, self.kv_heads
+        qkv = self.qkv(F.rms_norm(x, self.ln1.shape, self.ln1, self.eps))                 # [n, (h + 2 kv) d]
+        qk = _rope(qkv[:, :(h + kv) * d].view(n, h + kv, d), cos, sin)                  # q and k heads at once
+        q = qk[:, :h].transpose(0, 1).unsqueeze(0)                                      # [1, h, n, d]
+        k = qk[:, h:].transpose(0, 1).unsqueeze(0)                                      # [1, kv, n, d]
+        v = qkv[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1).unsqueeze(0)          # [1, kv, n, d]
+        k, v = cache.update(k, v, idx)                                                  # [1, kv, S, d]
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)   # [1, h, n, d]
+        x = x + self.o(att[0].transpose(0, 1).reshape(n, h * d))
+        gate, up = self.gate_up(F.rms_norm(x, self.ln2.shape, self.ln2, self.eps)).split([self.inter, self.inter], dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
@@ -100,23 +114,57 @@ class LeanDrafter(torch.nn.Module):
     full-vocabulary logits with :data:`OUT_OF_HEAD_LOGIT` outside the head.
     """
 
-    def __init__(self, hf_model, keep_ids: torch.Tensor):
+    def __init__(self, config, embed: torch.Tensor, layers: list[_Layer], norm: torch.Tensor,
+                 head: torch.nn.Module, keep_ids: torch.Tensor):
         super().__init__()
+        _check_supported(config)
+        self.config = config
+        self.embed = torch.nn.Embedding.from_pretrained(embed, freeze=True)            # [V, H]
+        self.layers = torch.nn.ModuleList(layers)
+        self.norm = torch.nn.Parameter(norm, requires_grad=False)                      # [H]
+        self.eps = config.rms_norm_eps
+        self.head = head                                                               # [N, H] rows of the tied head
+        self.register_buffer("keep_ids", keep_ids.long())                              # [N]
+        head_dim = _head_dim(config)
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta")
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
+                             persistent=False)                                          # [d / 2]
+
+    @classmethod
+    def from_hf(cls, hf_model, keep_ids: torch.Tensor) -> "LeanDrafter":
+        """The float drafter from a transformers Llama (shares its token embeddings)."""
         cfg = hf_model.config
         _check_supported(cfg)
-        self.config = cfg
-        self.embed = hf_model.model.embed_tokens                              # shared with the target
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = torch.nn.ModuleList(
-            _Layer(layer, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.rms_norm_eps)
-            for layer in hf_model.model.layers)
-        self.norm = torch.nn.Parameter(hf_model.model.norm.weight.detach().clone(), requires_grad=False)
-        self.eps = cfg.rms_norm_eps
-        self.head = _linear(hf_model.get_output_embeddings().weight[keep_ids])   # [N, H] rows of the tied head
-        self.register_buffer("keep_ids", keep_ids.long(), persistent=False)     # [N]
-        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or getattr(cfg, "rope_theta")
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
-                             persistent=False)                                   # [d / 2]
+        layers = [_Layer.from_hf(layer, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg),
+                                 cfg.rms_norm_eps) for layer in hf_model.model.layers]
+        return cls(cfg, hf_model.model.embed_tokens.weight.detach(), layers,
+                   hf_model.model.norm.weight.detach().clone(),
+                   _linear(hf_model.get_output_embeddings().weight[keep_ids]), keep_ids)
+
+    @classmethod
+    def from_state(cls, config, state: dict[str, torch.Tensor]) -> "LeanDrafter":
+        """The drafter back from its own ``state_dict()`` (float or int4 linears), without copying
+        the tensors: what :func:`load_prebuilt` uses, so a warm start never builds the float model."""
+        def linear(prefix: str) -> torch.nn.Module:
+            if f"{prefix}.packed" in state:
+                return Int4Linear(state[f"{prefix}.packed"], state[f"{prefix}.scales_and_zeros"])
+            if state[f"{prefix}.weight"].dtype == torch.float16 and prefix == "head":
+                return HalfHead(state[f"{prefix}.weight"])
+            return _linear(state[f"{prefix}.weight"], copy=False)
+
+        layers = [_Layer(state[f"layers.{i}.ln1"], state[f"layers.{i}.ln2"],
+                         *(linear(f"layers.{i}.{name}") for name in LAYER_LINEARS),
+                         config.num_attention_heads, config.num_key_value_heads, _head_dim(config),
+                         config.rms_norm_eps) for i in range(config.num_hidden_layers)]
+        return cls(config, state["embed.weight"], layers, state["norm"], linear("head"), state["keep_ids"])
+
+    def prebuilt_state(self) -> tuple[dict[str, torch.Tensor], dict, dict] | None:
+        """(tensors, info, delta meta) for the prebuilt-drafter cache (common/modeling.py); None off
+        the CPU: the cache is for the int4 CPU build, elsewhere the float drafter is built as before."""
+        if self.norm.device.type != "cpu":
+            return None
+        info = {"int4_exact_fraction": getattr(self, "int4_exact_fraction", None)}
+        return self.state_dict(), info, getattr(self, "delta_meta", {"builder": BUILDER})
 
     @torch.inference_mode()
     def forward(self, input_ids, past_key_values, position_ids=None, attention_mask=None,
@@ -134,13 +182,13 @@ class LeanDrafter(torch.nn.Module):
         mask = attention_mask
         if mask is None and n > 1:  # causal over the new tokens, all of the cache visible
             mask = torch.ones(n, start + n, dtype=torch.bool, device=input_ids.device).tril(diagonal=start)[None, None]
-        x = self.embed(input_ids)                                                # [1, n, H]
+        x = self.embed(input_ids[0])                                             # [n, H]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, past_key_values, i, mask)
         keep = logits_to_keep or n
-        small = self.head(F.rms_norm(x[:, -keep:], x.shape[-1:], self.norm, self.eps))  # [1, k, N]
-        out = small.new_full((*small.shape[:-1], self.config.vocab_size), OUT_OF_HEAD_LOGIT)
-        return _Output(logits=out.index_copy_(-1, self.keep_ids, small), past_key_values=past_key_values)
+        small = self.head(F.rms_norm(x[-keep:], self.norm.shape, self.norm, self.eps))  # [k, N]
+        out = small.new_full((1, small.shape[0], self.config.vocab_size), OUT_OF_HEAD_LOGIT)
+        return _Output(logits=out.index_copy_(-1, self.keep_ids, small[None]), past_key_values=past_key_values)
 
 
 def _check_supported(cfg) -> None:
@@ -156,11 +204,31 @@ def _check_supported(cfg) -> None:
         raise ValueError(f"LeanDrafter supports plain Llama models only, not: {', '.join(problems)}")
 
 
-def _linear(weight: torch.Tensor) -> torch.nn.Linear:
-    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    lin.weight.data.copy_(weight.detach())
-    lin.weight.requires_grad_(False)
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _linear(weight: torch.Tensor, copy: bool = True) -> torch.nn.Linear:
+    """A frozen bias-free linear layer holding ``weight`` [N, K] (a copy of it, or itself)."""
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = torch.nn.Parameter(weight.detach().clone() if copy else weight, requires_grad=False)
     return lin
+
+
+class HalfHead(torch.nn.Module):
+    """The reduced LM head with float16 weights and arithmetic, float32 logits out. The head is the
+    target's tied embedding, stored in its GGUF as Q8_0 (an int8 times a float16 step per 32), so
+    float16 keeps ~11 significant bits of each weight. Against the float32 head: 1.5-1.7 ms less
+    per drafted token on this CPU (half the bytes) and logits within ~0.03 (float16 output
+    rounding); the card (drafter_weights/README.md) has the acceptance it measured."""
+
+    def __init__(self, weight: torch.Tensor):                                       # [N, H]
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().to(torch.float16), requires_grad=False)
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                             # [k, H] -> [k, N]
+        return F.linear(x.to(torch.float16), self.weight).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -211,33 +279,41 @@ class Int4Linear(torch.nn.Module):
     reads 4.5 bits per weight instead of 32.
     """
 
-    def __init__(self, weight: torch.Tensor):                                           # [N, K]
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, exact_fraction: float = float("nan")):
         super().__init__()
+        self.out_features = scales_and_zeros.shape[1]
+        self.exact_fraction = exact_fraction   # of the float weights it was made from (nan: not known here)
+        self.register_buffer("packed", packed)                                          # the kernel's tiles
+        self.register_buffer("scales_and_zeros", scales_and_zeros)                      # [K/G, N, 2] bfloat16
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Int4Linear":                          # [N, K]
         n, k = weight.shape
         if n % INT4_ROWS_MULTIPLE or k % GROUP:
             raise ValueError(f"int4 needs out_features % {INT4_ROWS_MULTIPLE} == 0 and in_features % {GROUP} == 0, "
                              f"got {tuple(weight.shape)}")
         codes, step, minimum = q4_1_quantize(weight)
-        self.exact_fraction = float((q4_1_dequantize(codes, step, minimum) == weight.float()).float().mean())
-        self.out_features = n
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
-        self.register_buffer("scales_and_zeros", torch.stack([step, minimum + 8 * step], dim=-1)
-                             .transpose(0, 1).contiguous().to(torch.bfloat16))         # [K/G, N, 2]
+        exact = float((q4_1_dequantize(codes, step, minimum) == weight.float()).float().mean())
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+        scales_and_zeros = torch.stack([step, minimum + 8 * step], dim=-1).transpose(0, 1).contiguous()
+        return cls(packed, scales_and_zeros.to(torch.bfloat16), exact)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        """x: [rows, K] (LeanDrafter's layout; other shapes are reshaped) -> [rows, N] in x's dtype."""
+        if x.ndim != 2:
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_and_zeros)
+        return y.to(x.dtype)
 
 
 def quantize_int4(drafter: LeanDrafter) -> float:
-    """Every decoder-layer linear -> :class:`Int4Linear` (the head stays float: its int8 or bfloat16
-    versions cost acceptance, see drafter_weights/README.md). Returns the fraction of weights the
+    """Every decoder-layer linear -> :class:`Int4Linear` (the head stays float32 or float16: its int8
+    or bfloat16 versions cost acceptance, see drafter_weights/README.md). Returns the fraction of weights the
     4-bit grid reproduces exactly (1.0 for a target loaded from a Q4_1 GGUF)."""
     exact = total = 0.0
     for layer in drafter.layers:
         for name in LAYER_LINEARS:
-            lin = Int4Linear(getattr(layer, name).weight)
+            lin = Int4Linear.from_float(getattr(layer, name).weight)
             setattr(layer, name, lin)
             numel = lin.packed.numel() * 2
             exact, total = exact + lin.exact_fraction * numel, total + numel
@@ -245,7 +321,8 @@ def quantize_int4(drafter: LeanDrafter) -> float:
 
 
 def build(model, extra: dict[str, torch.Tensor], meta: dict, device: torch.device) -> LeanDrafter:
-    """The ``delta.json`` builder: target + head ids -> drafter (int4 decoder layers on CPU).
+    """The ``delta.json`` builder: target + head ids -> drafter (int4 decoder layers on CPU; the head
+    in float16 if ``head_dtype`` says so, else float32).
 
     int4 only on CPU with torch's int4 kernel; elsewhere (CUDA) the float drafter runs: a different
     q, still lossless, because the device always sends the q it sampled from.
@@ -253,9 +330,20 @@ def build(model, extra: dict[str, torch.Tensor], meta: dict, device: torch.devic
     keep = extra[HEAD_IDS].long()
     if keep.ndim != 1 or int(keep.min()) < 0 or int(keep.max()) >= model.config.vocab_size:
         raise ValueError("head ids outside the vocabulary")
-    drafter = LeanDrafter(model, keep)
+    drafter = LeanDrafter.from_hf(model, keep)
+    drafter.delta_meta = meta
+    if meta.get("head_dtype", "float32") == "float16":
+        drafter.head = HalfHead(drafter.head.weight)
     if meta.get("int4") and device.type == "cpu" and int4_kernel_available():
         drafter.int4_exact_fraction = quantize_int4(drafter)
+    return drafter
+
+
+def load_prebuilt(config, state: dict[str, torch.Tensor], info: dict, device: torch.device) -> LeanDrafter:
+    """What :func:`build` made, back from its cached tensors (the cache's loader calls this)."""
+    drafter = LeanDrafter.from_state(config, state)
+    if info.get("int4_exact_fraction") is not None:
+        drafter.int4_exact_fraction = info["int4_exact_fraction"]
     return drafter
 
 

@@ -6,7 +6,7 @@ import logging
 import sys
 
 from specdec.common.modeling import DTYPES, ModelSpec
-from specdec.common.runtime import OneLineParser, run_async
+from specdec.common.runtime import OneLineParser, apply_threads, is_loopback, run_async
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
@@ -19,6 +19,16 @@ def _positive(kind):
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
     return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a valid int: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA for client certificates (enables mutual TLS)")
     p.add_argument("--auth-token-file", help="accepted bearer tokens, one per line")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (0 = torch's default); 1 suits tiny models and shared cores")
+    p.add_argument("--threads", type=_non_negative_int, default=0,
+                   help="torch intra-op threads (default 0: half the cores when --host is loopback, so "
+                        "devices run here, or the host has 2 cores or fewer, else all; the choice is logged)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -74,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"edge-server: error: {exc}\n")
         return 2
-    if args.threads > 0:
-        import torch
-        torch.set_num_threads(args.threads)
+    apply_threads("edge-server", args.threads, is_loopback(args.host))
     try:
         run_async(serve(cfg))
     except (OSError, ValueError) as exc:

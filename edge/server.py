@@ -116,11 +116,12 @@ async def serve(cfg: EdgeConfig) -> None:
         from prometheus_client import start_http_server
         start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
     server, port = await start_server(cfg, target, metrics)
-    log.info("edge-server ready on %s:%d model=%s vocab=%d", cfg.host, port, target.name, target.vocab_size)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # After the handlers: a supervisor may send SIGTERM as soon as it reads this line.
+    log.info("edge-server ready on %s:%d model=%s vocab=%d", cfg.host, port, target.name, target.vocab_size)
     await stop.wait()
     log.info("edge-server shutting down (grace %.0f s)", GRACE_SECONDS)
     await stop_server(server)

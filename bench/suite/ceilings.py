@@ -1,10 +1,13 @@
-"""The ceilings, in this process with one torch thread: the target alone, and transformers' assisted generation.
+"""The ceilings, in this process: the target alone, and transformers' assisted generation.
 
-* Target alone: ``model.generate`` with its KV cache, greedy at T = 0, plain sampling at T > 0
-  (``top_k=0, top_p=1``: transformers would otherwise apply its default top-k of 50).
-* Assisted generation: the same call with ``assistant_model=`` the same default drafter and a fixed
-  ``num_assistant_tokens = L`` (constant schedule, no confidence early stop), so the pair, the draft
-  length, the prompts and the seeds are those of our loopback points, with no network at all.
+* Target alone (one torch thread, the edge's share): ``model.generate`` with its KV cache, greedy at
+  T = 0, plain sampling at T > 0 (``top_k=0, top_p=1``: transformers would otherwise apply its
+  default top-k of 50).
+* Assisted generation (:data:`ASSISTED_THREADS` torch threads, the two cores the pair's two
+  processes use): the same call with ``assistant_model=`` the same default drafter (its LeanDrafter
+  behind :class:`~specdec.device.hf_assistant.LeanAssistant`) and a fixed ``num_assistant_tokens = L``
+  (constant schedule, no confidence early stop), so the pair, the draft length, the prompts and the
+  seeds are those of our loopback points, with no network at all.
 Both stop at EOS or ``max_new_tokens``; tokens/s counts the tokens generated over the wall time from
 the prompt to the last token (prefill included, as in the device's ``wall_seconds``).
 """
@@ -18,6 +21,7 @@ import torch
 from specdec.common.modeling import LoadedModel, encode_prompt
 
 WARMUP_TOKENS = 8
+ASSISTED_THREADS = 2   # the pair runs device and edge, one thread each: the same two cores in one process
 
 
 @dataclass
@@ -48,12 +52,12 @@ def _generation_kwargs(target: LoadedModel, temperature: float, max_new_tokens: 
                                                   pad_token_id=eos[0] if eos else 0, **sampling)}
 
 
-def usable_as_assistant(drafter: LoadedModel) -> bool:
-    """transformers' assisted generation needs a transformers model (the default drafter's int4
-    LeanDrafter is not one)."""
-    from transformers import PreTrainedModel
+def as_assistant(drafter: LoadedModel) -> LoadedModel | None:
+    """The drafter as transformers' assisted generation takes it (a transformers model, or the
+    default drafter's LeanDrafter wrapped in LeanAssistant), or None if it cannot be one."""
+    from specdec.device.hf_assistant import as_assistant as wrap
 
-    return isinstance(drafter.model, PreTrainedModel)
+    return wrap(drafter)
 
 
 def prepare_assistant(drafter: LoadedModel, draft_len: int) -> None:
@@ -80,10 +84,20 @@ def decode(*args, **kw) -> "DecodeStats":
 @torch.inference_mode()
 def _decode(target: LoadedModel, prompts: list[str], seeds: list[int], temperature: float, max_new_tokens: int,
             assistant: LoadedModel | None = None, on_done=None) -> DecodeStats:
-    stats = DecodeStats()
     kw = _generation_kwargs(target, temperature, max_new_tokens)
-    if assistant is not None:
-        kw["assistant_model"] = assistant.model
+    if assistant is None:
+        return _timed_generations(target, prompts, seeds, kw, on_done)
+    kw["assistant_model"] = assistant.model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ASSISTED_THREADS)
+    try:
+        return _timed_generations(target, prompts, seeds, kw, on_done)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed_generations(target: LoadedModel, prompts: list[str], seeds: list[int], kw: dict, on_done) -> DecodeStats:
+    stats = DecodeStats()
     for prompt, seed in zip(prompts, seeds):
         ids = torch.tensor([encode_prompt(target.tokenizer, prompt, raw=False)], device=target.device)
         torch.manual_seed(seed)

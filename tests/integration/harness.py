@@ -88,10 +88,13 @@ def target_greedy(target_dir, prompt_ids: list[int], max_new_tokens: int) -> lis
 class EdgeProcess:
     """`edge-server` as a real subprocess; waits for its ready line and reads the port from it."""
 
-    def __init__(self, *args: str, env: dict | None = None, port: int = 0):
-        cmd = [str(VENV_BIN / "edge-server"), "--port", str(port), *args]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+    def __init__(self, *args: str, env: dict | None = None, port: int = 0, bindir: Path = VENV_BIN,
+                 cwd: Path | None = None):
+        cmd = [str(bindir / "edge-server"), "--port", str(port), *args]
+        merged = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        full_env = {k: v for k, v in merged.items() if v is not None}  # env={"X": None} unsets X
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                                     cwd=cwd)
         self.lines: list[str] = []
         self.port = self._wait_ready()
 

@@ -39,10 +39,12 @@ def drafter():
 
 @pytest.fixture(scope="module")
 def float_drafter(tmp_path_factory):
-    """The same weights without int4 (a sibling delta directory that links the weights)."""
+    """The same weights without int4 and with a float32 head: float32 math all through (a sibling
+    delta directory that links the weights; not cached: it would leave ~0.6 GB in the user's cache)."""
     path = tmp_path_factory.mktemp("float_drafter")
     (path / DELTA_WEIGHTS).symlink_to((WEIGHTS_DIR / DELTA_WEIGHTS).resolve())
-    (path / DELTA_CONFIG).write_text(json.dumps({**drafter_meta(), "int4": False}))
+    meta = {**drafter_meta(), "int4": False, "head_dtype": "float32", "cache_prebuilt": False}
+    (path / DELTA_CONFIG).write_text(json.dumps(meta))
     return load_model(default_drafter_spec(path=path))
 
 
