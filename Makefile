@@ -66,7 +66,8 @@ bench-drafter: $(PB_OUT)
 	$(PY) bench/bench_drafter.py $(ARGS)
 
 # edge-server + device-client with no tuning flags (OMP_NUM_THREADS unset) against transformers
-# generate on every core, greedy, 3 prompts x 64 tokens x 3 repeats interleaved: results/bench_defaults.json.
+# generate on every core, greedy, 4 prompts (one per category) x 64 tokens x 3 repeats interleaved:
+# results/bench_defaults.json.
 bench-defaults: $(PB_OUT)
 	env -u OMP_NUM_THREADS $(PY) bench/bench_defaults.py $(ARGS)
 
