@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class DeltaBuilder:
+    """How a delta's drafter is made, handed in by the code that owns that drafter (the device): this
+    module imports no drafter code, so the import graph shows who depends on whom."""
+    name: str                       # what delta.json's "builder" records, e.g. "specdec.device.default_drafter:build"
+    build: Callable                 # (target, extra tensors, delta meta, device) -> the module to run
+    load_prebuilt: Callable | None = None  # (config, state, info, device) -> the built module; None = no cache
+    version: int = 0                # of build()'s output: part of the prebuilt cache key
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     model: str | None = None        # HF directory or hub id; None = the embedded default
     gguf_file: str | None = None    # GGUF file name (inside `model` dir) or a path to one
@@ -38,6 +49,7 @@ class ModelSpec:
     dtype: str = "float32"          # float32 | float16 | bfloat16
     num_layers: int | None = None   # keep only the first N decoder layers (early-exit drafter)
     delta: str | None = None        # directory of weights applied on top (a drafter built from the target)
+    builder: DeltaBuilder | None = None  # builds the drafter a delta's "builder" names (see apply_delta)
 
 
 def embedded_gguf_path() -> Path:
@@ -138,7 +150,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     device = resolve_device(spec.device)
     source, kwargs, name = _source(spec)
     prebuilt = prebuilt_dir(spec, source, kwargs, device) if spec.delta is not None else None
-    if prebuilt is not None and (warm := _load_prebuilt(prebuilt, device)) is not None:
+    if prebuilt is not None and (warm := _load_prebuilt(prebuilt, spec.builder, device)) is not None:
         return warm
     # Imported only here: the model classes and the GGUF reader cost a warm drafter start ~0.7 s.
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -156,7 +168,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         _truncate_layers(model, spec.num_layers)
         name = f"{name}[:{spec.num_layers} layers]"
     if spec.delta is not None:
-        model, delta_name = apply_delta(model, Path(spec.delta), device)
+        model, delta_name = apply_delta(model, Path(spec.delta), device, spec.builder)
         name = f"{name}+{delta_name}"
         if prebuilt is not None:
             _save_prebuilt(model, tokenizer, name, prebuilt)
@@ -203,14 +215,16 @@ DELTA_WEIGHTS = "delta.safetensors"
 DELTA_CONFIG = "delta.json"
 
 
-def apply_delta(model: torch.nn.Module, path: Path, device: torch.device) -> tuple[torch.nn.Module, str]:
+def apply_delta(model: torch.nn.Module, path: Path, device: torch.device,
+                builder: DeltaBuilder | None = None) -> tuple[torch.nn.Module, str]:
     """Lay a drafter's own weights over the loaded (usually truncated) target; (model, name).
 
     ``path`` holds ``delta.safetensors`` and ``delta.json``. Tensors named like the model's parameters
     replace them (shapes must match); parameters not in the delta stay the target's (e.g. the shared
-    token embeddings). If ``delta.json`` names a ``builder`` (``"specdec.<module>:<function>"``), it
-    gets ``(model, other_tensors, meta, device)`` and returns the module to run instead: the
-    drafter's architecture lives with the drafter, its weights still come through this loader.
+    token embeddings). If ``delta.json`` names a ``builder``, the caller passes that builder in
+    (:class:`DeltaBuilder`, checked by name); its ``build`` gets ``(model, other_tensors, meta,
+    device)`` and returns the module to run instead: the drafter's architecture lives with the
+    drafter, its weights still come through this loader.
     """
     from safetensors.torch import load_file
 
@@ -226,32 +240,31 @@ def apply_delta(model: torch.nn.Module, path: Path, device: torch.device) -> tup
             raise ValueError(f"delta tensor {key} {tuple(value.shape)} does not fit {tuple(params[key].shape)}")
         with torch.no_grad():
             params[key].copy_(value.to(params[key].dtype))
-    builder = _builder(meta)
-    if builder is not None:
-        module, func = builder
-        model = getattr(module, func)(model, extra, meta, device)
+    if _named_builder(meta, builder) is not None:
+        model = builder.build(model, extra, meta, device)
     elif extra:
         raise ValueError(f"delta tensors not in the model: {sorted(extra)[:5]}")
     return model, str(meta.get("name", path.name))
 
 
-def _builder(meta: dict):
-    """(module, function name) of a delta's ``builder``, or None; only ``specdec.*`` modules."""
-    import importlib
-
-    builder = meta.get("builder")
-    if builder is None:
+def _named_builder(meta: dict, builder: DeltaBuilder | None) -> DeltaBuilder | None:
+    """The builder to run for a delta: ``builder`` if ``delta.json`` names it, None if it names none.
+    Naming another one, or one that was not passed in, is a ValueError (never a lookup by name)."""
+    named = meta.get("builder")
+    if named is None:
         return None
-    module, _, func = str(builder).partition(":")
-    if not module.startswith("specdec.") or not func:
-        raise ValueError(f"delta builder must be 'specdec.<module>:<function>', got {builder!r}")
-    return importlib.import_module(module), func
+    if builder is None:
+        raise ValueError(f"delta names builder {named!r} but none was passed in "
+                         "(ModelSpec.builder; the default drafter's spec comes with its own)")
+    if builder.name != named:
+        raise ValueError(f"delta names builder {named!r} but was loaded with {builder.name!r}")
+    return builder
 
 
 # ----------------------------------------------------------------- prebuilt drafters (warm starts)
 # A builder may be slow and memory-hungry (the default drafter loads the float32 target and packs its
 # int4 weights: ~1.5 GB and seconds on every start). If delta.json asks for it (PREBUILT_FLAG), the
-# builder's module has ``load_prebuilt`` and the built module ``prebuilt_state()``, the built tensors
+# DeltaBuilder has ``load_prebuilt`` and the built module ``prebuilt_state()``, the built tensors
 # are kept once in the cache and later loads read them (memory-mapped) without building the float
 # model. Opt-in, so that the many throwaway drafters tests build do not pile up in the user's cache.
 PREBUILT_FLAG = "cache_prebuilt"
@@ -272,17 +285,16 @@ def _source_identity(source: str, kwargs: dict) -> str | None:
 def prebuilt_dir(spec: ModelSpec, source: str, kwargs: dict, device: torch.device) -> Path | None:
     """Where the drafter ``spec`` builds is kept, or None if it is not cacheable. The key covers all
     it depends on: the source files, the delta's recipe and tensors, the layers, dtype and device,
-    the builder's ``PREBUILT_VERSION`` and torch's version (the int4 packing is torch's own layout)."""
+    the builder's ``version`` and torch's version (the int4 packing is torch's own layout)."""
     delta = Path(spec.delta)
     meta_text = (delta / DELTA_CONFIG).read_text()
     meta = json.loads(meta_text)
-    builder = _builder(meta)
+    builder = _named_builder(meta, spec.builder)
     identity = _source_identity(source, kwargs)
-    if not meta.get(PREBUILT_FLAG) or builder is None or not hasattr(builder[0], "load_prebuilt") or identity is None:
+    if not meta.get(PREBUILT_FLAG) or builder is None or builder.load_prebuilt is None or identity is None:
         return None
     parts = [identity, meta_text, hashlib.sha256((delta / DELTA_WEIGHTS).read_bytes()).hexdigest(),
-             str(spec.num_layers), spec.dtype, device.type, str(getattr(builder[0], "PREBUILT_VERSION", 0)),
-             torch.__version__]
+             str(spec.num_layers), spec.dtype, device.type, str(builder.version), torch.__version__]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return cache_root() / f"drafter-{meta.get('name', delta.name)}-{key}"
 
@@ -295,7 +307,7 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _load_prebuilt(path: Path, device: torch.device) -> LoadedModel | None:
+def _load_prebuilt(path: Path, builder: DeltaBuilder, device: torch.device) -> LoadedModel | None:
     """The cached drafter, or None when there is none or it is unreadable (then it is removed, and
     the caller builds and saves it again)."""
     if not (path / PREBUILT_MANIFEST).is_file():
@@ -304,7 +316,7 @@ def _load_prebuilt(path: Path, device: torch.device) -> LoadedModel | None:
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         crc = pool.submit(_crc32, path / PREBUILT_WEIGHTS)
         try:
-            manifest, loaded = _read_prebuilt(path, device)
+            manifest, loaded = _read_prebuilt(path, builder, device)
             if crc.result() != manifest["crc32"]:
                 raise ValueError("checksum mismatch")
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -315,16 +327,15 @@ def _load_prebuilt(path: Path, device: torch.device) -> LoadedModel | None:
     return loaded
 
 
-def _read_prebuilt(path: Path, device: torch.device) -> tuple[dict, LoadedModel]:
+def _read_prebuilt(path: Path, builder: DeltaBuilder, device: torch.device) -> tuple[dict, LoadedModel]:
     from transformers import PretrainedConfig
 
     manifest = json.loads((path / PREBUILT_MANIFEST).read_text())
     state = torch.load(path / PREBUILT_WEIGHTS, mmap=True, weights_only=True)  # pages are read as used
-    module, _ = _builder(manifest["meta"])
     # The base config class with config.json's fields: AutoConfig / LlamaConfig would import
     # transformers' model stack (~1.5 s and ~90 MB here), and the drafter only reads the fields.
     config = PretrainedConfig(**json.loads((path / "config.json").read_text()))
-    model = module.load_prebuilt(config, state, manifest["info"], device).to(device).eval()
+    model = builder.load_prebuilt(config, state, manifest["info"], device).to(device).eval()
     tokenizer = _tokenizer_class(path).from_pretrained(path)
     return manifest, LoadedModel(model=model, tokenizer=tokenizer, name=manifest["name"], device=device)
 
@@ -374,14 +385,18 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
 def encode_prompt(tokenizer, text: str, *, raw: bool) -> list[int]:
     """Token ids of a prompt, through the chat template when the tokenizer has one (unless raw)."""
     if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
     return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 

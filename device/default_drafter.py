@@ -14,7 +14,8 @@ stack.
 
 What is committed (``drafter_weights/``, only what differs from the target): the head's token ids
 and ``delta.json``. The weights themselves are the target's, read at load time through
-:func:`specdec.common.modeling.load_model` (``ModelSpec.delta`` -> this module's :func:`build`), so
+:func:`specdec.common.modeling.load_model` (``ModelSpec.delta``, built by this module's :func:`build`,
+which :func:`default_drafter_spec` passes in as ``ModelSpec.builder``: :data:`DELTA_BUILDER`), so
 drafter and target share their tokenizer and loading code exactly; what :func:`build` makes is cached
 once (``delta.json``'s ``cache_prebuilt``) and later starts read it back through
 :func:`load_prebuilt` without the float32 target. How the files were made and what
@@ -29,10 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, ModelSpec
+from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, DeltaBuilder, ModelSpec
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "drafter_weights"
-BUILDER = "specdec.device.default_drafter:build"
+BUILDER = "specdec.device.default_drafter:build"  # delta.json's record of who builds it (DELTA_BUILDER)
 HEAD_IDS = "head.keep_ids"          # [N] int64: vocabulary ids the head covers, sorted
 # Logit of the tokens the head leaves out: finite (the codecs refuse inf), and exp() of it minus any
 # real logit is exactly 0 in float32 at every temperature <= 1e4, so q = 0 there.
@@ -57,9 +58,10 @@ def drafter_meta(path: Path = WEIGHTS_DIR) -> dict:
 
 
 def default_drafter_spec(device: str = "cpu", dtype: str = "float32", path: Path = WEIGHTS_DIR) -> ModelSpec:
-    """The ModelSpec that loads the default drafter: the target (cut to the drafter's depth) + delta."""
+    """The ModelSpec that loads the default drafter: the target (cut to the drafter's depth) + delta,
+    built by this module (:data:`DELTA_BUILDER`)."""
     return ModelSpec(device=device, dtype=dtype, num_layers=int(drafter_meta(path)["num_layers"]),
-                     delta=str(path))
+                     delta=str(path), builder=DELTA_BUILDER)
 
 
 # ----------------------------------------------------------------------------------- the module
@@ -345,6 +347,10 @@ def load_prebuilt(config, state: dict[str, torch.Tensor], info: dict, device: to
     if info.get("int4_exact_fraction") is not None:
         drafter.int4_exact_fraction = info["int4_exact_fraction"]
     return drafter
+
+
+# What ModelSpec.builder carries for a delta that names BUILDER: the loader calls these, never imports them.
+DELTA_BUILDER = DeltaBuilder(name=BUILDER, build=build, load_prebuilt=load_prebuilt, version=PREBUILT_VERSION)
 
 
 def save_drafter(path: Path, keep_ids: torch.Tensor, meta: dict) -> None:

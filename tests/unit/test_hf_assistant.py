@@ -33,7 +33,7 @@ def models(tmp_path_factory):
     delta = root / "delta"
     D.save_drafter(delta, torch.arange(0, VOCAB - 8), {"name": "tiny", "num_layers": 2, "int4": True})
     target = load_model(ModelSpec(model=str(target_dir)))
-    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta)))
+    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=D.DELTA_BUILDER))
     assert isinstance(drafter.model.layers[0].qkv, D.Int4Linear)
     return target, drafter
 

@@ -38,7 +38,7 @@ def _delta(path: Path, keep: torch.Tensor, **meta) -> Path:
 
 
 def _load(target_dir: Path, delta: Path):
-    return load_model(ModelSpec(model=str(target_dir), delta=str(delta)))
+    return load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=D.DELTA_BUILDER))
 
 
 def _cached_rows(model, ids: list[int], prefix: int = 4) -> torch.Tensor:
@@ -197,6 +197,9 @@ def test_delta_refusals(target_dir, tmp_path):
     (bad / DELTA_CONFIG).write_text(json.dumps({**meta, "builder": "os:system"}))
     with pytest.raises(ValueError, match="builder"):
         _load(target_dir, bad)
+    named = _delta(tmp_path / "named", torch.arange(VOCAB))  # names the default builder, none passed in
+    with pytest.raises(ValueError, match="names builder .* but none was passed in"):
+        load_model(ModelSpec(model=str(target_dir), delta=str(named)))
     out_of_vocab = _delta(tmp_path / "ids", torch.tensor([0, VOCAB]))
     with pytest.raises(ValueError, match="vocabulary"):
         _load(target_dir, out_of_vocab)

@@ -1,7 +1,7 @@
 """The prebuilt-drafter cache (common/modeling.py, issue 20): a drafter whose delta.json asks for it is
 built once, kept in ``$SPECDEC_CACHE_DIR``, and later loads read it back without building the float
-model. On a tiny random Llama through the same code path (ModelSpec.delta -> default_drafter.build)
-as the default drafter:
+model. On a tiny random Llama through the same code path as the default drafter (ModelSpec.delta,
+built by ModelSpec.builder = default_drafter.DELTA_BUILDER):
 
 - the cached drafter's logits are bit-identical to the freshly built one's (full and token by token);
 - a warm load never calls ``from_pretrained`` for the model (the float target is not materialised);
@@ -53,6 +53,10 @@ def _delta(path: Path, **meta) -> Path:
     return path
 
 
+def _spec(target: Path, delta: Path) -> ModelSpec:
+    return ModelSpec(model=str(target), delta=str(delta), builder=D.DELTA_BUILDER)
+
+
 def _logits(loaded) -> torch.Tensor:
     """[2T, V]: one forward over IDS, then a prefix and one token at a time through the KV cache."""
     full = CachedLM(loaded.model, loaded.device).forward(IDS, num_logits=len(IDS))
@@ -67,7 +71,7 @@ def _entries(cache: Path) -> list[Path]:
 
 @pytest.mark.parametrize("head_dtype", ["float32", "float16"])
 def test_cached_drafter_is_bit_identical_and_skips_the_float_model(target_dir, tmp_path, cache, builds, head_dtype):
-    spec = ModelSpec(model=str(target_dir), delta=str(_delta(tmp_path / "d", head_dtype=head_dtype)))
+    spec = _spec(target_dir, _delta(tmp_path / "d", head_dtype=head_dtype))
     fresh = load_model(spec)
     assert len(builds) == 1 and len(_entries(cache)) == 1
     warm = load_model(spec)
@@ -83,7 +87,7 @@ def test_cached_drafter_is_bit_identical_and_skips_the_float_model(target_dir, t
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest"])
 def test_corrupt_cache_is_rebuilt(target_dir, tmp_path, cache, builds, damage):
-    spec = ModelSpec(model=str(target_dir), delta=str(_delta(tmp_path / "d")))
+    spec = _spec(target_dir, _delta(tmp_path / "d"))
     fresh = _logits(load_model(spec))
     (entry,) = _entries(cache)
     weights = entry / PREBUILT_WEIGHTS
@@ -102,16 +106,16 @@ def test_corrupt_cache_is_rebuilt(target_dir, tmp_path, cache, builds, damage):
 
 
 def test_another_recipe_or_source_gets_its_own_entry(target_dir, tmp_path, cache, builds):
-    load_model(ModelSpec(model=str(target_dir), delta=str(_delta(tmp_path / "a"))))
-    load_model(ModelSpec(model=str(target_dir), delta=str(_delta(tmp_path / "b", draft_len=3))))
+    load_model(_spec(target_dir, _delta(tmp_path / "a")))
+    load_model(_spec(target_dir, _delta(tmp_path / "b", draft_len=3)))
     assert len(builds) == 2 and len(_entries(cache)) == 2
     other = make_model(tmp_path / "other", VOCAB, seed=6, hidden=32, layers=2)
-    load_model(ModelSpec(model=str(other), delta=str(tmp_path / "a")))
+    load_model(_spec(other, tmp_path / "a"))
     assert len(builds) == 3 and len(_entries(cache)) == 3
 
 
 def test_no_cache_unless_the_delta_asks(target_dir, tmp_path, cache, builds):
-    spec = ModelSpec(model=str(target_dir), delta=str(_delta(tmp_path / "d", **{modeling.PREBUILT_FLAG: False})))
+    spec = _spec(target_dir, _delta(tmp_path / "d", **{modeling.PREBUILT_FLAG: False}))
     load_model(spec)
     load_model(spec)
     assert len(builds) == 2 and not cache.exists()
