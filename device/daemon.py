@@ -24,7 +24,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from specdec.common.modeling import LoadedModel, encode_prompt, load_model, vocab_fingerprint
+from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
 from specdec.device import openai_schema as S
 from specdec.device.client import EdgeError, generate
 from specdec.device.drafter import DraftSession
@@ -198,12 +198,9 @@ class DeviceEngine:
         if not getattr(tok, "chat_template", None):
             raise S.bad("the drafter's tokenizer has no chat template; use /v1/completions", "messages")
         try:
-            ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            return chat_ids(tok, list(messages))
         except Exception as exc:  # the template's own checks (role order, ...) reject the conversation
             raise S.bad(f"chat template: {exc}", "messages") from None
-        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
 
     async def run_choice(self, cfg: DeviceConfig, prompt_ids: list[int], seed: int, index: int,
                          stops: tuple[str, ...], emit: Callable[[int, str], None] | None,
