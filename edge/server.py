@@ -75,7 +75,6 @@ async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetric
         raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
     await server.start()
     server._specdec_executor = executor  # shut down with the server
-    server._specdec_servicer = servicer
     return server, port
 
 

@@ -75,10 +75,6 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self.auth = auth or Authenticator()
         self.sessions: dict[str, _Entry] = {}
 
-    @property
-    def active(self) -> dict[str, VerifierSession]:
-        return {sid: e.session for sid, e in self.sessions.items()}
-
     async def Generate(self, request_iterator, context):
         # Credentials first: an unauthenticated caller gets no model work at all.
         principal = self.auth.principal(context.invocation_metadata(), context.auth_context())

@@ -29,10 +29,10 @@ from testbed.units import tc_rate, tc_time
 EDGE_IP = "198.18.0.1"   # RFC 2544 benchmarking range; only ever inside the two namespaces
 DEVICE_IP = "198.18.0.2"
 PREFIX_LEN = 30
-FRAME_BYTES = 1514       # largest Ethernet frame on a 1500-byte MTU veth, as tc counts it
-# tbf bucket: one full frame plus slack for tc's rounding of the bucket to timer ticks (a bucket
-# smaller than a frame never sends it), or ~2 ms of the rate if more: a burst after an idle pause
-# then costs the rate little, even for a request/response protocol that idles between rounds.
+# tbf bucket: one full frame (1514 bytes on a 1500-byte MTU veth, as tc counts it) plus slack for
+# tc's rounding of the bucket to timer ticks (a bucket smaller than a frame never sends it), or ~2 ms
+# of the rate if more: a burst after an idle pause then costs the rate little, even for a
+# request/response protocol that idles between rounds.
 TBF_MIN_BURST_BYTES = 1600
 TBF_BURST_SECONDS = 0.002
 # tbf queue: 250 ms of the rate (at least 64 KiB) so a bulk TCP transfer is rate limited by
@@ -138,10 +138,6 @@ def _kill_namespace_processes(ns: str) -> None:
 
 def namespaces() -> set[str]:
     return {line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line.strip()}
-
-
-def link_exists(dev: str) -> bool:
-    return _run("ip", "link", "show", dev, check=False).returncode == 0
 
 
 # -- shaping -------------------------------------------------------------------------------------

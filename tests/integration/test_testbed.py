@@ -144,10 +144,14 @@ def test_userspace_emulator_rate_and_delay_without_root() -> None:
 
 # -- namespaces (root) ----------------------------------------------------------------------------
 
+def _link_exists(dev: str) -> bool:
+    return subprocess.run(["ip", "link", "show", dev], capture_output=True).returncode == 0
+
+
 def _leftovers(pair: netns.Pair) -> list[str]:
     names = netns.namespaces()
     return ([ns for ns in (pair.edge_ns, pair.device_ns) if ns in names]
-            + [dev for dev in (pair.edge_if, pair.device_if) if netns.link_exists(dev)])
+            + [dev for dev in (pair.edge_if, pair.device_if) if _link_exists(dev)])
 
 
 @needs_root
