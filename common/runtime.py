@@ -1,4 +1,5 @@
-"""Process plumbing shared by both entry points: the event loop, flag errors, torch's thread count."""
+"""Process plumbing shared by both entry points: the event loop, flag errors, torch's thread count,
+and the gRPC transport settings the edge server and the device client must agree on."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,17 @@ PAIR_PROCESSES = 2
 # say the peer is here (an edge bound to 0.0.0.0, a device given this host's public name): halving
 # costs a lone process at most ~1.6x (the 135M target on 1 vs 2 threads here), oversubscribing 3x.
 FEW_CORES = 2
+
+# Largest message either side accepts (the edge's --max-message-bytes default): a dense fp32 round
+# over a 152k vocabulary with L = 32 is ~20 MB; the edge's limit on draft length keeps real rounds
+# below this.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# HTTP/2 keepalive, the same on both ends: a peer that stops answering pings for KEEPALIVE_TIMEOUT_MS
+# after KEEPALIVE_TIME_MS of silence is dropped, its stream breaks and its session detaches for a
+# resume. So a silent dead link is noticed within 30 s even while no round is in flight, well inside
+# the edge's 60 s resume window; pinging every 20 s stays above the 5 s the edge permits.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
 
 
 def run_async(coro):

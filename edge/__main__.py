@@ -6,10 +6,9 @@ import logging
 import sys
 
 from specdec.common.modeling import DTYPES, ModelSpec
-from specdec.common.runtime import OneLineParser, apply_threads, is_loopback, run_async
+from specdec.common.runtime import MAX_MESSAGE_BYTES, OneLineParser, apply_threads, is_loopback, run_async
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
-
 
 
 def _positive(kind):
@@ -50,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-window", type=_positive(float), default=60.0,
                    help="seconds a session whose stream broke is kept for the device to resume")
     p.add_argument("--max-prompt", type=int, default=0, help="prompt tokens per session (0 = context)")
-    p.add_argument("--max-message-bytes", type=_positive(int), default=64 * 1024 * 1024)
+    p.add_argument("--max-message-bytes", type=_positive(int), default=MAX_MESSAGE_BYTES)
     p.add_argument("--tls-cert", help="PEM server certificate chain (enables TLS)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA for client certificates (enables mutual TLS)")

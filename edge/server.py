@@ -12,6 +12,7 @@ import grpc
 
 from specdec.common.modeling import LoadedModel, ModelSpec, load_model, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
+from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 from specdec.edge.auth import Authenticator, load_tokens
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.servicer import SpeculativeDecodingServicer
@@ -19,14 +20,7 @@ from specdec.edge.verifier import EdgeLimits, TargetInfo
 
 log = logging.getLogger("specdec.edge")
 
-# Largest message either side accepts: a dense fp32 round over a 152k vocabulary with L = 32 is
-# ~20 MB; the edge limit on draft length keeps real rounds below this.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRACE_SECONDS = 5.0  # in-flight rounds get this long to finish on SIGTERM
-# HTTP/2 keepalive: a peer that stops answering pings for KEEPALIVE_TIMEOUT_MS after
-# KEEPALIVE_TIME_MS of silence is dropped, its stream breaks and its session detaches for a resume.
-KEEPALIVE_TIME_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
 MIN_CLIENT_PING_INTERVAL_MS = 5_000  # devices may ping this often (they ping every KEEPALIVE_TIME_MS)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
