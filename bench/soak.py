@@ -33,7 +33,6 @@ import platform
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,8 +51,9 @@ from specdec.device.drafter import DraftSession
 from specdec.device.runner import DeviceConfig, open_channel
 
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-READY_RE = re.compile(r"ready on [\d.]+:(\d+)")
+sys.path.insert(0, str(REPO))  # testbed/, as run_bench.py imports it: its launcher starts the edge
+from testbed import procs  # noqa: E402
+
 VOCAB_SIZE = 512                  # word-level vocabulary of tests/tiny_models.py
 # Tiny models, but a target whose KV cache is big enough to see in RSS: 4 layers x 2 KV heads x
 # 64 dims x (K, V) x fp32 = 4 KiB per token, ~0.4 MiB per 100-token session, ~13 MiB for 32.
@@ -78,6 +78,7 @@ RSS_TOLERANCE_MIB = 16.0          # "back to baseline": within this many MiB of 
 RSS_TOLERANCE_FRACTION = 0.05     # or this fraction of it, whichever is larger
 MIB = 1024 * 1024
 WARMUP_SLOT_OFFSET = 1000         # warm-up slots get their own seeds
+EDGE_LOG_LINES = 200              # the edge's last log lines kept, for the error when it dies
 
 
 @dataclass(frozen=True)
@@ -101,39 +102,17 @@ class SoakConfig:
 # ------------------------------------------------------------------------------ edge process
 
 
-class EdgeServer:
-    """`edge-server` subprocess: port from its ready line, log drained, RSS from /proc."""
+class EdgeServer(procs.ReadyProcess):
+    """`edge-server` subprocess (the testbed's launcher: port from its ready line, log drained into
+    ``lines``, the last EDGE_LOG_LINES kept), its RSS from /proc and its /metrics."""
 
     def __init__(self, target: str, workers: int, max_sessions: int):
         self.metrics_port = _free_port()
-        cmd = [str(VENV_BIN / "edge-server"), "--model", target, "--port", "0", "--threads", "1",
-               "--workers", str(workers), "--max-sessions", str(max_sessions),
-               "--metrics-port", str(self.metrics_port)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.log: collections.deque[str] = collections.deque(maxlen=200)
-        self.port = self._wait_ready()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _wait_ready(self, timeout: float = 300.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("edge-server exited:\n" + "".join(self.log))
-            self.log.append(line)
-            m = READY_RE.search(line)
-            if m:
-                return int(m.group(1))
-        raise TimeoutError("edge-server not ready:\n" + "".join(self.log))
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        super().__init__(procs.edge_server_cmd("--model", target, "--port", "0", "--threads", "1",
+                                               "--workers", str(workers), "--max-sessions", str(max_sessions),
+                                               "--metrics-port", str(self.metrics_port)),
+                         name="edge-server", ready_re=procs.EDGE_READY_RE,
+                         lines=collections.deque(maxlen=EDGE_LOG_LINES))
 
     def rss_bytes(self) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -148,14 +127,6 @@ class EdgeServer:
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         return {m.group(1) or "": float(m.group(2))
                 for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
 
 
 def _free_port() -> int:
@@ -241,7 +212,7 @@ async def one_session(channel, drafter, fingerprint: str, cfg: SoakConfig, recor
                       mode: Mode, seed: int) -> None:
     rng = random.Random(seed)
     words = " ".join(f"w{rng.randrange(VOCAB_SIZE - 2)}" for _ in range(rng.randint(*PROMPT_WORDS)))
-    device = DeviceConfig(mode=mode, temperature=cfg.temperature, draft_len=cfg.draft_len,
+    device = DeviceConfig.of(mode=mode, temperature=cfg.temperature, draft_len=cfg.draft_len,
                           max_new_tokens=cfg.max_new_tokens, raw=True, **MODE_SETTINGS[mode])
     hello = device.hello(fingerprint, drafter.vocab_size, seed=seed)
     prompt_ids = encode_prompt(drafter.tokenizer, words, raw=True)

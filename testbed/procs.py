@@ -1,4 +1,7 @@
-"""Processes inside the testbed's namespaces: started with ``ip netns exec``, ready lines, cleanup."""
+"""Long-running child processes (edge-server, the link emulator, the probe): started, awaited until
+their ready line gives the port, stopped. :class:`ReadyProcess` is the one launcher the testbed,
+the integration tests (tests/integration/harness.py) and bench/soak.py use; :class:`NsProcess` runs
+one inside a testbed namespace (``ip netns exec``)."""
 from __future__ import annotations
 
 import os
@@ -16,39 +19,51 @@ from testbed.units import tc_time
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent   # edge-server / device-client of this environment
 READY_TIMEOUT_S = 300.0             # the embedded GGUF target dequantizes for ~20-30 s at first load
-STOP_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 30.0               # edge-server gives in-flight rounds 5 s on SIGTERM; slack for busy cores
 PORT_RE = re.compile(r"(?:listening|ready) on [\w.:\[\]-]*?:(\d+)")
+# edge-server's own line ("edge-server ready on HOST:PORT model=..."); the port is after the last
+# colon of the address, which may be IPv6.
+EDGE_READY_RE = re.compile(r"ready on \S*:(\d+)")
 
 
-def child_env(testbed_module: bool = False) -> dict[str, str]:
+def child_env(testbed_module: bool = False, extra: dict[str, str | None] | None = None) -> dict[str, str]:
     """One torch thread per process: the two ends share the cores of one machine. Only the
-    testbed's own modules get the repo root on their path (the product imports ``specdec.*``)."""
+    testbed's own modules get the repo root on their path (the product imports ``specdec.*``).
+    ``extra`` overrides variables; a None value unsets one."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if testbed_module:
         env["PYTHONPATH"] = str(REPO_ROOT)
-    return env
+    env.update(extra or {})
+    return {k: v for k, v in env.items() if v is not None}
 
 
-class NsProcess:
-    """A long-running process in a namespace that prints a ready line with its port."""
+class ReadyProcess:
+    """A long-running child that prints a ready line with its port: started, awaited, stopped.
 
-    def __init__(self, ns: str, *cmd: str, name: str, testbed_module: bool = False):
+    Its output (stdout and stderr) is kept in ``lines``: up to the ready line, then, if ``drain``,
+    all of it, read by a thread so that a chatty child never blocks on a full pipe. Without
+    ``drain`` the caller reads ``proc.stdout`` itself. ``lines`` may be a bounded deque.
+    """
+
+    def __init__(self, cmd: list[str], *, name: str, env: dict[str, str] | None = None,
+                 ready_re: re.Pattern = PORT_RE, ready_timeout: float = READY_TIMEOUT_S,
+                 cwd: Path | None = None, drain: bool = True, lines=None):
         self.name = name
-        self.proc = subprocess.Popen(in_ns(ns, *cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=child_env(testbed_module))
-        self.lines: list[str] = []
-        self.port = self._wait_ready()
-        # Keep draining its output so a chatty process never blocks on a full pipe.
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=child_env() if env is None else env, cwd=cwd)
+        self.lines = [] if lines is None else lines
+        self.port = self._wait_ready(ready_re, ready_timeout)
+        if drain:
+            threading.Thread(target=self._drain, daemon=True).start()
 
-    def _wait_ready(self) -> int:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+    def _wait_ready(self, ready_re: re.Pattern, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"{self.name} exited:\n" + "".join(self.lines))
             self.lines.append(line)
-            m = PORT_RE.search(line)
+            m = ready_re.search(line)
             if m:
                 return int(m.group(1))
         raise TimeoutError(f"{self.name} not ready:\n" + "".join(self.lines))
@@ -57,7 +72,13 @@ class NsProcess:
         for line in self.proc.stdout:
             self.lines.append(line)
 
-    def stop(self) -> None:
+    @property
+    def address(self) -> str:
+        """Its port on loopback (a process in a namespace is reached at that namespace's IP)."""
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; its exit status (0 after a graceful stop)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -65,6 +86,19 @@ class NsProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        return self.proc.returncode
+
+
+class NsProcess(ReadyProcess):
+    """A :class:`ReadyProcess` inside a testbed namespace."""
+
+    def __init__(self, ns: str, *cmd: str, name: str, testbed_module: bool = False):
+        super().__init__(in_ns(ns, *cmd), name=name, env=child_env(testbed_module))
+
+
+def edge_server_cmd(*args: str, bindir: Path = BIN) -> list[str]:
+    """``edge-server`` of this environment (or of ``bindir``) with ``args``."""
+    return [str(bindir / "edge-server"), *args]
 
 
 def python_module(module: str, *args: str) -> list[str]:
@@ -99,8 +133,8 @@ def start_probe_server(tb: Testbed, started: list[NsProcess]) -> int:
 
 
 def start_edge(tb: Testbed, edge_args: list[str], started: list[NsProcess]) -> int:
-    edge = NsProcess(tb.pair.edge_ns, str(BIN / "edge-server"), "--host", EDGE_IP, "--port", "0",
-                     "--threads", "1", *edge_args, name="edge-server")
+    edge = NsProcess(tb.pair.edge_ns, *edge_server_cmd("--host", EDGE_IP, "--port", "0", "--threads", "1",
+                                                       *edge_args), name="edge-server")
     started.append(edge)
     return edge.port
 
@@ -119,5 +153,5 @@ def stop_all(started: list[NsProcess]) -> None:
         p.stop()
 
 
-__all__ = ["NsProcess", "DEVICE_IP", "EDGE_IP", "device_side_address", "start_probe_server",
+__all__ = ["ReadyProcess", "NsProcess", "DEVICE_IP", "EDGE_IP", "device_side_address", "start_probe_server",
            "start_edge", "run_in_device_ns", "device_cmd", "stop_all"]

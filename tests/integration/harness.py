@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
+import importlib.util
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
@@ -16,13 +14,30 @@ from specdec.common.codecs import Mode
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.device.client import generate
 from specdec.device.drafter import DraftSession
-from specdec.device.runner import DeviceConfig, open_channel
+from specdec.device.runner import DeviceConfig, connection_policy, edge_channel, open_channel
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 from specdec.edge.verifier import EdgeLimits
 
-READY_RE = re.compile(r"ready on [\d.]+:(\d+)")
-VENV_BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def import_testbed() -> None:
+    """Import the repo's top-level ``testbed`` package without putting the repo root on sys.path
+    (which would let a stray ``import common`` succeed)."""
+    if "testbed" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("testbed", ROOT / "testbed" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "testbed")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["testbed"] = module
+        spec.loader.exec_module(module)
+
+
+import_testbed()
+from testbed import procs  # noqa: E402
+
+VENV_BIN = procs.BIN
+EDGE_READY_TIMEOUT_S = 120.0   # a test's edge loads a tiny model: two minutes means it is stuck
 
 
 @lru_cache(maxsize=8)
@@ -43,8 +58,8 @@ async def edge(target_dir, limits: EdgeLimits | None = None, metrics: EdgeMetric
 
 
 def device_config(**kw) -> DeviceConfig:
-    base = DeviceConfig(raw=True, draft_len=3, max_new_tokens=8)
-    return replace(base, **kw)
+    """A test session's config from flat keywords (draft settings such as ``mode`` or ``top_k`` too)."""
+    return DeviceConfig.of(**{"raw": True, "draft_len": 3, "max_new_tokens": 8, **kw})
 
 
 async def run_sessions(address: str, drafter_dir, cfg: DeviceConfig, prompt: str, seeds,
@@ -56,7 +71,7 @@ async def run_sessions(address: str, drafter_dir, cfg: DeviceConfig, prompt: str
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
     fp = vocab_fingerprint(drafter.tokenizer)
     cfg = replace(cfg, edge=address)
-    policy = cfg.policy()
+    policy = connection_policy(cfg)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(channel, seed):
@@ -67,7 +82,7 @@ async def run_sessions(address: str, drafter_dir, cfg: DeviceConfig, prompt: str
                                policy=policy)
             return r.token_ids, r, session
 
-    async with cfg.channel() as channel:  # TLS and token exactly as the CLI sets them up
+    async with edge_channel(cfg) as channel:  # TLS and token exactly as the CLI sets them up
         return list(await asyncio.gather(*(one(channel, seed) for seed in seeds)))
 
 
@@ -85,48 +100,21 @@ def target_greedy(target_dir, prompt_ids: list[int], max_new_tokens: int) -> lis
     return out[0, len(prompt_ids):].tolist()
 
 
-class EdgeProcess:
-    """`edge-server` as a real subprocess; waits for its ready line and reads the port from it."""
+class EdgeProcess(procs.ReadyProcess):
+    """`edge-server` as a real subprocess on loopback, started with the testbed's launcher. Its log
+    up to the ready line is in ``lines``; later output stays in ``proc.stdout`` for the test to read.
+    ``env`` overrides variables (a None value unsets one)."""
 
     def __init__(self, *args: str, env: dict | None = None, port: int = 0, bindir: Path = VENV_BIN,
                  cwd: Path | None = None):
-        cmd = [str(bindir / "edge-server"), "--port", str(port), *args]
-        merged = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        full_env = {k: v for k, v in merged.items() if v is not None}  # env={"X": None} unsets X
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                                     cwd=cwd)
-        self.lines: list[str] = []
-        self.port = self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 120.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("edge-server exited:\n" + "".join(self.lines))
-            self.lines.append(line)
-            m = READY_RE.search(line)
-            if m:
-                return int(m.group(1))
-        raise TimeoutError("edge-server not ready:\n" + "".join(self.lines))
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+        super().__init__(procs.edge_server_cmd("--port", str(port), *args, bindir=bindir), name="edge-server",
+                         env=procs.child_env(extra=env), ready_re=procs.EDGE_READY_RE,
+                         ready_timeout=EDGE_READY_TIMEOUT_S, cwd=cwd, drain=False)
 
 
 def device_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([str(VENV_BIN / "device-client"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=procs.child_env())
 
 
 ALL_MODES = [m for m in Mode]

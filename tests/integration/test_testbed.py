@@ -7,33 +7,17 @@ own uniquely named namespaces and removes them in a ``finally``, also when it fa
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
 import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from harness import ROOT, import_testbed
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _import_testbed():
-    """Import the repo's top-level ``testbed`` package without putting the repo root on sys.path
-    (which would let a stray ``import common`` succeed)."""
-    if "testbed" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("testbed", ROOT / "testbed" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "testbed")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["testbed"] = module
-        spec.loader.exec_module(module)
-
-
-_import_testbed()
+import_testbed()  # the repo's testbed package, without the repo root on sys.path
 from testbed import netns, procs  # noqa: E402
 from testbed.linkemu import LinkClock, LinkSpec  # noqa: E402
 from testbed.units import parse_percent, parse_rate, parse_time  # noqa: E402
@@ -93,18 +77,9 @@ def test_tc_stats_parse() -> None:
 
 # -- the userspace emulator on loopback (no root) -------------------------------------------------
 
-class _Proc:
-    def __init__(self, *cmd: str):
-        self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=procs.child_env(testbed_module=True))
-        line = self.proc.stdout.readline()
-        m = procs.PORT_RE.search(line)
-        assert m, f"no ready line: {line!r}"
-        self.port = int(m.group(1))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
+def _loopback_process(*cmd: str) -> procs.ReadyProcess:
+    """A testbed module (probe, linkemu) on loopback, started as the testbed starts it."""
+    return procs.ReadyProcess(list(cmd), name=cmd[2], env=procs.child_env(testbed_module=True))
 
 
 def _measure(address: str, up_bytes: int, down_bytes: int, probes: int, ns: str | None = None) -> dict:
@@ -121,10 +96,10 @@ def _assert_within(measured: float, expected: float, tolerance: float, what: str
 
 
 def test_userspace_emulator_rate_and_delay_without_root() -> None:
-    server = _Proc(*procs.python_module("testbed.probe", "serve", "--listen", "127.0.0.1:0"))
+    server = _loopback_process(*procs.python_module("testbed.probe", "serve", "--listen", "127.0.0.1:0"))
     emu = None
     try:
-        emu = _Proc(*procs.python_module(
+        emu = _loopback_process(*procs.python_module(
             "testbed.linkemu", "--connect", f"127.0.0.1:{server.port}", "--up-rate", "2mbit",
             "--up-delay", "60ms", "--down-rate", "4mbit", "--down-delay", "40ms"))
         m = _measure(f"127.0.0.1:{emu.port}", 400_000, 800_000, probes=12)
