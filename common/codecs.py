@@ -3,8 +3,12 @@
 The device encodes its draft distribution ``q``, then samples the draft token from
 ``decode_distribution(payload)`` -- the very function the edge runs on the received bytes -- so
 both sides hold the same ``q_hat`` bit for bit, and speculative verification against it is
-lossless whatever the compression (SQS paper: "quantize-and-sample"; TSLT paper:
-"sparsify-then-sample").
+lossless whatever the compression (SQS §2: "quantize-and-sample"; TSLT §3: "sparsify-then-sample").
+
+References: TSLT is Zheng et al., "Fast Collaborative Inference via Distributed Speculative
+Decoding"; SQS is Bhattacharjee et al., "Conformal Sparsification for Bandwidth-Efficient Edge-Cloud
+Speculative Decoding"; DSSD is Ning, Zheng and Yang, "DSSD: Efficient Edge-Device LLM Deployment and
+Collaborative Inference via Distributed Split Speculative Decoding" (ICML 2025).
 
 Modes and wire formats (``w = ceil(log2 V)`` bits per token id):
   * dense: V little-endian probabilities in ``dense_dtype``. Theoretical bits V (b_prob + w),
@@ -36,13 +40,14 @@ import torch
 from . import lattice
 from .distributions import (
     SparseDist,
-    _dropped_mass,
-    _top_ids_ordered,
-    check_probs,
+    dropped_mass_unchecked,
+    top_k_ids_unchecked,
     truncate_threshold,
     truncate_top_k,
     truncate_top_p,
 )
+from .validation import (DENSE_PACKET_SUM_ATOL, check_int, check_lattice, check_prob_scalars, check_probs,
+                         check_unit_interval)
 
 
 class Mode(str, enum.Enum):
@@ -50,7 +55,7 @@ class Mode(str, enum.Enum):
     TSLT = "tslt"  # truncated sparse logits, TSLT section 3.2
     KSQS = "ksqs"  # top-K + lattice, SQS section 2
     CSQS = "csqs"  # conformal threshold + lattice, SQS section 3
-    DSSD = "dssd"  # split verification, uplink scalars only (dssd-summary.txt)
+    DSSD = "dssd"  # split verification, uplink scalars only (DSSD, Method; see verification.py)
 
 
 # dense_dtype -> (torch dtype, bits per probability b_prob).
@@ -63,11 +68,8 @@ _TSLT_VALUE_BITS = 16
 MAX_VOCAB_SIZE = 2**32
 # A varint for K < 2**32 needs at most 5 bytes of 7 payload bits.
 _MAX_VARINT_BYTES = 5
-# A dense packet whose decoded probabilities sum this far from 1 is garbage, not rounding: fp16
-# rounding (and flushing tails below its subnormal range) moves the sum by well under 1%.
-_DENSE_SUM_TOL = 0.05
-# DSSD scalars are float32 probabilities q_i(x_i).
-_SCALAR_BYTES = 8  # float64 q_i(x_i), see encode_dssd_scalars
+# DSSD scalars are float64 probabilities q_i(x_i), see encode_dssd_scalars.
+_SCALAR_BYTES = 8
 _SCALAR_BITS = 8 * _SCALAR_BYTES
 
 
@@ -93,16 +95,15 @@ class CodecConfig:
             object.__setattr__(self, "mode", Mode(self.mode))
         except ValueError:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {[m.value for m in Mode]}") from None
-        _require_int(self.vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
+        check_int(self.vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
         if self.dense_dtype not in _DENSE_DTYPES:
             raise ValueError(f"dense_dtype must be one of {sorted(_DENSE_DTYPES)}, got {self.dense_dtype!r}")
         if self.top_k is not None:
-            _require_int(self.top_k, "top_k", 1, MAX_VOCAB_SIZE)
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                                       or not 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require_int(self.lattice, "lattice", 1, lattice.MAX_LATTICE)
-        _require_int(self.max_k, "max_k", 1, MAX_VOCAB_SIZE)
+            check_int(self.top_k, "top_k", 1, MAX_VOCAB_SIZE)
+        if self.top_p is not None:
+            check_unit_interval(self.top_p, "top_p", low_open=True)
+        check_lattice(self.lattice, "lattice")
+        check_int(self.max_k, "max_k", 1, MAX_VOCAB_SIZE)
         self._check_mode_settings()
 
     def _check_mode_settings(self) -> None:
@@ -127,12 +128,6 @@ class EncodedDist:
     dropped_mass: float  # sum of q outside the transmitted support (0 for dense), for C-SQS
 
 
-def _require_int(value: object, name: str, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
-    return value
-
-
 # ----------------------------------------------------------------------------- public API
 
 
@@ -149,7 +144,7 @@ def encode_distribution(q: torch.Tensor, cfg: CodecConfig, *, threshold: float |
     """
     if not isinstance(cfg, CodecConfig):
         raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
-    check_probs(q)
+    check_probs(q, "q")
     q = q.detach().cpu()  # payloads are built on the host; a no-op for CPU tensors
     if q.numel() != cfg.vocab_size:
         raise ValueError(f"q has {q.numel()} entries but vocab_size is {cfg.vocab_size}")
@@ -192,36 +187,31 @@ def encode_dssd_scalars(q_of_draft: torch.Tensor) -> bytes:
     """DSSD uplink scalars q_i(x_i) as little-endian float64.  q_of_draft: [L] float, in (0, 1].
 
     float64, not float32: the edge's accept test must use exactly the q(x) the device sampled
-    from and will use for the residual (DESIGN.md: bit for bit); 4 more bytes per draft token."""
+    from and will use for the residual, bit for bit; 4 more bytes per draft token."""
     if not isinstance(q_of_draft, torch.Tensor) or q_of_draft.ndim != 1 or q_of_draft.numel() == 0:
         raise ValueError("q_of_draft must be a non-empty 1-D tensor")
     if not q_of_draft.is_floating_point():
         raise ValueError(f"q_of_draft must be floating point, got {q_of_draft.dtype}")
-    values = q_of_draft.detach().to(torch.float64).numpy()
-    _check_scalars(values)
-    return values.astype("<f8").tobytes()
+    values = q_of_draft.detach().cpu().to(torch.float64)  # [L]
+    check_prob_scalars(values, "dssd scalars", wire=True)
+    return values.numpy().astype("<f8").tobytes()
 
 
 def decode_dssd_scalars(payload: bytes, num_draft: int) -> torch.Tensor:
     """Inverse of encode_dssd_scalars.  Returns [L] float64, bit-identical to what was sent."""
-    _require_int(num_draft, "num_draft", 1, 2**31)
+    check_int(num_draft, "num_draft", 1, 2**31)
     if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload) != _SCALAR_BYTES * num_draft:
         raise ValueError(f"dssd scalar payload must be {_SCALAR_BYTES * num_draft} bytes")
-    values = np.frombuffer(bytes(payload), dtype="<f8").astype(np.float64)
-    _check_scalars(values)
-    return torch.from_numpy(values.copy())
+    values = torch.from_numpy(np.frombuffer(bytes(payload), dtype="<f8").astype(np.float64))  # [L], a copy
+    check_prob_scalars(values, "dssd scalars", wire=True)
+    return values
 
 
 def dssd_theoretical_bits(num_draft: int, vocab_size: int) -> int:
     """DSSD uplink bits: L (ceil(log2 V) + 64) -- each draft id plus its float64 q_i(x_i)."""
-    _require_int(num_draft, "num_draft", 0, 2**31)
-    _require_int(vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
+    check_int(num_draft, "num_draft", 0, 2**31)
+    check_int(vocab_size, "vocab_size", 1, MAX_VOCAB_SIZE)
     return num_draft * (_ceil_log2(vocab_size) + _SCALAR_BITS)
-
-
-def _check_scalars(values: np.ndarray) -> None:
-    if not np.all(np.isfinite(values)) or not np.all((values > 0) & (values <= 1)):
-        raise ValueError("dssd scalars must be finite probabilities in (0, 1]")
 
 
 # ----------------------------------------------------------------------------- dense
@@ -251,7 +241,7 @@ def _decode_dense(payload: bytes, cfg: CodecConfig) -> SparseDist:
     total = float(values.sum())  # NaN and inf propagate into the sum
     if not math.isfinite(total) or float(values.min()) < 0:
         raise ValueError("dense payload holds NaN, inf or negative probabilities")
-    if abs(total - 1.0) > _DENSE_SUM_TOL:
+    if abs(total - 1.0) > DENSE_PACKET_SUM_ATOL:
         raise ValueError(f"dense probabilities sum to {total:.6g}, not 1")
     ids = np.flatnonzero(values)
     return SparseDist(ids=torch.from_numpy(ids.astype(np.int64)), probs=torch.from_numpy(values[ids] / total),
@@ -279,7 +269,7 @@ def _encode_tslt(q: torch.Tensor, cfg: CodecConfig) -> EncodedDist:
     payload = _encode_varint(K) + _pack_ids(kept.ids, cfg.id_bits) + values.tobytes()
     bits = K * (_TSLT_VALUE_BITS + cfg.id_bits)
     return EncodedDist(payload=payload, theoretical_bits=bits, support_size=K,
-                       dropped_mass=_dropped_mass(q, kept.ids))
+                       dropped_mass=dropped_mass_unchecked(q, kept.ids))
 
 
 def _decode_tslt(payload: bytes, cfg: CodecConfig) -> SparseDist:
@@ -308,13 +298,13 @@ def _ksqs_sizes(cfg: CodecConfig) -> tuple[int, int]:
 
 
 def _encode_ksqs(q: torch.Tensor, cfg: CodecConfig) -> EncodedDist:
-    ids = _top_ids_ordered(q, cfg.top_k).sort().values  # [K], may include q = 0 tokens (count 0)
+    ids = top_k_ids_unchecked(q, cfg.top_k).sort().values  # [K], may include q = 0 tokens (count 0)
     counts = lattice.quantize(q[ids].to(torch.float64) / q[ids].double().sum(), cfg.lattice)
     subset_bits, comp_bits = _ksqs_sizes(cfg)
     payload = (lattice.int_to_bytes(lattice.encode_subset(ids, cfg.vocab_size), subset_bits)
                + lattice.int_to_bytes(lattice.encode_composition(counts, cfg.lattice), comp_bits))
     return EncodedDist(payload=payload, theoretical_bits=subset_bits + comp_bits, support_size=cfg.top_k,
-                       dropped_mass=_dropped_mass(q, ids))
+                       dropped_mass=dropped_mass_unchecked(q, ids))
 
 
 def _decode_ksqs(payload: bytes, cfg: CodecConfig) -> SparseDist:
@@ -350,7 +340,7 @@ def _encode_csqs(q: torch.Tensor, cfg: CodecConfig, threshold: float) -> Encoded
                + lattice.int_to_bytes(lattice.encode_composition(counts, cfg.lattice), comp_bits))
     bits = cfg.id_bits + K * cfg.id_bits + comp_bits  # SQS section 3: K, the ids, eq. (2)
     return EncodedDist(payload=payload, theoretical_bits=bits, support_size=K,
-                       dropped_mass=_dropped_mass(q, kept.ids))
+                       dropped_mass=dropped_mass_unchecked(q, kept.ids))
 
 
 def _decode_csqs(payload: bytes, cfg: CodecConfig) -> SparseDist:

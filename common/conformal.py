@@ -1,8 +1,9 @@
 """C-SQS threshold controller: online conformal update with checkpoint and backtrack.
 
-Reference: SQS paper (``sqs-conformal.txt``) section 3, eq. (6) (support ``{x : q(x) >= beta}``),
-eq. (8) (update ``beta <- beta - eta (dropped - alpha)``), Alg. 1 (checkpoint/backtrack per
-batch), Lemma 2 / Theorem 2 (average dropped mass over accepted tokens tends to alpha).
+Reference: SQS, Bhattacharjee et al., "Conformal Sparsification for Bandwidth-Efficient Edge-Cloud
+Speculative Decoding": §3, eq. (6) (support ``{x : q(x) >= beta}``), eq. (8) (update
+``beta <- beta - eta (dropped - alpha)``), Alg. 1 (checkpoint/backtrack per batch), Theorem 2 and
+appendix A.3, Lemma 2 (average dropped mass over accepted tokens tends to alpha).
 
 The sign of eq. (8) works because a larger threshold keeps fewer tokens: when the dropped mass
 exceeds alpha the threshold goes down (more tokens kept), otherwise it creeps up.
@@ -27,21 +28,12 @@ upper bound on beta does not hold for peaked distributions -- dropping all but t
 """
 from __future__ import annotations
 
-import math
+from specdec.common.validation import check_int, check_positive, check_real, check_unit_interval
 
 
 def conformal_update(beta: float, dropped: float, alpha: float, eta: float) -> float:
     """One step of SQS eq. (8): ``beta - eta (dropped - alpha)``."""
     return beta - eta * (dropped - alpha)
-
-
-def _check_unit(value: object, name: str, *, closed: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite real number, got {value!r}")
-    ok = 0.0 <= value <= 1.0 if closed else 0.0 < value < 1.0
-    if not ok:
-        raise ValueError(f"{name} must be in {'[0, 1]' if closed else '(0, 1)'}, got {value}")
-    return float(value)
 
 
 class ConformalController:
@@ -52,13 +44,10 @@ class ConformalController:
     """
 
     def __init__(self, alpha: float, eta: float, beta0: float):
-        self.alpha = _check_unit(alpha, "alpha", closed=False)  # target average dropped mass
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta <= 0:
-            raise ValueError(f"eta must be a finite real > 0, got {eta!r}")
-        self.eta = float(eta)  # learning rate of eq. (8)
-        if isinstance(beta0, bool) or not isinstance(beta0, (int, float)) or not math.isfinite(beta0):
-            raise ValueError(f"beta0 must be a finite real number, got {beta0!r}")
-        self.beta = float(beta0)  # threshold for the next drafted position
+        # target average dropped mass
+        self.alpha = check_unit_interval(alpha, "alpha", low_open=True, high_open=True)
+        self.eta = check_positive(eta, "eta")  # learning rate of eq. (8)
+        self.beta = check_real(beta0, "beta0")  # threshold for the next drafted position
         self.checkpoint: float | None = None  # beta at the start of the open round, None if none
         self.round_dropped: list[float] = []  # dropped mass of each position drafted this round
 
@@ -78,7 +67,7 @@ class ConformalController:
 
         Outside a round (no start_round) the update is applied to a plain stream.
         """
-        dropped_mass = _check_unit(dropped_mass, "dropped_mass", closed=True)
+        dropped_mass = check_unit_interval(dropped_mass, "dropped_mass")
         self.beta = conformal_update(self.beta, dropped_mass, self.alpha, self.eta)
         if self.checkpoint is not None:
             self.round_dropped.append(dropped_mass)
@@ -90,8 +79,7 @@ class ConformalController:
         if self.checkpoint is None:
             raise ValueError("on_verdict without start_round")
         drafted = len(self.round_dropped)
-        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) or not 0 <= num_accepted <= drafted:
-            raise ValueError(f"num_accepted must be an int in [0, {drafted}], got {num_accepted!r}")
+        check_int(num_accepted, "num_accepted", 0, drafted)
         survivors = num_accepted + 1 if num_accepted < drafted else drafted
         beta = self.checkpoint
         for dropped in self.round_dropped[:survivors]:

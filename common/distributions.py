@@ -1,12 +1,16 @@
 """Draft/target distributions: temperature, truncation (top-K, top-p, threshold), sparse <-> dense.
 
-References: TSLT paper (``tslt-mc-dsd.txt``) eq. (12)-(14), with the erratum of eq. (12) fixed:
-the truncated distribution is ``q(x) / sum_{v in V'} q(v)`` for ``x`` in the kept set ``V'`` and 0
-outside it (the paper swaps the two cases). SQS paper (``sqs-conformal.txt``) eq. (6) for the
-probability-threshold support ``{x : q(x) >= beta}``.
+References:
+- TSLT: Zheng et al., "Fast Collaborative Inference via Distributed Speculative Decoding", §3.1,
+  eq. (12)-(14), with the erratum of eq. (12) fixed: the truncated distribution is
+  ``q(x) / sum_{v in V'} q(v)`` for ``x`` in the kept set ``V'`` and 0 outside it (the paper swaps
+  the two cases).
+- SQS: Bhattacharjee et al., "Conformal Sparsification for Bandwidth-Efficient Edge-Cloud
+  Speculative Decoding", §3, eq. (6) for the probability-threshold support ``{x : q(x) >= beta}``.
 
-Conventions: ``p`` target, ``q`` draft. All functions are pure; inputs are validated and bad input
-raises ``ValueError``.
+Conventions: ``p`` target, ``q`` draft. All functions are pure; inputs are validated (validation.py)
+and bad input raises ``ValueError``. A ``*_unchecked`` function skips the checks, for callers that
+validated the same input already.
 
 Determinism: every selection of a support (top-K, top-p, threshold cap) orders tokens by
 descending probability and breaks ties by ascending token id, so the device and the edge (or two
@@ -18,6 +22,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+# check_logits stays importable from here too (sampling.py validates logits before filtering them).
+from specdec.common.validation import (check_generator, check_int, check_logits, check_probs, check_real,
+                                       check_sorted_ids, check_sparse_probs, check_tensor, check_unit_interval)
 
 
 @dataclass(frozen=True)
@@ -33,114 +41,21 @@ class SparseDist:
     vocab_size: int
 
 
-# Probabilities must sum to 1 within this tolerance. Inputs come from a float32 softmax whose sum
-# is off by ~1e-6 even over 150k tokens; 1e-3 still rejects unnormalised or wrong inputs
-# (logits passed as probabilities, a mask instead of a distribution).
-PROB_SUM_ATOL = 1e-3
-# 16-bit floats carry ~3 decimal digits, so their sum over a large vocabulary drifts further.
-PROB_SUM_ATOL_16BIT = 1e-2
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # First top-K size tried when growing a top-p prefix; most nucleus sets are smaller than this,
 # so one partial selection usually suffices instead of sorting the whole vocabulary.
 _TOP_P_FIRST_K = 256
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_tensor(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def check_probs(q: torch.Tensor, name: str = "q") -> None:
-    """Raise ValueError unless ``q`` is a 1-D finite non-negative float tensor summing to ~1."""
-    _check_tensor(q, name)
-    if q.ndim != 1 or q.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(q.shape)}")
-    _check_prob_values(q, name)
-
-
-def _check_prob_values(q: torch.Tensor, name: str) -> None:
-    """Checks dtype, finiteness, sign and per-row sum (last dim) of a probability tensor.
-
-    Two passes over the data: a float64 sum (NaN and inf propagate into it; a sum overflowing
-    to inf is rejected too, rightly) and a minimum.
-    """
-    if not q.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {q.dtype}")
-    sums = q.sum(dim=-1, dtype=torch.float64)
-    if not bool(torch.isfinite(sums).all()):
-        raise ValueError(f"{name} contains NaN or inf")
-    if bool(q.min() < 0):
-        raise ValueError(f"{name} contains negative probabilities")
-    atol = PROB_SUM_ATOL_16BIT if q.dtype in _SIXTEEN_BIT else PROB_SUM_ATOL
-    if bool(((sums - 1.0).abs() > atol).any()):
-        worst = float(sums.flatten()[(sums.flatten() - 1.0).abs().argmax()])
-        raise ValueError(f"{name} must sum to 1 (tolerance {atol}), got a sum of {worst:.6g}")
-
-
-def check_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
-    """Raise ValueError unless ``ids`` is a non-empty 1-D int64 tensor, strictly increasing, in range."""
-    _check_tensor(ids, name)
-    if ids.dtype != torch.int64:
-        raise ValueError(f"{name} must be int64, got {ids.dtype}")
-    if ids.ndim != 1 or ids.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(ids.shape)}")
-    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
-        raise ValueError(f"{name} out of range [0, {vocab_size})")
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise ValueError(f"{name} must be strictly increasing (sorted, no duplicates)")
 
 
 def check_sparse_dist(sd: SparseDist) -> None:
     """Raise ValueError unless ``sd`` satisfies the SparseDist invariants."""
     if not isinstance(sd, SparseDist):
         raise ValueError(f"expected a SparseDist, got {type(sd).__name__}")
-    _check_vocab_size(sd.vocab_size)
-    check_ids(sd.ids, sd.vocab_size, "SparseDist.ids")
-    _check_tensor(sd.probs, "SparseDist.probs")
-    if sd.probs.dtype != torch.float64 or sd.probs.shape != sd.ids.shape:
-        raise ValueError("SparseDist.probs must be float64 with the same shape as ids")
-    _check_prob_values(sd.probs, "SparseDist.probs")
-
-
-def _check_vocab_size(vocab_size: object) -> None:
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-
-
-def _check_int(value: object, name: str, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-    return value
-
-
-def _check_real(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite real number, got {value!r}")
-    return float(value)
+    check_int(sd.vocab_size, "vocab_size", 1)
+    check_sorted_ids(sd.ids, "SparseDist.ids", sd.vocab_size)
+    check_sparse_probs(sd.probs, sd.ids, "SparseDist.probs")
 
 
 # ----------------------------------------------------------------------------- logits -> probs
-
-
-def check_logits(logits: torch.Tensor, temperature: float) -> float:
-    """Raise ValueError unless ``logits`` is a finite float tensor [..., V] and ``temperature`` >= 0;
-    returns the temperature as a float."""
-    _check_tensor(logits, "logits")
-    if not logits.is_floating_point() or logits.ndim < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be a float tensor [..., V] with V >= 1, got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
-    temperature = _check_real(temperature, "temperature")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("logits contain NaN or inf")
-    return temperature
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -168,8 +83,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------- truncation
 
 
-def _top_ids_ordered(q: torch.Tensor, k: int) -> torch.Tensor:
-    """The k most probable ids of q, ordered by descending q then ascending id.  # [k] int64
+def top_k_ids_unchecked(q: torch.Tensor, k: int) -> torch.Tensor:
+    """top_k_ids without input checks: the k most probable ids of q, by descending q then ascending id.
 
     ``torch.topk`` does not define which of several tied values it returns. Its set is only
     trusted when the (k+1)-th value is strictly below the k-th (no tie across the cut);
@@ -203,8 +118,8 @@ def top_k_ids(q: torch.Tensor, k: int) -> torch.Tensor:
     Returns:
         [k] int64 ids in selection order (not sorted by id).
     """
-    check_probs(q)
-    return _top_ids_ordered(q, _check_int(k, "k", 1, q.numel()))
+    check_probs(q, "q")
+    return top_k_ids_unchecked(q, check_int(k, "k", 1, q.numel()))
 
 
 def _renormalised(q: torch.Tensor, ids: torch.Tensor) -> SparseDist:
@@ -229,9 +144,9 @@ def truncate_top_k(q: torch.Tensor, k: int) -> SparseDist:
         k: 1 <= k <= V. Fewer than k tokens are kept when q has fewer than k non-zero entries
             (e.g. K = 1 for the one-hot of greedy decoding).
     """
-    check_probs(q)
-    k = _check_int(k, "k", 1, q.numel())
-    return _renormalised(q, _drop_zeros(q, _top_ids_ordered(q, k)))
+    check_probs(q, "q")
+    k = check_int(k, "k", 1, q.numel())
+    return _renormalised(q, _drop_zeros(q, top_k_ids_unchecked(q, k)))
 
 
 def truncate_top_p(q: torch.Tensor, top_p: float) -> SparseDist:
@@ -245,10 +160,8 @@ def truncate_top_p(q: torch.Tensor, top_p: float) -> SparseDist:
         q: [V] float probabilities summing to 1.
         top_p: in (0, 1].
     """
-    check_probs(q)
-    top_p = _check_real(top_p, "top_p")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_probs(q, "q")
+    top_p = check_unit_interval(top_p, "top_p", low_open=True)
     return _renormalised(q, _top_p_ids(q, top_p))
 
 
@@ -258,7 +171,7 @@ def _top_p_ids(q: torch.Tensor, top_p: float) -> torch.Tensor:
     nonzero = int((q > 0).sum())
     k = min(_TOP_P_FIRST_K, nonzero)
     while True:
-        ids = _top_ids_ordered(q, k)
+        ids = top_k_ids_unchecked(q, k)
         cum = torch.cumsum(q[ids].to(torch.float64), dim=0)  # [k]
         n = int(torch.searchsorted(cum, torch.tensor([target], dtype=torch.float64))[0]) + 1
         if n <= k or k == nonzero:
@@ -280,16 +193,16 @@ def truncate_threshold(q: torch.Tensor, beta: float, max_k: int | None = None) -
         beta: any finite real threshold.
         max_k: optional cap, >= 1.
     """
-    check_probs(q)
-    beta = _check_real(beta, "beta")
+    check_probs(q, "q")
+    beta = check_real(beta, "beta")
     if max_k is not None:
-        max_k = _check_int(max_k, "max_k", 1, 2**62)
+        max_k = check_int(max_k, "max_k", 1)
     keep = (q.to(torch.float64) >= beta) & (q > 0)
     count = int(keep.sum())
     if count == 0:
-        ids = _top_ids_ordered(q, 1)
+        ids = top_k_ids_unchecked(q, 1)
     elif max_k is not None and count > max_k:
-        ids = _top_ids_ordered(q, max_k)  # the passing tokens are exactly the most probable ones
+        ids = top_k_ids_unchecked(q, max_k)  # the passing tokens are exactly the most probable ones
     else:
         ids = keep.nonzero().squeeze(1)
     return _renormalised(q, ids)
@@ -300,7 +213,7 @@ def truncate_threshold(q: torch.Tensor, beta: float, max_k: int | None = None) -
 
 def support(q: torch.Tensor) -> torch.Tensor:
     """Ids where q > 0, ascending.  q: [V] float probabilities. Returns [K] int64."""
-    check_probs(q)
+    check_probs(q, "q")
     return (q > 0).nonzero().squeeze(1)
 
 
@@ -311,8 +224,8 @@ def sparsify(q: torch.Tensor, ids: torch.Tensor) -> SparseDist:
         q: [V] float probabilities summing to 1.
         ids: [K] int64, strictly increasing, in [0, V); must carry positive mass.
     """
-    check_probs(q)
-    check_ids(ids, q.numel())
+    check_probs(q, "q")
+    check_sorted_ids(ids, "ids", q.numel())
     return _renormalised(q, ids)
 
 
@@ -334,12 +247,12 @@ def dropped_mass(q: torch.Tensor, ids: torch.Tensor) -> float:
         q: [V] float probabilities summing to 1.
         ids: [K] int64, strictly increasing, in [0, V).
     """
-    check_probs(q)
-    check_ids(ids, q.numel())
-    return _dropped_mass(q, ids)
+    check_probs(q, "q")
+    check_sorted_ids(ids, "ids", q.numel())
+    return dropped_mass_unchecked(q, ids)
 
 
-def _dropped_mass(q: torch.Tensor, ids: torch.Tensor) -> float:
+def dropped_mass_unchecked(q: torch.Tensor, ids: torch.Tensor) -> float:
     """dropped_mass without input checks (for callers that validated q and built ids)."""
     if ids.numel() == q.numel():
         return 0.0
@@ -376,9 +289,7 @@ def sample_token_from_uniform(probs: torch.Tensor | SparseDist, u: float) -> int
         probs: [V] float probabilities (float64 recommended), or a SparseDist (returns a vocab id).
         u: uniform draw in [0, 1).
     """
-    u = _check_real(u, "u")
-    if not 0.0 <= u < 1.0:
-        raise ValueError(f"u must be in [0, 1), got {u}")
+    u = check_unit_interval(u, "u", high_open=True)
     if isinstance(probs, SparseDist):
         check_sparse_dist(probs)
         return int(probs.ids[_inverse_cdf(probs.probs, u)])
@@ -405,8 +316,7 @@ def sample_token(probs: torch.Tensor | SparseDist, generator: torch.Generator) -
         probs: [V] float probabilities, or a SparseDist (returns a vocab id).
         generator: the per-request torch.Generator (CPU).
     """
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    check_generator(generator)
     u = float(torch.rand((), dtype=torch.float64, generator=generator))
     return sample_token_from_uniform(probs, u)
 
@@ -414,9 +324,8 @@ def sample_token(probs: torch.Tensor | SparseDist, generator: torch.Generator) -
 def gumbel_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:  # [V] float64
     """``vocab_size`` i.i.d. standard Gumbel draws ``-log(-log u)`` from float64 uniforms of ``generator``
     (a uniform of exactly 0 gives -inf: that token cannot win a Gumbel-max draw)."""
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    _check_vocab_size(vocab_size)
+    check_generator(generator)
+    check_int(vocab_size, "vocab_size", 1)
     u = torch.rand(vocab_size, dtype=torch.float64, generator=generator)
     return -torch.log(-torch.log(u))
 
@@ -464,17 +373,15 @@ def filter_target_logits(scores: torch.Tensor, top_k: int | None, top_p: float |
     Returns:
         [..., V] float32 scores with the removed tokens at ``-inf``.
     """
-    _check_tensor(scores, "scores")
+    check_tensor(scores, "scores")
     if scores.dtype != torch.float32 or scores.ndim < 1 or scores.shape[-1] == 0:
         raise ValueError(f"scores must be float32 [..., V] with V >= 1, got {scores.dtype} {tuple(scores.shape)}")
     if top_k is not None:
-        top_k = min(_check_int(top_k, "top_k", 1, 2**62), scores.shape[-1])
+        top_k = min(check_int(top_k, "top_k", 1), scores.shape[-1])
         kth = torch.topk(scores, top_k)[0][..., -1, None]  # [..., 1]
         scores = scores.masked_fill(scores < kth, -math.inf)
     if top_p is not None:
-        top_p = _check_real(top_p, "top_p")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        top_p = check_unit_interval(top_p, "top_p", low_open=True)
         if top_p < 1.0:
             scores = _top_p_filter(scores, top_p)
     return scores

@@ -1,7 +1,8 @@
 """Oracle-call latency model of distributed speculative decoding, as plain functions.
 
-Reference: TSLT paper (``tslt-mc-dsd.txt``) eq. (1)-(10) for a single-candidate chain and
-eq. (26)-(28) for token trees. Times are in seconds, rates in bits per second.
+Reference: TSLT, Zheng et al., "Fast Collaborative Inference via Distributed Speculative Decoding":
+§2.2-2.3, eq. (1)-(10) for a single-candidate chain, and §4.2, eq. (26)-(28) for token trees.
+Times are in seconds, rates in bits per second.
 
 Errata handled here (checked against the definitions they come from):
   * eq. (9) prints ``(1 - alpha^{L+1}) / ((1 - alpha) L (T_SLM + ...) + T_LLM)``; with
@@ -13,51 +14,30 @@ Errata handled here (checked against the definitions they come from):
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from specdec.common.validation import check_int, check_nonnegative, check_positive, check_unit_interval
 
-def _nonneg(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite real >= 0, got {value!r}")
-    return float(value)
-
-
-def _positive(value: object, name: str) -> float:
-    if _nonneg(value, name) == 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
-
-
-def _count(value: object, name: str, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
-
-
-def _acceptance(alpha: object) -> float:
-    if _nonneg(alpha, "alpha") > 1:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    return float(alpha)
 
 
 def comm_time(bits: float, rate_bps: float) -> float:
     """Eq. (1): T_comm = D_up / R_up."""
-    return _nonneg(bits, "bits") / _positive(rate_bps, "rate_bps")
+    return check_nonnegative(bits, "bits") / check_positive(rate_bps, "rate_bps")
 
 
 def dense_uplink_bits(L: int, V: int, b_prob: int, b_idx: int | None = None) -> int:
     """Eq. (2)-(3): D_up = L |V| (b_prob + b_idx), with b_idx = ceil(log2 |V|) by default."""
-    _count(L, "L", 0)
-    _count(V, "V")
-    _count(b_prob, "b_prob", 0)
-    b_idx = (V - 1).bit_length() if b_idx is None else _count(b_idx, "b_idx", 0)
+    check_int(L, "L", 0)
+    check_int(V, "V", 1)
+    check_int(b_prob, "b_prob", 0)
+    b_idx = (V - 1).bit_length() if b_idx is None else check_int(b_idx, "b_idx", 0)
     return L * V * (b_prob + b_idx)
 
 
 def oracle_time(L: int, t_slm: float, t_comm: float, t_llm: float) -> float:
     """Eq. (5): T_oracle = L T_SLM + T_comm + T_LLM (one draft-send-verify round)."""
-    return _count(L, "L", 0) * _nonneg(t_slm, "t_slm") + _nonneg(t_comm, "t_comm") + _nonneg(t_llm, "t_llm")
+    return (check_int(L, "L", 0) * check_nonnegative(t_slm, "t_slm") + check_nonnegative(t_comm, "t_comm")
+            + check_nonnegative(t_llm, "t_llm"))
 
 
 def oracle_time_drafting_ahead(L: int, t_slm: float, t_comm: float, t_llm: float, hit_rate: float) -> float:
@@ -70,16 +50,16 @@ def oracle_time_drafting_ahead(L: int, t_slm: float, t_comm: float, t_llm: float
     W = T_comm + T_LLM are kept: T = W + max(0, (L + 1) T_SLM - W). Otherwise the round is drafted
     after the verdict, as in eq. (5): T = W + L T_SLM. ``hit_rate`` = 0 gives eq. (5) exactly.
     """
-    L, h = _count(L, "L", 0), _acceptance(hit_rate)
-    window = _nonneg(t_comm, "t_comm") + _nonneg(t_llm, "t_llm")
-    drafting = _nonneg(t_slm, "t_slm")
+    L, h = check_int(L, "L", 0), check_unit_interval(hit_rate, "hit_rate")
+    window = check_nonnegative(t_comm, "t_comm") + check_nonnegative(t_llm, "t_llm")
+    drafting = check_nonnegative(t_slm, "t_slm")
     kept = window + max(0.0, (L + 1) * drafting - window)
     return h * kept + (1.0 - h) * (window + L * drafting)
 
 
 def expected_tokens_per_call(alpha: float, L: int) -> float:
     """Eq. (8): N_oracle = (1 - alpha^{L+1}) / (1 - alpha); L + 1 at alpha = 1 (the limit)."""
-    alpha, L = _acceptance(alpha), _count(L, "L", 0)
+    alpha, L = check_unit_interval(alpha, "alpha"), check_int(L, "L", 0)
     if alpha == 1.0:
         return float(L + 1)
     return (1.0 - alpha ** (L + 1)) / (1.0 - alpha)
@@ -94,18 +74,19 @@ def dsd_throughput(alpha: float, L: int, t_slm: float, t_llm: float, V: int, b_p
 
 def speedup(throughput: float, t_llm: float) -> float:
     """Eq. (10): S = Theta_DSD / Theta_LLM with Theta_LLM = 1 / T_LLM."""
-    return _nonneg(throughput, "throughput") * _positive(t_llm, "t_llm")
+    return check_nonnegative(throughput, "throughput") * check_positive(t_llm, "t_llm")
 
 
 def predicted_speedup(alpha: float, L: int, t_slm: float, t_llm: float, uplink_seconds: float,
                       downlink_seconds: float = 0.0) -> float:
     """N_oracle T_LLM / T_oracle (eq. 5, 8, 10) with measured uplink and downlink times."""
-    t_comm = _nonneg(uplink_seconds, "uplink_seconds") + _nonneg(downlink_seconds, "downlink_seconds")
-    return expected_tokens_per_call(alpha, L) * _positive(t_llm, "t_llm") / oracle_time(L, t_slm, t_comm, t_llm)
+    t_comm = (check_nonnegative(uplink_seconds, "uplink_seconds")
+              + check_nonnegative(downlink_seconds, "downlink_seconds"))
+    return expected_tokens_per_call(alpha, L) * check_positive(t_llm, "t_llm") / oracle_time(L, t_slm, t_comm, t_llm)
 
 
 def _check_config(config: Sequence[int]) -> list[int]:
-    ks = [_count(k, f"config[{i}]") for i, k in enumerate(config)]
+    ks = [check_int(k, f"config[{i}]", 1) for i, k in enumerate(config)]
     if not ks:
         raise ValueError("expansion configuration must be non-empty")
     return ks
@@ -127,11 +108,11 @@ def tree_num_distributions(config: Sequence[int]) -> int:
 def tree_oracle_time(config: Sequence[int], t_slm: float, t_v: float, t_llm: float) -> float:
     """Eq. (26): T_oracle = L T_SLM + |Q| T_V + T_LLM, T_V = time to send one distribution."""
     ks = _check_config(config)
-    return oracle_time(len(ks), t_slm, tree_num_distributions(ks) * _nonneg(t_v, "t_v"), t_llm)
+    return oracle_time(len(ks), t_slm, tree_num_distributions(ks) * check_nonnegative(t_v, "t_v"), t_llm)
 
 
 def tree_speedup(config: Sequence[int], alpha: float, t_slm: float, t_v: float, t_llm: float) -> float:
     """Eq. (28), erratum fixed (module docstring): (L alpha + 1) T_LLM / T_oracle(tree)."""
     ks = _check_config(config)
-    tokens = len(ks) * _acceptance(alpha) + 1.0
-    return tokens * _positive(t_llm, "t_llm") / tree_oracle_time(ks, t_slm, t_v, t_llm)
+    tokens = len(ks) * check_unit_interval(alpha, "alpha") + 1.0
+    return tokens * check_positive(t_llm, "t_llm") / tree_oracle_time(ks, t_slm, t_v, t_llm)

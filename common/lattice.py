@@ -1,8 +1,10 @@
 """Sparse lattice quantization (SQS appendix Alg. 2) and exact enumerative coding.
 
-References: SQS paper (``sqs-conformal.txt``): Alg. 2 (lattice quantization of a K-vector to
-integer counts ``b`` with ``sum b == ell``), eq. (2) (``log2 C(ell+K-1, K-1)`` bits for the
-counts), eq. (5) (``log2 C(V, K)`` bits for the support), eq. (20) (``TV <= K / (4 ell)``).
+References: SQS (Bhattacharjee et al., "Conformal Sparsification for Bandwidth-Efficient
+Edge-Cloud Speculative Decoding"): appendix A.1, Alg. 2 (lattice quantization of a K-vector to
+integer counts ``b`` with ``sum b == ell``); §2, eq. (2) (``log2 C(ell+K-1, K-1)`` bits for the
+counts) and eq. (5) (``log2 C(V, K)`` bits for the support); appendix A.2, eq. (20)
+(``TV <= K / (4 ell)``).
 
 Enumerative coding. A composition of ``ell`` into K non-negative parts is coded through stars
 and bars as a subset of ``range(ell + K - 1)`` (the K - 1 bar positions, or the ``ell`` star
@@ -33,7 +35,7 @@ import math
 import numpy as np
 import torch
 
-from .distributions import check_probs
+from .validation import check_counts, check_int, check_lattice, check_probs, check_sorted_ids, check_uint
 
 # Integers per cached block product. 32 factors of <= 18 bits make ~580-bit blocks: a perm of
 # k = 256 factors is 8 block multiplications plus two short C-level ``math.perm`` ends.
@@ -58,17 +60,9 @@ _SPARSE_RATIO = 4
 # small enough that colex ranks within a range stay cheap, large enough that the per-range
 # Vandermonde bookkeeping (one big binomial each) stays a small share.
 _ELEMENTS_PER_RANGE = 32
-# Lattice resolutions above this would lose exactness in the float64 product ell * q.
-MAX_LATTICE = 2**40
 
 
 # ----------------------------------------------------------------------------- quantization
-
-
-def _check_lattice(ell: object) -> int:
-    if not isinstance(ell, int) or isinstance(ell, bool) or not 1 <= ell <= MAX_LATTICE:
-        raise ValueError(f"lattice resolution ell must be an int in [1, {MAX_LATTICE}], got {ell!r}")
-    return ell
 
 
 def quantize(probs: torch.Tensor, ell: int) -> torch.Tensor:
@@ -96,7 +90,7 @@ def quantize(probs: torch.Tensor, ell: int) -> torch.Tensor:
         [K] int64 counts, non-negative, summing to ell exactly.
     """
     check_probs(probs, "probs")
-    ell = _check_lattice(ell)
+    ell = check_lattice(ell)
     q = probs.detach().cpu().numpy().astype(np.float64)  # numpy: K is small, torch op overhead is not
     x = ell * (q / q.sum())  # [K]
     b = np.floor(x + 0.5).astype(np.int64)
@@ -115,19 +109,10 @@ def quantize(probs: torch.Tensor, ell: int) -> torch.Tensor:
     return torch.from_numpy(b)
 
 
-def _check_counts(b: torch.Tensor, ell: int) -> None:
-    if not isinstance(b, torch.Tensor) or b.dtype != torch.int64 or b.ndim != 1 or b.numel() == 0:
-        raise ValueError("counts b must be a non-empty 1-D int64 tensor")
-    if bool((b < 0).any()):
-        raise ValueError("counts b must be non-negative")
-    if int(b.sum()) != ell:
-        raise ValueError(f"counts b must sum to ell = {ell}, got {int(b.sum())}")
-
-
 def dequantize(b: torch.Tensor, ell: int) -> torch.Tensor:
     """Lattice point to probabilities: ``b / ell`` as float64.  b: [K] int64, sum == ell."""
-    ell = _check_lattice(ell)
-    _check_counts(b, ell)
+    ell = check_lattice(ell)
+    check_counts(b, ell)
     return b.to(torch.float64) / ell
 
 
@@ -140,42 +125,33 @@ def _binom(n: int, k: int) -> int:
     return math.comb(n, k)
 
 
-def _check_subset_args(k: object, n: object) -> tuple[int, int]:
-    for value, name in ((k, "K"), (n, "V")):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-    if n < 1 or not 1 <= k <= n:
-        raise ValueError(f"need 1 <= K <= V, got K = {k}, V = {n}")
-    return k, n
+def _subset_args(K: object, V: object) -> tuple[int, int]:
+    """(K, V) with 1 <= K <= V."""
+    V = check_int(V, "V", 1)
+    return check_int(K, "K", 1, V), V
 
 
 def subset_bits(K: int, V: int) -> int:
     """ceil(log2 C(V, K)) bits for a K-subset of a V-token vocabulary (SQS eq. 5), exact."""
-    K, V = _check_subset_args(K, V)
+    K, V = _subset_args(K, V)
     return (_binom(V, K) - 1).bit_length()
 
 
 def composition_bits(K: int, ell: int) -> int:
     """ceil(log2 C(ell + K - 1, K - 1)) bits for K lattice counts summing to ell (SQS eq. 2)."""
-    if not isinstance(K, int) or isinstance(K, bool) or K < 1:
-        raise ValueError(f"K must be an int >= 1, got {K!r}")
-    ell = _check_lattice(ell)
+    K, ell = check_int(K, "K", 1), check_lattice(ell)
     return (_binom(ell + K - 1, K - 1) - 1).bit_length()
 
 
 def int_to_bytes(value: int, bits: int) -> bytes:
     """Pack ``0 <= value < 2**bits`` into exactly ceil(bits / 8) big-endian bytes."""
-    if not isinstance(bits, int) or bits < 0:
-        raise ValueError(f"bits must be a non-negative int, got {bits!r}")
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < (1 << bits):
-        raise ValueError(f"value must be an int in [0, 2**{bits}), got {value!r}")
+    value = check_uint(value, "value", check_int(bits, "bits", 0))
     return value.to_bytes((bits + 7) // 8, "big")
 
 
 def int_from_bytes(data: bytes, bits: int) -> int:
     """Inverse of int_to_bytes: exactly ceil(bits / 8) bytes, value < 2**bits, else ValueError."""
-    if not isinstance(bits, int) or bits < 0:
-        raise ValueError(f"bits must be a non-negative int, got {bits!r}")
+    check_int(bits, "bits", 0)
     if len(data) != (bits + 7) // 8:
         raise ValueError(f"expected {(bits + 7) // 8} bytes, got {len(data)}")
     value = int.from_bytes(data, "big")
@@ -509,7 +485,7 @@ def encode_subset(ids: torch.Tensor, V: int) -> int:
         ids: [K] int64, strictly increasing, each in [0, V).
         V: vocabulary size.
     """
-    _check_sorted_ids(ids, V)
+    check_sorted_ids(ids, "ids", check_int(V, "V", 1))
     return _split_rank(ids.tolist(), V)
 
 
@@ -519,23 +495,9 @@ def decode_subset(index: int, K: int, V: int) -> torch.Tensor:
     Returns:
         [K] int64 ids, strictly increasing. ValueError unless 0 <= index < C(V, K).
     """
-    K, V = _check_subset_args(K, V)
-    _check_index(index, _binom(V, K))
+    K, V = _subset_args(K, V)
+    check_int(index, "index", 0, _binom(V, K) - 1)
     return torch.tensor(_split_unrank(index, K, V), dtype=torch.int64)
-
-
-def _check_sorted_ids(ids: torch.Tensor, V: int) -> None:
-    if not isinstance(V, int) or isinstance(V, bool) or V < 1:
-        raise ValueError(f"V must be a positive int, got {V!r}")
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() == 0:
-        raise ValueError("ids must be a non-empty 1-D int64 tensor")
-    if int(ids[0]) < 0 or int(ids[-1]) >= V or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
-        raise ValueError(f"ids must be strictly increasing and in [0, {V})")
-
-
-def _check_index(index: object, count: int) -> None:
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
-        raise ValueError(f"index must be an int in [0, {count}), got {index!r}")
 
 
 # ----------------------------------------------------------------------------- compositions
@@ -553,8 +515,8 @@ def encode_composition(b: torch.Tensor, ell: int) -> int:
         b: [K] int64 counts, non-negative, summing to ell.
         ell: lattice resolution, >= 1.
     """
-    ell = _check_lattice(ell)
-    _check_counts(b, ell)
+    ell = check_lattice(ell)
+    check_counts(b, ell)
     K = b.numel()
     if K == 1:
         return 0
@@ -574,11 +536,9 @@ def decode_composition(index: int, K: int, ell: int) -> torch.Tensor:
         [K] int64 counts, non-negative, summing to ell. ValueError unless
         0 <= index < C(ell + K - 1, K - 1).
     """
-    if not isinstance(K, int) or isinstance(K, bool) or K < 1:
-        raise ValueError(f"K must be an int >= 1, got {K!r}")
-    ell = _check_lattice(ell)
+    K, ell = check_int(K, "K", 1), check_lattice(ell)
     slots = ell + K - 1
-    _check_index(index, _binom(slots, K - 1))
+    check_int(index, "index", 0, _binom(slots, K - 1) - 1)
     if K == 1:
         return torch.tensor([ell], dtype=torch.int64)
     if _uses_bars(K, ell):

@@ -45,6 +45,8 @@ import struct
 import numpy as np
 import torch
 
+from specdec.common.validation import check_uint
+
 __all__ = ["Purpose", "SEED_BITS", "stream", "stream_key"]
 
 SEED_BITS = 64                  # the wire's seed is a uint64; every bit of it reaches the streams
@@ -71,7 +73,7 @@ class Purpose(enum.IntEnum):
 
 def stream_key(seed: int, purpose: Purpose, position: int) -> bytes:
     """The 32-byte digest naming one stream (distinct keys give independent streams)."""
-    seed, position = _check_int(seed, "seed", SEED_BITS), _check_int(position, "position", POSITION_BITS)
+    seed, position = check_uint(seed, "seed", SEED_BITS), check_uint(position, "position", POSITION_BITS)
     purpose = Purpose(purpose)
     packed = struct.pack(KEY_FORMAT, seed, int(purpose), position)
     return hashlib.blake2b(KEY_DOMAIN + packed, digest_size=DIGEST_BYTES).digest()
@@ -96,11 +98,3 @@ def stream(seed: int, purpose: Purpose, position: int) -> torch.Generator:
     state[MT_WORDS_OFFSET:MT_WORDS_OFFSET + MT_WORDS * 8] = words.astype("<u8").view(np.uint8)
     generator.set_state(torch.from_numpy(state))
     return generator
-
-
-def _check_int(value: int, name: str, bits: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= int(value) < 2**bits:
-        raise ValueError(f"{name} must be in [0, 2**{bits}), got {value}")
-    return int(value)

@@ -2,12 +2,13 @@
 
 Convention: ``p`` is the target distribution, ``q`` the draft distribution (see verification.py).
 
-References: TSLT paper (``tslt-mc-dsd.txt``) §4: Def. 4.2 (expansion configuration
-``K = <k_1, ..., k_L>``), eq. (23)-(24) (layer-order node indexing with consecutive children),
-eq. (27) (number of draft distributions = number of internal nodes), Alg. 7 (TokTreeDraft: the
-children of each node are ``k`` candidates sampled from that node's ``q``, with replacement) and
-Alg. 8 (TokenTreeVeri: multi-candidate verification per node, Alg. 5, then a path search from the
-root). SpecInfer (Miao et al. 2024) for the tree attention mask.
+References: TSLT (Zheng et al., "Fast Collaborative Inference via Distributed Speculative Decoding")
+§4.1, Def. 4.2 (expansion configuration ``K = <k_1, ..., k_L>``) and eq. (23)-(24) (layer-order
+node indexing with consecutive children); §4.2, eq. (27) (number of draft distributions = number
+of internal nodes), Alg. 7 (TokTreeDraft: the children of each node are ``k`` candidates sampled
+from that node's ``q``, with replacement) and Alg. 8 (TokenTreeVeri: multi-candidate verification
+per node, Alg. 5, then a path search from the root). SpecInfer (Miao et al. 2024) for the tree
+attention mask.
 
 Node indexing (eq. 23-24): node 0 is the root ``x_{0,1}`` (the prefix); then layer 1 nodes
 ``x_{1,1..W_1}``, then layer 2, and so on, so node ``x_{l,i}`` (1-based ``i``) has index
@@ -22,13 +23,9 @@ from typing import Sequence
 
 import torch
 
-from specdec.common.verification import (
-    _mc_verify_prevalidated,  # tree_verify validates the whole tree once, not once per node
-    check_generator,
-    check_prob_rows,
-    check_token_ids,
-    sample_token,
-)
+from specdec.common.validation import check_drafts_sampleable, check_generator, check_prob_rows, check_token_ids
+# mc_verify_unchecked: tree_verify validates the whole tree once, not once per node
+from specdec.common.verification import mc_verify_unchecked, sample_token
 
 ROOT = 0  # node index of the root x_{0,1}, i.e. the prefix
 NO_PARENT = -1  # parents[ROOT]
@@ -186,7 +183,7 @@ def tree_verify(
             tokens.append(sample_token(p[node], generator))  # bonus token from p after the leaf
             return TreeResult(accepted_nodes=accepted, tokens=tokens)
         candidates = tokens_list[kids.start : kids.stop]
-        idx, token = _mc_verify_prevalidated(candidates, q[node], p[node], generator, with_replacement)
+        idx, token = mc_verify_unchecked(candidates, q[node], p[node], generator, with_replacement)
         tokens.append(token)
         if idx < 0:
             return TreeResult(accepted_nodes=accepted, tokens=tokens)
@@ -204,20 +201,15 @@ def _check_tree_inputs(
 ) -> None:
     """Validate a whole tree once, so the per-node verification can skip its own checks."""
     check_generator(generator)
-    check_prob_rows("q", q, rows=spec.num_internal)
+    check_prob_rows(q, "q", rows=spec.num_internal)
     V = q.shape[1]
-    check_prob_rows("p", p, rows=spec.num_nodes, vocab=V)
+    check_prob_rows(p, "p", rows=spec.num_nodes, vocab=V)
     if not isinstance(node_tokens, torch.Tensor) or node_tokens.shape != (spec.num_nodes,):
         raise ValueError(f"node_tokens must be a tensor [{spec.num_nodes}] (root included)")
     drafted = node_tokens[1:]  # [N-1], the root entry is ignored
-    check_token_ids("node_tokens[1:]", drafted, V)
+    check_token_ids(drafted, "node_tokens[1:]", V)
     q_of_drafted = q[spec.parents[1:], drafted]  # [N-1] q of each child under its parent's q
-    if float(q_of_drafted.min()) <= 0:
-        bad = int((q_of_drafted <= 0).nonzero()[0, 0]) + 1
-        raise ValueError(
-            f"node {bad} holds token {int(node_tokens[bad])} with probability 0 under its parent's q: "
-            "it cannot have been sampled from q"
-        )
+    check_drafts_sampleable(drafted, q_of_drafted, "node_tokens", first_index=1)
     if not with_replacement:
         for parent in spec.internal_nodes:
             kids = spec.children(parent)

@@ -1,5 +1,6 @@
 """Attention patterns, position ids and cache bookkeeping for running token trees through a
-KV-cached causal LM (TSLT paper §4, Alg. 7 drafting layer by layer, Alg. 8 one target forward).
+KV-cached causal LM (Zheng et al., "Fast Collaborative Inference via Distributed Speculative
+Decoding", §4.2: Alg. 7 drafting layer by layer, Alg. 8 one target forward).
 
 Pure functions over :class:`~specdec.common.tree.TreeSpec`; no model inside. Conventions: the
 verified prefix has ``prefix_len`` tokens; tree node ``n >= 1`` is placed right after the prefix in

@@ -7,18 +7,23 @@ the output is no longer distributed as the target alone.
 
 References
 - Chain speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192) Alg. 1; Chen et al. 2023
-  (arXiv 2302.01318) Alg. 2. TSLT paper (``tslt-mc-dsd.txt``) Alg. 3 with its erratum fixed: accept
+  (arXiv 2302.01318) Alg. 2. TSLT (Zheng et al., "Fast Collaborative Inference via Distributed
+  Speculative Decoding") §2.1, Alg. 3, with its erratum fixed: accept
   draft ``x`` with probability ``min(1, p(x)/q(x))`` (the paper writes ``q/p``), the target ``M_p`` is
   run (the paper writes ``M_q``), on rejection sample from ``norm(max(0, p - q))``, and if all ``L``
   drafts are accepted sample a bonus token from ``p_{L+1}``.
-- Multi-candidate recursive rejection sampling: TSLT Alg. 4-5 (eq. 25), after Yang et al. 2024
+- Multi-candidate recursive rejection sampling: TSLT §4.2, Alg. 4-5 (eq. 25), after Yang et al. 2024
   (MCSD, arXiv 2401.06706): candidates drawn i.i.d. from one ``q``; after each rejected candidate
   ``p <- norm(max(0, p - q))``. The without-replacement variant (SpecTr, Sun et al. 2023; MCSD;
   Recursive Speculative Decoding, Jeon et al. 2024) also updates ``q <- norm(q with x zeroed)``.
-- Split verification (DSSD, Ning et al. 2025, ``dssd-summary.txt``) in the sampled-downlink form of
-  DESIGN.md "DSSD, exactly": the edge sends ``m`` samples ``y ~ p_j`` with ``p_j(y)``; the device
-  accepts ``y`` with probability ``max(0, p_j(y) - q_j(y)) / p_j(y)`` (first success wins), which is
-  exactly a sample of ``norm(max(0, p_j - q_j))``.
+- Split verification: Ning, Zheng and Yang, "DSSD: Efficient Edge-Device LLM Deployment and
+  Collaborative Inference via Distributed Split Speculative Decoding" (ICML 2025, arXiv 2507.12000),
+  Method, "Key Designs: Splitting the Verification Stage": the edge runs the accept tests, the
+  device resamples at the first rejection j, where only it holds ``q_j``. The paper sends the whole
+  ``p_j`` downlink; here (a smaller form, equally lossless) the edge sends ``m`` samples
+  ``y ~ p_j`` with ``p_j(y)``, and the device accepts ``y`` with probability
+  ``max(0, p_j(y) - q_j(y)) / p_j(y)`` (first success wins), which is exactly a sample of
+  ``norm(max(0, p_j - q_j))``; only if all ``m`` fail does it fall back to the full ``p_j``.
 
 Randomness: every function takes a CPU ``torch.Generator`` and draws float64 uniforms in ``[0, 1)``
 with ``torch.rand(..., generator=g, dtype=torch.float64)``: one per accept test, and one per
@@ -26,7 +31,8 @@ sampled token (``distributions.sample_token``: inverse CDF, first token whose cu
 exceeds ``u * total``; ``torch.rand(k)`` consumes the generator exactly like k single draws). Each
 docstring lists the exact order of the draws, so results are reproducible draw for draw. All
 arithmetic is float64.
-Bad input raises ``ValueError``; ``assert`` is used only for internal invariants.
+Bad input raises ``ValueError`` (checks in validation.py); ``assert`` is used only for internal
+invariants.
 """
 from __future__ import annotations
 
@@ -39,101 +45,26 @@ import torch
 from specdec.common.distributions import (gumbel_noise, sample_token, sample_token_from_uniform,
                                           sample_token_gumbel)
 from specdec.common.streams import Purpose, stream
+from specdec.common.validation import (check_drafts_sampleable, check_generator, check_int, check_prob_rows,
+                                       check_prob_scalars, check_prob_vector, check_token_ids)
 
 __all__ = [
-    "PROB_SUM_ATOL",
     "ChainResult",
     "DssdEdgeResult",
     "bonus_noise",
     "chain_verify",
-    "check_generator",
-    "check_prob_rows",
-    "check_prob_vector",
-    "check_token_ids",
     "draw_uniform",
     "dssd_device_residual",
     "dssd_device_resolve",
     "dssd_edge_verify",
     "mc_verify",
+    "mc_verify_unchecked",
     "residual_distribution",
     "sample_candidates",
     "sample_token",
     "sample_token_from_uniform",
     "sample_token_gumbel",
 ]
-
-# Rows of a probability matrix must sum to 1 within this (float64) tolerance. Decoded packets are
-# normalised in float64, so anything looser than this is a caller bug, not rounding.
-PROB_SUM_ATOL = 1e-6
-
-# ---------------------------------------------------------------------------------------------
-# Input validation (shared by tree.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def check_prob_rows(name: str, x: torch.Tensor, rows: int | None = None, vocab: int | None = None) -> None:
-    """Raise ValueError unless ``x`` is a float64 matrix [rows, vocab] of probability rows."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [rows, vocab], got shape {tuple(x.shape)}")
-    if x.dtype != torch.float64:
-        raise ValueError(f"{name} must be float64 (verification works in float64), got {x.dtype}")
-    if rows is not None and x.shape[0] != rows:
-        raise ValueError(f"{name} must have {rows} rows, got shape {tuple(x.shape)}")
-    if vocab is not None and x.shape[1] != vocab:
-        raise ValueError(f"{name} must have vocab size {vocab}, got shape {tuple(x.shape)}")
-    if x.shape[1] == 0:
-        raise ValueError(f"{name} has an empty vocabulary")
-    sums = x.sum(dim=-1)  # [rows]; NaN or inf anywhere in a row makes its sum non-finite
-    if not bool(torch.isfinite(sums).all()):
-        raise ValueError(f"{name} contains NaN or inf")
-    if float(x.min()) < 0:
-        raise ValueError(f"{name} contains negative probabilities")
-    if float((sums - 1.0).abs().max()) > PROB_SUM_ATOL:
-        bad = (sums - 1.0).abs() > PROB_SUM_ATOL
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name} row {row} sums to {float(sums[row])!r}, not 1 (tol {PROB_SUM_ATOL})")
-
-
-def check_prob_vector(name: str, x: torch.Tensor, vocab: int | None = None) -> None:
-    """Raise ValueError unless ``x`` is a float64 probability vector [vocab]."""
-    if not isinstance(x, torch.Tensor) or x.ndim != 1:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a 1-D tensor [vocab], got {shape}")
-    check_prob_rows(name, x.unsqueeze(0), 1, vocab)
-
-
-def check_token_ids(name: str, ids: torch.Tensor, vocab: int, length: int | None = None) -> None:
-    """Raise ValueError unless ``ids`` is a non-empty int64 vector of ids in ``[0, vocab)``."""
-    if not isinstance(ids, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
-    if ids.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
-    if ids.dtype != torch.int64:
-        raise ValueError(f"{name} must be int64, got {ids.dtype}")
-    if ids.numel() == 0:
-        raise ValueError(f"{name} is empty")
-    if length is not None and ids.numel() != length:
-        raise ValueError(f"{name} must have {length} entries, got {ids.numel()}")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise ValueError(f"{name} has ids out of range [0, {vocab}): {ids.tolist()}")
-
-
-def check_generator(generator: torch.Generator) -> None:
-    """Raise ValueError unless ``generator`` is a torch.Generator (randomness is always injected)."""
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-
-
-def _check_drafts_sampleable(name: str, ids: torch.Tensor, q_of_ids: torch.Tensor) -> None:
-    """A drafted token with q(x) == 0 could not have been sampled from q: the packet and the draft
-    disagree, and verifying would divide by zero."""
-    if float(q_of_ids.min()) <= 0:
-        zero = q_of_ids <= 0
-        i = int(zero.nonzero()[0, 0])
-        raise ValueError(f"{name}[{i}] = {int(ids[i])} has draft probability 0: it cannot have been sampled from q")
-
 
 # ---------------------------------------------------------------------------------------------
 # Sampling primitives
@@ -155,8 +86,6 @@ def bonus_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [
     a position is used for at most one emitted token and depends on nothing that decides ``p_{L+1}``
     or whether the round ends there (its own stream, ``Purpose.BONUS_NOISE`` in streams.py).
     """
-    if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
     return gumbel_noise(stream(seed, Purpose.BONUS_NOISE, position), vocab_size)
 
 
@@ -177,8 +106,8 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         [V] float64. If the positive part is all zero (then p == q up to rounding and a rejection
         had probability 0), returns a copy of ``p``.
     """
-    check_prob_vector("p", p)
-    check_prob_vector("q", q, p.shape[0])
+    check_prob_vector(p, "p")
+    check_prob_vector(q, "q", p.shape[0])
     return _residual(p, q)
 
 
@@ -227,15 +156,14 @@ def chain_verify(
             of range, empty draft, a draft token with q(x) == 0).
     """
     check_generator(generator)
-    if not isinstance(draft_ids, torch.Tensor) or draft_ids.ndim != 1 or draft_ids.numel() == 0:
-        raise ValueError("draft_ids must be a non-empty 1-D int64 tensor [L]")
+    check_token_ids(draft_ids, "draft_ids")  # [L]; the range once V is known
     L = draft_ids.numel()
-    check_prob_rows("q", q, rows=L)
+    check_prob_rows(q, "q", rows=L)
     V = q.shape[1]
-    check_prob_rows("p", p, rows=L + 1, vocab=V)
-    check_token_ids("draft_ids", draft_ids, V)
+    check_prob_rows(p, "p", rows=L + 1, vocab=V)
+    check_token_ids(draft_ids, "draft_ids", V)
     q_of_draft = q.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [L]
-    _check_drafts_sampleable("draft_ids", draft_ids, q_of_draft)
+    check_drafts_sampleable(draft_ids, q_of_draft, "draft_ids")
     p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1).tolist()  # [L]
     q_of_draft = q_of_draft.tolist()
 
@@ -265,9 +193,8 @@ def sample_candidates(
     q's support). Random draws: exactly ``k`` uniforms, one per candidate, in candidate order.
     """
     check_generator(generator)
-    check_prob_vector("q", q)
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    check_prob_vector(q, "q")
+    check_int(k, "k", 1)
     support = int((q > 0).sum())
     if not with_replacement and k > support:
         raise ValueError(f"cannot draw {k} distinct candidates from a q with support size {support}")
@@ -327,21 +254,22 @@ def mc_verify(
         (index of the accepted candidate or -1, output token).
     """
     check_generator(generator)
-    check_prob_vector("q", q)
+    check_prob_vector(q, "q")
     V = q.shape[0]
-    check_prob_vector("p", p, V)
-    check_token_ids("candidates", candidates, V)
-    _check_drafts_sampleable("candidates", candidates, q[candidates])
+    check_prob_vector(p, "p", V)
+    check_token_ids(candidates, "candidates", V)
+    check_drafts_sampleable(candidates, q[candidates], "candidates")
     if not with_replacement and torch.unique(candidates).numel() != candidates.numel():
         raise ValueError(f"without-replacement candidates must be distinct, got {candidates.tolist()}")
 
-    return _mc_verify_prevalidated(candidates.tolist(), q, p, generator, with_replacement)
+    return mc_verify_unchecked(candidates.tolist(), q, p, generator, with_replacement)
 
 
-def _mc_verify_prevalidated(
+def mc_verify_unchecked(
     candidates: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator, with_replacement: bool
 ) -> tuple[int, int]:
-    """mc_verify on inputs already validated by the caller (tree_verify validates a whole tree once)."""
+    """mc_verify without input checks, for callers that validated them (tree_verify validates a
+    whole tree once). candidates: k token ids; q, p: [V] float64."""
     p_i, q_i = p, q  # [V], [V]: p^(i) and q^(i)
     for i, x in enumerate(candidates):
         if _accepts(draw_uniform(generator), float(p_i[x]), float(q_i[x])):
@@ -353,7 +281,7 @@ def _mc_verify_prevalidated(
 
 
 # ---------------------------------------------------------------------------------------------
-# Split verification (DSSD; DESIGN.md "DSSD, exactly")
+# Split verification (DSSD, sampled downlink; see the module docstring)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -387,15 +315,13 @@ def dssd_edge_verify(
     (all accepted) or ``m`` uniforms for ``y_1..y_m`` (a rejection).
     """
     check_generator(generator)
-    if not isinstance(num_samples, int) or num_samples < 0:
-        raise ValueError(f"num_samples must be an int >= 0, got {num_samples!r}")
-    if not isinstance(draft_ids, torch.Tensor) or draft_ids.ndim != 1 or draft_ids.numel() == 0:
-        raise ValueError("draft_ids must be a non-empty 1-D int64 tensor [L]")
+    check_int(num_samples, "num_samples", 0)
+    check_token_ids(draft_ids, "draft_ids")  # [L]; the range once V is known
     L = draft_ids.numel()
-    check_prob_rows("p", p, rows=L + 1)
-    check_token_ids("draft_ids", draft_ids, p.shape[1])
-    _check_scalar_probs("q_of_draft", q_of_draft, L)
-    _check_drafts_sampleable("draft_ids", draft_ids, q_of_draft)
+    check_prob_rows(p, "p", rows=L + 1)
+    check_token_ids(draft_ids, "draft_ids", p.shape[1])
+    check_prob_scalars(q_of_draft, "q_of_draft", L)
+    check_drafts_sampleable(draft_ids, q_of_draft, "draft_ids")
     p_of_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1).tolist()  # [L]
     q_list = q_of_draft.tolist()
 
@@ -418,15 +344,6 @@ def dssd_edge_verify(
     )
 
 
-def _check_scalar_probs(name: str, x: torch.Tensor, length: int) -> None:
-    if not isinstance(x, torch.Tensor) or x.ndim != 1 or x.numel() != length:
-        raise ValueError(f"{name} must be a 1-D tensor of {length} probabilities")
-    if x.dtype != torch.float64:
-        raise ValueError(f"{name} must be float64, got {x.dtype}")
-    if not torch.isfinite(x).all() or (x < 0).any() or (x > 1 + PROB_SUM_ATOL).any():
-        raise ValueError(f"{name} must hold probabilities in [0, 1], got {x.tolist()}")
-
-
 def dssd_device_resolve(
     samples: torch.Tensor,  # [m] int64, y_k ~ p_j from the edge
     sample_probs: torch.Tensor,  # [m] float64, p_j(y_k) from the edge
@@ -443,14 +360,14 @@ def dssd_device_resolve(
     Random draws: one uniform per trial, in sample order, stopping at the first success.
     """
     check_generator(generator)
-    check_prob_vector("q_j", q_j)
+    check_prob_vector(q_j, "q_j")
     V = q_j.shape[0]
     if not isinstance(samples, torch.Tensor) or samples.ndim != 1:
         raise ValueError("samples must be a 1-D int64 tensor [m]")
     m = samples.numel()
     if m > 0:
-        check_token_ids("samples", samples, V)
-    _check_scalar_probs("sample_probs", sample_probs, m)
+        check_token_ids(samples, "samples", V)
+    check_prob_scalars(sample_probs, "sample_probs", m)
     if (sample_probs <= 0).any():
         raise ValueError("sample_probs must be > 0: a sample of p_j has p_j(y) > 0")
     for y, p_y in zip(samples.tolist(), sample_probs.tolist()):
