@@ -45,11 +45,15 @@ class LeanAssistant(PreTrainedModel, GenerationMixin):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values=None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = True, logits_to_keep: int = 0,
-                **_) -> CausalLMOutputWithPast:
+                cache=None, **_) -> CausalLMOutputWithPast:
         """input_ids: [1, n]; attention_mask: [1, S] all ones (generate's 2-D padding mask) -> logits
-        [1, k, V] (k = logits_to_keep or n), OUT_OF_HEAD_LOGIT outside the drafter's head."""
+        [1, k, V] (k = logits_to_keep or n), OUT_OF_HEAD_LOGIT outside the drafter's head. Newer transformers
+        (5.24 here) pass the KV cache as ``cache``, formerly ``past_key_values``: ignoring it would
+        restart every step from an empty cache."""
         if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
             raise ValueError("LeanAssistant runs one unpadded sequence: the attention mask must be all ones")
+        if past_key_values is None:
+            past_key_values = cache
         if past_key_values is None:
             from transformers import DynamicCache
 
