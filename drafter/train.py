@@ -128,19 +128,25 @@ def collate(batch: list[dict]) -> dict:
     return out
 
 
+def chunks_of(examples: list[dict], tokens: int) -> list[list[dict]]:
+    """Consecutive groups of whole answers, each closed once it holds >= ``tokens`` labelled positions."""
+    chunks, cur, n = [], [], 0
+    for e in examples:
+        cur.append(e)
+        n += len(e["pos"])
+        if n >= tokens:
+            chunks.append(cur)
+            cur, n = [], 0
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
 def batches(examples: list[dict], tokens_per_step: int, rng: random.Random):
     """Endless batches of whole answers, ~tokens_per_step labelled positions, similar lengths."""
     while True:
         order = sorted(examples, key=lambda e: len(e["ids"]) + rng.random() * 40)
-        chunks, cur, n = [], [], 0
-        for e in order:
-            cur.append(e)
-            n += len(e["pos"])
-            if n >= tokens_per_step:
-                chunks.append(cur)
-                cur, n = [], 0
-        if cur:
-            chunks.append(cur)
+        chunks = chunks_of(order, tokens_per_step)
         rng.shuffle(chunks)
         for c in chunks:
             yield collate(c)
@@ -160,16 +166,7 @@ def evaluate(student: Student, examples: list[dict], max_tokens: int = 2048) -> 
     overlap = 0.0
     n1 = 0
     loss = 0.0
-    chunks, cur, n = [], [], 0
-    for e in examples:
-        cur.append(e)
-        n += len(e["pos"])
-        if n >= max_tokens:
-            chunks.append(cur)
-            cur, n = [], 0
-    if cur:
-        chunks.append(cur)
-    for c in chunks:
+    for c in chunks_of(examples, max_tokens):
         b = collate(c)
         logits = student(b["ids"], b["pad"], b["rows"], b["cols"], b.get("feats"))     # [M, N]
         q = logits.softmax(-1)
