@@ -8,7 +8,7 @@ cores hits both sides alike:
   * the pair: a ``device-client --json`` subprocess against an ``edge-server`` subprocess on loopback.
 Both stop at EOS or ``--max-new-tokens``. Reported per temperature: acceptance rate, mean accepted
 length, cost ratio c = T_draft / T_target per token, measured speedup (tokens/s of the pair over
-tokens/s of the target), and the oracle model's predicted speedup (tslt-mc-dsd eq. 5, 8, 10) from
+tokens/s of the target), and the oracle model's predicted speedup ("Fast Collaborative Inference via Distributed Speculative Decoding", eq. 5, 8, 10) from
 the same measured parts, also extended to the device drafting ahead (latency.oracle_time_drafting_ahead)
 with the measured share of rounds whose drafting began during the previous verify. At T = 0 the
 pair's tokens must equal the target's greedy tokens.
@@ -40,7 +40,7 @@ import torch
 from specdec.common.latency import (expected_tokens_per_call, oracle_time, oracle_time_drafting_ahead,
                                     predicted_speedup)
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
-from specdec.device.runner import DeviceConfig
+from specdec.device.runner import DeviceConfig, choose_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "bench" / "prompts.jsonl"
@@ -161,6 +161,12 @@ def summarize(temperature: float, L: int, pairs: list[dict], alone: list[dict],
     }
 
 
+def _default_draft_len() -> int:
+    """device-client's L with no flag: the default drafter's recorded one."""
+    cfg = DeviceConfig()
+    return cfg.hello("", 1, 0, operating_point=choose_drafter(cfg).operating_point).draft.draft_len
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=Path, default=PROMPTS)
@@ -170,7 +176,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-len", type=int, default=DeviceConfig().effective_draft_len(),
+    p.add_argument("--draft-len", type=int, default=_default_draft_len(),
                    help="draft length L of the pair (default: device-client's default)")
     p.add_argument("--target-threads", type=int, default=THREADS,
                    help="torch threads of the target-alone baseline (default 1, the edge's; 2 = the whole "

@@ -48,11 +48,11 @@ def probe(max_new_tokens: int) -> dict:
     import transformers  # noqa: F401
 
     from specdec.common.modeling import CachedLM, encode_prompt, load_model
-    from specdec.device.runner import DeviceConfig
+    from specdec.device.runner import DeviceConfig, choose_drafter
     torch.set_num_threads(1)
     steps["imports (torch, transformers, grpc, specdec)"] = _rss_mib()
     t0 = time.perf_counter()
-    drafter = load_model(DeviceConfig().model_spec())
+    drafter = load_model(choose_drafter(DeviceConfig()).spec)
     load_s = time.perf_counter() - t0
     steps["drafter loaded"] = _rss_mib()
     lm = CachedLM(drafter.model, drafter.device)
@@ -95,9 +95,9 @@ def _clear_drafter_cache() -> str:
     import torch
 
     from specdec.common.modeling import _source, prebuilt_dir
-    from specdec.device.runner import DeviceConfig
+    from specdec.device.runner import DeviceConfig, choose_drafter
 
-    spec = DeviceConfig().model_spec()
+    spec = choose_drafter(DeviceConfig()).spec
     source, kwargs, _ = _source(spec)
     path = prebuilt_dir(spec, source, kwargs, torch.device("cpu"))
     shutil.rmtree(path, ignore_errors=True)

@@ -81,13 +81,14 @@ def profile_forward(lm, first: int, steps: int) -> dict[str, float]:
 
 def time_sampling(session, lm, tokens: list[int], temperature: float) -> list[float]:
     """Seconds per draft step spent after the forward: q, encode + decode, sample."""
-    from specdec.common.engine import model_probs
+    from specdec.common.sampling import model_probs
 
     out = []
+    generator = torch.Generator().manual_seed(0)
     for token in tokens:
         logits = lm.forward([token], num_logits=1)[0]
         t0 = time.perf_counter()
-        session._encode_and_sample(model_probs(logits.cpu(), temperature))
+        session.sample(session.encode(model_probs(logits.cpu(), temperature), session.settings), generator)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -129,11 +130,12 @@ def main() -> None:
     torch.set_num_threads(1)
     from specdec.common.modeling import CachedLM, encode_prompt, load_model
     from specdec.device.drafter import DraftSession
-    from specdec.device.runner import DeviceConfig
+    from specdec.device.runner import DeviceConfig, choose_drafter
 
     cfg = DeviceConfig(temperature=args.temperature)
-    drafter = load_model(cfg.model_spec())
-    session = DraftSession(drafter, cfg.hello("fp", drafter.vocab_size, seed=0))
+    choice = choose_drafter(cfg)
+    drafter = load_model(choice.spec)
+    session = DraftSession(drafter, cfg.hello("fp", drafter.vocab_size, seed=0, operating_point=choice.operating_point))
     lm = CachedLM(drafter.model, drafter.device)
     prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=False)
     first = int(lm.forward(prompt, num_logits=1)[-1].argmax())
@@ -144,7 +146,7 @@ def main() -> None:
     sample_s = time_sampling(session, lm, tokens, args.temperature)
     result = {
         "drafter": drafter.name, "temperature": args.temperature, "tokens": args.tokens,
-        "top_k": cfg.effective_top_k(), "mode": cfg.mode.value,
+        "top_k": session.settings.top_k, "mode": session.settings.mode.value,
         "forward_ms_median": 1e3 * statistics.median(forward_s),
         "q_encode_sample_ms_median": 1e3 * statistics.median(sample_s),
         "forward_ms_by_group_profiled": groups,
@@ -154,7 +156,7 @@ def main() -> None:
         result["forward_ms_by_head"] = compare_heads(drafter, prompt, args.tokens, args.compare_heads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{drafter.name}: forward {result['forward_ms_median']:.2f} ms/token, q + {cfg.mode.value} encode/decode "
+    print(f"{drafter.name}: forward {result['forward_ms_median']:.2f} ms/token, q + {result['mode']} encode/decode "
           f"+ sample {result['q_encode_sample_ms_median']:.2f} ms/token (T = {args.temperature}, K = {result['top_k']})")
     print("forward under the profiler, ms per token (self CPU time):")
     for g, ms in groups.items():

@@ -110,11 +110,11 @@ class Run:
     # -- target alone and assisted generation (this process) --------------------------------------
     def load_models(self):
         from specdec.common.modeling import ModelSpec, load_model
-        from specdec.device.runner import DeviceConfig
+        from specdec.device.runner import DeviceConfig, choose_drafter
 
         self.bar.set_description("loading models")
         self.target = load_model(ModelSpec())
-        self.drafter = load_model(DeviceConfig().model_spec())
+        self.drafter = load_model(choose_drafter(DeviceConfig()).spec)
         self.assistant = ceilings.as_assistant(self.drafter)
         if self.assistant is not None:
             ceilings.prepare_assistant(self.assistant, self.s.draft_len)

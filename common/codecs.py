@@ -46,8 +46,8 @@ from .distributions import (
     truncate_top_k,
     truncate_top_p,
 )
-from .validation import (DENSE_PACKET_SUM_ATOL, check_int, check_lattice, check_prob_scalars, check_probs,
-                         check_unit_interval)
+from .validation import (DENSE_PACKET_SUM_ATOL, VERIFY_SUM_ATOL, check_int, check_lattice, check_prob_scalars,
+                         check_probs, check_unit_interval)
 
 
 class Mode(str, enum.Enum):
@@ -215,6 +215,27 @@ def dssd_theoretical_bits(num_draft: int, vocab_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- dense
+
+
+# The DSSD fallback downlink carries p_j as float64: bit for bit what the edge verified against.
+FLOAT64_BYTES = 8
+
+
+def encode_target_probs(p: torch.Tensor) -> bytes:
+    """DSSD fallback downlink: p_j [V] float64 as little-endian bytes, bit-exact."""
+    if p.dtype != torch.float64 or p.ndim != 1:
+        raise ValueError("target probabilities must be a float64 vector [V]")
+    return p.contiguous().numpy().astype("<f8").tobytes()
+
+
+def decode_target_probs(payload: bytes, vocab_size: int) -> torch.Tensor:
+    """Inverse of :func:`encode_target_probs`: [V] float64 (ValueError on a malformed payload)."""
+    if len(payload) != vocab_size * FLOAT64_BYTES:
+        raise ValueError(f"target payload of {len(payload)} bytes, expected {vocab_size * FLOAT64_BYTES}")
+    p = torch.frombuffer(bytearray(payload), dtype=torch.float64).clone()
+    if not torch.isfinite(p).all() or (p < 0).any() or abs(float(p.sum()) - 1.0) > VERIFY_SUM_ATOL:
+        raise ValueError("target payload is not a probability vector")
+    return p
 
 
 def _encode_dense(q: torch.Tensor, cfg: CodecConfig) -> EncodedDist:

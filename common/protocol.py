@@ -7,31 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.common.codecs import Mode
+from specdec.common.settings import DraftSettings
 
+# Version 1 still: per-round settings (Draft.settings) and DraftSettings.mode are additions that a
+# device which never sends them does not notice, and an edge which ignores them is never sent them.
 PROTOCOL_VERSION = 1
 
-
-@dataclass(frozen=True)
-class DraftSettings:
-    draft_len: int = 4            # tokens drafted per round (upper bound when bit_budget > 0)
-    bit_budget: int = 0           # 0 = off; else the per-round uplink budget B in bits (SQS sec. 4)
-    top_k: int = 64               # tslt / ksqs K
-    top_p: float = 0.0            # tslt nucleus mass; 0 = off
-    lattice: int = 1000           # ksqs / csqs lattice resolution l
-    dense_dtype: str = "fp16"     # dense payload dtype: fp32 | fp16 | bf16
-    csqs_alpha: float = 0.01      # C-SQS target deviation alpha (SQS eq. 7)
-    csqs_eta: float = 0.001       # C-SQS learning rate eta (SQS eq. 8)
-    csqs_beta0: float = 0.001     # C-SQS initial threshold beta_1^1
-    max_k: int = 4096             # C-SQS support cap
-    dssd_samples: int = 8         # DSSD: target samples sent downlink after a rejection
-    tree: tuple[int, ...] = ()    # token tree expansion configuration <k1..kL>; () = chain
-    coupled_bonus: bool = False   # chain, not DSSD: bonus = Gumbel-max with noise from (seed, position)
+__all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
+           "ResidualReply", "ResidualRequest", "Prompt", "Close"]
 
 
 @dataclass(frozen=True)
 class Hello:
-    mode: Mode
+    """Opens a session. ``draft`` is how its rounds are drafted unless a round says otherwise; the
+    rest is fixed for the session."""
     vocab_fingerprint: str
     vocab_size: int
     temperature: float
@@ -63,9 +52,10 @@ class DraftBlock:
     round_id: int
     token_ids: tuple[int, ...]                 # [L] drafted tokens x_1..x_L
     distributions: tuple[bytes, ...] = ()      # [L] codec payloads (not in DSSD)
-    dssd_scalars: bytes = b""                  # DSSD: q_i(x_i), float32 each
+    dssd_scalars: bytes = b""                  # DSSD: q_i(x_i), float64 each (bit for bit what was sampled)
     correction_token: int | None = None        # DSSD: device-sampled token for the last rejection
     tree_depth: int = 0                        # tree: layers drafted this round (config prefix)
+    settings: DraftSettings | None = None      # how this round was drafted; None = the session's (Hello)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from specdec.common import protocol as P
 from specdec.common.codecs import Mode
 from specdec.common.pb import speculative_pb2 as pb
+from specdec.common.settings import setting_names
 
 _MODE_TO_PB = {
     Mode.DENSE: pb.MODE_DENSE,
@@ -27,29 +28,40 @@ def _mode_from_pb(value: int) -> Mode:
     return _PB_TO_MODE[value]
 
 
+def _dtype_from_pb(value: int) -> str:
+    if value not in _PB_TO_DTYPE:
+        raise ValueError(f"unknown dense dtype {value}")
+    return _PB_TO_DTYPE[value]
+
+
+# Draft settings convert field by field (the proto message has the table's field names); only the
+# fields whose wire type differs from the domain's need a converter here. Float settings travel as
+# proto `float` (float32): the edge reads none of them for verification (they steer the device's
+# C-SQS threshold and TSLT's top-p encoding; the payload says what was sent).
+_SETTING_TO_PB = {"mode": lambda m: _MODE_TO_PB[m], "dense_dtype": lambda d: _DTYPE_TO_PB[d], "tree": list}
+_SETTING_FROM_PB = {"mode": _mode_from_pb, "dense_dtype": _dtype_from_pb, "tree": tuple}
+
+
 def settings_to_pb(s: P.DraftSettings) -> pb.DraftSettings:
-    return pb.DraftSettings(
-        draft_len=s.draft_len, bit_budget=s.bit_budget, top_k=s.top_k, top_p=s.top_p,
-        lattice=s.lattice, dense_dtype=_DTYPE_TO_PB[s.dense_dtype], csqs_alpha=s.csqs_alpha,
-        csqs_eta=s.csqs_eta, csqs_beta0=s.csqs_beta0, max_k=s.max_k, dssd_samples=s.dssd_samples,
-        tree=list(s.tree), coupled_bonus=s.coupled_bonus,
-    )
+    values = {name: getattr(s, name) for name in setting_names()}
+    return pb.DraftSettings(**{k: _SETTING_TO_PB.get(k, _same)(v) for k, v in values.items()})
 
 
-def settings_from_pb(m: pb.DraftSettings) -> P.DraftSettings:
-    if m.dense_dtype not in _PB_TO_DTYPE:
-        raise ValueError(f"unknown dense dtype {m.dense_dtype}")
-    return P.DraftSettings(
-        draft_len=m.draft_len, bit_budget=m.bit_budget, top_k=m.top_k, top_p=m.top_p,
-        lattice=m.lattice, dense_dtype=_PB_TO_DTYPE[m.dense_dtype], csqs_alpha=m.csqs_alpha,
-        csqs_eta=m.csqs_eta, csqs_beta0=m.csqs_beta0, max_k=m.max_k, dssd_samples=m.dssd_samples,
-        tree=tuple(m.tree), coupled_bonus=m.coupled_bonus,
-    )
+def settings_from_pb(m: pb.DraftSettings, mode: int | None = None) -> P.DraftSettings:
+    """``mode``: the Hello's own mode field, for devices that leave DraftSettings.mode unset."""
+    raw = {name: getattr(m, name) for name in setting_names()}
+    if raw["mode"] == pb.MODE_UNSPECIFIED and mode is not None:
+        raw["mode"] = mode
+    return P.DraftSettings(**{k: _SETTING_FROM_PB.get(k, _same)(v) for k, v in raw.items()})
+
+
+def _same(value):
+    return value
 
 
 def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
     return pb.DeviceMessage(hello=pb.Hello(
-        protocol_version=h.protocol_version, mode=_MODE_TO_PB[h.mode],
+        protocol_version=h.protocol_version, mode=_MODE_TO_PB[h.draft.mode],
         vocab_fingerprint=h.vocab_fingerprint, vocab_size=h.vocab_size, temperature=h.temperature,
         target_top_p=h.target_top_p, target_top_k=h.target_top_k, draft=settings_to_pb(h.draft),
         seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
@@ -59,9 +71,10 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
 
 def hello_from_pb(m: pb.Hello) -> P.Hello:
     return P.Hello(
-        protocol_version=m.protocol_version, mode=_mode_from_pb(m.mode),
+        protocol_version=m.protocol_version,
         vocab_fingerprint=m.vocab_fingerprint, vocab_size=m.vocab_size, temperature=m.temperature,
-        target_top_p=m.target_top_p, target_top_k=m.target_top_k, draft=settings_from_pb(m.draft),
+        target_top_p=m.target_top_p, target_top_k=m.target_top_k,
+        draft=settings_from_pb(m.draft, mode=m.mode),
         seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
         resume_token=m.resume_token,
     )
@@ -97,6 +110,8 @@ def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
                    tree_depth=d.tree_depth)
     if d.correction_token is not None:
         msg.correction_token = d.correction_token
+    if d.settings is not None:
+        msg.settings.CopyFrom(settings_to_pb(d.settings))
     return pb.DeviceMessage(draft=msg)
 
 
@@ -106,6 +121,7 @@ def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
         dssd_scalars=m.dssd_scalars,
         correction_token=m.correction_token if m.HasField("correction_token") else None,
         tree_depth=m.tree_depth,
+        settings=settings_from_pb(m.settings) if m.HasField("settings") else None,
     )
 
 

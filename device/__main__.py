@@ -7,6 +7,7 @@ import sys
 
 from specdec.common.codecs import Mode
 from specdec.common.modeling import DTYPES
+from specdec.common.settings import ALL_MODES, DraftSettings, check_value, setting_info, setting_names
 from specdec.common.runtime import OneLineParser, apply_threads, is_local_address, run_async
 from specdec.device.runner import DeviceConfig, run_device
 
@@ -26,14 +27,51 @@ def _bounded(kind, low, high=None, *, low_open=False):
     return parse
 
 
-def _tree_config(text: str) -> tuple[int, ...]:
-    try:
-        ks = tuple(int(k) for k in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,2,2, got {text!r}") from None
-    if not ks or min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"every branching factor must be >= 1, got {text!r}")
-    return ks
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per draft setting, from the table in common/settings.py (``--top-k`` sets ``top_k``).
+
+    A flag not given stays out of the config, so the drafter's recorded operating point (or the
+    table's default) applies; the help text says what that default is."""
+    defaults = DraftSettings()
+    group = p.add_argument_group(
+        "draft settings", "one table, common/settings.py; a flag not given takes the drafter's recorded "
+        "operating point (the default drafter records L and K), else the default shown")
+    for name in setting_names():
+        info = setting_info(name)
+        flags = [_flag(name), *(_flag(a) for a in info.aliases)]
+        default = getattr(defaults, name)
+        shown = default.value if isinstance(default, Mode) else ",".join(map(str, default)) \
+            if isinstance(default, tuple) else default
+        modes = "" if info.modes == ALL_MODES else f" [{', '.join(sorted(m.value for m in info.modes))}]"
+        text = f"{info.help}{modes} (default: {shown or 'off'})"
+        if isinstance(default, bool):
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=text)
+        else:
+            group.add_argument(*flags, dest=name, type=_setting_parser(name), default=argparse.SUPPRESS,
+                               metavar=name.upper(), help=text)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _setting_parser(name: str):
+    """argparse type for one setting: the text parsed, then checked by the table's own check."""
+    default = getattr(DraftSettings(), name)
+
+    def parse(text: str):
+        try:
+            if isinstance(default, tuple):
+                value = tuple(int(k) for k in text.split(","))
+            elif isinstance(default, (int, float)) and not isinstance(default, bool):
+                value = type(default)(text)
+            else:
+                value = text
+            return check_value(name, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) if "must" in str(exc) else f"bad {name}: {text!r}") from None
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,38 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edge", required=True, help="edge server HOST:PORT")
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--draft-model", help="drafter: HF directory or hub id (default: interim embedded drafter)")
+    p.add_argument("--draft-model", help="drafter: HF directory or hub id (default: the embedded default drafter)")
     p.add_argument("--draft-gguf-file", help="drafter GGUF file (inside --draft-model, or a path)")
     p.add_argument("--draft-layers", type=_bounded(int, 1), help="keep only the first N drafter layers")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--mode", default="tslt", choices=[m.value for m in Mode])
-    p.add_argument("--top-k", type=_bounded(int, 1), default=None,
-                   help="tslt / ksqs support size K (default: the default drafter's recorded K, else 64)")
-    p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=None,
-                   help="tslt nucleus mass (instead of top-K)")
-    p.add_argument("--lattice", type=_bounded(int, 1), default=1000, help="ksqs / csqs lattice resolution")
-    p.add_argument("--dense-dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--alpha", type=_bounded(float, 0.0, 1.0, low_open=True), default=0.01, help="C-SQS target deviation")
-    p.add_argument("--eta", type=_bounded(float, 0.0, low_open=True), default=0.001, help="C-SQS learning rate")
-    p.add_argument("--beta0", type=_bounded(float, 0.0, 1.0), default=0.001, help="C-SQS initial threshold")
-    p.add_argument("--max-k", type=_bounded(int, 1), default=4096, help="C-SQS support cap")
-    p.add_argument("--dssd-samples", type=_bounded(int, 1), default=8)
-    p.add_argument("--tree", type=_tree_config, default=(),
-                   help="token tree expansion configuration, e.g. 2,2,2 (default: a chain of --draft-len)")
-    p.add_argument("--draft-len", type=_bounded(int, 1), default=None,
-                   help="chain length L (default: the default drafter's measured best, else 4)")
+    add_draft_flags(p)
     p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="draft each round only after the last verdict (default: draft the next round "
                         "while the edge verifies; tokens are identical either way)")
-    p.add_argument("--no-coupled-bonus", dest="coupled_bonus", action="store_false",
-                   help="let the edge draw the bonus token from its own stream (default in chain rounds "
-                        "outside dssd: from noise both sides derive from the seed, so drafting ahead can "
-                        "guess it at T > 0; lossless either way)")
-    p.add_argument("--bit-budget", type=_bounded(int, 1), default=None, help="per-round uplink bits B")
     p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0)
-    p.add_argument("--target-top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=None)
-    p.add_argument("--target-top-k", type=_bounded(int, 1), default=None)
+    p.add_argument("--target-top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=0.0,
+                   help="top-p of the target distribution itself (default: off)")
+    p.add_argument("--target-top-k", type=_bounded(int, 1), default=0,
+                   help="top-k of the target distribution itself (default: off)")
     p.add_argument("--seed", type=_bounded(int, 0), default=0)
     p.add_argument("--max-new-tokens", type=_bounded(int, 1), default=128)
     p.add_argument("--num-samples", type=_bounded(int, 1), default=1)
@@ -99,21 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags that are not DeviceConfig fields.
+_NOT_CONFIG = {"threads", "log_level", "listen", "served_model_name", "connect_timeout", *setting_names()}
+
+
 def config_from_args(a) -> DeviceConfig:
-    return DeviceConfig(
-        edge=a.edge, prompt=a.prompt, raw=a.raw, draft_model=a.draft_model,
-        draft_gguf_file=a.draft_gguf_file, draft_layers=a.draft_layers, device=a.device, dtype=a.dtype,
-        mode=Mode(a.mode), top_k=a.top_k, top_p=a.top_p or 0.0, lattice=a.lattice,
-        dense_dtype=a.dense_dtype, csqs_alpha=a.alpha, csqs_eta=a.eta, csqs_beta0=a.beta0,
-        max_k=a.max_k, dssd_samples=a.dssd_samples, tree=a.tree, draft_len=a.draft_len, draft_ahead=a.draft_ahead,
-        coupled_bonus=a.coupled_bonus,
-        bit_budget=a.bit_budget or 0, temperature=a.temperature, target_top_p=a.target_top_p or 0.0,
-        target_top_k=a.target_top_k or 0, seed=a.seed, max_new_tokens=a.max_new_tokens,
-        num_samples=a.num_samples, timeout=a.timeout, json=a.json, metrics_port=a.metrics_port,
-        metrics_host=a.metrics_host, linger=a.linger, tls_ca=a.tls_ca, tls_cert=a.tls_cert,
-        tls_key=a.tls_key, tls_server_name=a.tls_server_name, auth_token_file=a.auth_token_file,
-        round_timeout=a.round_timeout, reconnect_timeout=a.reconnect_timeout,
-    )
+    given = vars(a)
+    draft = {name: given[name] for name in setting_names() if name in given}
+    return DeviceConfig(**{k: v for k, v in given.items() if k not in _NOT_CONFIG}, draft=draft)
 
 
 # Flags only the one-shot form has. `serve` takes every other flag of build_parser(), so the draft and

@@ -18,7 +18,8 @@ import grpc
 
 from specdec.common import protocol as P
 from specdec.common import wire
-from specdec.common.engine import decode_target_probs
+from specdec.common.codecs import decode_target_probs
+from specdec.common.stats import RoundRecord
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.device.drafter import DraftSession, RoundDraft
 from specdec.device.metrics import DeviceMetrics
@@ -49,6 +50,13 @@ class GenerationResult:
     round_uplink_bytes: list[int] = field(default_factory=list)
     reconnects: int = 0            # broken streams resumed
     t_start: float | None = None
+
+    def add_round(self, r: RoundRecord) -> None:
+        self.uplink_bytes += r.uplink_bytes
+        self.downlink_bytes += r.downlink_bytes
+        self.round_uplink_bytes.append(r.uplink_bytes)
+        self.network_seconds += r.phases["network"]
+        self.verify_seconds += r.phases["decode"] + r.phases["verify"]
 
 
 @dataclass
@@ -122,7 +130,7 @@ async def generate(channel: grpc.aio.Channel, session: DraftSession, hello: P.He
     resumes its session with the edge's resume token and re-sends its verified prefix, so no
     verified token is lost or duplicated. ``timeout`` bounds the whole session.
     """
-    mode = hello.mode.value
+    mode = hello.draft.mode.value
     if metrics:
         metrics.session_started(mode)
     status = "ok"
@@ -154,7 +162,7 @@ async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, me
     give_up_at = None
     while True:
         call = stub.Generate(metadata=policy.metadata or None)
-        stream = _Stream(call, metrics=metrics, mode=hello.mode.value, round_timeout=policy.round_timeout_s)
+        stream = _Stream(call, metrics=metrics, mode=hello.draft.mode.value, round_timeout=policy.round_timeout_s)
         try:
             await _run(stream, session, hello, eos_ids, on_tokens, result)
             return result
@@ -238,22 +246,23 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
     verdict = wire.edge_message_from_pb(reply)
     if not isinstance(verdict, P.Verdict):
         raise EdgeError(grpc.StatusCode.INTERNAL, "expected Verdict")
-    result.uplink_bytes += sent
-    result.round_uplink_bytes.append(sent)
-    result.downlink_bytes += reply.ByteSize()
-    result.verify_seconds += verdict.verify_seconds
-    result.network_seconds += max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
-    down_before = result.downlink_bytes - reply.ByteSize()
+    received = reply.ByteSize()
+    network = max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
     if verdict.next_token is not None:
         new = await asyncio.to_thread(session.commit, rd, verdict, verdict.next_token, dssd_correction=False)
     else:
         token = await asyncio.to_thread(session.resolve_dssd, rd, verdict)
         if token is None:
-            token = await _dssd_fallback(stream, session, rd, verdict, result)
+            t1 = time.perf_counter()
+            token, up, down = await _dssd_fallback(stream, session, rd, verdict)
+            sent, received, network = sent + up, received + down, network + time.perf_counter() - t1
+            result.dssd_fallbacks += 1
         new = await asyncio.to_thread(session.commit, rd, verdict, token, dssd_correction=True)
+    record = rd.record(verdict, len(new), sent, received, network, session.threshold)
+    result.add_round(record)
+    session.stats.observe(record)
     if stream.metrics:
-        _observe_round(stream, session, rd, verdict, new, sent, result.downlink_bytes - down_before,
-                       elapsed)
+        stream.metrics.observe_round(record)
     return new
 
 
@@ -274,33 +283,17 @@ async def _stop_draft_ahead(ahead) -> None:
         await task
 
 
-def _observe_round(stream: _Stream, session: DraftSession, rd: RoundDraft, verdict: P.Verdict,
-                   new: list[int], sent: int, received: int, elapsed: float) -> None:
-    network = max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
-    # The edge's verify_seconds includes payload decode: split it so the phases add up to the round.
-    phases = {"draft": rd.draft_seconds, "encode": rd.encode_seconds, "network": network,
-              "queue": verdict.queue_seconds, "decode": verdict.decode_seconds,
-              "verify": max(0.0, verdict.verify_seconds - verdict.decode_seconds)}
-    threshold = session.controller.beta if session.controller is not None else None
-    depth = getattr(rd.block, "tree_depth", 0) or None  # trees: positions are depths
-    stream.metrics.round_done(stream.mode, drafted=len(rd.block.token_ids), accepted=verdict.num_accepted,
-                              uplink=sent, downlink=received, phases=phases,
-                              support_sizes=rd.support_sizes, threshold=threshold, depth=depth)
-
-
-async def _dssd_fallback(stream, session, rd, verdict, result) -> int:
-    """All sampled candidates failed: fetch the full p_j and sample the residual locally."""
-    t0 = time.perf_counter()
-    result.uplink_bytes += await stream.send(wire.residual_request_to_pb(P.ResidualRequest(verdict.round_id)))
+async def _dssd_fallback(stream, session, rd, verdict) -> tuple[int, int, int]:
+    """All sampled candidates failed: fetch the full p_j and sample the residual locally.
+    Returns (token, uplink bytes, downlink bytes)."""
+    up = await stream.send(wire.residual_request_to_pb(P.ResidualRequest(verdict.round_id)))
     reply = await stream.recv()
-    result.network_seconds += time.perf_counter() - t0
-    result.downlink_bytes += reply.ByteSize()
-    result.dssd_fallbacks += 1
     residual = wire.edge_message_from_pb(reply)
     if not isinstance(residual, P.ResidualReply) or residual.round_id != verdict.round_id:
         raise EdgeError(grpc.StatusCode.INTERNAL, "expected ResidualReply for the rejected round")
     p_j = decode_target_probs(residual.target_probs, session.vocab_size)
-    return await asyncio.to_thread(session.residual_from_full, rd, verdict, p_j)
+    token = await asyncio.to_thread(session.residual_from_full, rd, verdict, p_j)
+    return token, up, reply.ByteSize()
 
 
 def _finished(tokens: list[int], max_new: int, eos_ids: tuple[int, ...]) -> bool:

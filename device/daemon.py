@@ -18,7 +18,7 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import grpc
 from aiohttp import web
@@ -30,7 +30,7 @@ from specdec.device.client import EdgeError, generate
 from specdec.device.drafter import DraftSession
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.openai_schema import ApiError, Choice
-from specdec.device.runner import DeviceConfig
+from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_channel
 
 log = logging.getLogger("specdec.device.daemon")
 
@@ -136,14 +136,6 @@ class _TextTracker:
         return delta
 
 
-def _session_stats(session: DraftSession) -> dict:
-    """The per-choice `specdec` extension: how speculation went (same definitions as the one-shot JSON)."""
-    s = session.stats
-    return {"rounds": s.rounds, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-            "acceptance_rate": s.accepted_tokens / s.draft_positions if s.draft_positions else 0.0,
-            "mean_accepted_length": s.accepted_tokens / s.rounds if s.rounds else 0.0}
-
-
 def edge_api_error(exc: EdgeError) -> ApiError:
     status, kind = _EDGE_STATUS.get(exc.code, (502, "server_error"))
     return ApiError(status, f"edge: {exc.code.name}: {exc.details}", type=kind, code=exc.code.name.lower())
@@ -153,13 +145,14 @@ class DeviceEngine:
     """The drafter, one channel to the edge and the metrics; runs one choice as one edge session."""
 
     def __init__(self, cfg: DaemonConfig, drafter: LoadedModel, channel: grpc.aio.Channel,
-                 metrics: DeviceMetrics):
+                 metrics: DeviceMetrics, operating_point: Mapping[str, Any] = ()):
         self.cfg = cfg
         self.drafter = drafter
         self.channel = channel
         self.metrics = metrics
         self.fingerprint = vocab_fingerprint(drafter.tokenizer)
-        self.policy = cfg.device.policy()  # auth metadata, round timeout, resume after a broken stream
+        self.policy = connection_policy(cfg.device)  # auth metadata, round timeout, resume after a broken stream
+        self.operating_point = operating_point  # the drafter's recorded draft settings
         self.started = int(time.time())
 
     async def check_edge(self) -> None:
@@ -177,7 +170,7 @@ class DeviceEngine:
         base = self.cfg.device
         target_top_p = base.target_top_p if p.top_p is None else (0.0 if p.top_p >= 1.0 else p.top_p)
         target_top_k = base.target_top_k if p.top_k is None else max(p.top_k, 0)
-        return replace(base, **p.overrides,
+        return replace(base, draft={**base.draft, **p.overrides},
                        temperature=base.temperature if p.temperature is None else p.temperature,
                        target_top_p=target_top_p, target_top_k=target_top_k,
                        max_new_tokens=p.max_tokens or base.max_new_tokens)
@@ -209,7 +202,8 @@ class DeviceEngine:
 
         Setting ``abandon`` ends the session at its next round boundary (:class:`_ClientGone`).
         """
-        hello = cfg.hello(self.fingerprint, self.drafter.vocab_size, seed=seed)
+        hello = cfg.hello(self.fingerprint, self.drafter.vocab_size, seed=seed,
+                          operating_point=self.operating_point)
         session = DraftSession(self.drafter, hello, draft_ahead=cfg.draft_ahead)
         text = _TextTracker(self.drafter.tokenizer, stops)
 
@@ -238,7 +232,7 @@ class DeviceEngine:
             emit(index, tail)
         eos = bool(text.ids) and text.ids[-1] in self.drafter.eos_token_ids
         reason = "stop" if text.stopped or eos else "length"
-        return Choice(index, text.text, text.ids, reason, _session_stats(session))
+        return Choice(index, text.text, text.ids, reason, session.stats.summary())
 
 
 # -- HTTP ------------------------------------------------------------------------------------------
@@ -468,11 +462,12 @@ async def _listen(app: web.Application, host: str, port: int, **kw) -> tuple[web
 async def start_daemon(cfg: DaemonConfig, drafter: LoadedModel | None = None,
                        metrics: DeviceMetrics | None = None) -> RunningDaemon:
     """Load the drafter (unless given), open the edge channel, start the HTTP API and metrics."""
+    choice = choose_drafter(cfg.device)
     if drafter is None:
-        drafter = await asyncio.to_thread(load_model, cfg.device.model_spec())
+        drafter = await asyncio.to_thread(load_model, choice.spec)
     metrics = metrics or DeviceMetrics()
-    channel = cfg.device.channel()  # TLS and a short reconnect backoff, as the one-shot command's
-    engine = DeviceEngine(cfg, drafter, channel, metrics)
+    channel = edge_channel(cfg.device)  # TLS and a short reconnect backoff, as the one-shot command's
+    engine = DeviceEngine(cfg, drafter, channel, metrics, choice.operating_point)
     app = build_app(engine, HttpMetrics(metrics.registry))
     # handler_cancellation: a client that goes away cancels its handler, hence its edge sessions.
     api, port = await _listen(app, cfg.host, cfg.port, handler_cancellation=True)

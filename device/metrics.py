@@ -1,147 +1,35 @@
-"""Prometheus metrics of the device client (``specdec_device_*``).
+"""Prometheus metrics of the device client (``specdec_device_*``): the shared set of
+:mod:`specdec.common.metrics` (its docstring gives the PromQL for rates), plus what only the device
+sees: the transmitted support sizes, the C-SQS threshold, tokens as delivered to the caller.
 
-Names follow ``specdec_<subsystem>_<thing>_<unit>`` in base units; counters end in ``_total``.
-Labels are of low cardinality only (mode, status, position, phase); never a session id.
-Derived rates are PromQL over counters (``$__rate_interval`` is Grafana's; use e.g. ``5m`` by hand):
-
-- throughput: ``sum by (mode) (rate(specdec_device_generated_tokens_total[$__rate_interval]))``
-- acceptance rate alpha (accepted tokens / drafted positions; for chains positions = draft tokens, for
-  token trees one position per tree layer, so trees and chains compare):
-  ``sum(rate(specdec_device_accepted_tokens_total[$__rate_interval]))
-  / sum(rate(specdec_device_draft_positions_total[$__rate_interval]))``
-- acceptance per draft position:
-  ``sum by (position) (rate(specdec_device_accepted_tokens_per_position_total[$__rate_interval]))
-  / sum by (position) (rate(specdec_device_draft_tokens_per_position_total[$__rate_interval]))``
-- mean accepted length per round:
-  ``sum(rate(specdec_device_accepted_tokens_total[$__rate_interval]))
-  / sum(rate(specdec_device_rounds_total[$__rate_interval]))``
-- uplink / downlink bytes per generated token:
-  ``sum by (mode) (rate(specdec_device_uplink_bytes_total[$__rate_interval]))
-  / sum by (mode) (rate(specdec_device_generated_tokens_total[$__rate_interval]))``
-- phase latency p95:
-  ``histogram_quantile(0.95, sum by (le, phase) (rate(specdec_device_phase_duration_seconds_bucket[$__rate_interval])))``
-- share of round time per phase:
-  ``sum by (phase) (rate(specdec_device_phase_duration_seconds_sum[$__rate_interval]))
-  / ignoring(phase) group_left sum(rate(specdec_device_phase_duration_seconds_sum[$__rate_interval]))``
 - transmitted support size K, p50:
   ``histogram_quantile(0.5, sum by (le, mode) (rate(specdec_device_support_size_tokens_bucket[$__rate_interval])))``
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-# Per-round phases run ~0.1 ms (encode, tiny models) to seconds (shaped links, big models).
-PHASE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-# A request lasts from ~0.1 s (tiny models, few tokens) to minutes (long answers on a shaped link).
-REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
-# Per output token: ~1 ms (GPU, long accepted runs) to ~1 s (CPU target behind a slow link).
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-# A round's uplink spans ~20 B (DSSD) to ~400 KB (dense fp32 over 49k tokens x L).
-BYTES_BUCKETS = (32, 128, 512, 2048, 8192, 32768, 131072, 524288, 2097152)
+from specdec.common.metrics import SpecMetrics
+from specdec.common.stats import PHASES, RoundRecord
+
 # K: 1 (a point mass) up to the vocabulary (dense: 49k for SmolLM2, 152k for Qwen-size vocabularies).
 SUPPORT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536, 262144)
-# Draft nodes per round: a chain of L <= 32, or a token tree of up to the edge's 256 nodes.
-NODES_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
-MAX_POSITION_LABELS = 32  # positions beyond this share one label to bound cardinality
-# One round, in order; they add up to the round's time on the device (commit aside):
-# draft and encode on the device, the network round trip net of edge time, then the edge's
-# worker-queue wait, payload decode and verification (target forward + accept/reject).
-PHASES = ("draft", "encode", "network", "queue", "decode", "verify")
-# Final statuses, pre-created at 0 so that "no failures" is a zero series, not a missing one.
-STATUSES = ("ok", "cancelled", "invalid_argument", "failed_precondition", "resource_exhausted",
-            "deadline_exceeded", "unavailable", "internal")
 
 
-class DeviceMetrics:
+class DeviceMetrics(SpecMetrics):
     def __init__(self, registry: CollectorRegistry | None = None):
-        reg = registry if registry is not None else CollectorRegistry()
-        self.registry = reg
-        kw = dict(namespace="specdec", subsystem="device", registry=reg)
-        self.active = Gauge("sessions_active", "Sessions currently open", **kw)
-        self.started = Counter("sessions_started", "Sessions started", ["mode"], **kw)
-        self.ended = Counter("sessions_ended", "Sessions ended, by final status", ["status"], **kw)
-        self.failed = Counter("sessions_failed", "Sessions ended with a status other than ok", ["status"], **kw)
-        self.rounds = Counter("rounds", "Draft/verify rounds", ["mode"], **kw)
-        self.draft_tokens = Counter("draft_tokens", "Draft tokens (tree nodes) sent", ["mode"], **kw)
-        self.draft_positions = Counter("draft_positions", "Draft positions (chain length, or tree depth)",
-                                       ["mode"], **kw)
-        self.accepted_tokens = Counter("accepted_tokens", "Draft tokens accepted by the edge", ["mode"], **kw)
-        self.drafted_per_position = Counter(
-            "draft_tokens_per_position", "Rounds that drafted a token at this position (0-based)", ["position"], **kw)
-        self.accepted_per_position = Counter(
-            "accepted_tokens_per_position", "Accepted draft tokens by draft position (0-based)", ["position"], **kw)
-        self.generated_tokens = Counter("generated_tokens", "Verified tokens delivered to the caller", ["mode"], **kw)
-        self.uplink_bytes = Counter("uplink_bytes", "Serialized bytes sent during rounds", ["mode"], **kw)
-        self.downlink_bytes = Counter("downlink_bytes", "Serialized bytes received during rounds", ["mode"], **kw)
-        self.phase_seconds = Histogram("phase_duration_seconds", "Time per round and phase", ["phase"],
-                                       buckets=PHASE_BUCKETS, **kw)
-        self.request_seconds = Histogram("request_duration_seconds", "End-to-end time per request",
-                                         ["mode"], buckets=REQUEST_BUCKETS, **kw)
-        self.token_seconds = Histogram("time_per_output_token_seconds", "Wall time per generated token",
-                                       ["mode"], buckets=TOKEN_BUCKETS, **kw)
-        self.round_uplink = Histogram("round_uplink_size_bytes", "Uplink bytes per round", ["mode"],
-                                      buckets=BYTES_BUCKETS, **kw)
-        self.round_downlink = Histogram("round_downlink_size_bytes", "Downlink bytes per round", ["mode"],
-                                        buckets=BYTES_BUCKETS, **kw)
+        super().__init__("device", PHASES, registry=registry)
         self.support_size = Histogram("support_size_tokens", "Transmitted support size K per distribution",
-                                      ["mode"], buckets=SUPPORT_BUCKETS, **kw)
-        self.csqs_threshold = Gauge("csqs_threshold", "Current C-SQS threshold beta (0 outside C-SQS)", **kw)
-        self.round_nodes = Histogram("round_draft_nodes", "Draft nodes per round (chain length or tree size)",
-                                     ["mode"], buckets=NODES_BUCKETS, **kw)
-        self._precreate()
+                                      ["mode"], buckets=SUPPORT_BUCKETS, **self.kw)
+        self.csqs_threshold = Gauge("csqs_threshold", "Current C-SQS threshold beta (0 outside C-SQS)", **self.kw)
 
-    def _precreate(self) -> None:
-        for status in STATUSES:
-            self.ended.labels(status)
-            if status != "ok":
-                self.failed.labels(status)
-        for phase in PHASES:
-            self.phase_seconds.labels(phase)
-
-    def session_started(self, mode: str) -> None:
-        self.started.labels(mode).inc()
-        self.active.inc()
-
-    def session_ended(self, status: str) -> None:
-        self.ended.labels(status).inc()
-        if status != "ok":
-            self.failed.labels(status).inc()
-        self.active.dec()
-
-    def round_done(self, mode: str, *, drafted: int, accepted: int, uplink: int,
-                   downlink: int, phases: dict[str, float], support_sizes: list[int],
-                   threshold: float | None, depth: int | None = None) -> None:
-        """One finished round. ``depth``: positions drafted (tree depth); None = ``drafted`` (a chain)."""
-        self.rounds.labels(mode).inc()
-        self.draft_tokens.labels(mode).inc(drafted)
-        self.accepted_tokens.labels(mode).inc(accepted)
-        positions = drafted if depth is None else depth
-        self.draft_positions.labels(mode).inc(positions)
-        for i in range(positions):
-            self.drafted_per_position.labels(_position(i)).inc()
-        for i in range(accepted):
-            self.accepted_per_position.labels(_position(i)).inc()
-        self.uplink_bytes.labels(mode).inc(uplink)
-        self.downlink_bytes.labels(mode).inc(downlink)
-        self.round_uplink.labels(mode).observe(uplink)
-        self.round_downlink.labels(mode).observe(downlink)
-        self.round_nodes.labels(mode).observe(drafted)
-        for phase, seconds in phases.items():
-            self.phase_seconds.labels(phase).observe(seconds)
-        for k in support_sizes:
-            self.support_size.labels(mode).observe(k)
-        if threshold is not None:
-            self.csqs_threshold.set(threshold)
+    def observe_round(self, r: RoundRecord) -> None:
+        super().observe_round(r)
+        for k in r.support_sizes:
+            self.support_size.labels(r.mode).observe(k)
+        if r.threshold is not None:
+            self.csqs_threshold.set(r.threshold)
 
     def tokens_delivered(self, mode: str, n: int) -> None:
         """Verified tokens handed to the caller (after the cut at EOS / max_new_tokens)."""
         self.generated_tokens.labels(mode).inc(n)
-
-    def request_done(self, mode: str, seconds: float, tokens: int) -> None:
-        self.request_seconds.labels(mode).observe(seconds)
-        if tokens:
-            self.token_seconds.labels(mode).observe(seconds / tokens)
-
-
-def _position(i: int) -> str:
-    return str(min(i, MAX_POSITION_LABELS))

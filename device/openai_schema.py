@@ -5,7 +5,7 @@ Requests are plain JSON objects in, frozen dataclasses out; anything malformed o
 plain dicts matching the OpenAI API (``text_completion``, ``chat.completion``,
 ``chat.completion.chunk``), so the official clients parse them unchanged.
 
-Lossless rule (DESIGN.md): ``temperature``, ``top_p`` and ``top_k`` shape the TARGET distribution on
+Lossless rule: ``temperature``, ``top_p`` and ``top_k`` shape the TARGET distribution on
 the edge, so the output is distributed as the target sampling alone with those settings. Parameters
 that would need another output distribution (penalties, logit bias) or data the protocol does not
 carry (logprobs) are refused rather than silently ignored.
@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.common.codecs import Mode
+from specdec.common.settings import canonical_name, check_value, setting_names
 
 MAX_STOP_STRINGS = 4          # OpenAI's own limit on `stop`
 MAX_CHOICES = 16              # prompts x n per request: each choice is its own edge session
@@ -55,63 +55,30 @@ def bad(message: str, param: str | None = None) -> ApiError:
 
 
 # -- the `specdec` extension ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Override:
-    field: str                      # DeviceConfig field it sets
-    kind: type                      # int | float | str
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False          # low itself excluded
-    choices: tuple[str, ...] = ()
-
-
-# Named and bounded like the one-shot CLI flags (`--top-k` -> "top_k"). Inside this object `top_p` is the
-# TSLT draft nucleus (as `--top-p`); the request's own `top_p` is the target's.
-OVERRIDES = {
-    "mode": _Override("mode", str, choices=tuple(m.value for m in Mode)),
-    "top_k": _Override("top_k", int, 1),
-    "top_p": _Override("top_p", float, 0.0, 1.0, low_open=True),
-    "lattice": _Override("lattice", int, 1),
-    "dense_dtype": _Override("dense_dtype", str, choices=("fp32", "fp16", "bf16")),
-    "alpha": _Override("csqs_alpha", float, 0.0, 1.0, low_open=True),
-    "eta": _Override("csqs_eta", float, 0.0, low_open=True),
-    "beta0": _Override("csqs_beta0", float, 0.0, 1.0),
-    "max_k": _Override("max_k", int, 1),
-    "dssd_samples": _Override("dssd_samples", int, 1),
-    "draft_len": _Override("draft_len", int, 1),
-    "bit_budget": _Override("bit_budget", int, 0),   # 0 = off
-    "tree": _Override("tree", list),                 # token tree branching factors, e.g. [2, 2, 2]; [] = chain
-}
-
-
+# Named like the one-shot CLI flags (`--top-k` -> "top_k") and checked by the same table
+# (common/settings.py), older names included ("alpha" for "csqs_alpha"). Inside this object `top_p`
+# is the TSLT draft nucleus (as `--top-p`); the request's own `top_p` is the target's.
 def parse_overrides(raw: Any) -> dict[str, Any]:
-    """``{"mode": "tslt", "top_k": 64}`` -> DeviceConfig field values; unknown keys or values -> 400."""
+    """``{"mode": "tslt", "top_k": 64}`` -> draft settings by table name; unknown keys or values -> 400."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise bad(f"`{SPECDEC_FIELD}` must be an object", SPECDEC_FIELD)
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        spec = OVERRIDES.get(key)
         param = f"{SPECDEC_FIELD}.{key}"
-        if spec is None:
-            raise bad(f"unknown `{SPECDEC_FIELD}` setting {key!r} (known: {', '.join(OVERRIDES)})", param)
-        if spec.kind is list:
-            out[spec.field] = _branching(value, param)
-        elif spec.choices:
-            if value not in spec.choices:
-                raise bad(f"`{param}` must be one of {list(spec.choices)}, got {value!r}", param)
-            out[spec.field] = Mode(value) if key == "mode" else value
-        else:
-            out[spec.field] = _number(value, param, spec.kind, spec.low, spec.high, low_open=spec.low_open)
+        try:
+            name = canonical_name(key)
+        except KeyError:
+            raise bad(f"unknown `{SPECDEC_FIELD}` setting {key!r} (known: {', '.join(setting_names())})",
+                      param) from None
+        if name == "tree" and not isinstance(value, list):  # JSON has lists, not tuples
+            raise bad(f"`{param}` must be a list of branching factors >= 1, e.g. [2, 2, 2]", param)
+        try:
+            out[name] = check_value(name, value)
+        except ValueError as exc:
+            raise bad(f"`{param}`: {exc}", param) from None
     return out
-
-
-def _branching(value: Any, param: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
-                                              for k in value):
-        raise bad(f"`{param}` must be a list of branching factors >= 1, e.g. [2, 2, 2]", param)
-    return tuple(value)
 
 
 # -- scalar checks ---------------------------------------------------------------------------------

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Mapping, TextIO
 
 import grpc
 from prometheus_client import start_http_server
 
-from specdec.common.codecs import Mode
+from specdec.common import settings as S
+from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.protocol import DraftSettings, Hello
 from specdec.device.client import ConnectionPolicy, GenerationResult, generate
@@ -22,9 +23,6 @@ from specdec.device.metrics import DeviceMetrics
 # Without those files, or with --draft-layers N, the drafter is the target's own first N layers with
 # its final norm and head (early exit): acceptance ~0.1 at 12 layers, self-contained but not fast.
 INTERIM_DRAFT_LAYERS = 12
-DEFAULT_DRAFT_LEN = 4  # chain length L for drafters that do not record their own best L
-DEFAULT_TOP_K = 64     # tslt / ksqs K for drafters that do not record their own (the papers' range)
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same bound as the edge (dense fp32 rounds over big vocabularies)
 
 
 @dataclass(frozen=True)
@@ -32,36 +30,24 @@ class DeviceConfig:
     edge: str = "127.0.0.1:50051"       # edge HOST:PORT
     prompt: str = ""
     raw: bool = False                   # skip the chat template
-    draft_model: str | None = None      # HF dir / hub id; None = interim embedded drafter
+    draft_model: str | None = None      # HF dir / hub id; None = the default (or interim) embedded drafter
     draft_gguf_file: str | None = None
     draft_layers: int | None = None     # keep the first N drafter layers
     device: str = "cpu"
     dtype: str = "float32"
-    mode: Mode = Mode.TSLT
-    top_k: int | None = None            # tslt / ksqs K; None = the default drafter's recorded K, else 64
-    top_p: float = 0.0
-    lattice: int = 1000
-    dense_dtype: str = "fp16"
-    csqs_alpha: float = 0.01
-    csqs_eta: float = 0.001
-    csqs_beta0: float = 0.001
-    max_k: int = 4096
-    dssd_samples: int = 8
-    tree: tuple[int, ...] = ()          # token tree expansion configuration; () = chain
-    draft_len: int | None = None        # chain length L; None = the default drafter's recorded best, else 4
+    # Draft settings the user gave, by their names in common/settings.py; the others come from the
+    # drafter's recorded operating point (the default drafter records L and K), else the table.
+    draft: Mapping[str, Any] = field(default_factory=S.GivenSettings)
     draft_ahead: bool = True            # draft the next round while the edge verifies (chain rounds)
-    coupled_bonus: bool = True          # chain rounds outside DSSD: the edge draws the bonus token with
-                                        # noise the device can compute, so drafting ahead guesses it at T > 0
-    bit_budget: int = 0
     temperature: float = 0.0
-    target_top_p: float = 0.0
-    target_top_k: int = 0
+    target_top_p: float = 0.0           # 0 = off
+    target_top_k: int = 0               # 0 = off
     seed: int = 0
     max_new_tokens: int = 128
     num_samples: int = 1
     timeout: float = 600.0              # seconds per session
     json: bool = False
-    metrics_port: int = 0
+    metrics_port: int = 0               # 0 = no /metrics
     metrics_host: str = "127.0.0.1"     # /metrics bind address (0.0.0.0 where Prometheus is on another host)
     linger: float = 0.0                 # seconds /metrics stays up after the last session (final scrape)
     tls_ca: str | None = None           # PEM CA that signed the edge's certificate (enables TLS)
@@ -72,61 +58,63 @@ class DeviceConfig:
     round_timeout: float = 30.0         # a verdict later than this = dead link: reconnect and resume
     reconnect_timeout: float = 60.0     # give up after this long without a working stream
 
-    def uses_default_drafter(self) -> bool:
-        return (self.draft_model is None and self.draft_gguf_file is None and self.draft_layers is None
-                and has_default_drafter())
+    def __post_init__(self) -> None:
+        if not isinstance(self.draft, S.GivenSettings):  # hashable, and checked against the table
+            object.__setattr__(self, "draft", S.GivenSettings(S.parse_settings(self.draft)))
 
-    def effective_draft_len(self) -> int:
-        """--draft-len if given; else the L recorded with the default drafter, else DEFAULT_DRAFT_LEN."""
-        return self._operating_point("draft_len", self.draft_len, DEFAULT_DRAFT_LEN)
+    @classmethod
+    def of(cls, **kw) -> "DeviceConfig":
+        """A config from flat keywords: draft settings (``mode``, ``top_k``, ...) go to ``draft``."""
+        names = set(S.setting_names())
+        draft = {k: v for k, v in kw.items() if k in names}
+        return cls(**{k: v for k, v in kw.items() if k not in names}, draft=draft)
 
-    def effective_top_k(self) -> int:
-        """--top-k if given; else the K recorded with the default drafter (its T = 1 acceptance
-        through TSLT grows with K: drafter_weights/README.md), else DEFAULT_TOP_K."""
-        return self._operating_point("top_k", self.top_k, DEFAULT_TOP_K)
+    def with_draft(self, **settings) -> "DeviceConfig":
+        """The same config with these draft settings given as well (checked: ValueError)."""
+        return replace(self, draft={**self.draft, **S.parse_settings(settings)})
 
-    def _operating_point(self, key: str, given: int | None, fallback: int) -> int:
-        if given is not None:
-            return given
-        if self.uses_default_drafter():
-            return int(drafter_meta().get(key, fallback))
-        return fallback
-
-    def model_spec(self) -> ModelSpec:
-        if self.uses_default_drafter():
-            return default_drafter_spec(self.device, self.dtype)
-        if self.draft_model is None and self.draft_gguf_file is None:
-            layers = self.draft_layers or INTERIM_DRAFT_LAYERS
-            return ModelSpec(device=self.device, dtype=self.dtype, num_layers=layers)
-        return ModelSpec(model=self.draft_model, gguf_file=self.draft_gguf_file, device=self.device,
-                         dtype=self.dtype, num_layers=self.draft_layers)
-
-    def hello(self, fingerprint: str, vocab_size: int, seed: int) -> Hello:
-        settings = DraftSettings(
-            draft_len=self.effective_draft_len(), bit_budget=self.bit_budget,
-            top_k=min(self.effective_top_k(), vocab_size), top_p=self.top_p, lattice=self.lattice,
-            dense_dtype=self.dense_dtype,
-            csqs_alpha=self.csqs_alpha, csqs_eta=self.csqs_eta, csqs_beta0=self.csqs_beta0,
-            max_k=self.max_k, dssd_samples=self.dssd_samples, tree=tuple(self.tree),
-            coupled_bonus=self.coupled_bonus and not self.tree and self.mode is not Mode.DSSD)
-        return Hello(mode=self.mode, vocab_fingerprint=fingerprint, vocab_size=vocab_size,
-                     temperature=self.temperature, draft=settings, seed=seed,
+    def hello(self, fingerprint: str, vocab_size: int, seed: int,
+              operating_point: Mapping[str, Any] = ()) -> Hello:
+        """The session's Hello; ``operating_point``: the drafter's recorded settings (:func:`choose_drafter`)."""
+        return Hello(vocab_fingerprint=fingerprint, vocab_size=vocab_size, temperature=self.temperature,
+                     draft=S.resolve(self.draft, operating_point, vocab_size), seed=seed,
                      max_new_tokens=self.max_new_tokens, target_top_p=self.target_top_p,
                      target_top_k=self.target_top_k)
 
 
-    def policy(self) -> ConnectionPolicy:
-        metadata = ()
-        if self.auth_token_file:
-            metadata = (("authorization", f"Bearer {read_token(self.auth_token_file)}"),)
-        return ConnectionPolicy(round_timeout_s=self.round_timeout, reconnect_timeout_s=self.reconnect_timeout,
-                                metadata=metadata)
+@dataclass(frozen=True)
+class DrafterChoice:
+    spec: ModelSpec                     # what to load
+    operating_point: Mapping[str, Any]  # its recorded draft settings (the default drafter's L and K)
 
-    def channel(self, extra_options: tuple = ()) -> grpc.aio.Channel:
-        tls = None
-        if self.tls_ca or self.tls_cert:
-            tls = ClientTls(ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key, server_name=self.tls_server_name)
-        return open_channel(self.edge, extra_options, tls=tls)
+
+def choose_drafter(cfg: DeviceConfig) -> DrafterChoice:
+    """Which drafter ``cfg`` asks for; reads the default drafter's record once (I/O)."""
+    if cfg.draft_model is None and cfg.draft_gguf_file is None and cfg.draft_layers is None \
+            and has_default_drafter():
+        return DrafterChoice(default_drafter_spec(cfg.device, cfg.dtype), drafter_meta())
+    if cfg.draft_model is None and cfg.draft_gguf_file is None:
+        layers = cfg.draft_layers or INTERIM_DRAFT_LAYERS
+        return DrafterChoice(ModelSpec(device=cfg.device, dtype=cfg.dtype, num_layers=layers), {})
+    return DrafterChoice(ModelSpec(model=cfg.draft_model, gguf_file=cfg.draft_gguf_file, device=cfg.device,
+                                   dtype=cfg.dtype, num_layers=cfg.draft_layers), {})
+
+
+def connection_policy(cfg: DeviceConfig) -> ConnectionPolicy:
+    """Reconnect policy and call metadata; reads the bearer token file (I/O)."""
+    metadata = ()
+    if cfg.auth_token_file:
+        metadata = (("authorization", f"Bearer {read_token(cfg.auth_token_file)}"),)
+    return ConnectionPolicy(round_timeout_s=cfg.round_timeout, reconnect_timeout_s=cfg.reconnect_timeout,
+                            metadata=metadata)
+
+
+def edge_channel(cfg: DeviceConfig, extra_options: tuple = ()) -> grpc.aio.Channel:
+    """A channel to ``cfg.edge`` (TLS when a CA or client certificate is given); call in a coroutine."""
+    tls = None
+    if cfg.tls_ca or cfg.tls_cert:
+        tls = ClientTls(ca=cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key, server_name=cfg.tls_server_name)
+    return open_channel(cfg.edge, extra_options, tls=tls)
 
 
 def read_token(path: str | Path) -> str:
@@ -145,10 +133,6 @@ class ClientTls:
     server_name: str | None = None
 
 
-# Device side of HTTP/2 keepalive (the edge permits pings this often): a silent dead link is
-# noticed within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS even while no round is in flight.
-KEEPALIVE_TIME_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
 # gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a device resuming a session after a
 # short outage should retry sooner.
 RECONNECT_BACKOFF_MS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -172,14 +156,14 @@ def open_channel(address: str, extra_options: tuple = (), tls: ClientTls | None 
     return grpc.aio.secure_channel(address, creds, options=options)
 
 
-def result_json(cfg: DeviceConfig, drafter: LoadedModel, session: DraftSession, r: GenerationResult) -> dict:
+def result_json(settings: DraftSettings, drafter: LoadedModel, session: DraftSession, r: GenerationResult) -> dict:
     s = session.stats
     text = drafter.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     n = len(r.token_ids)
     return {
         "token_ids": r.token_ids,
         "text": text,
-        "mode": cfg.mode.value,
+        "mode": settings.mode.value,
         "draft_model": drafter.name,
         "edge_model": r.welcome.model_name,
         "stats": {
@@ -187,19 +171,18 @@ def result_json(cfg: DeviceConfig, drafter: LoadedModel, session: DraftSession, 
             "draft_tokens": s.draft_tokens,
             "accepted_tokens": s.accepted_tokens,
             "draft_positions": s.draft_positions,
-            "acceptance_rate": s.accepted_tokens / s.draft_positions if s.draft_positions else 0.0,
-            "mean_accepted_length": s.accepted_tokens / s.rounds if s.rounds else 0.0,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
             # per-token acceptance alpha (the papers' i.i.d. alpha, eq. 8): accepted / positions tested
             "positions_verified": s.positions_verified,
-            "token_acceptance_rate": s.accepted_tokens / s.positions_verified if s.positions_verified else 0.0,
+            "token_acceptance_rate": s.token_acceptance_rate,
             "accepted_per_position": s.accepted_per_position,
             "drafted_per_position": s.drafted_per_position,
             "draft_ahead": {"rounds_used": s.ahead_rounds_used, "tokens_used": s.ahead_tokens_used,
                             "tokens_discarded": s.ahead_tokens_discarded},
-            "acceptance_per_depth": [a / d if d else 0.0 for a, d in
-                                     zip(s.accepted_per_position, s.drafted_per_position)],
-            "tree": list(cfg.tree),
-            "tree_nodes_sent": s.draft_tokens if cfg.tree else 0,
+            "acceptance_per_depth": s.acceptance_per_depth,
+            "tree": list(settings.tree),
+            "tree_nodes_sent": s.draft_tokens if settings.tree else 0,
             "generated_tokens": n,
             "uplink_bytes": r.uplink_bytes,
             "downlink_bytes": r.downlink_bytes,
@@ -209,7 +192,7 @@ def result_json(cfg: DeviceConfig, drafter: LoadedModel, session: DraftSession, 
             "dssd_fallbacks": r.dssd_fallbacks,
             "wall_seconds": r.wall_seconds,
             "tokens_per_second": n / r.wall_seconds if r.wall_seconds > 0 else 0.0,
-            "time": {"draft": s.draft_seconds, "encode": s.encode_seconds,
+            "time": {"draft": s.seconds["draft"], "encode": s.seconds["encode"],
                      "network": r.network_seconds, "verify": r.verify_seconds},
         },
     }
@@ -235,22 +218,24 @@ class _TextStreamer:
 
 async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
     """Load the drafter, run ``num_samples`` sessions, write text or JSON lines to ``out``."""
-    drafter = await asyncio.to_thread(load_model, cfg.model_spec())
+    choice = choose_drafter(cfg)
+    drafter = await asyncio.to_thread(load_model, choice.spec)
     prompt_ids = encode_prompt(drafter.tokenizer, cfg.prompt, raw=cfg.raw)
     fingerprint = vocab_fingerprint(drafter.tokenizer)
     metrics = DeviceMetrics()
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
     results = []
-    policy = cfg.policy()
-    async with cfg.channel() as channel:
+    policy = connection_policy(cfg)
+    async with edge_channel(cfg) as channel:
         for i in range(cfg.num_samples):
-            hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i)
+            hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i,
+                              operating_point=choice.operating_point)
             session = DraftSession(drafter, hello, draft_ahead=cfg.draft_ahead)
             streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
             r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids,
                                on_tokens=streamer, timeout=cfg.timeout, metrics=metrics, policy=policy)
-            record = result_json(cfg, drafter, session, r)
+            record = result_json(hello.draft, drafter, session, r)
             results.append(record)
             out.write(json.dumps(record) + "\n" if cfg.json else "\n")
             out.flush()

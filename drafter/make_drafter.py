@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_data import GenConfig, choose_head, coverage, generate_dataset, split  # noqa: E402
 from train_prompts import load_bench_prompts, training_prompts  # noqa: E402
 
-from specdec.common.engine import model_probs  # noqa: E402
+from specdec.common.sampling import model_probs  # noqa: E402
 from specdec.common.latency import expected_tokens_per_call, oracle_time  # noqa: E402
 from specdec.common.modeling import CachedLM, ModelSpec, load_model  # noqa: E402
 from specdec.device import default_drafter as D  # noqa: E402

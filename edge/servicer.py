@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from specdec.common import protocol as P
 from specdec.common import wire
+from specdec.common.stats import edge_record
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.edge.auth import Authenticator
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
@@ -144,7 +145,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         entry.generation = 1
         self.sessions[sid] = entry
         if self.metrics:
-            self.metrics.session_started(hello.mode.value)
+            self.metrics.session_started(hello.draft.mode.value)
         return sid, entry, False
 
     def _release(self, state: dict, status: str | None) -> None:
@@ -181,7 +182,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             verdict = replace(verdict, queue_seconds=queue)
             reply = wire.verdict_to_pb(verdict)
             if self.metrics:
-                self.metrics.round_done(session.hello.mode.value, msg, verdict, reply.ByteSize(), size)
+                mode = session.round_settings(msg).mode.value
+                self.metrics.observe_round(edge_record(msg, verdict, mode, size, reply.ByteSize()))
             await context.write(reply)
         elif isinstance(msg, P.ResidualRequest):
             reply = wire.residual_to_pb(await self._call(session.residual, msg))
@@ -230,7 +232,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
 
     def _observe_request(self, session: VerifierSession, prompt_len: int, seconds: float) -> None:
         if self.metrics:
-            self.metrics.request_done(session.hello.mode.value, seconds, len(session.tokens) - prompt_len)
+            self.metrics.request_done(session.hello.draft.mode.value, seconds, len(session.tokens) - prompt_len)
 
     def _observe_end(self, status: str, started: bool) -> None:
         if self.metrics:

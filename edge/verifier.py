@@ -17,15 +17,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.common import verification as V
-from specdec.common.codecs import Mode, decode_distribution, decode_dssd_scalars
+from specdec.common import settings as S
+from specdec.common.codecs import (CodecConfig, Mode, decode_distribution, decode_dssd_scalars,
+                                   encode_target_probs)
 from specdec.common.distributions import densify
-from specdec.common.engine import codec_config, encode_target_probs, model_probs, validate_hello
 from specdec.common.modeling import CachedLM, LoadedModel
+from specdec.common.sampling import model_probs, validate_hello
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from specdec.common.protocol import (PROTOCOL_VERSION, DraftBlock, Hello, Prompt, ResidualReply,
-                                     ResidualRequest, Verdict, Welcome)
+from specdec.common.protocol import (PROTOCOL_VERSION, DraftBlock, DraftSettings, Hello, Prompt,
+                                     ResidualReply, ResidualRequest, Verdict, Welcome)
 
 
 class RefusedError(ValueError):
@@ -33,7 +35,7 @@ class RefusedError(ValueError):
 
 
 class LimitError(ValueError):
-    """A request beyond a configured limit; maps to RESOURCE_EXHAUSTED / OUT_OF_RANGE."""
+    """A request beyond a configured limit; maps to RESOURCE_EXHAUSTED."""
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,14 @@ class VerifierSession:
         self.limits = limits
         self.session_id = session_id
         self.max_context = min(limits.max_context or info.max_context, info.max_context)
-        self.codec = None if hello.mode is Mode.DSSD else codec_config(hello.mode, hello.draft, info.vocab_size)
         self.lm = CachedLM(target.model, target.device)
         self.tokens: list[int] = []
         self.round_id = 0
         self._pending_reject: tuple[int, torch.Tensor] | None = None  # DSSD: (round, p_j)
-        self.tree = tuple(hello.draft.tree)
-        self._specs: dict[int, TreeSpec] = {}  # tree depth -> spec (a round may draft fewer layers)
+        # Per-round settings already checked, with their codec: a device that changes settings
+        # between rounds usually alternates among a few.
+        self._codecs: dict[DraftSettings, CodecConfig | None] = {hello.draft: hello.draft.codec(info.vocab_size)}
+        self._specs: dict[tuple[int, ...], TreeSpec] = {}  # tree configuration (prefix) -> spec
 
     @staticmethod
     def _check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
@@ -87,18 +90,7 @@ class VerifierSession:
                 f"vocabulary mismatch: device {hello.vocab_fingerprint[:12]}/{hello.vocab_size}, "
                 f"edge {info.fingerprint[:12]}/{info.vocab_size} ({info.name})")
         validate_hello(hello)
-        if hello.draft.draft_len > limits.max_draft_len:
-            raise LimitError(f"draft_len {hello.draft.draft_len} exceeds the edge limit {limits.max_draft_len}")
-        uses_k = hello.mode in (Mode.TSLT, Mode.KSQS)
-        if uses_k and hello.draft.top_k > min(limits.max_k, info.vocab_size):
-            raise LimitError(f"top_k {hello.draft.top_k} exceeds the edge limit "
-                             f"{min(limits.max_k, info.vocab_size)}")
-        if hello.mode is Mode.CSQS and hello.draft.max_k > limits.max_k:
-            raise LimitError(f"C-SQS max_k {hello.draft.max_k} exceeds the edge limit {limits.max_k}")
-        if hello.mode is Mode.DSSD and hello.draft.dssd_samples > limits.dssd_max_samples:
-            raise LimitError(f"dssd_samples exceeds the edge limit {limits.dssd_max_samples}")
-        if hello.draft.tree:
-            _check_tree(hello, limits)
+        _check_limits(hello.draft, info, limits)
 
     def welcome(self) -> Welcome:
         return Welcome(session_id=self.session_id, model_name=self.info.name,
@@ -147,19 +139,29 @@ class VerifierSession:
     # -- rounds ----------------------------------------------------------------------------------
     def verify(self, draft: DraftBlock) -> Verdict:
         start = time.perf_counter()
-        spec = self._tree_spec(draft) if self.tree else None
-        self._check_round(draft, spec)
+        settings = self.round_settings(draft)
+        spec = self._tree_spec(draft, settings) if settings.tree else None
+        self._check_round(draft, settings, spec)
         self._apply_correction(draft)
         t_decode = time.perf_counter()
-        q = self._decode_q(draft, spec)
+        q = self._decode_q(draft, settings, spec)
         decode_seconds = time.perf_counter() - t_decode
         generator = self._round_generator()
         if spec is not None:
             verdict = self._verify_tree(draft, spec, q, generator)
         else:
-            verdict = self._verify_chain(draft, q, generator)
+            verdict = self._verify_chain(draft, settings, q, generator)
         self.round_id = draft.round_id
         return replace(verdict, verify_seconds=time.perf_counter() - start, decode_seconds=decode_seconds)
+
+    def round_settings(self, draft: DraftBlock) -> DraftSettings:
+        """How ``draft`` was drafted: its own settings, checked once, or the session's."""
+        settings = draft.settings or self.hello.draft
+        if settings not in self._codecs:
+            S.validate(settings)
+            _check_limits(settings, self.info, self.limits)
+            self._codecs[settings] = settings.codec(self.info.vocab_size)
+        return settings
 
     def _round_generator(self) -> torch.Generator:
         """The numbers of the round that starts at ``len(self.tokens)``, from its own stream: a retry
@@ -167,20 +169,20 @@ class VerifierSession:
         exactly, and no two rounds share them."""
         return stream(self.hello.seed, Purpose.VERIFY, len(self.tokens))
 
-    def _verify_chain(self, draft: DraftBlock, q: torch.Tensor, generator: torch.Generator) -> Verdict:
+    def _verify_chain(self, draft: DraftBlock, settings: DraftSettings, q: torch.Tensor,
+                      generator: torch.Generator) -> Verdict:
         draft_ids = list(draft.token_ids)
         p = self._target_probs(self._feed_logits(draft_ids, len(draft_ids) + 1))
         ids = torch.tensor(draft_ids, dtype=torch.long)
-        if self.hello.mode is Mode.DSSD:
-            return self._finish_dssd(draft, ids, q, p, generator)
-        result = V.chain_verify(ids, q, p, generator, self._bonus_noise(len(draft_ids)))
+        if settings.mode is Mode.DSSD:
+            return self._finish_dssd(draft, settings, ids, q, p, generator)
+        noise = self._bonus_noise(len(draft_ids)) if settings.coupled_bonus else None
+        result = V.chain_verify(ids, q, p, generator, noise)
         self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
         return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
 
-    def _bonus_noise(self, num_drafts: int) -> torch.Tensor | None:
-        """The coupled bonus's Gumbel noise for the position after this round's drafts, or None."""
-        if not self.hello.draft.coupled_bonus:
-            return None
+    def _bonus_noise(self, num_drafts: int) -> torch.Tensor:
+        """The coupled bonus's Gumbel noise for the position after this round's drafts."""
         return V.bonus_noise(self.hello.seed, len(self.tokens) + num_drafts, self.info.vocab_size)
 
     def _verify_tree(self, draft: DraftBlock, spec: TreeSpec, q: torch.Tensor,
@@ -199,13 +201,14 @@ class VerifierSession:
         return Verdict(round_id=draft.round_id, num_accepted=len(result.accepted_nodes),
                        next_token=result.tokens[-1], accepted_nodes=tuple(result.accepted_nodes))
 
-    def _tree_spec(self, draft: DraftBlock) -> TreeSpec:
+    def _tree_spec(self, draft: DraftBlock, settings: DraftSettings) -> TreeSpec:
         depth = draft.tree_depth
-        if not 1 <= depth <= len(self.tree):
-            raise ValueError(f"tree_depth {depth} outside 1..{len(self.tree)}")
-        if depth not in self._specs:
-            self._specs[depth] = TreeSpec.from_config(self.tree[:depth])
-        return self._specs[depth]
+        if not 1 <= depth <= len(settings.tree):
+            raise ValueError(f"tree_depth {depth} outside 1..{len(settings.tree)}")
+        config = settings.tree[:depth]
+        if config not in self._specs:
+            self._specs[config] = TreeSpec.from_config(config)
+        return self._specs[config]
 
     def residual(self, request: ResidualRequest) -> ResidualReply:
         """DSSD fallback: the full p_j of the pending rejection (float64, exactly what was verified)."""
@@ -220,7 +223,7 @@ class VerifierSession:
         if bad:
             raise ValueError(f"{what} token id {bad[0]} out of range [0, {self.info.vocab_size})")
 
-    def _check_round(self, draft: DraftBlock, spec: TreeSpec | None) -> None:
+    def _check_round(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> None:
         if not self.tokens:
             raise ValueError("draft before prompt")
         if draft.round_id != self.round_id + 1:
@@ -231,8 +234,8 @@ class VerifierSession:
         if spec is not None:
             if n != spec.num_nodes - 1:
                 raise ValueError(f"tree of depth {spec.depth} has {spec.num_nodes - 1} nodes, got {n} tokens")
-        elif not 1 <= n <= self.hello.draft.draft_len:
-            raise LimitError(f"draft of {n} tokens; allowed 1..{self.hello.draft.draft_len}")
+        elif not 1 <= n <= settings.draft_len:
+            raise LimitError(f"draft of {n} tokens; allowed 1..{settings.draft_len}")
         self._check_ids(draft.token_ids, "draft")
         extra = 1 if draft.correction_token is not None else 0
         if len(self.tokens) + extra + n + 1 > self.max_context:
@@ -248,14 +251,15 @@ class VerifierSession:
         elif draft.correction_token is not None:
             raise ValueError("unexpected correction token: no rejection is pending")
 
-    def _decode_q(self, draft: DraftBlock, spec: TreeSpec | None) -> torch.Tensor:
+    def _decode_q(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> torch.Tensor:
         n = len(draft.token_ids)
-        if self.hello.mode is Mode.DSSD:
+        if settings.mode is Mode.DSSD:
             return decode_dssd_scalars(draft.dssd_scalars, n)
         expected = spec.num_internal if spec is not None else n  # trees: one q per internal node
         if len(draft.distributions) != expected:
             raise ValueError(f"{len(draft.distributions)} distributions, expected {expected}")
-        rows = [densify(decode_distribution(payload, self.codec)) for payload in draft.distributions]
+        codec = self._codecs[settings]
+        rows = [densify(decode_distribution(payload, codec)) for payload in draft.distributions]
         return torch.stack(rows)
 
     def _feed_logits(self, draft_ids: list[int], num_logits: int) -> torch.Tensor:
@@ -272,8 +276,9 @@ class VerifierSession:
         if next_token is not None:
             self.tokens.append(int(next_token))
 
-    def _finish_dssd(self, draft: DraftBlock, ids, q_of_draft, p, generator: torch.Generator) -> Verdict:
-        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, self.hello.draft.dssd_samples)
+    def _finish_dssd(self, draft: DraftBlock, settings: DraftSettings, ids, q_of_draft, p,
+                     generator: torch.Generator) -> Verdict:
+        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, settings.dssd_samples)
         n = res.num_accepted
         self._commit(list(draft.token_ids[:n]), n, res.bonus_token)
         if res.bonus_token is not None:
@@ -284,17 +289,26 @@ class VerifierSession:
                        reject_sample_probs=tuple(float(v) for v in res.reject_sample_probs))
 
 
-def _check_tree(hello: Hello, limits: EdgeLimits) -> None:
+def _check_limits(settings: DraftSettings, info: TargetInfo, limits: EdgeLimits) -> None:
+    """The edge's own limits on how a round may be drafted (LimitError)."""
+    if settings.draft_len > limits.max_draft_len:
+        raise LimitError(f"draft_len {settings.draft_len} exceeds the edge limit {limits.max_draft_len}")
+    if settings.mode in S.TOP_K_MODES and settings.top_k > min(limits.max_k, info.vocab_size):
+        raise LimitError(f"top_k {settings.top_k} exceeds the edge limit {min(limits.max_k, info.vocab_size)}")
+    if settings.mode is Mode.CSQS and settings.max_k > limits.max_k:
+        raise LimitError(f"C-SQS max_k {settings.max_k} exceeds the edge limit {limits.max_k}")
+    if settings.mode is Mode.DSSD and settings.dssd_samples > limits.dssd_max_samples:
+        raise LimitError(f"dssd_samples exceeds the edge limit {limits.dssd_max_samples}")
+    if settings.tree:
+        _check_tree(settings.tree, limits)
+
+
+def _check_tree(config: tuple[int, ...], limits: EdgeLimits) -> None:
     """Token trees: any expansion configuration within the edge's node and depth limits.
 
     The size is counted arithmetically, stopping at the limit, before any tree is built: a 95-byte
     Hello with <4096, 4096> must not make the edge allocate a 16M-node tree to refuse it.
     """
-    if hello.mode is Mode.DSSD:
-        raise ValueError("token trees need draft distributions; DSSD sends none")
-    config = hello.draft.tree
-    if any(k < 1 for k in config):
-        raise ValueError(f"every branching factor must be >= 1, got {list(config)}")
     if len(config) > limits.max_draft_len:
         raise LimitError(f"tree depth {len(config)} exceeds the edge limit {limits.max_draft_len}")
     width = nodes = 1

@@ -26,16 +26,17 @@ import json
 import sys
 import threading
 import time
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import torch
 
 from specdec.common.codecs import Mode
 from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
+from specdec.common.settings import setting_names
 from specdec.device.client import generate
 from specdec.device.drafter import DraftSession
-from specdec.device.runner import DeviceConfig, result_json
+from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_channel, result_json
 
 WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the channel warm up
 
@@ -59,12 +60,11 @@ class RecordingSession(DraftSession):
         self._local = threading.local()               # the position this thread is drafting (chains)
         self._by_position: dict[int, tuple] = {}      # position -> (support, sigma, top-K masses)
 
-    def _encode_q(self, q):
-        out = super()._encode_q(q)
-        try:  # (payload, q_hat, bits, support size, dropped mass); skip quietly if that ever changes
-            entry = (int(out[3]), float(out[4]), self._topk_masses(q))
-        except (TypeError, IndexError, ValueError):
-            return out
+    def encode(self, q, settings):
+        out = super().encode(q, settings)
+        if settings.mode is Mode.DSSD:
+            return out  # DSSD sends no distribution: nothing to log
+        entry = (out.support_size, out.dropped_mass, self._topk_masses(q))
         position = getattr(self._local, "position", None)
         if position is None:
             self._log(entry)  # tree rounds: encoded in order in this thread, never drafted ahead
@@ -111,16 +111,16 @@ class RecordingSession(DraftSession):
 
 
 def device_config(edge: str, overrides: dict) -> DeviceConfig:
-    names = {f.name for f in fields(DeviceConfig)}
+    """A job's config: DeviceConfig fields and draft settings (checked by the settings table) by name."""
+    names = {f.name for f in fields(DeviceConfig)} | set(setting_names())
     unknown = set(overrides) - names
     if unknown:
-        raise ValueError(f"unknown DeviceConfig fields {sorted(unknown)}")
+        raise ValueError(f"unknown DeviceConfig fields or draft settings {sorted(unknown)}")
     kw = dict(overrides)
-    if "mode" in kw:
-        kw["mode"] = Mode(kw["mode"])
     if "tree" in kw:
         kw["tree"] = tuple(kw["tree"])
-    return replace(DeviceConfig(edge=edge, json=True), **kw)
+    cfg = DeviceConfig.of(**{k: v for k, v in kw.items() if k not in setting_names()}, edge=edge, json=True)
+    return cfg.with_draft(**{k: v for k, v in kw.items() if k in setting_names()})
 
 
 def emit(obj: dict) -> None:
@@ -128,13 +128,15 @@ def emit(obj: dict) -> None:
     sys.stdout.flush()
 
 
-async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: int, topk_grid) -> tuple[dict, dict]:
+async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: int, topk_grid,
+                      operating_point=()) -> tuple[dict, dict]:
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
-    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed,
+                      operating_point=operating_point)
     session = RecordingSession(drafter, hello, topk_grid, draft_ahead=cfg.draft_ahead)
     r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
-                       policy=cfg.policy())
-    record = result_json(cfg, drafter, session, r)
+                       policy=connection_policy(cfg))
+    record = result_json(hello.draft, drafter, session, r)
     record.pop("token_ids", None)
     record["prompt_tokens"] = len(prompt_ids)
     extra = {"rounds": session.rounds_log, "sigma": session.sigma, "support": session.support,
@@ -142,7 +144,7 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
     return record, extra
 
 
-async def run_jobs(channel, drafter, edge: str, jobs: list[dict]) -> None:
+async def run_jobs(channel, drafter, edge: str, jobs: list[dict], operating_point) -> None:
     for job in jobs:
         cfg = device_config(edge, job["config"])
         t0 = time.perf_counter()
@@ -151,7 +153,8 @@ async def run_jobs(channel, drafter, edge: str, jobs: list[dict]) -> None:
             if ran and time.perf_counter() - t0 > job.get("budget_s", float("inf")):
                 break  # this point's time is spent; at least one session always runs
             try:
-                record, extra = await run_session(channel, drafter, cfg, prompt, seed, job.get("topk_grid"))
+                record, extra = await run_session(channel, drafter, cfg, prompt, seed, job.get("topk_grid"),
+                                                  operating_point)
             except Exception as exc:  # one failed session must not sink the run: report it
                 emit({"job": job["id"], "prompt": i, "error": f"{type(exc).__name__}: {exc}"})
                 continue
@@ -164,11 +167,12 @@ async def run_jobs(channel, drafter, edge: str, jobs: list[dict]) -> None:
 async def main_async(args) -> None:
     """Load the drafter, then run each batch of jobs read from stdin (one JSON line per batch)."""
     base = device_config(args.edge, {})
-    drafter = await asyncio.to_thread(load_model, base.model_spec())
-    async with base.channel() as channel:
+    choice = choose_drafter(base)
+    drafter = await asyncio.to_thread(load_model, choice.spec)
+    async with edge_channel(base) as channel:
         if not args.no_warmup:
             warm = device_config(args.edge, {"temperature": 1.0, "max_new_tokens": WARMUP_TOKENS})
-            await run_session(channel, drafter, warm, "Hello!", 0, None)
+            await run_session(channel, drafter, warm, "Hello!", 0, None, choice.operating_point)
         emit({"ready": True, "draft_model": drafter.name})
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
@@ -177,7 +181,7 @@ async def main_async(args) -> None:
             batch = json.loads(line)
             if batch.get("quit"):
                 break
-            await run_jobs(channel, drafter, args.edge, batch["jobs"])
+            await run_jobs(channel, drafter, args.edge, batch["jobs"], choice.operating_point)
             emit({"batch_done": True})
 
 

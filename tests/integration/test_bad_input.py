@@ -22,8 +22,8 @@ PROMPT = "w1 w2 w3"
 
 
 def _hello(drafter, mode=Mode.TSLT, **settings) -> Hello:
-    draft = DraftSettings(**{"draft_len": 4, "top_k": 8, **settings})
-    return Hello(mode=mode, vocab_fingerprint=vocab_fingerprint(drafter.tokenizer),
+    draft = DraftSettings(**{"mode": mode, "draft_len": 4, "top_k": 8, **settings})
+    return Hello(vocab_fingerprint=vocab_fingerprint(drafter.tokenizer),
                  vocab_size=drafter.vocab_size, temperature=1.0, draft=draft, seed=1)
 
 

@@ -26,6 +26,7 @@ from specdec.common import verification as V
 from specdec.common.codecs import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.drafter import DraftSession
+from specdec.device.runner import edge_channel
 from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit
 
@@ -65,8 +66,8 @@ class AheadOwnStream(AheadToTheEnd):
         finally:
             self._ahead_stream = False
 
-    def _new_partial(self, start):
-        part = super()._new_partial(start)
+    def _new_round(self, start, settings):
+        part = super()._new_round(start, settings)
         if getattr(self, "_ahead_stream", False):
             part.generator = torch.Generator().manual_seed(977 + start)
         return part
@@ -241,7 +242,7 @@ def test_bench_driver_drafts_ahead_and_logs_only_what_was_sent(diverse_pair) -> 
     async def main():
         async with edge(target_dir) as address:
             bench_cfg = replace(cfg, edge=address)
-            async with bench_cfg.channel() as channel:
+            async with edge_channel(bench_cfg) as channel:
                 return [await driver.run_session(channel, drafter, bench_cfg, PROMPT, seed, None)
                         for seed in range(4)]
 

@@ -90,7 +90,7 @@ def test_bit_budget_sets_the_draft_length(tiny_pair_v512, mode) -> None:
     [(_, _, free)] = run(main(probe))
     bits_per_token = free.stats.theoretical_uplink_bits / free.stats.draft_tokens
     budget = int(2.5 * bits_per_token)  # room for about two positions per round
-    [(tokens, r, s)] = run(main(replace(probe, bit_budget=budget)))
+    [(tokens, r, s)] = run(main(probe.with_draft(bit_budget=budget)))
     assert len(tokens) == 24
     assert s.stats.theoretical_uplink_bits <= budget * s.stats.rounds
     assert s.stats.draft_tokens < 8 * s.stats.rounds  # the budget, not draft_len, bounded the rounds

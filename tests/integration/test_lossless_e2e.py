@@ -15,9 +15,10 @@ import torch
 from harness import device_config, edge, load, run, run_sessions
 from specdec.common.codecs import Mode
 from specdec.common.distributions import filter_target_logits
-from specdec.common.engine import model_probs
+from specdec.common.sampling import model_probs
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model
 from specdec.device import default_drafter
+from specdec.device.draft_model import DraftStep
 from specdec.device.drafter import DraftSession
 from specdec.edge import servicer
 from specdec.edge.verifier import VerifierSession
@@ -139,7 +140,7 @@ def int4_reduced_head_drafter(tiny_pair_v8, tmp_path_factory) -> LoadedModel:
     target_dir, _ = tiny_pair_v8
     delta = tmp_path_factory.mktemp("int4_drafter")
     default_drafter.save_drafter(delta, torch.tensor(HEAD_IDS), {"name": "tiny-int4", "num_layers": 2, "int4": True})
-    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta)))
+    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=default_drafter.DELTA_BUILDER))
     assert isinstance(drafter.model.layers[0].qkv, default_drafter.Int4Linear)  # int4 really runs
     return drafter
 
@@ -159,11 +160,11 @@ class SamplesOtherQ(DraftSession):
     support (here uniform on it, as when sampling and packet use different settings). Same support,
     so the edge's "q_hat(x) = 0" check cannot catch it: only the statistics can."""
 
-    def _encode_and_sample(self, q, generator):
-        token, row, payload, bits, support, dropped = super()._encode_and_sample(q, generator)
-        other = (row > 0).double()
+    def sample(self, encoded, generator):
+        super().sample(encoded, generator)  # draws what the honest device draws, then ignores it
+        other = (encoded.q_hat > 0).double()
         token = int(torch.multinomial(other / other.sum(), 1, generator=generator))
-        return token, row, payload, bits, support, dropped
+        return DraftStep(token, encoded)
 
 
 def test_control_device_sampling_other_q_is_detected(tiny_pair_v8) -> None:

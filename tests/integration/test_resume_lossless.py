@@ -31,7 +31,7 @@ import torch
 from harness import device_config, edge, load, run
 from linkcut import CuttableLink
 from specdec.common.codecs import Mode
-from specdec.common.engine import decode_target_probs
+from specdec.common.codecs import decode_target_probs
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.protocol import Prompt, ResidualRequest
 from specdec.device.client import ConnectionPolicy, generate

@@ -99,8 +99,8 @@ def test_bearer_token_is_checked_before_any_model_work(tiny_pair_v512, tokens) -
 
 
 def _hello(drafter, **kw) -> Hello:
-    return Hello(mode=Mode.TSLT, vocab_fingerprint=vocab_fingerprint(drafter.tokenizer),
-                 vocab_size=drafter.vocab_size, temperature=0.0, draft=DraftSettings(top_k=16), **kw)
+    return Hello(vocab_fingerprint=vocab_fingerprint(drafter.tokenizer), vocab_size=drafter.vocab_size,
+                 temperature=0.0, draft=DraftSettings(mode=Mode.TSLT, top_k=16), **kw)
 
 
 async def _open_and_detach(address: str, drafter, metadata):

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from specdec.common.engine import model_probs
+from specdec.common.sampling import model_probs
 from specdec.common.modeling import (DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, embedded_gguf_path,
                                      load_model, vocab_fingerprint)
 from specdec.device.default_drafter import (BUILDER, WEIGHTS_DIR, default_drafter_spec, drafter_meta,
@@ -111,13 +111,18 @@ def test_int4_cached_forward_close_to_float(drafter, float_drafter):
 def test_device_client_defaults_to_the_recorded_operating_point():
     """Without --draft-len / --top-k, device-client drafts with the L and K recorded with the default
     drafter; flags win, and any other drafter gets the generic defaults."""
-    from specdec.device.runner import DEFAULT_DRAFT_LEN, DEFAULT_TOP_K, DeviceConfig
+    from specdec.common.settings import DraftSettings
+    from specdec.device.runner import DeviceConfig, choose_drafter
 
+    def session_hello(cfg: DeviceConfig):
+        return cfg.hello("fp", 49152, seed=0, operating_point=choose_drafter(cfg).operating_point)
+
+    DEFAULT_DRAFT_LEN, DEFAULT_TOP_K = DraftSettings().draft_len, DraftSettings().top_k  # the table's
     meta = drafter_meta()
-    hello = DeviceConfig().hello("fp", 49152, seed=0)
+    hello = session_hello(DeviceConfig())
     assert (hello.draft.draft_len, hello.draft.top_k) == (meta["draft_len"], meta["top_k"])
     assert (meta["draft_len"], meta["top_k"]) != (DEFAULT_DRAFT_LEN, DEFAULT_TOP_K)  # the test can fail
-    given = DeviceConfig(draft_len=2, top_k=8).hello("fp", 49152, seed=0)
+    given = session_hello(DeviceConfig.of(draft_len=2, top_k=8))
     assert (given.draft.draft_len, given.draft.top_k) == (2, 8)
-    other = DeviceConfig(draft_layers=12).hello("fp", 49152, seed=0)
+    other = session_hello(DeviceConfig(draft_layers=12))
     assert (other.draft.draft_len, other.draft.top_k) == (DEFAULT_DRAFT_LEN, DEFAULT_TOP_K)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.common.engine import model_probs
+from specdec.common.sampling import model_probs
 from specdec.common.distributions import (
     SparseDist,
     check_sparse_dist,

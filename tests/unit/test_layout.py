@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"common": "specdec.common", "device": "specdec.device", "edge": "specdec.edge"}  # pyproject's package-dir
 MATH_MODULES = ["distributions", "lattice", "codecs", "verification", "tree", "treeplan", "conformal", "budget",
-                "latency", "engine", "streams", "validation"]
+                "latency", "sampling", "settings", "stats", "streams", "validation"]
 MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typing", "collections",
                 "functools", "itertools", "bisect", "__future__", "specdec", "abc", "operator", "hashlib"}
 

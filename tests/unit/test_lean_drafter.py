@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.common.engine import model_probs
+from specdec.common.sampling import model_probs
 from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, load_model
 from specdec.device import default_drafter as D
 from tiny_models import make_model

@@ -1,0 +1,122 @@
+"""Speculation statistics: one pure record per round and one accumulator, read by every consumer.
+
+In the style of vLLM's ``SpecDecodingStats.observe_draft``: the device's JSON result, the daemon's
+``specdec`` object, the device's Prometheus metrics and the edge's all read :class:`RoundRecord`s, so
+acceptance, accepted length and bytes per token are defined here once. Pure: no clock, no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from specdec.common.protocol import DraftBlock, Verdict
+
+# One round's time, in order; they add up to the round on the device (commit aside): draft and
+# encode on the device, the network round trip net of edge time, then the edge's worker-queue wait,
+# payload decode and verification (target forward + accept/reject).
+PHASES = ("draft", "encode", "network", "queue", "decode", "verify")
+EDGE_PHASES = ("queue", "decode", "verify")
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    mode: str
+    drafted_tokens: int             # tokens (tree: nodes) sent
+    positions: int                  # chain length, or tree depth: the acceptance rate's denominator
+    accepted: int                   # draft tokens accepted
+    generated: int                  # tokens the round added: accepted + the correction / bonus
+    uplink_bytes: int = 0           # serialized, this round's Draft (+ a DSSD ResidualRequest)
+    downlink_bytes: int = 0         # serialized, its Verdict (+ ResidualReply)
+    theoretical_bits: int = 0       # the papers' uplink bit count for the round
+    support_sizes: tuple[int, ...] = ()  # K of each packet sent
+    phases: Mapping[str, float] = field(default_factory=dict)  # seconds per PHASES entry
+    drafted_ahead: bool = False     # drafting began while the edge verified the previous round
+    ahead_tokens: int = 0           # of its tokens, those sampled ahead
+    ahead_discarded: int = 0        # tokens drafted ahead for the next round on a wrong guess
+    threshold: float | None = None  # C-SQS threshold beta after the round
+
+    @property
+    def tested(self) -> int:
+        """Positions the edge tested: the accepted ones and the one that was rejected, if any."""
+        return self.accepted + (self.accepted < self.positions)
+
+
+@dataclass
+class SpecStats:
+    """Totals over the rounds of one session (or of many)."""
+    rounds: int = 0
+    draft_tokens: int = 0           # tokens (tree: nodes) sent
+    draft_positions: int = 0        # chain: = draft_tokens; tree: sum of depths
+    accepted_tokens: int = 0
+    positions_verified: int = 0     # positions the edge tested: accepted + one per round that rejected
+    generated_tokens: int = 0
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    theoretical_uplink_bits: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted position i
+    ahead_rounds_used: int = 0      # rounds whose drafting began while the edge verified the last one
+    ahead_tokens_used: int = 0      # draft tokens sampled ahead and sent
+    ahead_tokens_discarded: int = 0  # sampled ahead on a wrong guess (never sent)
+
+    def observe(self, r: RoundRecord) -> None:
+        self.rounds += 1
+        self.draft_tokens += r.drafted_tokens
+        self.draft_positions += r.positions
+        self.accepted_tokens += r.accepted
+        self.positions_verified += r.tested
+        self.generated_tokens += r.generated
+        self.uplink_bytes += r.uplink_bytes
+        self.downlink_bytes += r.downlink_bytes
+        self.theoretical_uplink_bits += r.theoretical_bits
+        for phase, s in r.phases.items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + s
+        grow = r.positions - len(self.drafted_per_position)
+        self.drafted_per_position += [0] * max(0, grow)
+        self.accepted_per_position += [0] * max(0, grow)
+        for i in range(r.positions):
+            self.drafted_per_position[i] += 1
+        for i in range(r.accepted):
+            self.accepted_per_position[i] += 1
+        self.ahead_rounds_used += r.drafted_ahead
+        self.ahead_tokens_used += r.ahead_tokens
+        self.ahead_tokens_discarded += r.ahead_discarded
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: accepted tokens / drafted positions (trees: one position per layer)."""
+        return _ratio(self.accepted_tokens, self.draft_positions)
+
+    @property
+    def token_acceptance_rate(self) -> float:
+        """The papers' i.i.d. alpha (TSLT eq. 8): accepted / positions the edge tested."""
+        return _ratio(self.accepted_tokens, self.positions_verified)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return _ratio(self.accepted_tokens, self.rounds)
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [_ratio(a, d) for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def summary(self) -> dict:
+        """The daemon's per-choice ``specdec`` object (the one-shot JSON has these and more)."""
+        return {"rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def edge_record(draft: DraftBlock, verdict: Verdict, mode: str, uplink: int, downlink: int) -> RoundRecord:
+    """What the edge knows of a round: the draft it received and the verdict it sent."""
+    generated = verdict.num_accepted + (verdict.next_token is not None)  # DSSD rejection: the device adds it
+    phases = {"queue": verdict.queue_seconds, "decode": verdict.decode_seconds,
+              "verify": max(0.0, verdict.verify_seconds - verdict.decode_seconds)}  # decode excluded
+    return RoundRecord(mode=mode, drafted_tokens=len(draft.token_ids),
+                       positions=draft.tree_depth or len(draft.token_ids),  # tree_depth is 0 for chains
+                       accepted=verdict.num_accepted, generated=generated, uplink_bytes=uplink,
+                       downlink_bytes=downlink, phases=phases)

@@ -1,0 +1,94 @@
+"""The drafter's model and KV cache for one session, and one draft position's encode-then-sample step.
+
+State invariant (the same as the edge's): the session's ``tokens`` are the verified sequence; the
+cache holds a prefix of them plus, during a round, the drafted tokens fed so far.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
+from specdec.common.distributions import densify, sample_token
+from specdec.common.modeling import CachedLM, LoadedModel
+from specdec.common.sampling import model_probs
+from specdec.common.tree import TreeSpec
+from specdec.common.treeplan import draft_layer_inputs, layer_node_ids
+
+
+class DraftModel:
+    """q after a sequence, with the cache rolled forward and back. Blocking (torch)."""
+
+    def __init__(self, drafter: LoadedModel, temperature: float):
+        self.lm = CachedLM(drafter.model, drafter.device)
+        self.temperature = temperature
+        self.vocab_size = drafter.vocab_size
+
+    @property
+    def cache_len(self) -> int:
+        return self.lm.cache_len
+
+    def q_after(self, seq: list[int], *, one_token_per_forward: bool = False) -> torch.Tensor:
+        """The drafter's distribution after ``seq`` (verified tokens + drafts): [V] float64.
+
+        ``one_token_per_forward``: when two tokens are pending (the last draft of a fully accepted
+        round and its bonus), feed them one call each, as drafting ahead does, so that a round
+        drafted after the verdict is bit for bit the round drafted ahead."""
+        pending = seq[self.lm.cache_len:]
+        if one_token_per_forward and len(pending) == 2:
+            self.lm.forward(pending[:1], num_logits=1)
+            pending = pending[1:]
+        return self.probs(self.lm.forward(pending, num_logits=1)[0])
+
+    def feed(self, seq: list[int]) -> torch.Tensor:
+        """Feed what ``seq`` has beyond the cache; the last position's logits: [V]."""
+        return self.lm.forward(seq[self.lm.cache_len:], num_logits=1)[0]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
+        return model_probs(logits.cpu(), self.temperature)
+
+    def tree_layer_qs(self, spec: TreeSpec, layer: int, nodes: list[int], prefix_len: int) -> list[torch.Tensor]:
+        """q of every node of ``layer`` (one batched forward with tree attention): [V] float64 each."""
+        ids = layer_node_ids(spec, layer)
+        attend, positions = draft_layer_inputs(spec, layer, prefix_len)
+        logits = self.lm.forward_masked([nodes[n] for n in ids], attend, positions, len(ids))
+        return list(self.probs(logits))
+
+    def truncate(self, length: int) -> None:
+        self.lm.truncate(length)
+
+    def keep(self, indices: list[int]) -> None:
+        self.lm.keep(indices)
+
+
+@dataclass(frozen=True)
+class EncodedQ:
+    """One draft distribution as sent, and the law the device samples from (its decoding)."""
+    payload: bytes                  # the codec packet (empty in DSSD)
+    q_hat: torch.Tensor             # [V] float64: exactly what the edge decodes (DSSD: q itself)
+    theoretical_bits: int           # the papers' bit count for this packet
+    support_size: int               # K transmitted (V for dense and DSSD)
+    dropped_mass: float             # q outside the sent support (C-SQS observes it)
+
+
+def encode_q(q: torch.Tensor, codec: CodecConfig | None, threshold: float | None = None) -> EncodedQ:
+    """Encode q [V] with ``codec`` and decode it again: the device samples from the decoded packet,
+    which is what the edge verifies against (lossless whatever the compression). ``codec`` None
+    (DSSD) sends no distribution: the device samples from q itself and sends q(x) later."""
+    if codec is None:
+        return EncodedQ(b"", q, 0, q.numel(), 0.0)
+    enc = encode_distribution(q.float(), codec, threshold=threshold)
+    q_hat = densify(decode_distribution(enc.payload, codec))
+    return EncodedQ(enc.payload, q_hat, enc.theoretical_bits, enc.support_size, enc.dropped_mass)
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """One drafted position: the token and the packet it was sampled from."""
+    token: int
+    encoded: EncodedQ
+
+
+def sample_step(encoded: EncodedQ, generator: torch.Generator) -> DraftStep:
+    return DraftStep(sample_token(encoded.q_hat, generator), encoded)
