@@ -5,7 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from harness import (ALL_MODES, device_config, edge, load, run, run_sessions, target_greedy)
+from harness import (ALL_MODES, SwitchesEveryRound, device_config, edge, load, run, run_sessions,
+                     target_greedy)
 from specdec.common.codecs import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.edge.metrics import EdgeMetrics
@@ -35,6 +36,26 @@ def test_greedy_output_equals_target_alone(tiny_pair_v512, mode) -> None:
         expected = target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), MAX_NEW)
         assert tokens == expected, f"{mode.value} prompt {prompt!r}"
         assert session.stats.rounds >= 1 and session.stats.draft_tokens >= session.stats.rounds
+
+
+def test_greedy_with_settings_changed_every_round_equals_target(tiny_pair_v512) -> None:
+    """A device that changes mode / K / lattice / tree between rounds of one session (per-round
+    settings on the wire): still the target's greedy decode, and the edge saw several modes."""
+    target_dir, drafter_dir = tiny_pair_v512
+    cfg = device_config(temperature=0.0, max_new_tokens=MAX_NEW, top_k=16)
+    metrics = EdgeMetrics()
+
+    async def main():
+        async with edge(target_dir, metrics=metrics) as address:
+            return [await run_sessions(address, drafter_dir, cfg, prompt, [i], SwitchesEveryRound)
+                    for i, prompt in enumerate(PROMPTS)]
+
+    tok = load(str(drafter_dir)).tokenizer
+    for prompt, [(tokens, _, session)] in zip(PROMPTS, run(main())):
+        assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), MAX_NEW), prompt
+        assert session.stats.rounds >= 3
+    modes = [m.value for m in Mode if metrics.registry.get_sample_value("specdec_edge_rounds_total", {"mode": m.value})]
+    assert len(modes) >= 3, modes
 
 
 @pytest.mark.parametrize("mode", [Mode.TSLT, Mode.CSQS, Mode.DSSD], ids=lambda m: m.value)

@@ -12,7 +12,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from harness import device_config, edge, load, run, run_sessions
+from harness import SwitchesEveryRound, device_config, edge, load, run, run_sessions
 from specdec.common.codecs import Mode
 from specdec.common.distributions import filter_target_logits
 from specdec.common.sampling import model_probs
@@ -87,6 +87,16 @@ def test_mode_is_lossless_end_to_end(tiny_pair_v8, name) -> None:
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
+
+
+def test_settings_changed_every_round_stay_lossless(tiny_pair_v8) -> None:
+    """Per-round settings (mode, K, lattice, tree changing between rounds of one session, as a
+    controller would change them): each round is verified with the settings it says it used."""
+    counts, law = _counts(*tiny_pair_v8, session_factory=SwitchesEveryRound, **MODES["tslt"])
+    assert set(counts) <= set(law), "generated a sequence the target cannot produce"
+    fit = goodness_of_fit(counts, law)
+    print(f"settings changed every round: {fit}")
+    assert fit.p_value > P_VALUE_CUT, f"per-round settings: {fit}"
 
 
 # The target's own top-k / top-p define the law: the verifier must apply them to every p it uses
