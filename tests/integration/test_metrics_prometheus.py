@@ -27,6 +27,7 @@ import yaml
 
 from harness import VENV_BIN, EdgeProcess
 from specdec.common import protocol as P
+from specdec.common.stats import RoundRecord, edge_record
 from specdec.device.metrics import DeviceMetrics
 from specdec.edge.metrics import EdgeMetrics
 
@@ -84,10 +85,11 @@ def _exported_names() -> set[str]:
     edge.session_started("tslt")
     device.session_started("tslt")
     device.tokens_delivered("tslt", 2)
-    edge.round_done("tslt", P.DraftBlock(1, (1, 2)), P.Verdict(1, 1, 3), 10, 20)
+    edge.observe_round(edge_record(P.DraftBlock(1, (1, 2)), P.Verdict(1, 1, 3), "tslt", 20, 10))
     edge.request_done("tslt", 0.1, 2)
-    device.round_done("tslt", drafted=2, accepted=1, uplink=20, downlink=10,
-                      phases={"draft": 0.01}, support_sizes=[4], threshold=0.1)
+    device.observe_round(RoundRecord(mode="tslt", drafted_tokens=2, positions=2, accepted=1, generated=2,
+                                     uplink_bytes=20, downlink_bytes=10, phases={"draft": 0.01},
+                                     support_sizes=(4,), threshold=0.1))
     device.request_done("tslt", 0.1, 2)
     return {s.name for m in [*edge.registry.collect(), *device.registry.collect()] for s in m.samples}
 
