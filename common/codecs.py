@@ -56,6 +56,7 @@ class Mode(str, enum.Enum):
     KSQS = "ksqs"  # top-K + lattice, SQS section 2
     CSQS = "csqs"  # conformal threshold + lattice, SQS section 3
     DSSD = "dssd"  # split verification, uplink scalars only (DSSD, Method; see verification.py)
+    NONE = "none"  # no speculation: the edge generates the round's tokens alone and streams them
 
 
 # dense_dtype -> (torch dtype, bits per probability b_prob).

@@ -69,6 +69,7 @@ class Verdict:
     queue_seconds: float = 0.0                 # edge: waiting for a worker thread
     decode_seconds: float = 0.0                # edge: decoding the draft payloads
     accepted_nodes: tuple[int, ...] = ()       # tree: accepted path (node indices, depth order)
+    more: bool = False                         # mode none: more tokens of this round follow
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from specdec.common.codecs import CodecConfig, Mode
 
 ALL_MODES = frozenset(Mode)
+DRAFTING_MODES = ALL_MODES - {Mode.NONE}  # modes whose rounds carry drafts (none: the edge generates alone)
 TOP_K_MODES = frozenset({Mode.TSLT, Mode.KSQS})
 LATTICE_MODES = frozenset({Mode.KSQS, Mode.CSQS})
 CHAIN_ONLY = "chain"  # a setting read only by chain rounds (not trees)
@@ -53,7 +54,8 @@ class DraftSettings:
     """How one round is drafted. Each field is one row of the table (name = CLI flag = wire field)."""
     mode: Mode = setting(Mode.TSLT, "draft mode: what the uplink carries per draft position",
                          choices=tuple(m.value for m in Mode))
-    draft_len: int = setting(4, "chain length L (upper bound when bit_budget is set)", low=1)
+    draft_len: int = setting(4, "chain length L (upper bound when bit_budget is set)", low=1,
+                             modes=DRAFTING_MODES)
     bit_budget: int = setting(0, "per-round uplink budget B in bits; the round drafts the longest chain "
                                  "that fits (SQS section 4); 0 = off", low=1, zero_is_off=True)
     top_k: int = setting(64, "tslt / ksqs support size K", low=1, modes=TOP_K_MODES)
@@ -73,15 +75,18 @@ class DraftSettings:
     dssd_samples: int = setting(8, "DSSD: target samples sent downlink after a rejection", low=1,
                                 modes=frozenset({Mode.DSSD}))
     tree: tuple[int, ...] = setting((), "token tree expansion configuration <k1..kL>, e.g. 2,2,2; "
-                                        "() = a chain of draft_len", modes=ALL_MODES - {Mode.DSSD})
+                                        "() = a chain of draft_len", modes=DRAFTING_MODES - {Mode.DSSD})
     coupled_bonus: bool = setting(True, "chain rounds outside dssd: the edge draws the bonus token with "
                                         "noise both sides derive from the seed and its position, so the "
                                         "device can guess it and draft ahead at T > 0 (lossless either way)",
-                                  modes=ALL_MODES - {Mode.DSSD})
+                                  modes=DRAFTING_MODES - {Mode.DSSD})
+    edge_tokens: int = setting(0, "mode none: tokens the edge generates and streams per round; 0 = all "
+                                  "that remain", low=1, high=UINT32_MAX, zero_is_off=True,
+                               modes=frozenset({Mode.NONE}))
 
     def codec(self, vocab_size: int) -> CodecConfig | None:
-        """The codec both sides build for this round's payloads (None in DSSD, which sends none)."""
-        if self.mode is Mode.DSSD:
+        """The codec both sides build for this round's payloads (None in DSSD and none: they send none)."""
+        if self.mode in (Mode.DSSD, Mode.NONE):
             return None
         # Settings this mode does not read may arrive as 0 from a device: the codec gets the defaults.
         used = {name: getattr(self, name) if self.mode in _INFO[name].modes else getattr(_DEFAULTS, name)
@@ -98,7 +103,7 @@ class DraftSettings:
     @property
     def coupled(self) -> bool:
         """Whether this round's bonus token is the coupled Gumbel-max draw."""
-        return self.coupled_bonus and not self.tree and self.mode is not Mode.DSSD
+        return self.coupled_bonus and not self.tree and self.mode not in (Mode.DSSD, Mode.NONE)
 
 
 def setting_info(name: str) -> SettingInfo:
@@ -216,5 +221,5 @@ def validate(s: DraftSettings) -> None:
             check_value(name, getattr(s, name))
     if s.coupled_bonus and not s.coupled:
         raise ValueError("coupled_bonus applies to chain rounds outside DSSD only")
-    if s.tree and s.mode is Mode.DSSD:
-        raise ValueError("token trees need draft distributions; DSSD sends none")
+    if s.tree and s.mode in (Mode.DSSD, Mode.NONE):
+        raise ValueError(f"token trees need draft distributions; {s.mode.value} sends none")

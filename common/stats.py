@@ -120,3 +120,10 @@ def edge_record(draft: DraftBlock, verdict: Verdict, mode: str, uplink: int, dow
                        positions=draft.tree_depth or len(draft.token_ids),  # tree_depth is 0 for chains
                        accepted=verdict.num_accepted, generated=generated, uplink_bytes=uplink,
                        downlink_bytes=downlink, phases=phases)
+
+
+def edge_only_record(generated: int, uplink: int, downlink: int, verify: float, queue: float) -> RoundRecord:
+    """An edge-only round (mode none): no draft, ``generated`` tokens from the target alone."""
+    return RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=generated,
+                       uplink_bytes=uplink, downlink_bytes=downlink,
+                       phases={"queue": queue, "decode": 0.0, "verify": verify})

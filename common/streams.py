@@ -24,6 +24,8 @@ DSSD_RESOLVE  device  round start          one uniform per downlink sample y ~ p
 DSSD_RESIDUAL device  round start          the one draw from norm(max(0, p_j - q_j)) after a
                                            full-p_j fallback
 BONUS_NOISE   both    the bonus's position Gumbel noise [V] of the coupled bonus token
+EDGE_TOKEN    edge    the token's position one uniform: the token of an edge-only round (mode
+                                           none), inverse CDF of p
 ============  ======  ===================  ================================================
 
 A round's start is the position of its first draft token (the verified length when it is drafted;
@@ -69,6 +71,7 @@ class Purpose(enum.IntEnum):
     DSSD_RESOLVE = 3
     DSSD_RESIDUAL = 4
     BONUS_NOISE = 5
+    EDGE_TOKEN = 6
 
 
 def stream_key(seed: int, purpose: Purpose, position: int) -> bytes:

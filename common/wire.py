@@ -16,6 +16,7 @@ _MODE_TO_PB = {
     Mode.KSQS: pb.MODE_KSQS,
     Mode.CSQS: pb.MODE_CSQS,
     Mode.DSSD: pb.MODE_DSSD,
+    Mode.NONE: pb.MODE_NONE,
 }
 _PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
 _DTYPE_TO_PB = {"fp32": pb.DENSE_DTYPE_FP32, "fp16": pb.DENSE_DTYPE_FP16, "bf16": pb.DENSE_DTYPE_BF16}
@@ -137,6 +138,7 @@ def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
     msg = pb.Verdict(
         round_id=v.round_id, num_accepted=v.num_accepted, reject_samples=list(v.reject_samples),
         reject_sample_probs=list(v.reject_sample_probs), accepted_nodes=list(v.accepted_nodes),
+        more=v.more,
         timings=pb.EdgeTimings(verify_seconds=v.verify_seconds, queue_seconds=v.queue_seconds,
                                decode_seconds=v.decode_seconds),
     )
@@ -150,7 +152,7 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         round_id=m.round_id, num_accepted=m.num_accepted,
         next_token=m.next_token if m.HasField("next_token") else None,
         reject_samples=tuple(m.reject_samples), reject_sample_probs=tuple(m.reject_sample_probs),
-        accepted_nodes=tuple(m.accepted_nodes), verify_seconds=m.timings.verify_seconds, queue_seconds=m.timings.queue_seconds,
+        accepted_nodes=tuple(m.accepted_nodes), more=m.more, verify_seconds=m.timings.verify_seconds, queue_seconds=m.timings.queue_seconds,
         decode_seconds=m.timings.decode_seconds,
     )
 

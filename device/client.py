@@ -18,7 +18,7 @@ import grpc
 
 from specdec.common import protocol as P
 from specdec.common import wire
-from specdec.common.codecs import decode_target_probs
+from specdec.common.codecs import Mode, decode_target_probs
 from specdec.common.stats import RoundRecord
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.device.drafter import DraftSession, RoundDraft
@@ -215,15 +215,22 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     if result.t_start is None:
         result.t_start = time.perf_counter()
     result.setup_bytes += await stream.send(wire.prompt_to_pb(P.Prompt(tuple(session.tokens))))
-    while not _finished(result.token_ids, hello.max_new_tokens, eos_ids):
-        remaining = hello.max_new_tokens - len(result.token_ids)
-        new = await _round(stream, session, result, remaining)
+
+    def deliver(new: list[int]) -> None:
         new = _clip(result.token_ids, new, hello.max_new_tokens, eos_ids)
         result.token_ids.extend(new)
         if stream.metrics:  # counted after the cut at EOS / max_new_tokens: what the caller gets
             stream.metrics.tokens_delivered(stream.mode, len(new))
         if on_tokens and new:
             on_tokens(new)
+
+    while not _finished(result.token_ids, hello.max_new_tokens, eos_ids):
+        remaining = hello.max_new_tokens - len(result.token_ids)
+        session.choose_settings()
+        if session.settings.mode is Mode.NONE:
+            await _edge_round(stream, session, result, remaining, deliver)
+        else:
+            deliver(await _round(stream, session, result, remaining))
     result.wall_seconds = time.perf_counter() - result.t_start
     result.setup_bytes += await stream.send(wire.close_to_pb())
     await stream.call.done_writing()
@@ -258,12 +265,38 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
             sent, received, network = sent + up, received + down, network + time.perf_counter() - t1
             result.dssd_fallbacks += 1
         new = await asyncio.to_thread(session.commit, rd, verdict, token, dssd_correction=True)
-    record = rd.record(verdict, len(new), sent, received, network, session.threshold)
+    _observe(stream, session, result, rd.record(verdict, len(new), sent, received, network, session.threshold))
+    return new
+
+
+async def _edge_round(stream: _Stream, session: DraftSession, result: GenerationResult, remaining: int,
+                      deliver: Callable[[list[int]], None]) -> None:
+    """Mode none: ask the edge for the round's tokens and hand each on as soon as it arrives."""
+    rd = session.edge_round(remaining)
+    t0 = time.perf_counter()
+    sent = await stream.send(wire.draft_to_pb(rd.block))
+    received, edge_verify, edge_queue, generated = 0, 0.0, 0.0, 0
+    while True:
+        reply = await stream.recv()
+        verdict = wire.edge_message_from_pb(reply)
+        if not isinstance(verdict, P.Verdict):
+            raise EdgeError(grpc.StatusCode.INTERNAL, "expected Verdict")
+        received += reply.ByteSize()
+        edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
+        deliver([session.take_edge_token(rd, verdict)])
+        generated += 1
+        if not verdict.more:
+            break
+    network = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
+    totals = replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
+    _observe(stream, session, result, rd.record(totals, generated, sent, received, network, None))
+
+
+def _observe(stream: _Stream, session: DraftSession, result: GenerationResult, record: RoundRecord) -> None:
     result.add_round(record)
     session.stats.observe(record)
     if stream.metrics:
         stream.metrics.observe_round(record)
-    return new
 
 
 def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):

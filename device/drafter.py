@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -109,6 +109,9 @@ class DraftSession:
         self.round_id = 0
         self._ahead = None
 
+    def choose_settings(self) -> None:
+        """Called before each round: a controller sets :attr:`settings` here (default: keep them)."""
+
     # -- per-position hooks (tests and benchmarks override them to log or to break things) ----------
     def encode(self, q: torch.Tensor, settings: DraftSettings) -> EncodedQ:
         threshold = self.controller.beta if settings.mode is Mode.CSQS else None
@@ -173,6 +176,28 @@ class DraftSession:
                            settings=None if s == self.hello.draft else s, **payload)
         self.pending_correction = None
         return block
+
+    # -- edge-only rounds (mode none): no draft, the edge generates and streams -------------------------
+    def edge_round(self, remaining: int) -> RoundDraft:
+        """An empty round asking the edge for up to ``edge_tokens`` tokens (0 = all ``remaining``)."""
+        self._drop_ahead()
+        s = self.settings
+        s = replace(s, edge_tokens=min(s.edge_tokens or remaining, remaining))  # the edge must know when to stop
+        block = self._block((), s)
+        return RoundDraft(block=block, settings=s, q_rows=[], theoretical_bits=0, support_sizes=[],
+                          draft_seconds=0.0, encode_seconds=0.0, start=len(self.tokens))
+
+    def take_edge_token(self, rd: RoundDraft, verdict: Verdict) -> int:
+        """One streamed token of an edge-only round: append it (the draft cache catches up later)."""
+        if verdict.round_id != rd.block.round_id or verdict.next_token is None or verdict.num_accepted:
+            raise ValueError(f"verdict does not belong to edge-only round {rd.block.round_id}")
+        self.tokens.append(int(verdict.next_token))
+        return int(verdict.next_token)
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead = None
+            self.model.truncate(min(self.model.cache_len, len(self.tokens) - 1))
 
     # -- drafting ahead: the next round while the edge verifies this one ------------------------------
     def draft_ahead(self, rd: RoundDraft, max_tokens: int, stop: threading.Event) -> None:

@@ -24,7 +24,8 @@ from google.protobuf.message import DecodeError
 
 from specdec.common import protocol as P
 from specdec.common import wire
-from specdec.common.stats import edge_record
+from specdec.common.codecs import Mode
+from specdec.common.stats import edge_only_record, edge_record
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.edge.auth import Authenticator
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
@@ -176,6 +177,10 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     # -- messages ------------------------------------------------------------------------------------
     async def _dispatch(self, session: VerifierSession, msg, size: int, context) -> None:
         if isinstance(msg, P.DraftBlock):
+            settings = await self._call(session.round_settings, msg)
+            if settings.mode is Mode.NONE:
+                await self._edge_round(session, msg, size, context)
+                return
             t0 = time.perf_counter()
             verdict = await self._call(session.verify, msg)
             queue = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
@@ -190,6 +195,25 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             await context.write(reply)
         else:
             raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {type(msg).__name__} mid-session")
+
+    async def _edge_round(self, session: VerifierSession, msg: P.DraftBlock, size: int, context) -> None:
+        """Mode none: the target generates the round's tokens; each goes out as soon as it exists."""
+        tokens = session.generate(msg)  # runs a step per next() on the worker pool
+        generated, downlink, verify, queue = 0, 0, 0.0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            verdict = await self._call(next, tokens, None)
+            if verdict is None:
+                break
+            wait = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
+            reply = wire.verdict_to_pb(replace(verdict, queue_seconds=wait))
+            await context.write(reply)
+            generated, downlink = generated + 1, downlink + reply.ByteSize()
+            verify, queue = verify + verdict.verify_seconds, queue + wait
+            if not verdict.more:
+                break
+        if self.metrics:
+            self.metrics.observe_round(edge_only_record(generated, size, downlink, verify, queue))
 
     async def _read(self, context):
         return (await self._read_sized(context))[0]

@@ -12,6 +12,7 @@ forward feeds ``tokens[cache_len:] + draft`` and reads the last ``L + 1`` logits
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,7 +21,7 @@ from specdec.common import verification as V
 from specdec.common import settings as S
 from specdec.common.codecs import (CodecConfig, Mode, decode_distribution, decode_dssd_scalars,
                                    encode_target_probs)
-from specdec.common.distributions import densify
+from specdec.common.distributions import densify, sample_token
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.sampling import model_probs, validate_hello
 from specdec.common.streams import Purpose, stream
@@ -72,6 +73,7 @@ class VerifierSession:
         self.session_id = session_id
         self.max_context = min(limits.max_context or info.max_context, info.max_context)
         self.lm = CachedLM(target.model, target.device)
+        self.eos_token_ids = frozenset(target.eos_token_ids)  # an edge-only round ends at one
         self.tokens: list[int] = []
         self.round_id = 0
         self._pending_reject: tuple[int, torch.Tensor] | None = None  # DSSD: (round, p_j)
@@ -162,6 +164,44 @@ class VerifierSession:
             _check_limits(settings, self.info, self.limits)
             self._codecs[settings] = settings.codec(self.info.vocab_size)
         return settings
+
+    # -- edge-only rounds (mode none): the target generates alone ------------------------------------
+    def generate(self, draft: DraftBlock) -> Iterator[Verdict]:
+        """An edge-only round: up to ``edge_tokens`` tokens sampled from the target alone, one Verdict
+        each as soon as it exists (``more`` on all but the last), so the device can stream them.
+
+        Each token at sequence index t is drawn from p_t by inverse CDF with the uniform of stream
+        (seed, EDGE_TOKEN, t): exactly the target's law, and a resumed round redraws the same token.
+        The round ends early at an end-of-sequence token or when the context is full."""
+        settings = self.round_settings(draft)
+        if settings.mode is not Mode.NONE:
+            raise ValueError(f"generate() takes edge-only rounds, got mode {settings.mode.value}")
+        if not self.tokens:
+            raise ValueError("draft before prompt")
+        if draft.round_id != self.round_id + 1:
+            raise ValueError(f"round id {draft.round_id} out of order (expected {self.round_id + 1})")
+        if draft.token_ids or draft.distributions or draft.dssd_scalars or draft.tree_depth:
+            raise ValueError("an edge-only round carries no draft")
+        self._apply_correction(draft)
+        self.round_id = draft.round_id
+        want = settings.edge_tokens or 1
+        for i in range(want):
+            start = time.perf_counter()
+            if len(self.tokens) + 1 > self.max_context:
+                raise LimitError(f"context limit {self.max_context} tokens reached")
+            token = self._edge_token()
+            last = i + 1 == want or token in self.eos_token_ids or len(self.tokens) + 1 > self.max_context
+            yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=token, more=not last,
+                          verify_seconds=time.perf_counter() - start)
+            if last:
+                return
+
+    def _edge_token(self) -> int:
+        """Sample the next token from the target alone and append it (the cache stays one behind)."""
+        p = self._target_probs(self._feed_logits([], 1))[0]
+        token = sample_token(p, stream(self.hello.seed, Purpose.EDGE_TOKEN, len(self.tokens)))
+        self.tokens.append(token)
+        return token
 
     def _round_generator(self) -> torch.Generator:
         """The numbers of the round that starts at ``len(self.tokens)``, from its own stream: a retry
@@ -290,7 +330,10 @@ class VerifierSession:
 
 
 def _check_limits(settings: DraftSettings, info: TargetInfo, limits: EdgeLimits) -> None:
-    """The edge's own limits on how a round may be drafted (LimitError)."""
+    """The edge's own limits on how a round may be drafted (LimitError). An edge-only round's length
+    is bounded by the context only."""
+    if settings.mode is Mode.NONE:
+        return
     if settings.draft_len > limits.max_draft_len:
         raise LimitError(f"draft_len {settings.draft_len} exceeds the edge limit {limits.max_draft_len}")
     if settings.mode in S.TOP_K_MODES and settings.top_k > min(limits.max_k, info.vocab_size):

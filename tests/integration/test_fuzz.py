@@ -80,7 +80,7 @@ UNDECODABLE = (grpc.StatusCode.INVALID_ARGUMENT, "undecodable message")
 MODE_SETTINGS = {Mode.DENSE: {"dense_dtype": "fp16"}, Mode.TSLT: {"top_k": 16},
                  Mode.KSQS: {"top_k": 16, "lattice": 64},
                  Mode.CSQS: {"csqs_beta0": 0.01, "lattice": 64, "max_k": 64},
-                 Mode.DSSD: {"dssd_samples": 1}}
+                 Mode.DSSD: {"dssd_samples": 1}, Mode.NONE: {}}
 # Recorded sessions: (mode, temperature, extra settings); sampled DSSD brings rejections/fallbacks.
 CORPUS = [(m, t, {}) for m in Mode for t in (0.0, 1.0)] + [
     (Mode.TSLT, 0.0, {"tree": (2, 2)}), (Mode.CSQS, 1.0, {"tree": (3, 1)}),
@@ -323,9 +323,15 @@ def _check_well_formed(ctx: Fuzz, msgs: list, replies: list) -> None:
         read[:2] == ["hello", "prompt"] and all(k in ("draft", "residual_request") for k in read[2:])), \
         f"OK for a malformed session: {kinds}"
     requests = msgs[2:len(read)]
-    assert len(replies) == 1 + len(requests), f"{len(replies)} answers to {kinds}"
+    answers = _answers(replies[1:])
+    assert len(answers) == len(requests), f"{len(replies)} replies, {len(answers)} answers to {kinds}"
     assert replies[0].HasField("welcome") and replies[0].welcome.vocab_size == ctx.vocab_size
-    for req, rep in zip(requests, replies[1:]):
+    for req, answer in zip(requests, answers):
+        if len(answer) > 1:  # an edge-only round (mode none): one Verdict per token, `more` on all but the last
+            assert req.HasField("draft") and not req.draft.token_ids, (req, answer)
+            assert all(a.verdict.round_id == req.draft.round_id and a.verdict.next_token < ctx.vocab_size
+                       for a in answer), answer
+        rep = answer[-1]
         if req.HasField("draft"):
             d, v = req.draft, rep.verdict
             assert rep.HasField("verdict") and v.round_id == d.round_id, (req, rep)
@@ -339,6 +345,20 @@ def _check_well_formed(ctx: Fuzz, msgs: list, replies: list) -> None:
             assert len(r.target_probs) == 8 * ctx.vocab_size
             probs = struct.unpack(f"<{ctx.vocab_size}d", r.target_probs)
             assert all(p >= 0 for p in probs) and math.isclose(sum(probs), 1.0, abs_tol=1e-6)
+
+
+def _answers(replies: list) -> list[list]:
+    """Replies grouped by the request they answer: an answer ends with a reply that is not a
+    Verdict with ``more`` set (edge-only rounds stream one Verdict per token)."""
+    out, current = [], []
+    for rep in replies:
+        current.append(rep)
+        if not (rep.HasField("verdict") and rep.verdict.more):
+            out.append(current)
+            current = []
+    if current:
+        out.append(current)
+    return out
 
 
 def _check(ctx: Fuzz, part: str, chunks: list[bytes], out: Outcome, metadata=AUTH_A,

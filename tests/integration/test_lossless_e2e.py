@@ -38,6 +38,7 @@ MODES = {
     "ksqs": dict(mode=Mode.KSQS, top_k=3, lattice=8),
     "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.05, csqs_alpha=0.05, csqs_eta=0.05, lattice=8, max_k=8),
     "dssd": dict(mode=Mode.DSSD, dssd_samples=1),
+    "none": dict(mode=Mode.NONE),  # the edge alone, streaming: the baseline every link benchmark uses
 }
 
 

@@ -1,0 +1,119 @@
+"""Mode none: the edge generates alone and streams its tokens over the same protocol (the baseline
+every link benchmark compares with). Greedy identity and the exact-law test run with every mode in
+test_end_to_end.py and test_lossless_e2e.py; here: streaming, the round's bounds, replay, bad input."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from harness import EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, target_greedy
+from specdec.common import wire
+from specdec.common.codecs import Mode
+from specdec.common.modeling import encode_prompt, vocab_fingerprint
+from specdec.common.pb import speculative_pb2_grpc as pb_grpc
+from specdec.common.protocol import DraftBlock, Prompt
+from specdec.common.settings import resolve
+from specdec.device.client import generate
+from specdec.device.drafter import DraftSession
+from specdec.device.runner import connection_policy, edge_channel
+from specdec.edge.server import target_info
+from specdec.edge.verifier import EdgeLimits, VerifierSession
+
+PROMPT = "w1 w2 w3"
+
+
+def test_tokens_stream_one_by_one_in_one_round(tiny_pair_v512) -> None:
+    """All the tokens in one round, each handed on as it arrives (not at the round's end)."""
+    target_dir, drafter_dir = tiny_pair_v512
+    cfg = device_config(mode=Mode.NONE, temperature=0.0, max_new_tokens=10)
+    seen: list[list[int]] = []
+
+    async def main():
+        async with edge(target_dir) as address:
+            drafter = load(str(drafter_dir))
+            hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+            session = DraftSession(drafter, hello)
+            ids = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+            async with edge_channel(replace(cfg, edge=address)) as channel:
+                r = await generate(channel, session, hello, ids, drafter.eos_token_ids, on_tokens=seen.append,
+                                   policy=connection_policy(cfg))
+            return r, session, ids
+
+    r, session, ids = run(main())
+    assert r.token_ids == target_greedy(target_dir, ids, 10)
+    assert session.stats.rounds == 1 and session.stats.draft_tokens == 0
+    assert seen == [[t] for t in r.token_ids]  # one callback per token
+    assert r.downlink_bytes > 0 and r.uplink_bytes < 64  # an empty Draft up, one Verdict per token down
+
+
+def _fresh_edge(target_dir, hello, prefix):
+    target = load(str(target_dir))
+    session = VerifierSession(target, target_info(target), hello, EdgeLimits(), "s")
+    session.prefill(Prompt(tuple(prefix)))
+    return session
+
+
+def _hello(drafter, **settings):
+    return device_config(mode=Mode.NONE, temperature=1.0, **settings).hello(
+        vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=7)
+
+
+def test_a_round_stops_at_edge_tokens_and_replays_on_a_fresh_edge(tiny_pair_v512) -> None:
+    """edge_tokens bounds the round; the token at each position comes from that position's own
+    stream, so an edge that lost the session and re-prefills at any point redraws the same tokens."""
+    target_dir, drafter_dir = tiny_pair_v512
+    drafter = load(str(drafter_dir))
+    hello = _hello(drafter)
+    prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    settings = resolve({"mode": "none", "edge_tokens": 6})
+    first = [v for v in _fresh_edge(target_dir, hello, prompt).generate(DraftBlock(1, (), settings=settings))]
+    tokens = [v.next_token for v in first]
+    assert len(first) == 6 or first[-1].next_token in drafter.eos_token_ids
+    assert [v.more for v in first] == [True] * (len(first) - 1) + [False]
+    for cut in range(1, len(tokens)):  # the stream broke after `cut` tokens: resume on a fresh edge
+        rest = resolve({"mode": "none", "edge_tokens": len(tokens) - cut})
+        again = _fresh_edge(target_dir, hello, prompt + tokens[:cut]).generate(DraftBlock(1, (), settings=rest))
+        assert [v.next_token for v in again] == tokens[cut:], cut
+
+
+def test_an_edge_only_round_with_a_draft_is_refused_and_the_edge_carries_on(tiny_pair_v512) -> None:
+    target_dir, drafter_dir = tiny_pair_v512
+    drafter = load(str(drafter_dir))
+    hello = _hello(drafter)
+    prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    bad = DraftBlock(1, (5, 6), settings=resolve({"mode": "none", "edge_tokens": 2}))
+
+    async def main():
+        async with edge(target_dir) as address:
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = pb_grpc.SpeculativeDecodingStub(channel).Generate()
+                for msg in (wire.hello_to_pb(hello), wire.prompt_to_pb(Prompt(tuple(prompt))), wire.draft_to_pb(bad)):
+                    await call.write(msg)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    while True:
+                        await call.read()
+                good = await run_sessions(address, drafter_dir, device_config(mode=Mode.NONE, max_new_tokens=4),
+                                          PROMPT, [0])
+            return err.value, good
+
+    error, [(tokens, _, _)] = run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "no draft" in error.details()
+    assert tokens == target_greedy(target_dir, prompt, 4)
+
+
+def test_device_client_mode_none(tiny_pair_v512) -> None:
+    target_dir, drafter_dir = tiny_pair_v512
+    proc = EdgeProcess("--model", str(target_dir))
+    try:
+        r = device_cli("--edge", proc.address, "--draft-model", str(drafter_dir), "--prompt", PROMPT, "--raw",
+                       "--mode", "none", "--max-new-tokens", "8", "--json")
+    finally:
+        proc.stop()
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    ids = encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)
+    assert out["mode"] == "none" and out["token_ids"] == target_greedy(target_dir, ids, 8)
+    assert out["stats"]["rounds"] == 1 and out["stats"]["draft_tokens"] == 0
