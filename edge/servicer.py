@@ -177,7 +177,10 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     # -- messages ------------------------------------------------------------------------------------
     async def _dispatch(self, session: VerifierSession, msg, size: int, context) -> None:
         if isinstance(msg, P.DraftBlock):
-            settings = await self._call(session.round_settings, msg)
+            try:  # cheap after a round's first use of its settings: no worker hop for it
+                settings = session.round_settings(msg)
+            except ValueError as exc:
+                raise _SessionEnd(status_for(exc), str(exc)) from None
             if settings.mode is Mode.NONE:
                 await self._edge_round(session, msg, size, context)
                 return
