@@ -111,11 +111,17 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
+def edge_phases(verdict: Verdict) -> dict[str, float]:
+    """The edge's phases of a round from its Verdict: the edge's verify_seconds includes payload
+    decode, so it is split off and the phases add up."""
+    return {"queue": verdict.queue_seconds, "decode": verdict.decode_seconds,
+            "verify": max(0.0, verdict.verify_seconds - verdict.decode_seconds)}
+
+
 def edge_record(draft: DraftBlock, verdict: Verdict, mode: str, uplink: int, downlink: int) -> RoundRecord:
     """What the edge knows of a round: the draft it received and the verdict it sent."""
     generated = verdict.num_accepted + (verdict.next_token is not None)  # DSSD rejection: the device adds it
-    phases = {"queue": verdict.queue_seconds, "decode": verdict.decode_seconds,
-              "verify": max(0.0, verdict.verify_seconds - verdict.decode_seconds)}  # decode excluded
+    phases = edge_phases(verdict)
     return RoundRecord(mode=mode, drafted_tokens=len(draft.token_ids),
                        positions=draft.tree_depth or len(draft.token_ids),  # tree_depth is 0 for chains
                        accepted=verdict.num_accepted, generated=generated, uplink_bytes=uplink,

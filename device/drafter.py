@@ -23,7 +23,7 @@ from specdec.common.codecs import CodecConfig, Mode, dssd_theoretical_bits
 from specdec.common.conformal import ConformalController
 from specdec.common.modeling import LoadedModel
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Verdict
-from specdec.common.stats import RoundRecord, SpecStats
+from specdec.common.stats import RoundRecord, SpecStats, edge_phases
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import path_cache_indices
@@ -58,9 +58,7 @@ class RoundDraft:
                threshold: float | None) -> RoundRecord:
         """The round's :class:`RoundRecord` once its verdict (and any DSSD fallback) is in."""
         phases = {"draft": self.draft_seconds, "encode": self.encode_seconds, "network": network,
-                  "queue": verdict.queue_seconds, "decode": verdict.decode_seconds,
-                  # the edge's verify_seconds includes payload decode: split so the phases add up
-                  "verify": max(0.0, verdict.verify_seconds - verdict.decode_seconds)}
+                  **edge_phases(verdict)}
         return RoundRecord(
             mode=self.settings.mode.value, drafted_tokens=len(self.block.token_ids), positions=self.positions,
             accepted=verdict.num_accepted, generated=generated, uplink_bytes=uplink, downlink_bytes=downlink,

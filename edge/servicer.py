@@ -190,8 +190,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             verdict = replace(verdict, queue_seconds=queue)
             reply = wire.verdict_to_pb(verdict)
             if self.metrics:
-                mode = session.round_settings(msg).mode.value
-                self.metrics.observe_round(edge_record(msg, verdict, mode, size, reply.ByteSize()))
+                self.metrics.observe_round(edge_record(msg, verdict, settings.mode.value, size, reply.ByteSize()))
             await context.write(reply)
         elif isinstance(msg, P.ResidualRequest):
             reply = wire.residual_to_pb(await self._call(session.residual, msg))

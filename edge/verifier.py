@@ -176,10 +176,7 @@ class VerifierSession:
         settings = self.round_settings(draft)
         if settings.mode is not Mode.NONE:
             raise ValueError(f"generate() takes edge-only rounds, got mode {settings.mode.value}")
-        if not self.tokens:
-            raise ValueError("draft before prompt")
-        if draft.round_id != self.round_id + 1:
-            raise ValueError(f"round id {draft.round_id} out of order (expected {self.round_id + 1})")
+        self._check_order(draft)
         if draft.token_ids or draft.distributions or draft.dssd_scalars or draft.tree_depth:
             raise ValueError("an edge-only round carries no draft")
         self._apply_correction(draft)
@@ -263,11 +260,15 @@ class VerifierSession:
         if bad:
             raise ValueError(f"{what} token id {bad[0]} out of range [0, {self.info.vocab_size})")
 
-    def _check_round(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> None:
+    def _check_order(self, draft: DraftBlock) -> None:
+        """Every round, edge-only or not: after the prompt, numbered in order."""
         if not self.tokens:
             raise ValueError("draft before prompt")
         if draft.round_id != self.round_id + 1:
             raise ValueError(f"round id {draft.round_id} out of order (expected {self.round_id + 1})")
+
+    def _check_round(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> None:
+        self._check_order(draft)
         n = len(draft.token_ids)
         if spec is None and draft.tree_depth:
             raise ValueError("tree_depth set in a chain session")
