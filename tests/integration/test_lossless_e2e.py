@@ -14,9 +14,10 @@ import torch
 
 from harness import SwitchesEveryRound, device_config, edge, load, run, run_sessions
 from specdec.common.codecs import Mode
-from specdec.common.distributions import filter_target_logits
+from specdec.common.distributions import filter_target_logits, sample_token
 from specdec.common.sampling import model_probs
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model
+from specdec.common.streams import Purpose, stream
 from specdec.device import default_drafter
 from specdec.device.draft_model import DraftStep
 from specdec.device.drafter import DraftSession
@@ -28,6 +29,7 @@ PROMPT = "w1 w2"
 N_TOKENS = 3
 TEMPERATURE = 1.0
 NUM_SESSIONS = 1500  # ~20-40 s per mode here; the control falls far below the cut at this size
+CONTROL_SESSIONS = 600  # a control whose bias is large needs fewer sessions to be rejected
 CONCURRENCY = 4  # sessions in flight: overlaps one session's network waits with another's compute
 
 MODES = {
@@ -134,6 +136,30 @@ def test_control_target_filter_before_temperature_is_detected(tiny_pair_v8, monk
     fit = goodness_of_fit(Counter({s: c for s, c in counts.items() if s in law}), law)
     print(f"control, filter before temperature: {outside} sequences outside the law, {fit}")
     assert outside > 0 or fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
+
+
+class EdgeTokensShareOneUniform(VerifierSession):
+    """Negative control for mode none: every edge-only token drawn with the uniform of the round's
+    start instead of its own position's (a stream keyed by the wrong position): each token is still a
+    draw from its p, but the tokens of a round are coupled, so the joint law is wrong."""
+
+    def _edge_token(self) -> int:
+        p = self._target_probs(self._feed_logits([], 1))[0]
+        token = sample_token(p, stream(self.hello.seed, Purpose.EDGE_TOKEN, self._round_start))
+        self.tokens.append(token)
+        return token
+
+    def generate(self, draft):
+        self._round_start = len(self.tokens)
+        return super().generate(draft)
+
+
+def test_control_mode_none_with_one_uniform_per_round_is_detected(tiny_pair_v8, monkeypatch) -> None:
+    monkeypatch.setattr(servicer, "VerifierSession", EdgeTokensShareOneUniform)
+    counts, law = _counts(*tiny_pair_v8, num_sessions=CONTROL_SESSIONS, **MODES["none"])
+    fit = goodness_of_fit(counts, law)
+    print(f"control, mode none with one uniform per round: {fit}")
+    assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
 
 
 def counts_prompt(pair) -> list[int]:
