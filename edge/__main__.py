@@ -7,6 +7,7 @@ import sys
 
 from specdec.common.modeling import DTYPES, ModelSpec
 from specdec.common.runtime import MAX_MESSAGE_BYTES, OneLineParser, apply_threads, is_loopback, run_async
+from specdec.edge.admission import AdmissionSettings
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
@@ -40,7 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
     p.add_argument("--workers", type=_positive(int), default=4)
-    p.add_argument("--max-sessions", type=_positive(int), default=64)
+    p.add_argument("--max-sessions", type=_positive(int), default=64,
+                   help="sessions held at once, detached ones waiting for a resume included")
+    admit = AdmissionSettings()
+    p.add_argument("--max-sessions-per-principal", type=_non_negative_int, default=admit.max_sessions_per_principal,
+                   metavar="N", help="sessions one principal (its bearer token or client certificate; without "
+                   "authentication, its host) may hold or wait for, detached ones included; more are refused "
+                   "with RESOURCE_EXHAUSTED; 0 = no cap (default: half of --max-sessions, so no one client can "
+                   "hold every slot for a resume window, while one device daemon, all of whose requests are "
+                   "one principal, still gets half the edge)")
+    p.add_argument("--admission-queue", type=_non_negative_int, default=admit.queue, metavar="N",
+                   help="new sessions that may wait for a slot while --max-sessions are held; beyond that "
+                   "RESOURCE_EXHAUSTED at once; 0 = no queue (default: %(default)s)")
+    p.add_argument("--admission-wait-ms", type=_positive(float), default=admit.wait_s * 1000, metavar="MS",
+                   help="how long a queued session waits for a slot before RESOURCE_EXHAUSTED (default: "
+                   "%(default)g, well within a device's --round-timeout, which bounds its wait for Welcome)")
     p.add_argument("--max-context", type=int, default=0, help="0 = the model's context length")
     p.add_argument("--max-draft-len", type=_positive(int), default=32)
     p.add_argument("--max-k", type=_positive(int), default=8192)
@@ -71,9 +86,11 @@ def config_from_args(a) -> EdgeConfig:
     if a.tls_client_ca and not a.tls_cert:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     tls = TlsConfig(cert=a.tls_cert, key=a.tls_key, client_ca=a.tls_client_ca) if a.tls_cert else None
+    admission = AdmissionSettings(max_sessions_per_principal=a.max_sessions_per_principal,
+                                  queue=a.admission_queue, wait_s=a.admission_wait_ms / 1000)
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
-                      workers=a.workers, limits=limits, tls=tls, auth_token_file=a.auth_token_file,
-                      max_message_bytes=a.max_message_bytes)
+                      workers=a.workers, limits=limits, admission=admission, tls=tls,
+                      auth_token_file=a.auth_token_file, max_message_bytes=a.max_message_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

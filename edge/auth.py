@@ -3,6 +3,10 @@
 The principal a stream authenticates as is what a session is bound to: only the same principal,
 holding the session's secret resume token, can resume it. Tokens are kept as sha256 digests and
 compared in constant time.
+
+Admission counts sessions per principal too (:func:`admission_principal`): the authenticated
+identity, or, on an edge without authentication, the peer's host (not its port: one client opening
+many connections is still one client).
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 BEARER = "bearer "
 ANONYMOUS = "anonymous"
@@ -58,3 +63,23 @@ def _cert_identity(auth_context: dict) -> str | None:
     if not names:
         return None
     return "cert:" + names[0].decode(errors="replace")
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string: ``ipv4:10.0.0.7:5123`` -> ``10.0.0.7``, ``ipv6:[::1]:5123``
+    (or its %-encoded form) -> ``::1``, ``[::ffff:10.0.0.7]`` -> ``10.0.0.7``; anything else (``unix:...``) as it is."""
+    scheme, sep, rest = unquote(peer or "").partition(":")
+    if not sep or scheme not in ("ipv4", "ipv6"):
+        return peer or "unknown"
+    host, colon, port = rest.rpartition(":")
+    if not colon or not port.isdigit():
+        host = rest
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    mapped = "::ffff:"  # an IPv4 client of a dual-stack socket is the same client
+    return host[len(mapped):] if host.lower().startswith(mapped) and "." in host else host
+
+
+def admission_principal(principal: str, peer: str) -> str:
+    """Whom a new session counts against for the per-principal cap: the authenticated principal, or
+    on an edge without authentication (everyone is ``anonymous``) the peer's host."""
+    return f"peer:{peer_host(peer)}" if principal == ANONYMOUS else principal

@@ -1,19 +1,35 @@
 """Prometheus metrics of the edge server (``specdec_edge_*``): the shared set of
 :mod:`specdec.common.metrics` (its docstring gives the PromQL for rates), plus the loaded model, the
-resumed sessions and the statuses only the edge gives (authentication, ownership, expiry).
+resumed sessions, admission, and the statuses only the edge gives (authentication, ownership, expiry).
 
 - sessions resumed with their KV cache per second:
   ``rate(specdec_edge_sessions_resumed_total[$__rate_interval])``
+- new sessions refused by admission per second, by reason (``principal_cap``, ``queue_full``,
+  ``queue_timeout``; each refusal also ends as status ``resource_exhausted``):
+  ``sum by (reason) (rate(specdec_edge_admission_rejected_total[$__rate_interval]))``
+- share of new sessions refused by admission:
+  ``sum(rate(specdec_edge_admission_rejected_total[$__rate_interval]))
+  / (sum(rate(specdec_edge_admission_rejected_total[$__rate_interval]))
+  + rate(specdec_edge_admission_wait_seconds_count[$__rate_interval]))``
+- sessions waiting for a slot now: ``specdec_edge_admission_queued_sessions``
+- admission wait p95 (admitted sessions; 0 for those admitted at once):
+  ``histogram_quantile(0.95, sum by (le) (rate(specdec_edge_admission_wait_seconds_bucket[$__rate_interval])))``
+- share of admitted sessions that had to wait (longer than 1 ms):
+  ``1 - rate(specdec_edge_admission_wait_seconds_bucket{le="0.001"}[$__rate_interval])
+  / rate(specdec_edge_admission_wait_seconds_count[$__rate_interval])``
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from specdec.common.metrics import STATUSES, SpecMetrics
 from specdec.common.stats import EDGE_PHASES, RoundRecord
+from specdec.edge.admission import REASONS
 
 # The edge also refuses callers and frees sessions nobody resumed in time.
 EDGE_STATUSES = STATUSES + ("unauthenticated", "permission_denied", "expired")
+# A queued session waits up to --admission-wait-ms (5 s by default); at once is ~0.
+ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class EdgeMetrics(SpecMetrics):
@@ -21,12 +37,29 @@ class EdgeMetrics(SpecMetrics):
         super().__init__("edge", EDGE_PHASES, EDGE_STATUSES, registry=registry)
         self.model = Info("model", "The loaded target model", **self.kw)
         self.resumed = Counter("sessions_resumed", "Broken streams whose session was resumed (KV kept)", **self.kw)
+        self.rejected = Counter("admission_rejected", "New sessions refused by admission (RESOURCE_EXHAUSTED), "
+                                "by reason", ["reason"], **self.kw)
+        self.queued = Gauge("admission_queued_sessions", "New sessions waiting for a slot", **self.kw)
+        self.admission_wait = Histogram("admission_wait_seconds", "Time an admitted new session waited for "
+                                        "a slot (0 when admitted at once)", buckets=ADMISSION_WAIT_BUCKETS,
+                                        **self.kw)
+        for reason in REASONS:
+            self.rejected.labels(reason)
 
     def set_model(self, name: str, vocab_size: int) -> None:
         self.model.info({"name": name, "vocab_size": str(vocab_size)})
 
     def session_resumed(self) -> None:
         self.resumed.inc()
+
+    def admission_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def admission_queued(self, waiting: int) -> None:
+        self.queued.set(waiting)
+
+    def admission_waited(self, seconds: float) -> None:
+        self.admission_wait.observe(seconds)
 
     def observe_round(self, r: RoundRecord) -> None:
         super().observe_round(r)

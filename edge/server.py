@@ -13,6 +13,7 @@ import grpc
 from specdec.common.modeling import LoadedModel, ModelSpec, load_model, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
+from specdec.edge.admission import AdmissionSettings
 from specdec.edge.auth import Authenticator, load_tokens
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.servicer import SpeculativeDecodingServicer
@@ -40,6 +41,7 @@ class EdgeConfig:
     metrics_port: int = 0                                 # 0 = no /metrics endpoint
     workers: int = 4                                      # threads running target forwards
     limits: EdgeLimits = field(default_factory=EdgeLimits)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)  # per-principal cap, queue
     tls: TlsConfig | None = None                          # None = plaintext (loopback and labs)
     auth_token_file: str | None = None                    # bearer tokens accepted, one per line
     max_message_bytes: int = MAX_MESSAGE_BYTES            # larger messages are refused by gRPC
@@ -54,7 +56,8 @@ async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetric
     """Create and start the grpc.aio server inside the running loop; returns (server, port)."""
     executor = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="verify")
     auth = authenticator(cfg)
-    servicer = SpeculativeDecodingServicer(target, target_info(target), cfg.limits, executor, metrics, auth)
+    servicer = SpeculativeDecodingServicer(target, target_info(target), cfg.limits, executor, metrics, auth,
+                                           admission=cfg.admission)
     server = grpc.aio.server(options=server_options(cfg))
     pb_grpc.add_SpeculativeDecodingServicer_to_server(servicer, server)
     address = f"{cfg.host}:{cfg.port}"

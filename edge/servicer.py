@@ -8,6 +8,11 @@ Sessions outlive their stream when it breaks: a stream that ends without ``Close
 device crash, keepalive timeout) leaves its session detached for ``resume_window_s``, so the device
 can reconnect and resume with the session id and the secret resume token from ``Welcome``, under
 the same credentials. ``Close``, a bad message or an idle timeout free the session at once.
+
+New sessions pass admission (:mod:`specdec.edge.admission`): a cap per principal (the authenticated
+identity, else the peer's host), and a bounded queue when all ``max_sessions`` slots are held;
+a refusal is ``RESOURCE_EXHAUSTED`` with the limit and its value. Resuming one's own session is
+never refused: a detached session keeps its slot for the resume window.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ from specdec.common import wire
 from specdec.common.codecs import Mode
 from specdec.common.stats import edge_only_record, edge_record
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.edge.auth import Authenticator
+from specdec.edge.admission import Admission, AdmissionRefused, AdmissionSettings, Slot
+from specdec.edge.auth import Authenticator, admission_principal
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
                                    VerifierSession)
 
@@ -61,6 +67,7 @@ class _Entry:
     session: VerifierSession
     principal: str
     resume_token: bytes
+    slot: Slot                     # its hold on one of the edge's max_sessions (admission)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one stream works on a session at a time
     generation: int = 0            # bumped per attached stream; a superseded stream must not free it
     detached: bool = False
@@ -68,7 +75,8 @@ class _Entry:
 
 class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def __init__(self, target, info: TargetInfo, limits: EdgeLimits, executor: ThreadPoolExecutor,
-                 metrics=None, auth: Authenticator | None = None):
+                 metrics=None, auth: Authenticator | None = None,
+                 admission: AdmissionSettings | None = None):
         self.target = target
         self.info = info
         self.limits = limits
@@ -76,6 +84,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self.metrics = metrics
         self.auth = auth or Authenticator()
         self.sessions: dict[str, _Entry] = {}
+        self.admission = Admission(admission or AdmissionSettings(), limits.max_sessions, metrics)
 
     async def Generate(self, request_iterator, context):
         # Credentials first: an unauthenticated caller gets no model work at all.
@@ -83,7 +92,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         if principal is None:
             self._observe_end("unauthenticated", False)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials")
-        state = {"sid": None, "gen": 0}
+        state = {"sid": None, "gen": 0, "counts_as": admission_principal(principal, context.peer())}
         status = None
         try:
             closed = await self._serve(principal, context, state)
@@ -100,7 +109,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     async def _serve(self, principal: str, context, state: dict) -> bool:
         """Serve one stream; True if the device closed the session, False if the stream just ended."""
         hello = await self._expect(context, P.Hello, "Hello")
-        sid, entry, resumed = await self._attach(hello, principal)
+        sid, entry, resumed = await self._attach(hello, principal, state["counts_as"])
         state["sid"], state["gen"] = sid, entry.generation
         welcome = replace(entry.session.welcome(), session_id=sid, resume_token=entry.resume_token,
                           resumed=resumed)
@@ -124,8 +133,9 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             async with entry.lock:
                 await self._dispatch(entry.session, msg, size, context)
 
-    async def _attach(self, hello: P.Hello, principal: str) -> tuple[str, _Entry, bool]:
-        """(session id, entry, resumed): the session to resume, or a new one."""
+    async def _attach(self, hello: P.Hello, principal: str, counts_as: str) -> tuple[str, _Entry, bool]:
+        """(session id, entry, resumed): the session to resume, or a new one once admitted.
+        ``counts_as``: whom the session counts against for the per-principal cap."""
         if hello.resume_session_id:
             entry = self.sessions.get(hello.resume_session_id)
             if entry is not None:
@@ -133,16 +143,23 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                     raise _SessionEnd(grpc.StatusCode.PERMISSION_DENIED, "not the owner of that session")
                 entry.generation += 1  # a half-dead older stream is superseded
                 entry.detached = False
+                self.admission.rebind(entry.slot, counts_as)  # it holds its slot: never refused
                 if self.metrics:
                     self.metrics.session_resumed()
                 return hello.resume_session_id, entry, True
             # Unknown (expired, or the edge restarted): a fresh session re-prefills the device's prefix.
-        if len(self.sessions) >= self.limits.max_sessions:
-            raise _SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"edge is at its limit of {self.limits.max_sessions} sessions")
         sid = secrets.token_hex(SESSION_ID_BYTES)
-        session = await self._call(VerifierSession, self.target, self.info, hello, self.limits, sid)
-        entry = _Entry(session=session, principal=principal, resume_token=secrets.token_bytes(RESUME_TOKEN_BYTES))
+        try:
+            self.admission.check_cap(counts_as)  # over its cap: refused before any work
+            # The Hello is checked before queueing (cheap: no KV cache exists before the prompt), so
+            # a bad one is told so at once rather than after waiting in the admission queue.
+            session = await self._call(VerifierSession, self.target, self.info, hello, self.limits, sid)
+            slot = await self.admission.admit(counts_as)
+        except AdmissionRefused as exc:
+            log.debug("session refused (%s): %s", exc.reason, exc.message)
+            raise _SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message) from None
+        entry = _Entry(session=session, principal=principal, slot=slot,
+                       resume_token=secrets.token_bytes(RESUME_TOKEN_BYTES))
         entry.generation = 1
         self.sessions[sid] = entry
         if self.metrics:
@@ -171,7 +188,9 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             self._free(sid, "expired")
 
     def _free(self, sid: str, status: str) -> None:
-        if self.sessions.pop(sid, None) is not None:
+        entry = self.sessions.pop(sid, None)
+        if entry is not None:
+            self.admission.release(entry.slot)  # the longest waiting new session gets it
             self._observe_end(status, True)
 
     # -- messages ------------------------------------------------------------------------------------
