@@ -24,6 +24,10 @@ from specdec.common.codecs import CodecConfig, Mode
 
 ALL_MODES = frozenset(Mode)
 DRAFTING_MODES = ALL_MODES - {Mode.NONE}  # modes whose rounds carry drafts (none: the edge generates alone)
+# ``mode auto``: the device picks each round's mode, K and length itself (device/auto.py). A device
+# policy, not a way of drafting: it is accepted wherever a user gives settings, and never reaches the
+# wire, where every round says how it was actually drafted.
+AUTO = "auto"
 TOP_K_MODES = frozenset({Mode.TSLT, Mode.KSQS})
 LATTICE_MODES = frozenset({Mode.KSQS, Mode.CSQS})
 CHAIN_ONLY = "chain"  # a setting read only by chain rounds (not trees)
@@ -52,8 +56,9 @@ def setting(default: Any, help: str, **info: Any) -> Any:
 @dataclass(frozen=True)
 class DraftSettings:
     """How one round is drafted. Each field is one row of the table (name = CLI flag = wire field)."""
-    mode: Mode = setting(Mode.TSLT, "draft mode: what the uplink carries per draft position",
-                         choices=tuple(m.value for m in Mode))
+    mode: Mode = setting(Mode.TSLT, "draft mode: what the uplink carries per draft position; auto = the "
+                                    "device picks mode, K and draft length each round from what it measures",
+                         choices=(*(m.value for m in Mode), AUTO))
     draft_len: int = setting(4, "chain length L (upper bound when bit_budget is set)", low=1,
                              modes=DRAFTING_MODES)
     bit_budget: int = setting(0, "per-round uplink budget B in bits; the round drafts the longest chain "
@@ -148,11 +153,18 @@ def check_value(name: str, value: Any) -> Any:
     return _number(name, value, type(default), info)
 
 
-def _enum(name: str, value: Any) -> Mode:
+def _enum(name: str, value: Any) -> Mode | str:
+    if value == AUTO:
+        return AUTO
     try:
         return Mode(value)
     except ValueError:
-        raise ValueError(f"{name} must be one of {[m.value for m in Mode]}, got {value!r}") from None
+        raise ValueError(f"{name} must be one of {list(_INFO[name].choices)}, got {value!r}") from None
+
+
+def wants_auto(given: Mapping[str, Any]) -> bool:
+    """Whether the user asked for ``mode auto`` (the device's controller picks every round's settings)."""
+    return given.get("mode") == AUTO
 
 
 def _branching(name: str, value: Any) -> tuple[int, ...]:
@@ -207,7 +219,10 @@ def resolve(given: Mapping[str, Any], operating_point: Mapping[str, Any] = (), v
     default drafter records its best L and K), else the table's defaults. K is capped at the
     vocabulary, the coupled bonus is off where it does not apply (DSSD, trees)."""
     recorded = {k: v for k, v in dict(operating_point).items() if k in _INFO}
-    s = replace(_DEFAULTS, **parse_settings({**recorded, **given}))
+    chosen = parse_settings({**recorded, **given})
+    if chosen.get("mode") == AUTO:  # the controller starts from the defaults and re-plans every round
+        del chosen["mode"]
+    s = replace(_DEFAULTS, **chosen)
     if vocab_size:
         s = replace(s, top_k=min(s.top_k, vocab_size))
     return replace(s, coupled_bonus=s.coupled)
@@ -216,6 +231,8 @@ def resolve(given: Mapping[str, Any], operating_point: Mapping[str, Any] = (), v
 def validate(s: DraftSettings) -> None:
     """Every field the round's mode reads within the table's bounds, and the combinations that make
     sense (ValueError). Fields another mode reads are not looked at: a device may leave them zero."""
+    if not isinstance(s.mode, Mode):
+        raise ValueError(f"mode must be one of {[m.value for m in Mode]} in a round, got {s.mode!r}")
     for name, info in _INFO.items():
         if s.mode in info.modes:
             check_value(name, getattr(s, name))

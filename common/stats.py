@@ -35,6 +35,13 @@ class RoundRecord:
     ahead_discarded: int = 0        # tokens drafted ahead for the next round on a wrong guess
     threshold: float | None = None  # C-SQS threshold beta after the round
 
+    def to_json(self) -> dict:
+        """The round's numbers for a JSON round log (settings are the caller's to add)."""
+        return {"drafted": self.drafted_tokens, "positions": self.positions, "accepted": self.accepted,
+                "generated": self.generated, "uplink_bytes": self.uplink_bytes,
+                "downlink_bytes": self.downlink_bytes, "phases": dict(self.phases),
+                "drafted_ahead": self.drafted_ahead}
+
     @property
     def tested(self) -> int:
         """Positions the edge tested: the accepted ones and the one that was rejected, if any."""

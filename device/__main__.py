@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconnect-timeout", type=_bounded(float, 0.0), default=60.0,
                    help="seconds to keep reconnecting after the stream breaks (0 = fail at once)")
     p.add_argument("--json", action="store_true", help="print one JSON object per session instead of text")
+    p.add_argument("--round-log", action="store_true",
+                   help="with --json: one entry per round (settings, counts, phase times; with --mode auto "
+                        "the controller's choice and the estimates behind it)")
     p.add_argument("--metrics-port", type=_bounded(int, 0), default=0)
     p.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address")
     p.add_argument("--linger", type=_bounded(float, 0.0), default=0.0,
@@ -131,10 +134,10 @@ def config_from_args(a) -> DeviceConfig:
 
 # Flags only the one-shot form has. `serve` takes every other flag of build_parser(), so the draft and
 # mode flags of the two forms cannot drift apart.
-ONE_SHOT_ONLY = ("help", "prompt", "raw", "json", "num_samples", "seed", "linger")
+ONE_SHOT_ONLY = ("help", "prompt", "raw", "json", "round_log", "num_samples", "seed", "linger")
 SERVE_DEFAULTS = dict(temperature=1.0,   # OpenAI's default for requests that do not name one
                       log_level="INFO",  # a daemon logs its ready line and requests
-                      prompt="", raw=False, json=False, num_samples=1, seed=0, linger=0.0)
+                      prompt="", raw=False, json=False, round_log=False, num_samples=1, seed=0, linger=0.0)
 
 
 def _host_port(text: str) -> tuple[str, int]:

@@ -130,7 +130,7 @@ async def generate(channel: grpc.aio.Channel, session: DraftSession, hello: P.He
     resumes its session with the edge's resume token and re-sends its verified prefix, so no
     verified token is lost or duplicated. ``timeout`` bounds the whole session.
     """
-    mode = hello.draft.mode.value
+    mode = "auto" if session.policy is not None else hello.draft.mode.value
     if metrics:
         metrics.session_started(mode)
     status = "ok"
@@ -162,7 +162,8 @@ async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, me
     give_up_at = None
     while True:
         call = stub.Generate(metadata=policy.metadata or None)
-        stream = _Stream(call, metrics=metrics, mode=hello.draft.mode.value, round_timeout=policy.round_timeout_s)
+        stream = _Stream(call, metrics=metrics, mode="auto" if session.policy is not None else hello.draft.mode.value,
+                         round_timeout=policy.round_timeout_s)
         try:
             await _run(stream, session, hello, eos_ids, on_tokens, result)
             return result
@@ -265,7 +266,7 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
             sent, received, network = sent + up, received + down, network + time.perf_counter() - t1
             result.dssd_fallbacks += 1
         new = await asyncio.to_thread(session.commit, rd, verdict, token, dssd_correction=True)
-    _observe(stream, session, result, rd.record(verdict, len(new), sent, received, network, session.threshold))
+    _observe(stream, session, result, rd, rd.record(verdict, len(new), sent, received, network, session.threshold))
     return new
 
 
@@ -289,14 +290,17 @@ async def _edge_round(stream: _Stream, session: DraftSession, result: Generation
             break
     network = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
     totals = replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
-    _observe(stream, session, result, rd.record(totals, generated, sent, received, network, None))
+    _observe(stream, session, result, rd, rd.record(totals, generated, sent, received, network, None))
 
 
-def _observe(stream: _Stream, session: DraftSession, result: GenerationResult, record: RoundRecord) -> None:
+def _observe(stream: _Stream, session: DraftSession, result: GenerationResult, rd: RoundDraft,
+             record: RoundRecord) -> None:
     result.add_round(record)
-    session.stats.observe(record)
+    session.observe(record, rd.settings)
     if stream.metrics:
         stream.metrics.observe_round(record)
+        if session.policy is not None:
+            stream.metrics.observe_auto(session.policy.last)
 
 
 def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):

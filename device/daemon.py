@@ -27,10 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
 from specdec.device import openai_schema as S
 from specdec.device.client import EdgeError, generate
-from specdec.device.drafter import DraftSession
+from specdec.device.auto import LinkTracker
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.openai_schema import ApiError, Choice
-from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_channel
+from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_channel, new_session
 
 log = logging.getLogger("specdec.device.daemon")
 
@@ -153,6 +153,7 @@ class DeviceEngine:
         self.fingerprint = vocab_fingerprint(drafter.tokenizer)
         self.policy = connection_policy(cfg.device)  # auth metadata, round timeout, resume after a broken stream
         self.operating_point = operating_point  # the drafter's recorded draft settings
+        self.tracker = LinkTracker()  # mode auto: what the device learns about its link, across requests
         self.started = int(time.time())
 
     async def check_edge(self) -> None:
@@ -204,7 +205,7 @@ class DeviceEngine:
         """
         hello = cfg.hello(self.fingerprint, self.drafter.vocab_size, seed=seed,
                           operating_point=self.operating_point)
-        session = DraftSession(self.drafter, hello, draft_ahead=cfg.draft_ahead)
+        session = new_session(cfg, self.drafter, hello, self.tracker)
         text = _TextTracker(self.drafter.tokenizer, stops)
 
         def on_tokens(new: list[int]) -> None:

@@ -67,10 +67,24 @@ class RoundDraft:
             ahead_discarded=self.ahead_discarded, threshold=threshold)
 
 
+def round_settings_json(s: DraftSettings) -> dict:
+    """What a round log says about how a round was drafted."""
+    out = {"mode": s.mode.value}
+    if s.mode is Mode.NONE:
+        return {**out, "edge_tokens": s.edge_tokens}
+    out["draft_len"] = len(s.tree) if s.tree else s.draft_len
+    if s.mode in (Mode.TSLT, Mode.KSQS):
+        out["top_k"] = s.top_k
+    if s.tree:
+        out["tree"] = list(s.tree)
+    return out
+
+
 class DraftSession:
     """Drafts rounds for one generation and applies the edge's verdicts. Blocking (torch)."""
 
-    def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False):
+    def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False, policy=None,
+                 round_log: bool = False):
         self.hello = hello
         self.vocab_size = drafter.vocab_size
         self.model = DraftModel(drafter, hello.temperature)
@@ -85,6 +99,10 @@ class DraftSession:
         self._ahead: Ahead | None = None
         self._codecs: dict[DraftSettings, CodecConfig | None] = {}
         self._specs: dict[tuple[int, ...], TreeSpec] = {}
+        # mode auto (device/auto.py AutoPolicy): picks each round's settings, fed every round's record
+        self.policy = policy
+        self.round_log: list[dict] | None = [] if round_log else None  # per-round entries for the JSON
+        self._t0 = time.perf_counter()
 
     @property
     def draft_ahead_enabled(self) -> bool:
@@ -92,6 +110,7 @@ class DraftSession:
 
     def start(self, prompt_ids: list[int]) -> None:
         self.tokens = list(prompt_ids)
+        self._t0 = time.perf_counter()
 
     def abort_round(self) -> None:
         """The stream broke before the verdict: drop drafted state, keep the verified prefix.
@@ -108,12 +127,28 @@ class DraftSession:
         self._ahead = None
 
     def choose_settings(self) -> None:
-        """Called before each round: a controller sets :attr:`settings` here (default: keep them)."""
+        """Called before each round: the policy (mode auto) sets :attr:`settings`; else they stay."""
+        if self.policy is not None:
+            self.settings = self.policy.choose()
+
+    def observe(self, record: RoundRecord, settings: DraftSettings) -> None:
+        """A finished round (its verdict and any DSSD fallback in): statistics, policy, round log."""
+        self.stats.observe(record)
+        if self.policy is not None:
+            self.policy.observe(record, settings)
+        if self.round_log is not None:
+            entry = {"t": time.perf_counter() - self._t0, **round_settings_json(settings), **record.to_json()}
+            if self.policy is not None:
+                entry["auto"] = self.policy.last
+            self.round_log.append(entry)
 
     # -- per-position hooks (tests and benchmarks override them to log or to break things) ----------
     def encode(self, q: torch.Tensor, settings: DraftSettings) -> EncodedQ:
         threshold = self.controller.beta if settings.mode is Mode.CSQS else None
-        return encode_q(q, self._codec(settings), threshold)
+        encoded = encode_q(q, self._codec(settings), threshold)
+        if self.policy is not None:
+            self.policy.observe_q(q, encoded.q_hat, settings)
+        return encoded
 
     def sample(self, encoded: EncodedQ, generator: torch.Generator) -> DraftStep:
         return sample_step(encoded, generator)
@@ -126,6 +161,7 @@ class DraftSession:
         if self.controller is not None and s.mode is Mode.CSQS:
             self.controller.start_round()  # one threshold per round (trees: updated along the path later)
         if s.tree:
+            self._drop_ahead()  # a chain drafted ahead does not make a tree
             return self._draft_tree(s, max(1, min(len(s.tree), max_tokens)))
         limit = chain_limit(s, max_tokens)
         part = self._take_ahead(limit, s) or self._new_round(len(self.tokens), s)
@@ -228,7 +264,9 @@ class DraftSession:
             return None
         part = ahead.round
         if part.start != len(self.tokens) or len(part.steps) > limit or part.settings != s:
-            self.model.truncate(min(self.model.cache_len, len(self.tokens)))  # settings changed: redraft
+            # settings changed: redraft. Keep the last verified token out of the cache: the first
+            # forward of the new round needs an input.
+            self.model.truncate(min(self.model.cache_len, len(self.tokens) - 1))
             return None
         return part
 

@@ -4,10 +4,14 @@ sees: the transmitted support sizes, the C-SQS threshold, tokens as delivered to
 
 - transmitted support size K, p50:
   ``histogram_quantile(0.5, sum by (le, mode) (rate(specdec_device_support_size_tokens_bucket[$__rate_interval])))``
+- mode auto, share of rounds per chosen mode:
+  ``sum by (mode) (rate(specdec_device_auto_choices_total[$__rate_interval])) / ignoring(mode) group_left
+  sum(rate(specdec_device_auto_choices_total[$__rate_interval]))``; the controller's latest estimates are
+  the ``specdec_device_auto_*`` gauges (round trip, uplink goodput, predicted tokens/s, chosen L and K).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specdec.common.metrics import SpecMetrics
 from specdec.common.stats import PHASES, RoundRecord
@@ -16,12 +20,26 @@ from specdec.common.stats import PHASES, RoundRecord
 SUPPORT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536, 262144)
 
 
+# mode auto's latest choice and estimates (device/auto.py ``AutoPolicy.last``): key, metric, help.
+AUTO_GAUGES = (
+    ("rtt_s", "rtt_seconds", "Estimated round trip (min-filtered, without serialization and edge time)"),
+    ("uplink_bps", "uplink_bits_per_second", "Estimated uplink goodput (0 = not measured yet)"),
+    ("predicted_tokens_per_s", "predicted_tokens_per_second", "Tokens per second predicted for the choice"),
+    ("alpha_base", "acceptance_ratio", "Estimated per-position acceptance with the exact draft distribution"),
+    ("draft_len", "draft_len_tokens", "Chosen draft length L (0 = edge-only round)"),
+    ("top_k", "top_k_tokens", "Chosen support size K (0 = the mode has none)"),
+)
+
+
 class DeviceMetrics(SpecMetrics):
     def __init__(self, registry: CollectorRegistry | None = None):
         super().__init__("device", PHASES, registry=registry)
         self.support_size = Histogram("support_size_tokens", "Transmitted support size K per distribution",
                                       ["mode"], buckets=SUPPORT_BUCKETS, **self.kw)
         self.csqs_threshold = Gauge("csqs_threshold", "Current C-SQS threshold beta (0 outside C-SQS)", **self.kw)
+        self.auto_choices = Counter("auto_choices", "Rounds whose settings mode auto chose, by mode", ["mode"],
+                                    **self.kw)
+        self.auto_gauges = {key: Gauge(f"auto_{name}", text, **self.kw) for key, name, text in AUTO_GAUGES}
 
     def observe_round(self, r: RoundRecord) -> None:
         super().observe_round(r)
@@ -29,6 +47,14 @@ class DeviceMetrics(SpecMetrics):
             self.support_size.labels(r.mode).observe(k)
         if r.threshold is not None:
             self.csqs_threshold.set(r.threshold)
+
+    def observe_auto(self, last: dict) -> None:
+        """mode auto chose a round's settings (``AutoPolicy.last``)."""
+        if not last:
+            return
+        self.auto_choices.labels(last["mode"]).inc()
+        for key, gauge in self.auto_gauges.items():
+            gauge.set(last.get(key) or 0.0)
 
     def tokens_delivered(self, mode: str, n: int) -> None:
         """Verified tokens handed to the caller (after the cut at EOS / max_new_tokens)."""

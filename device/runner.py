@@ -14,6 +14,7 @@ from specdec.common import settings as S
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.protocol import DraftSettings, Hello
+from specdec.device.auto import AutoPolicy, LinkTracker
 from specdec.device.client import ConnectionPolicy, GenerationResult, generate
 from specdec.device.default_drafter import default_drafter_spec, drafter_meta, has_default_drafter
 from specdec.device.drafter import DraftSession
@@ -57,6 +58,7 @@ class DeviceConfig:
     auth_token_file: str | None = None  # bearer token sent with every session
     round_timeout: float = 30.0         # a verdict later than this = dead link: reconnect and resume
     reconnect_timeout: float = 60.0     # give up after this long without a working stream
+    round_log: bool = False             # JSON output: one entry per round (settings, counts, times, auto's choice)
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, S.GivenSettings):  # hashable, and checked against the table
@@ -68,6 +70,11 @@ class DeviceConfig:
         names = set(S.setting_names())
         draft = {k: v for k, v in kw.items() if k in names}
         return cls(**{k: v for k, v in kw.items() if k not in names}, draft=draft)
+
+    @property
+    def auto(self) -> bool:
+        """``mode auto``: the device's controller picks every round's settings (device/auto.py)."""
+        return S.wants_auto(self.draft)
 
     def with_draft(self, **settings) -> "DeviceConfig":
         """The same config with these draft settings given as well (checked: ValueError)."""
@@ -98,6 +105,16 @@ def choose_drafter(cfg: DeviceConfig) -> DrafterChoice:
         return DrafterChoice(ModelSpec(device=cfg.device, dtype=cfg.dtype, num_layers=layers), {})
     return DrafterChoice(ModelSpec(model=cfg.draft_model, gguf_file=cfg.draft_gguf_file, device=cfg.device,
                                    dtype=cfg.dtype, num_layers=cfg.draft_layers), {})
+
+
+def new_session(cfg: DeviceConfig, drafter: LoadedModel, hello: Hello,
+                tracker: LinkTracker | None = None, session_class=DraftSession) -> DraftSession:
+    """A session for ``hello``; with ``mode auto``, driven by a controller that learns from ``tracker``
+    (one per device: its sessions share the link)."""
+    policy = None
+    if cfg.auto:
+        policy = AutoPolicy(tracker or LinkTracker(), hello, drafter.vocab_size, draft_ahead=cfg.draft_ahead)
+    return session_class(drafter, hello, draft_ahead=cfg.draft_ahead, policy=policy, round_log=cfg.round_log)
 
 
 def connection_policy(cfg: DeviceConfig) -> ConnectionPolicy:
@@ -163,7 +180,7 @@ def result_json(settings: DraftSettings, drafter: LoadedModel, session: DraftSes
     return {
         "token_ids": r.token_ids,
         "text": text,
-        "mode": settings.mode.value,
+        "mode": "auto" if session.policy is not None else settings.mode.value,
         "draft_model": drafter.name,
         "edge_model": r.welcome.model_name,
         "stats": {
@@ -195,6 +212,7 @@ def result_json(settings: DraftSettings, drafter: LoadedModel, session: DraftSes
             "time": {"draft": s.seconds["draft"], "encode": s.seconds["encode"],
                      "network": r.network_seconds, "verify": r.verify_seconds},
         },
+        **({"rounds": session.round_log} if session.round_log is not None else {}),
     }
 
 
@@ -227,11 +245,12 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
     results = []
     policy = connection_policy(cfg)
+    tracker = LinkTracker()  # mode auto: what this device learns about its link, across its sessions
     async with edge_channel(cfg) as channel:
         for i in range(cfg.num_samples):
             hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i,
                               operating_point=choice.operating_point)
-            session = DraftSession(drafter, hello, draft_ahead=cfg.draft_ahead)
+            session = new_session(cfg, drafter, hello, tracker)
             streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
             r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids,
                                on_tokens=streamer, timeout=cfg.timeout, metrics=metrics, policy=policy)

@@ -1,0 +1,173 @@
+"""Which settings the next round should use: expected tokens per second of each candidate, as pure math.
+
+The device's ``mode auto`` controller (device/auto.py) measures the link and the two models and asks
+:func:`best` which candidate (mode, K, draft length, or an edge-only round) maximises expected tokens
+per second. Pure: the estimates come in, a ranking comes out; no clock, no model, no socket.
+
+The model is the oracle-call latency model of TSLT (Zheng et al., "Fast Collaborative Inference via
+Distributed Speculative Decoding", §2.3: eq. (5) round time, eq. (8) tokens per round), extended with
+what a real link adds: a round trip (propagation, paid once per round), uplink and downlink goodput
+(serialization), the edge's verify time as a function of the tokens in its forward, drafting ahead
+(:func:`~specdec.common.latency.oracle_time_drafting_ahead`), DSSD's fallback round trip, and
+edge-only rounds (the target alone, streamed). Acceptance for a support size not tried yet comes from
+the top-K relation of TSLT Theorem 1, eq. (20)-(22): truncating q to its top K moves the acceptance
+rate by at most the dropped mass sigma_K; we use that bound as a first-order estimate,
+alpha_K = alpha_base - sigma_K (Lemma 2, eq. (19): the same holds for any packet with TV(q_hat, q) in
+place of sigma_K, which covers K-SQS's lattice error).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from specdec.common.codecs import Mode
+from specdec.common.latency import expected_tokens_per_call, oracle_time_drafting_ahead
+
+# Modes whose rounds the device can draft ahead (device/chain.py DRAFT_AHEAD_MODES, stated here as
+# data so that this module stays free of device code).
+AHEAD_MODES = frozenset({Mode.DENSE, Mode.TSLT, Mode.KSQS})
+PROTO_BYTES_PER_TOKEN = 6      # a draft token's id and its packet's length prefix on the wire
+PROTO_BYTES_PER_ROUND = 24     # round id, settings and framing of a Draft message
+VERDICT_BYTES = 40             # a Verdict (ids, counts, timings): the downlink of a verified round
+EDGE_TOKEN_BYTES = 40          # one streamed Verdict per token of an edge-only round
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the next round: a mode with its support size and draft length, or edge-only."""
+    mode: Mode
+    draft_len: int = 0          # L; 0 for edge-only rounds
+    top_k: int = 0              # TSLT / K-SQS support; 0 where the mode has none
+
+    @property
+    def key(self) -> str:
+        if self.mode is Mode.NONE:
+            return "none"
+        k = f"-{self.top_k}" if self.top_k else ""
+        return f"{self.mode.value}{k}/L{self.draft_len}"
+
+    @property
+    def codec_key(self) -> tuple[Mode, int]:
+        """What its packets depend on (bytes and acceptance per position do not depend on L)."""
+        return self.mode, self.top_k
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """What the device currently believes about the link and the two models (seconds, bits/s)."""
+    rtt_s: float                            # round trip without serialization or edge time
+    uplink_bps: float                       # goodput device -> edge
+    downlink_bps: float                     # goodput edge -> device
+    draft_s: float                          # drafter time per drafted token
+    verify_base_s: float                    # edge time of a forward with one token ...
+    verify_per_token_s: float               # ... plus this per further token in the forward
+    alpha_base: float                       # per-position acceptance with the exact q
+    sigma: Mapping[tuple[Mode, int], float] = field(default_factory=dict)   # TV(q_hat, q) per codec
+    packet_bytes: Mapping[tuple[Mode, int], float] = field(default_factory=dict)  # per draft token
+    encode_s: Mapping[Mode, float] = field(default_factory=dict)   # device: encode + decode per draft token
+    decode_s: Mapping[Mode, float] = field(default_factory=dict)   # edge: payload decode per draft token
+    queue_s: float = 0.0                    # edge: wait for its worker per forward
+    guess_rate: float = 0.7                 # P(bonus guessed right | all accepted): drafting ahead
+    dssd_fallback_rate: float = 0.05        # P(a DSSD rejection needs the full p_j) ...
+    dssd_fallback_bytes: float = 0.0        # ... and what that p_j costs downlink
+    edge_chunk: int = 16                    # tokens an edge-only round asks for
+
+    def verify_s(self, tokens: int) -> float:
+        """The edge's time for a forward over ``tokens`` tokens (affine fit of its reports)."""
+        return self.verify_base_s + self.verify_per_token_s * max(0, tokens - 1)
+
+    def alpha(self, c: Candidate) -> float:
+        """Per-position acceptance with c's packets: alpha_base - TV(q_hat, q) (TSLT eq. 22)."""
+        return min(1.0, max(0.0, self.alpha_base - self.sigma.get(c.codec_key, 0.0)))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    tokens: float           # expected tokens per round
+    seconds: float          # expected seconds per round
+    alpha: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _serialize_s(nbytes: float, bps: float) -> float:
+    return 8.0 * nbytes / bps if bps > 0 and math.isfinite(bps) else 0.0
+
+
+def uplink_bytes(c: Candidate, e: Estimates) -> float:
+    """Bytes of one round's Draft message run as ``c``."""
+    if c.mode is Mode.NONE:
+        return float(PROTO_BYTES_PER_ROUND)
+    return PROTO_BYTES_PER_ROUND + c.draft_len * (e.packet_bytes.get(c.codec_key, 0.0) + PROTO_BYTES_PER_TOKEN)
+
+
+def predict(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
+    """Expected tokens and seconds of one round run as ``c`` (module docstring: the model)."""
+    if c.mode is Mode.NONE:
+        n = max(1, e.edge_chunk)
+        seconds = (e.rtt_s + _serialize_s(PROTO_BYTES_PER_ROUND, e.uplink_bps)
+                   + n * (e.queue_s + e.verify_s(1) + _serialize_s(EDGE_TOKEN_BYTES, e.downlink_bps)))
+        return Prediction(c, float(n), seconds, 0.0)
+    L = c.draft_len
+    alpha = e.alpha(c)
+    tokens = expected_tokens_per_call(alpha, L)
+    comm = (e.rtt_s + _serialize_s(uplink_bytes(c, e), e.uplink_bps)
+            + _serialize_s(VERDICT_BYTES, e.downlink_bps))
+    t_slm = e.draft_s + e.encode_s.get(c.mode, 0.0)
+    verify = e.queue_s + L * e.decode_s.get(c.mode, 0.0) + e.verify_s(L + 1)
+    if draft_ahead and c.mode in AHEAD_MODES:
+        # The round drafted ahead is kept when all L are accepted and the bonus was guessed.
+        hit = (alpha ** L) * e.guess_rate
+        seconds = oracle_time_drafting_ahead(L, t_slm, comm, verify, hit)
+    else:
+        seconds = L * t_slm + comm + verify
+    if c.mode is Mode.DSSD:
+        rejected = 1.0 - alpha ** L  # a rejection needs the device's resample; rarely the full p_j
+        seconds += rejected * e.dssd_fallback_rate * (e.rtt_s + _serialize_s(e.dssd_fallback_bytes,
+                                                                             e.downlink_bps))
+    return Prediction(c, tokens, seconds, alpha)
+
+
+def rank(candidates: list[Candidate], e: Estimates, draft_ahead: bool = True) -> list[Prediction]:
+    """Every candidate's prediction, best expected tokens per second first."""
+    return sorted((predict(c, e, draft_ahead) for c in candidates), key=lambda p: -p.rate)
+
+
+def best(candidates: list[Candidate], e: Estimates, current: Candidate | None = None,
+         hysteresis: float = 0.0, draft_ahead: bool = True) -> tuple[Prediction, list[Prediction]]:
+    """The candidate to run next and the full ranking. Keeps ``current`` unless the best beats it by
+    more than ``hysteresis`` (relative): switching settings drops a round drafted ahead."""
+    ranking = rank(candidates, e, draft_ahead)
+    top = ranking[0]
+    if current is not None and hysteresis > 0:
+        kept = next((p for p in ranking if p.candidate == current), None)
+        if kept is not None and top.rate <= kept.rate * (1.0 + hysteresis):
+            return kept, ranking
+    return top, ranking
+
+
+def candidate_grid(top_ks: tuple[int, ...], draft_lens: tuple[int, ...], ksqs_ks: tuple[int, ...],
+                   dense: bool = True, dssd: bool = True, edge_only: bool = True) -> list[Candidate]:
+    """The candidates a controller chooses among: each mode at each draft length, plus edge-only."""
+    out: list[Candidate] = [Candidate(Mode.NONE)] if edge_only else []
+    for L in draft_lens:
+        out += [Candidate(Mode.TSLT, L, k) for k in top_ks]
+        out += [Candidate(Mode.KSQS, L, k) for k in ksqs_ks]
+        if dense:
+            out.append(Candidate(Mode.DENSE, L))
+        if dssd:
+            out.append(Candidate(Mode.DSSD, L))
+    return out
+
+
+def edge_chunk(rtt_s: float, token_s: float, overhead: float, lo: int, hi: int) -> int:
+    """Tokens an edge-only round should ask for so that its one round trip costs at most ``overhead``
+    of the round: n t >= rtt (1 - overhead) / overhead, within [lo, hi]."""
+    if token_s <= 0:
+        return hi
+    n = math.ceil(rtt_s * (1.0 - overhead) / (overhead * token_s))
+    return max(lo, min(hi, n))

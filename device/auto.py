@@ -1,0 +1,361 @@
+"""``mode auto``: before each round, pick mode, K and draft length from what the device measures.
+
+:class:`LinkTracker` is the device's memory of its link and models (shared by its sessions, since
+they share the link); :class:`AutoPolicy` is one session's controller, called by
+:meth:`DraftSession.choose_settings` before each round and fed each round's
+:class:`~specdec.common.stats.RoundRecord`. The choice itself is :func:`specdec.common.autotune.best`,
+pure math over the :class:`~specdec.common.autotune.Estimates` built here.
+
+What is measured, per round (all from what the device already sees):
+  * round trip: the round's network time (device wall time minus the edge's reported queue, decode
+    and verify time) minus serialization at the current goodput estimates, min-filtered over the last
+    few rounds (the floor under queueing and jitter);
+  * uplink goodput: bits of rounds large enough to measure over their network time above that floor
+    (ratio of sums over recent rounds); downlink likewise from DSSD's full-p_j replies;
+  * the edge's time per forward, an affine fit in the tokens of the forward (each Verdict reports it);
+  * drafter and codec time per drafted token;
+  * acceptance: every tested position adds (accepted + TV(q_hat, q) of its packet) to alpha_base, the
+    acceptance the exact q would have (TSLT eq. 22), and every encoded q adds its dropped mass for
+    each candidate K, so a K never sent still gets an estimate;
+  * the share of drafted-ahead rounds kept (bonus guessed), DSSD's fallback share.
+Model-side estimates are kept per temperature (acceptance depends on it), link-side ones once.
+
+Lossless whatever it picks: each round is drafted, sent and verified with the settings it names.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdec.common import autotune as A
+from specdec.common.codecs import Mode
+from specdec.common.protocol import DraftSettings, Hello
+from specdec.common.stats import RoundRecord
+
+FAST_LINK_BPS = 1e9           # an uplink we have not measured yet is assumed fast: the first large
+                              # round then measures it (optimism explores)
+MIN_RATE_SAMPLE_BYTES = 1200  # rounds smaller than about one segment say nothing about goodput
+MIN_EXCESS_S = 2e-4           # below this the serialization is lost in timer noise
+RTT_WINDOW = 4                # rounds in the round-trip min filter: short, so a slower link shows soon
+RATE_WINDOW = 6               # rate samples in the goodput estimate
+VERIFY_WINDOW = 24            # (tokens, seconds) points in the verify-time fit
+DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
+ACCEPT_DECAY = 0.98           # per tested position: acceptance moves with the text, slowly
+PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it
+BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every candidate's packet size
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 4.0   # acceptance before any round (4 positions' worth)
+PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
+PRIOR_FALLBACK = 0.1          # P(DSSD rejection needs the full p_j) before any evidence
+PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
+REVISIT_AFTER_EDGE_ROUNDS = 6   # edge-only rounds before one drafted round re-measures drafting
+EDGE_CHUNK_OVERHEAD = 0.1     # an edge-only round's round trip may cost at most this share of it
+EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """The candidates ``mode auto`` chooses among, and how eagerly it switches."""
+    top_ks: tuple[int, ...] = (16, 64, 256, 1024)      # TSLT supports
+    ksqs_ks: tuple[int, ...] = (64,)                   # K-SQS supports (lattice below)
+    lattice: int = 1000
+    draft_lens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+    dense: bool = True
+    dssd: bool = True
+    edge_only: bool = True
+    hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
+
+    def candidates(self, vocab_size: int, max_draft_len: int = 32, max_k: int = 8192) -> list[A.Candidate]:
+        cap = min(vocab_size, max_k)
+        ks = tuple(sorted({min(k, cap) for k in self.top_ks}))
+        lens = tuple(L for L in self.draft_lens if L <= max_draft_len)
+        return A.candidate_grid(ks, lens, tuple(sorted({min(k, cap) for k in self.ksqs_ks})), self.dense,
+                                self.dssd, self.edge_only)
+
+
+class _Ewma:
+    def __init__(self, prior: float | None = None, decay: float = DECAY):
+        self.value, self.decay = prior, decay
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+
+class _ModelSide:
+    """Estimates that depend on the two models and the temperature, not on the link."""
+
+    def __init__(self):
+        self.accept_num = PRIOR_ALPHA * PRIOR_WEIGHT   # decayed sum of accepted + TV per tested position
+        self.accept_den = PRIOR_WEIGHT
+        self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
+        self.guess = [PRIOR_GUESS * 2, 2.0]             # decayed (hits, trials)
+        self.fallback = [PRIOR_FALLBACK * 4, 4.0]
+
+    @property
+    def alpha_base(self) -> float:
+        return min(1.0, self.accept_num / self.accept_den)
+
+    def add_acceptance(self, accepted: int, tested: int, tv: float) -> None:
+        keep = ACCEPT_DECAY ** tested
+        self.accept_num = keep * self.accept_num + accepted + tested * tv
+        self.accept_den = keep * self.accept_den + tested
+
+    def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
+        self.sigma.setdefault(key, _Ewma()).add(tv)
+
+    def tv(self, key: tuple[Mode, int]) -> float:
+        e = self.sigma.get(key)
+        return e.value if e is not None and e.value is not None else 0.0
+
+
+def _share(counts: list[float], hit: bool) -> None:
+    counts[0] = DECAY * counts[0] + hit
+    counts[1] = DECAY * counts[1] + 1
+
+
+class LinkTracker:
+    """What one device knows about its link, its drafter and the edge; shared by its sessions."""
+
+    def __init__(self, config: AutoConfig = AutoConfig()):
+        self.config = config
+        self.lock = threading.Lock()   # encode hooks run in worker threads, rounds on the event loop
+        self.rtt = collections.deque(maxlen=RTT_WINDOW)
+        self.up = collections.deque(maxlen=RATE_WINDOW)      # (bits, seconds)
+        self.down = collections.deque(maxlen=RATE_WINDOW)
+        self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
+        self.draft_s = _Ewma()
+        self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
+        self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
+        self.queue_s = _Ewma(0.0)               # edge: wait for its worker per round
+        self.packet_bytes: dict[tuple[Mode, int], float] = {}
+        self.models: dict[float, _ModelSide] = {}
+        self.rounds_since_rate = 0
+        self.encoded = 0
+
+    def model(self, temperature: float) -> _ModelSide:
+        return self.models.setdefault(float(temperature), _ModelSide())
+
+    # -- link --------------------------------------------------------------------------------------------
+    def rate(self, samples) -> float:
+        bits, secs = sum(b for b, _ in samples), sum(s for _, s in samples)
+        return bits / secs if samples and secs > 0 else FAST_LINK_BPS
+
+    def rtt_s(self) -> float:
+        return min(self.rtt) if self.rtt else 0.0
+
+    def add_network(self, network: float, up_bytes: int, down_bytes: int, dssd_full: bool) -> None:
+        """One round's network time: a round-trip sample, and a goodput sample if it carried enough."""
+        up_bps, down_bps = self.rate(self.up), self.rate(self.down)
+        serialization = 8 * up_bytes / up_bps + 8 * down_bytes / down_bps
+        if not dssd_full:  # a fallback round holds two round trips: no RTT sample
+            self.rtt.append(max(0.0, network - serialization))
+        floor = self.rtt_s() * (2 if dssd_full else 1)
+        self.rounds_since_rate += 1
+        if up_bytes >= MIN_RATE_SAMPLE_BYTES and not dssd_full:
+            self.up.append((8 * up_bytes, max(MIN_EXCESS_S, network - floor - 8 * down_bytes / down_bps)))
+            self.rounds_since_rate = 0
+        if dssd_full:
+            self.down.append((8 * down_bytes, max(MIN_EXCESS_S, network - floor - 8 * up_bytes / up_bps)))
+
+    def add_verify(self, tokens: int, seconds: float) -> None:
+        self.verify.append((max(1, tokens), seconds))
+
+    def verify_fit(self) -> tuple[float, float]:
+        """(seconds of a one-token forward, seconds per further token): least squares on recent
+        forwards, shrunk toward the prior slope when they all had the same size."""
+        if not self.verify:
+            return 0.05, 0.05 * PRIOR_VERIFY_SLOPE
+        n = torch.tensor([float(t) for t, _ in self.verify]) - 1.0
+        s = torch.tensor([x for _, x in self.verify])
+        mean_n, mean_s = float(n.mean()), float(s.mean())
+        var = float(((n - mean_n) ** 2).sum())
+        prior_weight = 4.0  # pseudo-observations' worth of spread behind the prior slope
+        base_guess = mean_s / (1 + PRIOR_VERIFY_SLOPE * mean_n)
+        slope = (float(((n - mean_n) * (s - mean_s)).sum()) + prior_weight * PRIOR_VERIFY_SLOPE * base_guess) \
+            / (var + prior_weight)
+        slope = max(0.0, slope)
+        return max(1e-4, mean_s - slope * mean_n), slope
+
+    # -- encoded distributions ---------------------------------------------------------------------------
+    def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings, temperature: float) -> None:
+        """Every encoded q: the dropped mass of each candidate K, the used packet's TV, packet sizes."""
+        cfg = self.config
+        ks = sorted({min(k, q.numel()) for k in (*cfg.top_ks, *cfg.ksqs_ks)})  # as the candidates clamp them
+        top = q.topk(max(ks)).values.cumsum(0)  # [max K]
+        used_tv = 0.5 * float((q_hat.double() - q.double()).abs().sum())
+        with self.lock:
+            side = self.model(temperature)
+            for k in ks:
+                side.add_sigma((Mode.TSLT, k), max(0.0, 1.0 - float(top[k - 1])))
+            if settings.mode is Mode.KSQS:
+                side.add_sigma((Mode.KSQS, settings.top_k), used_tv)
+            self.encoded += 1
+            refresh = self.encoded % BYTES_REFRESH_EVERY == 1
+        if refresh:
+            self._measure_packets(q, settings, temperature)
+
+    def _measure_packets(self, q: torch.Tensor, settings: DraftSettings, temperature: float) -> None:
+        """Encode one q with every candidate codec: their payload bytes, and K-SQS's TV(q_hat, q) (its
+        lattice error on top of the dropped mass), so that codecs never sent still get estimates."""
+        from specdec.device.draft_model import encode_q  # the same encoder the rounds use
+        sizes, tvs = {}, {}
+        for key in self._codec_keys(q.numel()):
+            mode, k = key
+            s = replace(settings, mode=mode, top_k=k or settings.top_k, top_p=0.0, lattice=self.config.lattice,
+                        dense_dtype="fp16")
+            enc = encode_q(q, s.codec(q.numel()))
+            sizes[key] = float(len(enc.payload))
+            if mode is Mode.KSQS:
+                tvs[key] = 0.5 * float((enc.q_hat.double() - q.double()).abs().sum())
+        with self.lock:
+            self.packet_bytes.update(sizes)
+            for key, tv in tvs.items():
+                self.model(temperature).add_sigma(key, tv)
+
+    def _codec_keys(self, vocab_size: int) -> list[tuple[Mode, int]]:
+        cfg = self.config
+        keys = [(Mode.TSLT, min(k, vocab_size)) for k in cfg.top_ks]
+        keys += [(Mode.KSQS, min(k, vocab_size)) for k in cfg.ksqs_ks]
+        return keys + ([(Mode.DENSE, 0)] if cfg.dense else [])
+
+    # -- rounds ------------------------------------------------------------------------------------------
+    def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,
+                      catching_up: bool = False) -> None:
+        """One round's record. ``catching_up``: the session's first drafted round, or the first after
+        edge-only rounds: its drafting includes feeding the drafter the tokens it has not seen, and its
+        network time the edge's prefill, so neither says anything about a round in steady state."""
+        forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
+        dssd_full = settings.mode is Mode.DSSD and r.downlink_bytes >= 8 * vocab_size
+        with self.lock:
+            if not catching_up:
+                self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes, dssd_full)
+            if settings.mode is Mode.NONE:
+                if r.generated:
+                    self.add_verify(1, forward / r.generated)
+                    self.queue_s.add(queue / r.generated)
+                return
+            self.add_verify(r.drafted_tokens + 1, forward)
+            self.queue_s.add(queue)
+            if r.drafted_tokens:
+                per_token = {name: r.phases.get(name, 0.0) / r.drafted_tokens for name in ("draft", "encode", "decode")}
+                if not catching_up:
+                    self.draft_s.add(per_token["draft"])
+                self.encode_s.setdefault(settings.mode, _Ewma()).add(per_token["encode"])
+                self.decode_s.setdefault(settings.mode, _Ewma()).add(per_token["decode"])
+            side = self.model(temperature)
+            side.add_acceptance(r.accepted, r.tested, side.tv(_codec_key(settings)))
+            if settings.mode is Mode.DSSD and r.accepted < r.positions:
+                _share(side.fallback, dssd_full)
+
+    def observe_guess(self, temperature: float, kept: bool) -> None:
+        with self.lock:
+            _share(self.model(temperature).guess, kept)
+
+    def estimates(self, temperature: float, vocab_size: int) -> A.Estimates:
+        with self.lock:
+            side = self.model(temperature)
+            base, slope = self.verify_fit()
+            return A.Estimates(
+                rtt_s=self.rtt_s(), uplink_bps=self.rate(self.up), downlink_bps=self.rate(self.down),
+                draft_s=self.draft_s.value if self.draft_s.value is not None else 0.01,
+                verify_base_s=base, verify_per_token_s=slope, alpha_base=side.alpha_base,
+                sigma={k: e.value for k, e in side.sigma.items() if e.value is not None},
+                packet_bytes=dict(self.packet_bytes),
+                encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
+                decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
+                queue_s=self.queue_s.value or 0.0,
+                guess_rate=side.guess[0] / side.guess[1], dssd_fallback_rate=side.fallback[0] / side.fallback[1],
+                dssd_fallback_bytes=8.0 * vocab_size,
+                edge_chunk=A.edge_chunk(self.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
+
+
+def _codec_key(s: DraftSettings) -> tuple[Mode, int]:
+    return s.mode, s.top_k if s.mode in (Mode.TSLT, Mode.KSQS) else 0
+
+
+class AutoPolicy:
+    """One session's controller: the next round's settings from the tracker's estimates."""
+
+    def __init__(self, tracker: LinkTracker, hello: Hello, vocab_size: int, draft_ahead: bool = True):
+        self.tracker = tracker
+        self.hello = hello
+        self.vocab_size = vocab_size
+        self.draft_ahead = draft_ahead
+        self.candidates = tracker.config.candidates(vocab_size)
+        self.current: A.Candidate | None = None
+        self.last: dict = {}          # the latest choice and the estimates behind it (JSON-able)
+        self._await_guess = False     # the last round was fully accepted with drafting ahead on
+        self._last_len = 0
+        self._drafted_last = False    # the last round was drafted (False at the start: catch-up)
+        self.edge_only_run = 0        # edge-only rounds in a row
+
+    def choose(self) -> DraftSettings:
+        e = self.tracker.estimates(self.hello.temperature, self.vocab_size)
+        pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
+        probe = self._probe(pick, e) or self._revisit(pick, ranking)
+        chosen = probe or pick
+        self.current = chosen.candidate
+        self.last = _explain(chosen, e, ranking, probe is not None)
+        return self.settings_for(chosen.candidate, e.edge_chunk)
+
+    def _probe(self, pick: A.Prediction, e: A.Estimates) -> A.Prediction | None:
+        """Goodput is only measured by rounds that carry enough bytes. If none did for a while and a
+        fast link would change the choice, run the best-predicted round large enough to measure it."""
+        if self.tracker.rounds_since_rate < PROBE_EVERY:
+            return None
+        fast = replace(e, uplink_bps=FAST_LINK_BPS)
+        if A.rank(self.candidates, fast, self.draft_ahead)[0].candidate == pick.candidate:
+            return None
+        informative = [p for p in A.rank(self.candidates, e, self.draft_ahead)
+                       if A.uplink_bytes(p.candidate, e) >= MIN_RATE_SAMPLE_BYTES]
+        return informative[0] if informative else None
+
+    def _revisit(self, pick: A.Prediction, ranking: list[A.Prediction]) -> A.Prediction | None:
+        """After a run of edge-only rounds, draft one round with the best drafting candidate: the
+        drafter's speed and the acceptance are measured only by drafting, and a stale estimate must
+        not keep the session edge-only for good."""
+        if pick.candidate.mode is not Mode.NONE or self.edge_only_run < REVISIT_AFTER_EDGE_ROUNDS:
+            return None
+        return next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
+
+    def settings_for(self, c: A.Candidate, edge_chunk: int) -> DraftSettings:
+        base = replace(self.hello.draft, tree=(), bit_budget=0, top_p=0.0)
+        if c.mode is Mode.NONE:
+            return replace(base, mode=Mode.NONE, edge_tokens=edge_chunk, coupled_bonus=False)
+        return replace(base, mode=c.mode, draft_len=c.draft_len, top_k=c.top_k or base.top_k,
+                       lattice=self.tracker.config.lattice, dense_dtype="fp16",
+                       coupled_bonus=self.hello.draft.coupled_bonus and c.mode is not Mode.DSSD)
+
+    def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> None:
+        self.tracker.observe_q(q, q_hat, settings, self.hello.temperature)
+
+    def observe(self, r: RoundRecord, settings: DraftSettings) -> None:
+        t = self.hello.temperature
+        if self._await_guess and settings.mode in A.AHEAD_MODES and settings.draft_len == self._last_len:
+            self.tracker.observe_guess(t, r.drafted_ahead)
+        drafted = settings.mode is not Mode.NONE
+        self.tracker.observe_round(r, settings, t, self.vocab_size, catching_up=drafted and not self._drafted_last)
+        self._await_guess = (self.draft_ahead and settings.mode in A.AHEAD_MODES
+                             and r.accepted == r.positions > 0)
+        self._last_len = settings.draft_len
+        self._drafted_last = drafted
+        self.edge_only_run = 0 if drafted else self.edge_only_run + 1
+
+
+def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], probe: bool) -> dict:
+    """The choice and the estimates behind it, for the JSON round log and the metrics."""
+    return {
+        "choice": chosen.candidate.key, "mode": chosen.candidate.mode.value, "draft_len": chosen.candidate.draft_len,
+        "top_k": chosen.candidate.top_k, "predicted_tokens_per_s": chosen.rate, "alpha": chosen.alpha,
+        "probe": probe, "runner_up": ranking[1].candidate.key if len(ranking) > 1 else None,
+        "rtt_s": e.rtt_s, "uplink_bps": _finite(e.uplink_bps), "downlink_bps": _finite(e.downlink_bps),
+        "draft_s": e.draft_s, "verify_base_s": e.verify_base_s, "verify_per_token_s": e.verify_per_token_s,
+        "alpha_base": e.alpha_base, "guess_rate": e.guess_rate, "edge_chunk": e.edge_chunk,
+    }
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) and x < FAST_LINK_BPS else None

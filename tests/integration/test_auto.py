@@ -1,0 +1,144 @@
+"""mode auto end to end: a device whose controller changes mode, K and draft length (edge-only rounds
+included) between rounds stays lossless, greedy and sampled, over real gRPC with tiny models."""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import torch
+
+from harness import EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, target_greedy
+from specdec.common.codecs import Mode
+from specdec.common.modeling import encode_prompt
+from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.draft_model import DraftStep
+from specdec.device.drafter import DraftSession
+from specdec.device.openai_schema import parse_overrides
+from specdec.device.runner import DeviceConfig
+from test_lossless_e2e import N_TOKENS, PROMPT, exact_law
+from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+
+NUM_SESSIONS = 1500
+CONTROL_SESSIONS = 600
+CONCURRENCY = 4
+# Candidates small enough for the 8-token vocabulary: supports 1-8, K-SQS on a coarse lattice.
+TINY = AutoConfig(top_ks=(1, 3, 8), ksqs_ks=(3,), lattice=8, draft_lens=(1, 2, 3))
+
+
+class RandomAuto(AutoPolicy):
+    """The real controller's plumbing (its settings, its observations) with choices drawn at random
+    from every candidate, seeded by the session: many more transitions than a measured link gives
+    (edge-only <-> drafted, DSSD <-> drafted ahead, K up and down), each a chance to get one wrong.
+    Half the rounds keep the last choice, so rounds drafted ahead are also kept and sent."""
+
+    def choose(self):
+        rng = random.Random(self.hello.seed * 1000 + len(self.last_choices))
+        if self.current is None or rng.random() < 0.5:  # else keep it: a kept round drafted ahead is used
+            self.current = rng.choice(self.candidates)
+        self.last_choices.append(self.current.key)
+        return self.settings_for(self.current, rng.choice((1, 2)))
+
+
+def random_auto_session(drafter, hello, session_class=DraftSession):
+    policy = RandomAuto(LinkTracker(TINY), hello, drafter.vocab_size, draft_ahead=True)
+    policy.last_choices = []
+    return session_class(drafter, hello, draft_ahead=True, policy=policy)
+
+
+def measured_auto_session(drafter, hello):
+    policy = AutoPolicy(LinkTracker(TINY), hello, drafter.vocab_size, draft_ahead=True)
+    return DraftSession(drafter, hello, draft_ahead=True, policy=policy)
+
+
+def test_mode_auto_is_accepted_wherever_settings_are_given() -> None:
+    assert DeviceConfig.of(mode="auto").auto and not DeviceConfig.of(mode="tslt").auto
+    assert parse_overrides({"mode": "auto", "top_k": 32}) == {"mode": "auto", "top_k": 32}
+    hello = DeviceConfig.of(mode="auto", top_k=32).hello("fp", 512, seed=0)
+    assert hello.draft.mode is Mode.TSLT and hello.draft.top_k == 32  # auto starts from the table
+
+
+def test_greedy_auto_equals_the_target_greedy_decode(tiny_pair_v512) -> None:
+    target_dir, drafter_dir = tiny_pair_v512
+    cfg = device_config(temperature=0.0, max_new_tokens=24, mode="auto")
+    prompts = ["w1 w2 w3", "w7 w8", "w3 w9 w4 w1"]
+    drafter = load(str(drafter_dir))
+
+    async def main():
+        async with edge(target_dir) as address:
+            out = []
+            for prompt in prompts:
+                for factory in (random_auto_session, measured_auto_session):
+                    out.append((prompt, factory, await run_sessions(address, drafter, cfg, prompt, [3], factory)))
+            return out
+
+    for prompt, factory, [(tokens, r, session)] in run(main()):
+        ids = encode_prompt(drafter.tokenizer, prompt, raw=True)
+        assert tokens == target_greedy(target_dir, ids, 24), (prompt, factory.__name__)
+        if factory is random_auto_session:
+            modes = {key.split("/")[0].split("-")[0] for key in session.policy.last_choices}
+            assert len(modes) >= 3, modes  # the test exercised switches between modes
+
+
+def _counts(tiny_pair, factory, sessions: int) -> tuple[Counter, dict]:
+    target_dir, drafter_dir = tiny_pair
+    # Sessions run past the tokens the law covers, so that rounds drafted ahead land inside them.
+    cfg = device_config(temperature=1.0, max_new_tokens=N_TOKENS + 3, mode="auto")
+    drafter = load(str(drafter_dir))
+    law = exact_law(str(target_dir), tuple(encode_prompt(drafter.tokenizer, PROMPT, raw=True)))
+
+    async def main():
+        async with edge(target_dir) as address:
+            return await run_sessions(address, drafter, cfg, PROMPT, range(sessions), factory, CONCURRENCY)
+
+    results = run(main())
+    return Counter(tuple(tokens[:N_TOKENS]) for tokens, _, _ in results), law, results
+
+
+def test_auto_switching_every_round_is_lossless(tiny_pair_v8) -> None:
+    counts, law, results = _counts(tiny_pair_v8, random_auto_session, NUM_SESSIONS)
+    kinds = Counter(key.split("/")[0] for _, _, s in results for key in s.policy.last_choices)
+    assert {"none", "dssd", "dense"} <= set(kinds) and len(kinds) >= 6, kinds
+    assert sum(s.stats.ahead_rounds_used for _, _, s in results) > 20  # rounds drafted ahead were kept too
+    assert set(counts) <= set(law), "generated a sequence the target cannot produce"
+    fit = goodness_of_fit(counts, law)
+    print(f"mode auto, random choices: {fit}")
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+class SamplesUniformOnSupport(DraftSession):
+    """Control: the classic bug (the token is drafted from another law than the packet it sends,
+    here uniform on the packet's support) under auto's switching: the law test must reject it."""
+
+    def sample(self, encoded, generator):
+        super().sample(encoded, generator)
+        other = (encoded.q_hat > 0).double()
+        return DraftStep(int(torch.multinomial(other / other.sum(), 1, generator=generator)), encoded)
+
+
+def test_control_auto_with_a_device_sampling_another_q_is_detected(tiny_pair_v8) -> None:
+    counts, law, _ = _counts(tiny_pair_v8, lambda d, h: random_auto_session(d, h, SamplesUniformOnSupport),
+                             CONTROL_SESSIONS)
+    fit = goodness_of_fit(counts, law)
+    print(f"control under auto: {fit}")
+    assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
+
+
+def test_cli_auto_round_log_names_each_choice_and_its_estimates(tiny_pair_v512) -> None:
+    target_dir, drafter_dir = tiny_pair_v512
+    proc = EdgeProcess("--model", str(target_dir))
+    try:
+        out = device_cli("--edge", proc.address, "--draft-model", str(drafter_dir), "--prompt", "w1 w2 w3", "--raw",
+                         "--mode", "auto", "--json", "--round-log", "--max-new-tokens", "16", "--temperature", "1")
+        bad = device_cli("--edge", proc.address, "--prompt", "x", "--mode", "automatic")
+    finally:
+        assert proc.stop() == 0
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert record["mode"] == "auto" and record["rounds"]
+    assert sum(r["generated"] for r in record["rounds"]) >= 16
+    for entry in record["rounds"]:
+        auto = entry["auto"]
+        assert auto["mode"] == entry["mode"] and auto["predicted_tokens_per_s"] > 0
+        assert {"rtt_s", "uplink_bps", "alpha_base", "draft_s", "verify_base_s"} <= set(auto)
+    assert bad.returncode != 0 and "auto" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,207 @@
+"""mode auto: the pure choice (common/autotune.py) and the estimates behind it (device/auto.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.common import autotune as A
+from specdec.common.codecs import Mode
+from specdec.common.protocol import Hello
+from specdec.common.settings import DraftSettings, resolve, validate
+from specdec.common.stats import RoundRecord
+from specdec.device.auto import RTT_WINDOW, AutoConfig, AutoPolicy, LinkTracker
+
+TSLT_256 = (Mode.TSLT, 256)
+BYTES = {(Mode.TSLT, 16): 80.0, (Mode.TSLT, 64): 320.0, TSLT_256: 1280.0, (Mode.TSLT, 1024): 5120.0,
+         (Mode.KSQS, 64): 90.0, (Mode.DENSE, 0): 98304.0}
+SIGMA = {(Mode.TSLT, 16): 0.12, (Mode.TSLT, 64): 0.05, TSLT_256: 0.02, (Mode.TSLT, 1024): 0.005,
+         (Mode.KSQS, 64): 0.07}
+
+
+def estimates(**kw) -> A.Estimates:
+    base = dict(rtt_s=0.0, uplink_bps=100e6, downlink_bps=100e6, draft_s=0.01, verify_base_s=0.05,
+                verify_per_token_s=0.008, alpha_base=0.9, sigma=SIGMA, packet_bytes=BYTES, guess_rate=0.7,
+                dssd_fallback_rate=0.05, dssd_fallback_bytes=8 * 49152, edge_chunk=16)
+    return A.Estimates(**{**base, **kw})
+
+
+CANDIDATES = A.candidate_grid((16, 64, 256, 1024), (1, 2, 3, 4, 6, 8, 12, 16), (64,))
+
+
+def test_edge_only_round_is_its_tokens_over_one_round_trip_and_their_forwards() -> None:
+    e = estimates(rtt_s=0.1, edge_chunk=10, downlink_bps=math.inf)
+    p = A.predict(A.Candidate(Mode.NONE), e)
+    assert p.tokens == 10 and p.seconds == pytest.approx(0.1 + 8 * A.PROTO_BYTES_PER_ROUND / 100e6 + 10 * 0.05)
+
+
+def test_acceptance_of_a_support_is_the_exact_q_acceptance_minus_its_dropped_mass() -> None:
+    """TSLT eq. (22) used as the estimate: alpha_K = alpha - sigma_K; dense and DSSD send q exactly."""
+    e = estimates()
+    assert e.alpha(A.Candidate(Mode.TSLT, 4, 16)) == pytest.approx(0.78)
+    assert e.alpha(A.Candidate(Mode.TSLT, 4, 1024)) == pytest.approx(0.895)
+    assert e.alpha(A.Candidate(Mode.DSSD, 4)) == e.alpha(A.Candidate(Mode.DENSE, 4)) == pytest.approx(0.9)
+
+
+def test_chain_round_without_drafting_ahead_is_eq5_with_the_link() -> None:
+    e = estimates(rtt_s=0.02, uplink_bps=1e6, downlink_bps=math.inf)
+    c = A.Candidate(Mode.TSLT, 4, 256)
+    p = A.predict(c, e, draft_ahead=False)
+    up = 8 * (A.PROTO_BYTES_PER_ROUND + 4 * (1280 + A.PROTO_BYTES_PER_TOKEN)) / 1e6
+    assert p.seconds == pytest.approx(4 * 0.01 + 0.02 + up + 0.05 + 4 * 0.008)
+    assert p.tokens == pytest.approx((1 - 0.88 ** 5) / (1 - 0.88))
+
+
+def test_longer_round_trips_choose_longer_drafts() -> None:
+    """A round trip is paid once per round: the slower it is, the more tokens a round should carry."""
+    lens = []
+    for rtt in (0.0, 0.02, 0.06, 0.15):
+        pick, _ = A.best(CANDIDATES, estimates(rtt_s=rtt, alpha_base=0.95))
+        assert pick.candidate.mode is not Mode.NONE
+        lens.append(pick.candidate.draft_len)
+    assert lens == sorted(lens) and lens[-1] > lens[0], lens
+
+
+def test_slow_uplinks_choose_smaller_packets() -> None:
+    fast, _ = A.best(CANDIDATES, estimates(uplink_bps=100e6))
+    slow, _ = A.best(CANDIDATES, estimates(uplink_bps=0.5e6))
+    assert A.uplink_bytes(slow.candidate, estimates()) < A.uplink_bytes(fast.candidate, estimates()) / 4
+    assert fast.candidate.mode is not Mode.DSSD or fast.candidate.draft_len > slow.candidate.draft_len
+
+
+def test_speculation_stops_when_it_loses() -> None:
+    """A drafter slower than the target's forward with poor acceptance: the edge alone is faster."""
+    pick, ranking = A.best(CANDIDATES, estimates(draft_s=0.08, alpha_base=0.3, rtt_s=0.05))
+    assert pick.candidate.mode is Mode.NONE, [p.candidate.key for p in ranking[:3]]
+
+
+def test_hysteresis_keeps_the_current_choice_unless_another_is_clearly_better() -> None:
+    e = estimates()
+    ranking = A.rank(CANDIDATES, e)
+    second = ranking[1]
+    assert second.rate > ranking[0].rate / 1.05  # close enough to be kept
+    kept, _ = A.best(CANDIDATES, e, current=second.candidate, hysteresis=0.05)
+    assert kept.candidate == second.candidate
+    switched, _ = A.best(CANDIDATES, e, current=ranking[-1].candidate, hysteresis=0.05)
+    assert switched.candidate == ranking[0].candidate
+
+
+def test_drafting_ahead_hides_drafting_behind_the_round_trip() -> None:
+    e = estimates(rtt_s=0.1, alpha_base=1.0, sigma={}, guess_rate=1.0)
+    c = A.Candidate(Mode.TSLT, 4, 256)
+    ahead, after = A.predict(c, e, draft_ahead=True), A.predict(c, e, draft_ahead=False)
+    assert ahead.seconds == pytest.approx(after.seconds - 4 * 0.01)  # every step fits in the window
+    assert A.predict(A.Candidate(Mode.DSSD, 4), e, True).seconds == A.predict(A.Candidate(Mode.DSSD, 4), e, False).seconds
+
+
+def test_edge_chunk_bounds_the_round_trip_share() -> None:
+    assert A.edge_chunk(0.15, 0.05, 0.1, 8, 64) == 27  # 27 x 50 ms >= 9 x 150 ms
+    assert A.edge_chunk(0.0, 0.05, 0.1, 8, 64) == 8
+    assert A.edge_chunk(5.0, 0.05, 0.1, 8, 64) == 64
+
+
+# -- the estimates ---------------------------------------------------------------------------------------
+
+def record(mode=Mode.TSLT, drafted=4, accepted=4, up=2000, down=40, network=0.0, verify=0.05,
+           draft=0.04, ahead=False) -> RoundRecord:
+    return RoundRecord(mode=mode.value, drafted_tokens=drafted, positions=drafted, accepted=accepted,
+                       generated=accepted + 1, uplink_bytes=up, downlink_bytes=down,
+                       phases={"draft": draft, "encode": 0.0, "network": network, "queue": 0.0, "decode": 0.0,
+                               "verify": verify}, drafted_ahead=ahead)
+
+
+def link_network(rtt: float, rate: float, up: int, down: int = 40) -> float:
+    return rtt + 8 * (up + down) / rate
+
+
+SETTINGS = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
+
+
+def test_round_trip_and_goodput_are_recovered_from_round_records() -> None:
+    t = LinkTracker()
+    rtt, rate = 0.06, 2e6
+    for up in (300, 5000, 300, 9000, 2500, 300, 7000):  # small rounds floor the RTT, large ones the rate
+        t.observe_round(record(up=up, network=link_network(rtt, rate, up)), SETTINGS, 1.0, 49152)
+    e = t.estimates(1.0, 49152)
+    assert e.rtt_s == pytest.approx(rtt, rel=0.05)
+    assert e.uplink_bps == pytest.approx(rate, rel=0.15)
+
+
+def test_a_slower_link_shows_within_the_rtt_window() -> None:
+    t = LinkTracker()
+    for _ in range(8):
+        t.observe_round(record(up=300, network=0.005), SETTINGS, 1.0, 49152)
+    for i in range(RTT_WINDOW):
+        assert t.rtt_s() < 0.05
+        t.observe_round(record(up=300, network=0.1), SETTINGS, 1.0, 49152)
+    assert t.rtt_s() == pytest.approx(0.1, rel=0.05)
+
+
+def test_verify_time_fit_recovers_base_and_slope() -> None:
+    t = LinkTracker()
+    for n in (2, 5, 9, 3, 13, 5):
+        t.add_verify(n, 0.05 + 0.01 * (n - 1))
+    base, slope = t.verify_fit()
+    assert base == pytest.approx(0.05, rel=0.1) and slope == pytest.approx(0.01, rel=0.15)
+
+
+def test_acceptance_estimate_adds_back_the_dropped_mass_of_the_packets_sent() -> None:
+    """Rounds sent with a TSLT K whose dropped mass is 0.1 accept 7 of the 8 positions tested (the
+    eighth rejected): the exact q would accept ~0.975, and a K dropping 0.02 is estimated at ~0.955."""
+    t = LinkTracker()
+    side = t.model(1.0)
+    for _ in range(50):
+        side.add_sigma(TSLT_256, 0.1)
+        side.add_sigma((Mode.TSLT, 1024), 0.02)
+    for _ in range(300):
+        t.observe_round(record(drafted=10, accepted=7, up=300, network=0.01), SETTINGS, 1.0, 49152)
+    e = t.estimates(1.0, 49152)
+    assert e.alpha_base == pytest.approx(7 / 8 + 0.1, abs=0.005)
+    assert e.alpha(A.Candidate(Mode.TSLT, 4, 1024)) == pytest.approx(7 / 8 + 0.1 - 0.02, abs=0.005)
+
+
+def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> None:
+    t = LinkTracker(AutoConfig(top_ks=(2, 4), ksqs_ks=(4,), lattice=16))
+    q = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+    t.observe_q(q, q, DraftSettings(mode=Mode.DENSE, dense_dtype="fp16"), 1.0)
+    side = t.model(1.0)
+    assert side.tv((Mode.TSLT, 2)) == pytest.approx(0.3) and side.tv((Mode.TSLT, 4)) == pytest.approx(0.1)
+    assert 0.1 <= side.tv((Mode.KSQS, 4)) < 0.2  # top-4 dropped mass plus the lattice's rounding
+    assert t.packet_bytes[(Mode.TSLT, 4)] > t.packet_bytes[(Mode.TSLT, 2)] > 0
+    assert t.packet_bytes[(Mode.DENSE, 0)] >= 2 * 6  # fp16 per entry
+
+
+def test_every_choice_is_a_valid_round() -> None:
+    """Whatever the controller picks passes the edge's own checks (settings.validate)."""
+    hello = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
+                  seed=0, max_new_tokens=64)
+    policy = AutoPolicy(LinkTracker(), hello, 49152)
+    for c in policy.candidates:
+        s = policy.settings_for(c, 16)
+        validate(s)
+        assert s.mode is c.mode
+        if c.mode is Mode.NONE:
+            assert s.edge_tokens == 16
+        else:
+            assert s.draft_len == c.draft_len and (not c.top_k or s.top_k == c.top_k)
+
+
+def test_policy_leaves_speculation_when_the_drafter_is_slow_and_comes_back_to_check() -> None:
+    hello = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
+                  seed=0, max_new_tokens=512)
+    tracker = LinkTracker()
+    policy = AutoPolicy(tracker, hello, 49152)
+    modes = []
+    for _ in range(30):
+        s = policy.choose()
+        modes.append(s.mode)
+        if s.mode is Mode.NONE:
+            r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=s.edge_tokens,
+                            uplink_bytes=30, downlink_bytes=40 * s.edge_tokens,
+                            phases={"network": 0.05, "queue": 0.0, "decode": 0.0, "verify": 0.05 * s.edge_tokens})
+        else:  # a drafter as slow as the target, accepting little
+            r = record(drafted=s.draft_len, accepted=0, up=300, network=0.05, verify=0.05, draft=0.1 * s.draft_len)
+        policy.observe(r, s)
+    assert modes[-10:].count(Mode.NONE) >= 8, modes
+    assert Mode.NONE in modes and any(m is not Mode.NONE for m in modes[10:]), "never re-checked drafting"
