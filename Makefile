@@ -87,5 +87,13 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(PB_OUT) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/run_bench.py $(ARGS)
 
+# The pair over emulated real links (issue 18): uplink {100, 10, 2, 0.5} Mbit/s x RTT {0, 20, 60, 150} ms
+# plus jitter / loss variants and a link that changes mid-session, at T = 0 and 1; edge-only, fixed
+# configurations and mode auto per cell (results/bench_links/<timestamp>/, results/bench_links/latest).
+# Needs root (namespaces, tc). ARGS=--quick: ~5 min; the full run ~90 min on 2 shared cores.
+.PHONY: bench-links
+bench-links: $(PB_OUT) $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/bench_links.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) $(PB_DIR)/*_pb2*.py $(PB_DIR)/*_pb2*.pyi

@@ -15,15 +15,29 @@ retransmit). That models head-of-line blocking, not congestion control's reactio
 
 Usage (no root): ``python -m testbed.linkemu --listen 127.0.0.1:7000 --connect 127.0.0.1:50051
 --up-rate 1mbit --up-delay 20ms --down-delay 20ms`` and point the device at 127.0.0.1:7000.
+
+Live changes: with ``--control HOST:PORT`` (or ``--control unix:PATH``, which a process in another
+network namespace can reach) the emulator also accepts control connections. Each line sent there is
+one JSON object ``{"uplink": {...}, "downlink": {...}}`` whose directions (either may be left out)
+replace that direction's :class:`LinkSpec` (fields ``rate_bps``, ``delay_s``, ``jitter_s``, ``loss``,
+``rto_s``; missing fields take their defaults) for every open connection and every later one,
+without dropping a connection. Bytes already inside the link keep the release time they were given;
+bytes read after the change see the new link (and, FIFO, never overtake the earlier ones). Each line
+gets one JSON line back: ``{"ok": true, "uplink": {...}, "downlink": {...}, "connections": N}``, or
+``{"ok": false, "error": "..."}``; ``{}`` only asks for the current specs. :func:`send_control`
+is the client. The control line ``linkemu control on ADDRESS`` is printed before the ready line.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import random
+import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from specdec.common.runtime import OneLineParser
 from testbed.units import argtype, parse_address, parse_percent, parse_rate, parse_time
@@ -57,6 +71,23 @@ class LinkSpec:
         """Whether this direction needs more than rate limiting (delay, jitter or loss)."""
         return bool(self.delay_s or self.jitter_s or self.loss)
 
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "LinkSpec":
+        """From a control message's direction; unknown fields and bad values are a ValueError."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"a link direction must be a JSON object, got {obj!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = set(obj) - names
+        if unknown:
+            raise ValueError(f"unknown link fields {sorted(unknown)} (known: {sorted(names)})")
+        try:
+            return cls(**{k: float(v) for k, v in obj.items()})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"invalid link {obj!r}: {exc}") from None
+
 
 class LinkClock:
     """When each chunk written into one direction of the link comes out. Pure: time is passed in."""
@@ -84,7 +115,9 @@ class LinkClock:
 
 
 class _Direction:
-    """One direction of one connection: read, stamp with the link clock, write out on time."""
+    """One direction of one connection: read, stamp with the link clock, write out on time.
+
+    ``clock.spec`` may be replaced at any time (a live change): the next chunk read uses it."""
 
     def __init__(self, reader, writer, spec: LinkSpec, rng: random.Random):
         self.reader, self.writer = reader, writer
@@ -127,6 +160,53 @@ class LinkEmulator:
         self.uplink, self.downlink = uplink, downlink
         self.rng = random.Random(seed)  # seeded: a run's jitter and losses are reproducible
         self.server: asyncio.AbstractServer | None = None
+        self.control_server: asyncio.AbstractServer | None = None
+        self._live: set[tuple[_Direction, _Direction]] = set()  # (uplink, downlink) of open connections
+
+    def set_specs(self, uplink: LinkSpec | None = None, downlink: LinkSpec | None = None) -> None:
+        """Change the link now, for open connections and later ones (None keeps that direction)."""
+        if uplink is not None:
+            self.uplink = uplink
+        if downlink is not None:
+            self.downlink = downlink
+        for up, down in self._live:
+            up.clock.spec, down.clock.spec = self.uplink, self.downlink
+
+    def apply_control(self, message: dict) -> dict:
+        """One control message (see the module doc) applied; the reply. ValueError if invalid."""
+        if not isinstance(message, dict) or set(message) - {"uplink", "downlink"}:
+            raise ValueError('expected {"uplink": {...}, "downlink": {...}}')
+        up = LinkSpec.from_json(message["uplink"]) if "uplink" in message else None
+        down = LinkSpec.from_json(message["downlink"]) if "downlink" in message else None
+        self.set_specs(up, down)  # both parsed before either is applied: all or nothing
+        return {"ok": True, "uplink": self.uplink.to_json(), "downlink": self.downlink.to_json(),
+                "connections": len(self._live)}
+
+    async def start_control(self, address: str) -> str:
+        """Listen for control connections on ``HOST:PORT`` or ``unix:PATH``; the address bound."""
+        if address.startswith("unix:"):
+            path = address[len("unix:"):]
+            self.control_server = await asyncio.start_unix_server(self._control, path)
+            return address
+        host, port = parse_address(address)
+        self.control_server = await asyncio.start_server(self._control, host, port)
+        return f"{host}:{self.control_server.sockets[0].getsockname()[1]}"
+
+    async def _control(self, reader, writer) -> None:
+        try:
+            while line := await reader.readline():
+                if not line.strip():
+                    continue
+                try:
+                    reply = self.apply_control(json.loads(line))
+                except ValueError as exc:  # JSONDecodeError is one too
+                    reply = {"ok": False, "error": str(exc)}
+                writer.write((json.dumps(reply) + "\n").encode())
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self.server = await asyncio.start_server(self._handle, host, port)
@@ -141,18 +221,47 @@ class LinkEmulator:
             return
         directions = (_Direction(client_reader, up_writer, self.uplink, self.rng),
                       _Direction(up_reader, client_writer, self.downlink, self.rng))
+        self._live.add(directions)
         try:
             await asyncio.gather(*(d.run() for d in directions))
         except (ConnectionError, OSError):
             pass  # one side vanished: close both, as a cut link would
         finally:
+            self._live.discard(directions)
             for w in (client_writer, up_writer):
                 w.close()
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+        for server in (self.server, self.control_server):
+            if server is not None:
+                server.close()
+                await server.wait_closed()
+
+
+def send_control(address: str, message: dict, timeout: float = CONNECT_TIMEOUT_S) -> dict:
+    """Send one control message to an emulator's ``--control`` address (``HOST:PORT`` or
+    ``unix:PATH``) and return its reply; RuntimeError if the emulator refused the message."""
+    if address.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        target = address[len("unix:"):]
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        target = parse_address(address)
+    with contextlib.closing(sock):
+        sock.connect(target)
+        sock.sendall((json.dumps(message) + "\n").encode())
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionError("the emulator closed the control connection without a reply")
+            buf += chunk
+    reply = json.loads(buf)
+    if not reply.get("ok"):
+        raise RuntimeError(f"linkemu refused the change: {reply.get('error')}")
+    return reply
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -169,7 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{side}-loss", type=argtype(parse_percent), default=0.0, help="per segment, e.g. 1%%")
     p.add_argument("--rto", type=argtype(parse_time), default=LINUX_MIN_RTO_S, help="cost of one lost segment")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--control", type=argtype(parse_control), default=None,
+                   help="HOST:PORT or unix:PATH accepting live link changes (JSON lines; see the module doc)")
     return p
+
+
+def parse_control(text: str) -> str:
+    if text.startswith("unix:"):
+        if len(text) <= len("unix:"):
+            raise ValueError("unix: needs a socket path")
+        return text
+    parse_address(text)
+    return text
 
 
 def specs_from_args(a) -> tuple[LinkSpec, LinkSpec]:
@@ -182,6 +302,8 @@ async def _serve(args) -> None:
     up, down = specs_from_args(args)
     emu = LinkEmulator(args.connect, up, down, seed=args.seed)
     port = await emu.start(*args.listen)
+    if args.control:
+        print(f"linkemu control on {await emu.start_control(args.control)}", flush=True)
     # The ready line: scripts and tests read the port from it.
     print(f"linkemu listening on {args.listen[0]}:{port} -> {args.connect[0]}:{args.connect[1]}", flush=True)
     await asyncio.Event().wait()  # until SIGTERM / SIGINT

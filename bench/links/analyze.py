@@ -1,0 +1,189 @@
+"""From session records to bench-links' numbers: tokens/s per config and cell, the ratios, the
+changing link's phases and rounds-to-recover, and the issue's five goals. Pure (no I/O).
+
+Definitions:
+  * tokens/s of a config in a cell = its generated tokens / its wall seconds, summed over the cell's
+    sessions (prefill and Hello included, as a user sees them);
+  * best fixed = the fixed configuration (not edge-only, not auto) with the most tokens/s in the cell;
+  * the changing link: each config runs back-to-back sessions while the link changes at set times;
+    a phase's tokens/s = tokens of the rounds that ended inside the phase / the phase's seconds
+    (edge-only rounds stream: each token counts at its own arrival). The new link's best = the best
+    non-auto config's tokens/s over that phase. Rounds to recover after a change = the least r such
+    that auto's tokens/s from its r-th round after the change to the phase's end is >= RECOVER_SHARE x
+    that best (0: it was there from the first round);
+  * geometric mean of auto / default over the rate x RTT grid cells (both temperatures; the jitter
+    and loss variants are reported beside it, not in it).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from .plan import CONFIGS, DEFAULT_CONFIG
+
+RECOVER_SHARE = 0.95
+GOALS = {
+    "auto_vs_best_fixed": ("auto >= 0.95x the best fixed configuration, in every cell", 0.95),
+    "auto_vs_default_geomean": ("auto >= 1.15x the fixed default (TSLT K=256 L=4), geometric mean over the grid", 1.15),
+    "auto_vs_edge_only": ("auto never below 0.95x edge-only, in any cell", 0.95),
+    "rounds_to_recover": ("after the link changes, within 5 rounds of the new link's best", 5),
+    "auto_60ms_vs_0ms_10mbit": ("at 10 Mbit/s, auto at 60 ms RTT keeps >= 80% of its 0 ms tokens/s", 0.80),
+}
+
+
+def role(config: str) -> str:
+    return CONFIGS[config][0] if config in CONFIGS else "fixed"
+
+
+def config_stats(sessions: list[dict]) -> dict[str, dict]:
+    """{config: {tokens, wall, sessions, tps, acceptance, up_bytes_per_token}} over ``sessions``
+    (each {"config", "record"})."""
+    acc: dict[str, dict] = defaultdict(lambda: {"tokens": 0, "wall": 0.0, "sessions": 0, "up_bytes": 0,
+                                                "accepted": 0, "positions": 0})
+    for s in sessions:
+        st = s["record"]["stats"]
+        a = acc[s["config"]]
+        a["tokens"] += st["generated_tokens"]
+        a["wall"] += st["wall_seconds"]
+        a["sessions"] += 1
+        a["up_bytes"] += st["uplink_bytes"]
+        a["accepted"] += st["accepted_tokens"]
+        a["positions"] += st["draft_positions"]
+    out = {}
+    for name, a in acc.items():
+        out[name] = {**a, "tps": a["tokens"] / a["wall"] if a["wall"] > 0 else 0.0,
+                     "acceptance": a["accepted"] / a["positions"] if a["positions"] else None,
+                     "up_bytes_per_token": a["up_bytes"] / a["tokens"] if a["tokens"] else None}
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def cell_summary(stats: dict[str, dict]) -> dict:
+    """Best fixed and the ratios of one cell from its config_stats."""
+    tps = {name: v["tps"] for name, v in stats.items()}
+    fixed = {n: t for n, t in tps.items() if role(n) == "fixed"}
+    best = max(fixed, key=fixed.get) if fixed else None
+    auto, none, default = tps.get("auto"), tps.get("none"), tps.get(DEFAULT_CONFIG)
+    return {"tps": tps, "best_fixed": best, "best_fixed_tps": fixed.get(best),
+            "auto_vs_best_fixed": _ratio(auto, fixed.get(best)), "auto_vs_edge_only": _ratio(auto, none),
+            "auto_vs_default": _ratio(auto, default), "best_fixed_vs_edge_only": _ratio(fixed.get(best), none),
+            "default_vs_best_fixed": _ratio(default, fixed.get(best)), "default_vs_edge_only": _ratio(default, none)}
+
+
+def geomean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+# -- the changing link -----------------------------------------------------------------------------
+
+def token_events(timeline: list[dict]) -> list[tuple[float, int]]:
+    """(wall time, tokens) of each round's end; edge-only rounds per streamed token."""
+    out = []
+    for r in timeline:
+        if r.get("token_t"):
+            out += [(t, 1) for t in r["token_t"]]
+        elif r["generated"]:
+            out.append((r["t_wall"], r["generated"]))
+    return out
+
+
+def window_tps(events: list[tuple[float, int]], start: float, end: float) -> float | None:
+    if end <= start:
+        return None
+    return sum(n for t, n in events if start < t <= end) / (end - start)
+
+
+def rounds_to_recover(rounds: list[tuple[float, int]], change_t: float, end_t: float, target_tps: float,
+                      share: float = RECOVER_SHARE) -> int | None:
+    """Least r such that tokens/s over rounds r+1.. (after the change, up to end_t) >= share x target.
+
+    ``rounds``: (end wall time, generated) of every round; the clock of the window starts at the
+    change (r = 0) or at the end of the r-th round after it. None if never (or no rounds)."""
+    after = [(t, n) for t, n in rounds if change_t < t <= end_t]
+    for r in range(len(after)):
+        start = change_t if r == 0 else after[r - 1][0]
+        rest = after[r:]
+        span = rest[-1][0] - start
+        if span > 0 and sum(n for _, n in rest) / span >= share * target_tps:
+            return r
+    return None
+
+
+def changing_summary(runs: dict[str, dict]) -> dict:
+    """runs: {config: {"changes": [wall times of the phase starts, first = run start], "end": wall,
+    "timeline": [rounds over all its sessions, in order]}} -> per-phase tokens/s of every config, the
+    best non-auto per phase, and auto's rounds to recover after each change."""
+    phases_tps: dict[str, list[float | None]] = {}
+    for name, run in runs.items():
+        bounds = list(run["changes"]) + [run["end"]]
+        ev = token_events(run["timeline"])
+        phases_tps[name] = [window_tps(ev, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    n_phases = max((len(v) for v in phases_tps.values()), default=0)
+    best = []
+    for i in range(n_phases):
+        cands = {n: v[i] for n, v in phases_tps.items() if role(n) != "auto" and i < len(v) and v[i]}
+        b = max(cands, key=cands.get) if cands else None
+        best.append({"config": b, "tps": cands.get(b)})
+    recover = []
+    if "auto" in runs:
+        run = runs["auto"]
+        bounds = list(run["changes"]) + [run["end"]]
+        rounds = [(r["t_wall"], r["generated"]) for r in run["timeline"]]
+        for i in range(1, len(bounds) - 1):
+            target = best[i]["tps"] if i < len(best) else None
+            r = rounds_to_recover(rounds, bounds[i], bounds[i + 1], target) if target else None
+            recover.append({"change": i, "rounds_to_recover": r, "target_tps": target,
+                            "auto_tps": phases_tps["auto"][i] if i < len(phases_tps["auto"]) else None})
+    return {"phase_tps": phases_tps, "phase_best": best, "recover": recover}
+
+
+# -- goals -----------------------------------------------------------------------------------------
+
+def goals(cells: dict[str, dict], changing: dict[str, dict]) -> dict[str, dict]:
+    """cells: {cell name: {"link": {...Link}, "temperature", "summary": cell_summary}};
+    changing: {temperature label: changing_summary}. Each goal: measured value, threshold, pass (None
+    where auto did not run)."""
+    def vals(key, kinds=("grid", "jitter", "loss")):
+        return {n: c["summary"][key] for n, c in cells.items()
+                if c["link"]["kind"] in kinds and c["summary"].get(key) is not None}
+
+    out = {}
+    best = vals("auto_vs_best_fixed")
+    worst = min(best, key=best.get) if best else None
+    out["auto_vs_best_fixed"] = {"value": best.get(worst), "where": worst}
+    edge = vals("auto_vs_edge_only")
+    worst = min(edge, key=edge.get) if edge else None
+    out["auto_vs_edge_only"] = {"value": edge.get(worst), "where": worst}
+    grid = vals("auto_vs_default", kinds=("grid",))
+    variants = vals("auto_vs_default", kinds=("jitter", "loss"))
+    out["auto_vs_default_geomean"] = {"value": geomean(list(grid.values())), "where": f"{len(grid)} grid cells",
+                                      "variants_geomean": geomean(list(variants.values()))}
+    rec = [r["rounds_to_recover"] for c in changing.values() for r in c.get("recover", [])]
+    out["rounds_to_recover"] = {"value": (None if any(r is None for r in rec) else max(rec)) if rec else None,
+                                "where": "worst change", "all": rec,
+                                "never": sum(r is None for r in rec)}
+    keep = {}
+    for name, c in cells.items():
+        link = c["link"]
+        if link["kind"] == "grid" and link["up_mbit"] == 10.0 and link["rtt_ms"] == 60.0:
+            zero = next((d for d in cells.values() if d["link"]["kind"] == "grid" and d["link"]["up_mbit"] == 10.0
+                         and d["link"]["rtt_ms"] == 0.0 and d["temperature"] == c["temperature"]), None)
+            if zero is not None:
+                keep[name] = _ratio(c["summary"]["tps"].get("auto"), zero["summary"]["tps"].get("auto"))
+    keep = {k: v for k, v in keep.items() if v is not None}
+    worst = min(keep, key=keep.get) if keep else None
+    out["auto_60ms_vs_0ms_10mbit"] = {"value": keep.get(worst), "where": worst, "all": keep}
+    for key, (text, threshold) in GOALS.items():
+        v = out[key]["value"]
+        out[key]["goal"] = text
+        out[key]["threshold"] = threshold
+        if key == "rounds_to_recover":
+            never = out[key]["never"]
+            out[key]["pass"] = None if not rec else (never == 0 and v <= threshold)
+        else:
+            out[key]["pass"] = None if v is None else v >= threshold
+    return out
