@@ -223,8 +223,8 @@ def print_table(data: dict) -> None:
 def print_goals(goals: dict) -> None:
     print("\nissue 18 goals")
     for key, g in goals.items():
-        verdict = "n/a (no auto)" if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
-        print(f"  [{verdict:>13}] {g['goal']}: measured {fmt(g['value'], '.3g')} "
+        verdict = "n/a" if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
+        print(f"  [{verdict:>4}] {g['goal']}: measured {fmt(g['value'], '.3g')} "
               f"(threshold {g['threshold']}; {g.get('where')})")
 
 
