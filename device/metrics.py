@@ -4,15 +4,16 @@ sees: the transmitted support sizes, the C-SQS threshold, tokens as delivered to
 
 - transmitted support size K, p50:
   ``histogram_quantile(0.5, sum by (le, mode) (rate(specdec_device_support_size_tokens_bucket[$__rate_interval])))``
-- mode auto, share of rounds per chosen mode:
-  ``sum by (mode) (rate(specdec_device_auto_choices_total[$__rate_interval])) / ignoring(mode) group_left
-  sum(rate(specdec_device_auto_choices_total[$__rate_interval]))``; the controller's latest estimates are
+- mode auto, rounds per second per chosen mode:
+  ``sum by (mode) (rate(specdec_device_auto_choices_total[$__rate_interval]))`` (divided by its sum over
+  modes: the share of each); the controller's latest estimates are
   the ``specdec_device_auto_*`` gauges (round trip, uplink goodput, predicted tokens/s, chosen L and K).
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specdec.common.codecs import Mode
 from specdec.common.metrics import SpecMetrics
 from specdec.common.stats import PHASES, RoundRecord
 
@@ -40,6 +41,8 @@ class DeviceMetrics(SpecMetrics):
         self.auto_choices = Counter("auto_choices", "Rounds whose settings mode auto chose, by mode", ["mode"],
                                     **self.kw)
         self.auto_gauges = {key: Gauge(f"auto_{name}", text, **self.kw) for key, name, text in AUTO_GAUGES}
+        for mode in Mode:  # zero series, not missing ones, for modes not chosen yet
+            self.auto_choices.labels(mode.value)
 
     def observe_round(self, r: RoundRecord) -> None:
         super().observe_round(r)
