@@ -171,3 +171,35 @@ def edge_chunk(rtt_s: float, token_s: float, overhead: float, lo: int, hi: int) 
         return hi
     n = math.ceil(rtt_s * (1.0 - overhead) / (overhead * token_s))
     return max(lo, min(hi, n))
+
+
+def fit_link(samples: list[tuple[float, float]], weights: list[float], prior_rtt_s: float,
+             prior_bps: float, small_bits: float, min_spread: float = 2.0) -> tuple[float, float]:
+    """(round trip s, uplink bits/s) from recent rounds' (uplink bits, network seconds), newest
+    weighted most: the weighted least-squares line network = rtt + bits / rate.
+
+    Where the rounds cannot separate the two, the previous estimate of one gives the other: rounds
+    all smaller than ``small_bits`` measure the round trip (their serialization at ``prior_bps``
+    taken off), rounds all of one larger size measure the rate above ``prior_rtt_s``. A fit whose
+    larger rounds are not slower means serialization is lost in the noise (a fast link)."""
+    if not samples:
+        return prior_rtt_s, prior_bps
+    w = sum(weights)
+    mean_b = sum(wi * b for wi, (b, _) in zip(weights, samples)) / w
+    mean_t = sum(wi * t for wi, (_, t) in zip(weights, samples)) / w
+    bits = [b for b, _ in samples]
+    if max(bits) < small_bits:
+        return max(0.0, mean_t - mean_b / prior_bps), prior_bps
+    if min(bits) * min_spread <= max(bits):
+        var = sum(wi * (b - mean_b) ** 2 for wi, (b, _) in zip(weights, samples))
+        cov = sum(wi * (b - mean_b) * (t - mean_t) for wi, (b, t) in zip(weights, samples))
+        if cov <= 0:
+            return max(0.0, mean_t), math.inf
+        slope = cov / var
+        rtt = mean_t - slope * mean_b
+        if rtt >= 0:
+            return rtt, 1.0 / slope
+        return 0.0, mean_b / mean_t  # all of the time is serialization
+    rtt = max(0.0, min(prior_rtt_s, mean_t))
+    excess = mean_t - rtt
+    return rtt, (mean_b / excess if excess > 0 else math.inf)

@@ -7,11 +7,11 @@ they share the link); :class:`AutoPolicy` is one session's controller, called by
 pure math over the :class:`~specdec.common.autotune.Estimates` built here.
 
 What is measured, per round (all from what the device already sees):
-  * round trip: the round's network time (device wall time minus the edge's reported queue, decode
-    and verify time) minus serialization at the current goodput estimates, min-filtered over the last
-    few rounds (the floor under queueing and jitter);
-  * uplink goodput: bits of rounds large enough to measure over their network time above that floor
-    (ratio of sums over recent rounds); downlink likewise from DSSD's full-p_j replies;
+  * round trip and uplink goodput: each round's network time (device wall time minus the edge's
+    reported queue, decode and verify time) against its uplink bits, a line fitted over the last few
+    rounds (newest weighted most; :func:`~specdec.common.autotune.fit_link`): the intercept is the
+    round trip (its mean, jitter and loss included: what a round expects to pay), the slope the
+    inverse goodput; downlink goodput from DSSD's full-p_j replies;
   * the edge's time per forward, an affine fit in the tokens of the forward (each Verdict reports it);
   * drafter and codec time per drafted token;
   * acceptance: every tested position adds (accepted + TV(q_hat, q) of its packet) to alpha_base, the
@@ -40,16 +40,18 @@ FAST_LINK_BPS = 1e9           # an uplink we have not measured yet is assumed fa
                               # round then measures it (optimism explores)
 MIN_RATE_SAMPLE_BYTES = 1200  # rounds smaller than about one segment say nothing about goodput
 MIN_EXCESS_S = 2e-4           # below this the serialization is lost in timer noise
-RTT_WINDOW = 4                # rounds in the round-trip min filter: short, so a slower link shows soon
-RATE_WINDOW = 6               # rate samples in the goodput estimate
+LINK_WINDOW = 6               # rounds in the round-trip / goodput fit ...
+LINK_DECAY = 0.7              # ... newest weighted most
+CHANGE_REL, CHANGE_ABS_S = 0.5, 0.01   # a round this far off the fit (relative and absolute) is an outlier
+RATE_WINDOW = 6               # downlink goodput samples (DSSD's full p_j replies)
 VERIFY_WINDOW = 24            # (tokens, seconds) points in the verify-time fit
 DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
 ACCEPT_DECAY = 0.98           # per tested position: acceptance moves with the text, slowly
 PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it
 BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every candidate's packet size
-PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 4.0   # acceptance before any round (4 positions' worth)
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
 PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
-PRIOR_FALLBACK = 0.1          # P(DSSD rejection needs the full p_j) before any evidence
+PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
 PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
 REVISIT_AFTER_EDGE_ROUNDS = 6   # edge-only rounds before one drafted round re-measures drafting
 EDGE_CHUNK_OVERHEAD = 0.1     # an edge-only round's round trip may cost at most this share of it
@@ -92,7 +94,14 @@ class _ModelSide:
         self.accept_den = PRIOR_WEIGHT
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
         self.guess = [PRIOR_GUESS * 2, 2.0]             # decayed (hits, trials)
-        self.fallback = [PRIOR_FALLBACK * 4, 4.0]
+        self.fallback = [0.0, 0.0]                       # decayed (fallbacks, DSSD rejections)
+
+    def fallback_rate(self, samples: int) -> float:
+        """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
+        kept with probability TV(p_j, q_j) ~ 1 - alpha, so all m fail with probability ~alpha^m:
+        the better the drafter, the likelier a rejection costs a second round trip."""
+        prior = self.alpha_base ** samples
+        return (self.fallback[0] + PRIOR_FALLBACK_WEIGHT * prior) / (self.fallback[1] + PRIOR_FALLBACK_WEIGHT)
 
     @property
     def alpha_base(self) -> float:
@@ -122,9 +131,10 @@ class LinkTracker:
     def __init__(self, config: AutoConfig = AutoConfig()):
         self.config = config
         self.lock = threading.Lock()   # encode hooks run in worker threads, rounds on the event loop
-        self.rtt = collections.deque(maxlen=RTT_WINDOW)
-        self.up = collections.deque(maxlen=RATE_WINDOW)      # (bits, seconds)
-        self.down = collections.deque(maxlen=RATE_WINDOW)
+        self.link_samples = collections.deque(maxlen=LINK_WINDOW)  # (uplink bits, network s) per round
+        self._link = (0.0, FAST_LINK_BPS)                          # fitted (round trip s, uplink bits/s)
+        self._last_off = 0.0                                       # the last round's miss, if an outlier
+        self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
         self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
         self.draft_s = _Ewma()
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
@@ -134,31 +144,51 @@ class LinkTracker:
         self.models: dict[float, _ModelSide] = {}
         self.rounds_since_rate = 0
         self.encoded = 0
+        self.dssd_samples = DraftSettings().dssd_samples  # m of the DSSD rounds this device sends
 
     def model(self, temperature: float) -> _ModelSide:
         return self.models.setdefault(float(temperature), _ModelSide())
 
-    # -- link --------------------------------------------------------------------------------------------
+    # -- link ---------------------------------------------------------------------------------------------
     def rate(self, samples) -> float:
         bits, secs = sum(b for b, _ in samples), sum(s for _, s in samples)
         return bits / secs if samples and secs > 0 else FAST_LINK_BPS
 
     def rtt_s(self) -> float:
-        return min(self.rtt) if self.rtt else 0.0
+        return self._link[0]
+
+    def uplink_bps(self) -> float:
+        return self._link[1]
 
     def add_network(self, network: float, up_bytes: int, down_bytes: int, dssd_full: bool) -> None:
-        """One round's network time: a round-trip sample, and a goodput sample if it carried enough."""
-        up_bps, down_bps = self.rate(self.up), self.rate(self.down)
-        serialization = 8 * up_bytes / up_bps + 8 * down_bytes / down_bps
-        if not dssd_full:  # a fallback round holds two round trips: no RTT sample
-            self.rtt.append(max(0.0, network - serialization))
-        floor = self.rtt_s() * (2 if dssd_full else 1)
-        self.rounds_since_rate += 1
-        if up_bytes >= MIN_RATE_SAMPLE_BYTES and not dssd_full:
-            self.up.append((8 * up_bytes, max(MIN_EXCESS_S, network - floor - 8 * down_bytes / down_bps)))
-            self.rounds_since_rate = 0
-        if dssd_full:
-            self.down.append((8 * down_bytes, max(MIN_EXCESS_S, network - floor - 8 * up_bytes / up_bps)))
+        """One round's network time. Round trip and uplink goodput are fitted jointly over recent rounds
+        (:func:`~specdec.common.autotune.fit_link`): a round's time cannot say by itself how much of it
+        was propagation and how much serialization, rounds of different sizes can."""
+        if dssd_full:  # two round trips and a full p_j down: a downlink goodput sample
+            excess = network - 2 * self.rtt_s() - 8 * up_bytes / self.uplink_bps()
+            self.down.append((8 * down_bytes, max(MIN_EXCESS_S, excess)))
+            return
+        self._check_change(8.0 * up_bytes, network)
+        self.link_samples.append((8.0 * up_bytes, network))
+        n = len(self.link_samples)
+        weights = [LINK_DECAY ** (n - 1 - i) for i in range(n)]
+        rtt, rate = A.fit_link(list(self.link_samples), weights, self.rtt_s(), self.uplink_bps(),
+                               8.0 * MIN_RATE_SAMPLE_BYTES)
+        self.rounds_since_rate = 0 if up_bytes >= MIN_RATE_SAMPLE_BYTES else self.rounds_since_rate + 1
+        self._link = (rtt, min(rate, FAST_LINK_BPS))
+
+    def _check_change(self, bits: float, network: float) -> None:
+        """Two rounds in a row far from what the fit predicts (in the same direction): the link changed,
+        so the rounds before them describe another link; a single one (a lost segment) does not."""
+        expected = self.rtt_s() + bits / self.uplink_bps()
+        off = network - expected
+        outlier = abs(off) > max(CHANGE_REL * expected, CHANGE_ABS_S) and len(self.link_samples) >= 2
+        same_way = outlier and self._last_off * off > 0
+        self._last_off = off if outlier else 0.0
+        if same_way:
+            last = self.link_samples[-1]
+            self.link_samples.clear()
+            self.link_samples.append(last)
 
     def add_verify(self, tokens: int, seconds: float) -> None:
         self.verify.append((max(1, tokens), seconds))
@@ -259,7 +289,8 @@ class LinkTracker:
             side = self.model(temperature)
             base, slope = self.verify_fit()
             return A.Estimates(
-                rtt_s=self.rtt_s(), uplink_bps=self.rate(self.up), downlink_bps=self.rate(self.down),
+                rtt_s=self.rtt_s(), uplink_bps=self.uplink_bps(),
+                downlink_bps=self.rate(self.down) if self.down else self.uplink_bps(),
                 draft_s=self.draft_s.value if self.draft_s.value is not None else 0.01,
                 verify_base_s=base, verify_per_token_s=slope, alpha_base=side.alpha_base,
                 sigma={k: e.value for k, e in side.sigma.items() if e.value is not None},
@@ -267,7 +298,8 @@ class LinkTracker:
                 encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
                 decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
                 queue_s=self.queue_s.value or 0.0,
-                guess_rate=side.guess[0] / side.guess[1], dssd_fallback_rate=side.fallback[0] / side.fallback[1],
+                guess_rate=side.guess[0] / side.guess[1],
+                dssd_fallback_rate=side.fallback_rate(self.dssd_samples),
                 dssd_fallback_bytes=8.0 * vocab_size,
                 edge_chunk=A.edge_chunk(self.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
 

@@ -11,7 +11,7 @@ from specdec.common.codecs import Mode
 from specdec.common.protocol import Hello
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
-from specdec.device.auto import RTT_WINDOW, AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 
 TSLT_256 = (Mode.TSLT, 256)
 BYTES = {(Mode.TSLT, 16): 80.0, (Mode.TSLT, 64): 320.0, TSLT_256: 1280.0, (Mode.TSLT, 1024): 5120.0,
@@ -128,14 +128,30 @@ def test_round_trip_and_goodput_are_recovered_from_round_records() -> None:
     assert e.uplink_bps == pytest.approx(rate, rel=0.15)
 
 
-def test_a_slower_link_shows_within_the_rtt_window() -> None:
+def test_a_changed_link_shows_within_three_rounds() -> None:
+    """100 Mbit/s 5 ms -> 1 Mbit/s 100 ms, with the rounds a controller would send (sizes vary)."""
     t = LinkTracker()
-    for _ in range(8):
-        t.observe_round(record(up=300, network=0.005), SETTINGS, 1.0, 49152)
-    for i in range(RTT_WINDOW):
-        assert t.rtt_s() < 0.05
-        t.observe_round(record(up=300, network=0.1), SETTINGS, 1.0, 49152)
-    assert t.rtt_s() == pytest.approx(0.1, rel=0.05)
+    sizes = (300, 5000, 2500, 300, 9000, 4000)
+    for up in sizes * 2:
+        t.observe_round(record(up=up, network=link_network(0.005, 100e6, up)), SETTINGS, 1.0, 49152)
+    assert t.rtt_s() == pytest.approx(0.005, abs=0.002) and t.uplink_bps() > 30e6
+    for up in sizes[:3]:
+        t.observe_round(record(up=up, network=link_network(0.1, 1e6, up)), SETTINGS, 1.0, 49152)
+    assert t.rtt_s() > 0.05 and t.uplink_bps() < 3e6, (t.rtt_s(), t.uplink_bps())
+    for up in sizes:
+        t.observe_round(record(up=up, network=link_network(0.1, 1e6, up)), SETTINGS, 1.0, 49152)
+    assert t.rtt_s() == pytest.approx(0.1, rel=0.05) and t.uplink_bps() == pytest.approx(1e6, rel=0.05)
+
+
+def test_link_fit_separates_round_trip_from_serialization() -> None:
+    rounds = [(b, 0.06 + b / 2e6) for b in (2e3, 4e4, 8e4, 1e4)]
+    rtt, rate = A.fit_link(rounds, [1.0] * 4, 0.0, 1e9, 9600.0)
+    assert rtt == pytest.approx(0.06) and rate == pytest.approx(2e6)
+    # one size only: the previous round trip gives the rate, and small rounds give the round trip
+    assert A.fit_link([(4e4, 0.08)] * 3, [1.0] * 3, 0.06, 1e9, 9600.0) == pytest.approx((0.06, 2e6))
+    assert A.fit_link([(2e3, 0.061)] * 3, [1.0] * 3, 0.0, 2e6, 9600.0) == pytest.approx((0.06, 2e6))
+    # bigger rounds not slower: a fast link
+    assert A.fit_link([(2e4, 0.01), (8e4, 0.009)], [1.0, 1.0], 0.0, 1e6, 9600.0)[1] == math.inf
 
 
 def test_verify_time_fit_recovers_base_and_slope() -> None:
