@@ -89,7 +89,8 @@ class _Ewma:
 class _ModelSide:
     """Estimates that depend on the two models and the temperature, not on the link."""
 
-    def __init__(self):
+    def __init__(self, greedy: bool = False):
+        self.greedy = greedy
         self.accept_num = PRIOR_ALPHA * PRIOR_WEIGHT   # decayed sum of accepted + TV per tested position
         self.accept_den = PRIOR_WEIGHT
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
@@ -99,8 +100,9 @@ class _ModelSide:
     def fallback_rate(self, samples: int) -> float:
         """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
         kept with probability TV(p_j, q_j) ~ 1 - alpha, so all m fail with probability ~alpha^m:
-        the better the drafter, the likelier a rejection costs a second round trip."""
-        prior = self.alpha_base ** samples
+        the better the drafter, the likelier a rejection costs a second round trip. At T = 0 a
+        rejection means q_j missed p_j's one token, and that token is always kept."""
+        prior = 0.0 if self.greedy else self.alpha_base ** samples  # T = 0: y = argmax p always survives
         return (self.fallback[0] + PRIOR_FALLBACK_WEIGHT * prior) / (self.fallback[1] + PRIOR_FALLBACK_WEIGHT)
 
     @property
@@ -147,7 +149,9 @@ class LinkTracker:
         self.dssd_samples = DraftSettings().dssd_samples  # m of the DSSD rounds this device sends
 
     def model(self, temperature: float) -> _ModelSide:
-        return self.models.setdefault(float(temperature), _ModelSide())
+        if temperature not in self.models:
+            self.models[float(temperature)] = _ModelSide(greedy=temperature == 0)
+        return self.models[float(temperature)]
 
     # -- link ---------------------------------------------------------------------------------------------
     def rate(self, samples) -> float:
