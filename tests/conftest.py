@@ -32,3 +32,28 @@ def tiny_pair_v8(tmp_path_factory) -> tuple[Path, Path]:
 def tiny_pair_v512(tmp_path_factory) -> tuple[Path, Path]:
     """Target and drafter with a 512-token vocabulary (greedy identity, byte accounting)."""
     return tiny_models.make_pair(tmp_path_factory.mktemp("tiny512"), 512, logit_scale=2.0)
+
+
+@pytest.fixture(scope="session")
+def twin(tmp_path_factory):
+    """A helper process that runs half of a statistical test's seeded sessions while this process
+    runs the other half (harness.Twin): the suite's long statistical runs use both cores. The merged
+    results are the same as one process's. SPECDEC_TEST_TWIN=0 runs everything in this process."""
+    if os.environ.get("SPECDEC_TEST_TWIN", "1") == "0":
+        yield None
+        return
+    from harness import Twin
+    helper = Twin(tmp_path_factory.mktemp("twin"))
+    yield helper
+    helper.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_twin_early(request):
+    """Start the twin process at the session's first test when any collected test uses it, so that its
+    imports are done by the time the first statistical test needs it."""
+    if any("twin" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        try:
+            request.getfixturevalue("twin")
+        except Exception:  # noqa: BLE001 - reported by the tests that use it, not by every test
+            pass

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tiny_models import make_close_drafter, make_model
-from harness import device_config, edge, load, run, run_sessions, target_greedy
+from harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
 from specdec.common import verification as V
 from specdec.common.codecs import Mode
 from specdec.common.modeling import encode_prompt
@@ -76,22 +76,28 @@ class AheadOwnStream(AheadToTheEnd):
 _RUNS: dict = {}  # several tests compare against the same run: each distinct run happens once
 
 
-def _sessions(pair, factory, seeds, **kw):
+def _sessions(pair, factory, seeds, twin=None, **kw):
+    """[(tokens, result, session)]; with ``twin``, half of the seeds run in the twin process
+    (harness.Twin) and a session there comes back as its stats only."""
     target_dir, drafter_dir = pair
-    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, draft_len=3, **kw)
-    key = (tuple(pair), factory, tuple(seeds), cfg)
+    cfg_kw = dict(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, draft_len=3, **kw)
+    key = (tuple(pair), factory, tuple(seeds), device_config(**cfg_kw), twin is None)
     if key not in _RUNS:
-        async def main():
-            async with edge(target_dir) as address:
-                return await run_sessions(address, drafter_dir, cfg, PROMPT, seeds, factory, concurrency=4)
-        _RUNS[key] = run(main())
+        if twin is None:
+            async def main():
+                async with edge(target_dir) as address:
+                    return await run_sessions(address, drafter_dir, device_config(**cfg_kw), PROMPT, seeds, factory,
+                                              concurrency=4)
+            _RUNS[key] = run(main())
+        else:
+            _RUNS[key] = split_sessions(twin, seeds, target_dir, drafter_dir, cfg_kw, PROMPT, factory, concurrency=4)
     return _RUNS[key]
 
 
 @pytest.mark.parametrize("name", list(MODES))
-def test_same_tokens_with_and_without_drafting_ahead(diverse_pair, name) -> None:
-    plain = _sessions(diverse_pair, DraftSession, SEEDS, **MODES[name])
-    ahead = _sessions(diverse_pair, AheadToTheEnd, SEEDS, **MODES[name])
+def test_same_tokens_with_and_without_drafting_ahead(twin, diverse_pair, name) -> None:
+    plain = _sessions(diverse_pair, DraftSession, SEEDS, twin, **MODES[name])
+    ahead = _sessions(diverse_pair, AheadToTheEnd, SEEDS, twin, **MODES[name])
     assert [t for t, _, _ in ahead] == [t for t, _, _ in plain]
     used = sum(s.stats.ahead_rounds_used for _, _, s in ahead)
     discarded = sum(s.stats.ahead_tokens_discarded for _, _, s in ahead)
@@ -102,20 +108,20 @@ def test_same_tokens_with_and_without_drafting_ahead(diverse_pair, name) -> None
     assert all(s.stats.ahead_rounds_used == 0 for _, _, s in plain)
 
 
-def test_coupled_bonus_is_guessed_at_temperature_one(diverse_pair) -> None:
+def test_coupled_bonus_is_guessed_at_temperature_one(twin, diverse_pair) -> None:
     """With the coupled bonus the device guesses the edge's T = 1 bonus token from the same noise, so
     far more rounds drafted ahead are kept than with the argmax guess of an uncoupled bonus."""
     kept = {}
     for coupled in (True, False):
-        results = _sessions(diverse_pair, AheadToTheEnd, SEEDS, coupled_bonus=coupled, **MODES["tslt"])
+        results = _sessions(diverse_pair, AheadToTheEnd, SEEDS, twin, coupled_bonus=coupled, **MODES["tslt"])
         kept[coupled] = sum(s.stats.ahead_rounds_used for _, _, s in results)
     print(f"rounds drafted ahead and kept, coupled / uncoupled bonus: {kept[True]} / {kept[False]}")
     assert kept[True] > 1.5 * kept[False], kept  # measured 61 / 28
 
 
-def test_control_ahead_rounds_on_their_own_generator_change_tokens(diverse_pair) -> None:
-    plain = _sessions(diverse_pair, DraftSession, SEEDS, **MODES["tslt"])
-    buggy = _sessions(diverse_pair, AheadOwnStream, SEEDS, **MODES["tslt"])
+def test_control_ahead_rounds_on_their_own_generator_change_tokens(twin, diverse_pair) -> None:
+    plain = _sessions(diverse_pair, DraftSession, SEEDS, twin, **MODES["tslt"])
+    buggy = _sessions(diverse_pair, AheadOwnStream, SEEDS, twin, **MODES["tslt"])
     differ = sum(a != b for (a, _, _), (b, _, _) in zip(plain, buggy))
     assert differ > 0, "the equality test above would not catch ahead rounds drawn from another stream"
 
@@ -133,27 +139,23 @@ AHEAD_SESSIONS = 1500
 MIN_KEPT_AHEAD = 900  # measured ~1140 of 1500
 
 
-def _ahead_counts(pair, num_sessions=AHEAD_SESSIONS):
-    """(sequence counts, exact law, rounds drafted ahead and kept) with every round drafted ahead."""
+def _ahead_counts(twin, pair, num_sessions=AHEAD_SESSIONS, patches=()):
+    """(sequence counts, exact law, rounds drafted ahead and kept) with every round drafted ahead;
+    half of the sessions in the twin process (``patches`` apply in both)."""
     target_dir, drafter_dir = pair
     # L = 1: a round drafted ahead is still inside the first N_TOKENS tokens the law covers
-    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=1, mode=Mode.TSLT, top_k=3)
+    cfg_kw = dict(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=1, mode=Mode.TSLT, top_k=3)
     law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
-
-    async def main():
-        async with edge(target_dir) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(num_sessions), AheadToTheEnd,
-                                      concurrency=4)
-
-    results = run(main())
+    results = split_sessions(twin, range(num_sessions), target_dir, drafter_dir, cfg_kw, PROMPT, AheadToTheEnd,
+                             concurrency=4, patches=patches)
     kept = sum(s.stats.ahead_rounds_used for _, _, s in results)
     return Counter(tuple(t) for t, _, _ in results), law, kept
 
 
-def test_drafting_ahead_is_lossless(guessing_pair) -> None:
+def test_drafting_ahead_is_lossless(twin, guessing_pair) -> None:
     """The statistical test of test_lossless_e2e with every round drafted ahead where possible, on a
     pair where most rounds drafted ahead (on the coupled bonus's guess) are kept."""
-    counts, law, kept = _ahead_counts(guessing_pair)
+    counts, law, kept = _ahead_counts(twin, guessing_pair)
     fit = goodness_of_fit(counts, law)
     print(f"drafting ahead: {kept} of {AHEAD_SESSIONS} sessions kept a round drafted ahead; {fit}")
     assert kept >= MIN_KEPT_AHEAD, f"only {kept} rounds drafted ahead were kept: the test has little power"
@@ -164,11 +166,10 @@ def _uniform_not_gumbel(generator, vocab_size):
     return torch.rand(vocab_size, dtype=torch.float64, generator=generator)
 
 
-def test_control_coupled_bonus_with_uniform_noise_is_detected(guessing_pair, monkeypatch) -> None:
+def test_control_coupled_bonus_with_uniform_noise_is_detected(twin, guessing_pair) -> None:
     """Negative control: the coupled bonus drawn as argmax(log p + u) with uniform u (the Gumbel
     transform forgotten) on both sides. The guesses still succeed, but the bonus is no draw from p."""
-    monkeypatch.setattr(V, "gumbel_noise", _uniform_not_gumbel)
-    counts, law, kept = _ahead_counts(guessing_pair, num_sessions=600)
+    counts, law, kept = _ahead_counts(twin, guessing_pair, num_sessions=600, patches=[(V, "gumbel_noise", _uniform_not_gumbel)])
     fit = goodness_of_fit(counts, law)
     print(f"control, uniform bonus noise: {kept} kept; {fit}")
     assert kept > 0 and fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
@@ -188,10 +189,10 @@ def test_greedy_with_drafting_ahead_equals_target(tiny_pair_v512) -> None:
         assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), 16), prompt
 
 
-def test_client_drafts_ahead_by_default_for_chain_modes_only(diverse_pair, tiny_pair_v8) -> None:
+def test_client_drafts_ahead_by_default_for_chain_modes_only(twin, diverse_pair, tiny_pair_v8) -> None:
     """The real client path (the stop event set by the verdict), and which sessions may draft ahead."""
-    results = _sessions(diverse_pair, partial(DraftSession, draft_ahead=True), range(20), **MODES["tslt"])
-    plain = _sessions(diverse_pair, DraftSession, range(20), **MODES["tslt"])
+    results = _sessions(diverse_pair, partial(DraftSession, draft_ahead=True), range(20), twin, **MODES["tslt"])
+    plain = _sessions(diverse_pair, DraftSession, range(20), twin, **MODES["tslt"])
     assert [t for t, _, _ in results] == [t for t, _, _ in plain]
     drafter = load(str(tiny_pair_v8[1]))
     for kw, eligible in ((dict(mode=Mode.TSLT), True), (dict(mode=Mode.CSQS), False),

@@ -12,11 +12,11 @@ from functools import lru_cache
 import pytest
 import torch
 
-from harness import SwitchesEveryRound, device_config, edge, load, run, run_sessions
+from harness import SwitchesEveryRound, device_config, load, load_spec, split_sessions
 from specdec.common.codecs import Mode
 from specdec.common.distributions import filter_target_logits, sample_token
 from specdec.common.sampling import model_probs
-from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model
+from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.common.streams import Purpose, stream
 from specdec.device import default_drafter
 from specdec.device.draft_model import DraftStep
@@ -68,34 +68,32 @@ def exact_law(target_dir: str, prompt_ids: tuple[int, ...], temperature: float =
     return law
 
 
-def _counts(target_dir, drafter_dir, session_factory=DraftSession, temperature=TEMPERATURE,
-            num_sessions=NUM_SESSIONS, **kw) -> tuple[Counter, dict]:
-    cfg = device_config(temperature=temperature, max_new_tokens=N_TOKENS, draft_len=2, **kw)
-    tok = (drafter_dir if isinstance(drafter_dir, LoadedModel) else load(str(drafter_dir))).tokenizer
-    law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)), temperature,
-                    cfg.target_top_k, cfg.target_top_p)
-
-    async def main():
-        async with edge(target_dir) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(num_sessions), session_factory,
-                                        concurrency=CONCURRENCY)
-
-    counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
-    return counts, law
+def _counts(twin, target_dir, drafter, session_factory=DraftSession, temperature=TEMPERATURE,
+            num_sessions=NUM_SESSIONS, patches=(), **kw) -> tuple[Counter, dict]:
+    """Sequence counts of ``num_sessions`` seeded sessions over real gRPC, half of them in the ``twin``
+    process (each with its own in-process edge; ``patches`` apply in both), and the exact law.
+    ``drafter``: a checkpoint directory or a ModelSpec."""
+    cfg_kw = dict(temperature=temperature, max_new_tokens=N_TOKENS, draft_len=2, **kw)
+    cfg = device_config(**cfg_kw)
+    law = exact_law(str(target_dir), tuple(encode_prompt(load_spec(drafter).tokenizer, PROMPT, raw=True)),
+                    temperature, cfg.target_top_k, cfg.target_top_p)
+    results = split_sessions(twin, range(num_sessions), target_dir, drafter, cfg_kw, PROMPT, session_factory,
+                             concurrency=CONCURRENCY, patches=patches)
+    return Counter(tuple(tokens) for tokens, _, _ in results), law
 
 
 @pytest.mark.parametrize("name", list(MODES))
-def test_mode_is_lossless_end_to_end(tiny_pair_v8, name) -> None:
-    counts, law = _counts(*tiny_pair_v8, **MODES[name])
+def test_mode_is_lossless_end_to_end(twin, tiny_pair_v8, name) -> None:
+    counts, law = _counts(twin, *tiny_pair_v8, **MODES[name])
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
 
 
-def test_settings_changed_every_round_stay_lossless(tiny_pair_v8) -> None:
+def test_settings_changed_every_round_stay_lossless(twin, tiny_pair_v8) -> None:
     """Per-round settings (mode, K, lattice, tree changing between rounds of one session, as a
     controller would change them): each round is verified with the settings it says it used."""
-    counts, law = _counts(*tiny_pair_v8, session_factory=SwitchesEveryRound, **MODES["tslt"])
+    counts, law = _counts(twin, *tiny_pair_v8, session_factory=SwitchesEveryRound, **MODES["tslt"])
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     print(f"settings changed every round: {fit}")
@@ -109,8 +107,8 @@ def test_settings_changed_every_round_stay_lossless(tiny_pair_v8) -> None:
 TARGET_FILTER = dict(temperature=2.0, target_top_k=5, target_top_p=0.9)
 
 
-def test_target_top_k_top_p_through_the_verifier(tiny_pair_v8) -> None:
-    counts, law = _counts(*tiny_pair_v8, **TARGET_FILTER, **MODES["tslt"])
+def test_target_top_k_top_p_through_the_verifier(twin, tiny_pair_v8) -> None:
+    counts, law = _counts(twin, *tiny_pair_v8, **TARGET_FILTER, **MODES["tslt"])
     assert len(law) < len(exact_law(str(tiny_pair_v8[0]), tuple(counts_prompt(tiny_pair_v8)), 2.0)), \
         "the filters removed nothing: the test would not see them ignored"
     assert set(counts) <= set(law), "generated a sequence the filtered target cannot produce"
@@ -128,10 +126,10 @@ class FiltersBeforeTemperature(VerifierSession):
         return torch.softmax(scores / h.temperature, dim=-1).double()
 
 
-def test_control_target_filter_before_temperature_is_detected(tiny_pair_v8, monkeypatch) -> None:
-    monkeypatch.setattr(servicer, "VerifierSession", FiltersBeforeTemperature)
+def test_control_target_filter_before_temperature_is_detected(twin, tiny_pair_v8) -> None:
     # a TV of 0.29 needs few samples (p ~ 1e-96 at 1500 sessions)
-    counts, law = _counts(*tiny_pair_v8, num_sessions=300, **TARGET_FILTER, **MODES["tslt"])
+    counts, law = _counts(twin, *tiny_pair_v8, num_sessions=300, patches=[(servicer, "VerifierSession",
+                          FiltersBeforeTemperature)], **TARGET_FILTER, **MODES["tslt"])
     outside = sum(c for seq, c in counts.items() if seq not in law)
     fit = goodness_of_fit(Counter({s: c for s, c in counts.items() if s in law}), law)
     print(f"control, filter before temperature: {outside} sequences outside the law, {fit}")
@@ -154,9 +152,9 @@ class EdgeTokensShareOneUniform(VerifierSession):
         return super().generate(draft)
 
 
-def test_control_mode_none_with_one_uniform_per_round_is_detected(tiny_pair_v8, monkeypatch) -> None:
-    monkeypatch.setattr(servicer, "VerifierSession", EdgeTokensShareOneUniform)
-    counts, law = _counts(*tiny_pair_v8, num_sessions=CONTROL_SESSIONS, **MODES["none"])
+def test_control_mode_none_with_one_uniform_per_round_is_detected(twin, tiny_pair_v8) -> None:
+    counts, law = _counts(twin, *tiny_pair_v8, num_sessions=CONTROL_SESSIONS,
+                          patches=[(servicer, "VerifierSession", EdgeTokensShareOneUniform)], **MODES["none"])
     fit = goodness_of_fit(counts, law)
     print(f"control, mode none with one uniform per round: {fit}")
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
@@ -173,18 +171,19 @@ HEAD_IDS = (1, 2, 3, 4, 5, 6)
 
 
 @pytest.fixture(scope="module")
-def int4_reduced_head_drafter(tiny_pair_v8, tmp_path_factory) -> LoadedModel:
+def int4_reduced_head_drafter(tiny_pair_v8, tmp_path_factory) -> ModelSpec:
+    """The drafter's ModelSpec (each process of the test loads it from there)."""
     target_dir, _ = tiny_pair_v8
     delta = tmp_path_factory.mktemp("int4_drafter")
     default_drafter.save_drafter(delta, torch.tensor(HEAD_IDS), {"name": "tiny-int4", "num_layers": 2, "int4": True})
-    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=default_drafter.DELTA_BUILDER))
-    assert isinstance(drafter.model.layers[0].qkv, default_drafter.Int4Linear)  # int4 really runs
-    return drafter
+    spec = ModelSpec(model=str(target_dir), delta=str(delta), builder=default_drafter.DELTA_BUILDER)
+    assert isinstance(load_spec(spec).model.layers[0].qkv, default_drafter.Int4Linear)  # int4 really runs
+    return spec
 
 
-def test_int4_reduced_head_drafter_is_lossless_end_to_end(tiny_pair_v8, int4_reduced_head_drafter) -> None:
+def test_int4_reduced_head_drafter_is_lossless_end_to_end(twin, tiny_pair_v8, int4_reduced_head_drafter) -> None:
     target_dir, _ = tiny_pair_v8
-    counts, law = _counts(target_dir, int4_reduced_head_drafter, **MODES["tslt"])
+    counts, law = _counts(twin, target_dir, int4_reduced_head_drafter, **MODES["tslt"])
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     off_head = sum(c for seq, c in counts.items() if set(seq) - set(HEAD_IDS))
     assert off_head > 0, "no token outside the head was generated: the test did not exercise q = 0"
@@ -204,8 +203,10 @@ class SamplesOtherQ(DraftSession):
         return DraftStep(token, encoded)
 
 
-def test_control_device_sampling_other_q_is_detected(tiny_pair_v8) -> None:
-    counts, law = _counts(*tiny_pair_v8, session_factory=SamplesOtherQ, **MODES["tslt"])
+def test_control_device_sampling_other_q_is_detected(twin, tiny_pair_v8) -> None:
+    # far outside the law: chi2 ~ 1e5 at 1500 sessions (p = 0), ~4e4 at 600
+    counts, law = _counts(twin, *tiny_pair_v8, session_factory=SamplesOtherQ, num_sessions=CONTROL_SESSIONS,
+                          **MODES["tslt"])
     fit = goodness_of_fit(counts, law)
     print(fit)
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"

@@ -28,7 +28,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness import device_config, edge, load, run
+from harness import device_config, edge, load, patched, run
 from linkcut import CuttableLink
 from specdec.common.codecs import Mode
 from specdec.common.codecs import decode_target_probs
@@ -122,12 +122,12 @@ async def _session(seed, cfg, drafter, first: str, second: str | None, fallback_
     return tuple(r.token_ids), r.reconnects
 
 
-def _run(pair, scenario: str, mode_kw: dict):
-    """(counts, law, sessions that reconnected, metrics of the first edge, of the second edge)."""
+def _run_part(seeds, pair, scenario: str, mode_kw: dict) -> tuple[list, Counter]:
+    """The sessions of ``seeds`` against this process's own edges: ([(tokens, reconnects)], the edges'
+    counters: ("started", edge, mode) and ("resumed", edge) for edge 1 (first) and 2 (second))."""
     target_dir, drafter_dir = pair
     drafter = load(str(drafter_dir))
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=DRAFT_LEN, **mode_kw)
-    law = exact_law(str(target_dir), tuple(encode_prompt(drafter.tokenizer, PROMPT, raw=True)))
     window = 0.0 if scenario == "expired" else 60.0
     m1, m2 = EdgeMetrics(), EdgeMetrics()
     cuts: list[int] = []
@@ -142,20 +142,47 @@ def _run(pair, scenario: str, mode_kw: dict):
                 async with gate:
                     return await _session(seed, cfg, drafter, first, second if scenario == "restarted" else None,
                                           scenario == "mid-fallback", cuts)
-            return await asyncio.gather(*(one(s) for s in range(NUM_SESSIONS)))
+            return await asyncio.gather(*(one(s) for s in seeds))
 
     results = run(main())
+    tally: Counter = Counter()
+    for i, registry in ((1, m1.registry), (2, m2.registry)):
+        for mode in Mode:
+            tally["started", i, mode] = registry.get_sample_value(
+                "specdec_edge_sessions_started_total", {"mode": mode.value}) or 0.0
+        tally["resumed", i] = registry.get_sample_value("specdec_edge_sessions_resumed_total") or 0.0
+    return list(results), tally
+
+
+def _run(twin, pair, scenario: str, mode_kw: dict, patches=()):
+    """(counts, law, sessions that reconnected, counters of the first edge, of the second edge); half of
+    the sessions run in the twin process (harness.Twin) against its own edges, ``patches`` in both."""
+    target_dir, drafter_dir = pair
+    law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
+    if twin is None:
+        with patched(patches):
+            results, tally = _run_part(range(NUM_SESSIONS), pair, scenario, mode_kw)
+    else:
+        (r1, t1), (r2, t2) = twin.split(_run_part, range(NUM_SESSIONS), pair, scenario, mode_kw, patches=patches)
+        results, tally = r1 + r2, t1 + t2
     counts = Counter(tokens for tokens, _ in results)
     reconnected = sum(1 for _, n in results if n > 0)
-    return counts, law, reconnected, m1.registry, m2.registry
+    return counts, law, reconnected, _EdgeTally(tally, 1), _EdgeTally(tally, 2)
 
 
-def _started(registry, mode: Mode) -> float:
-    return registry.get_sample_value("specdec_edge_sessions_started_total", {"mode": mode.value}) or 0.0
+class _EdgeTally:
+    """One edge's counters (summed over the processes that ran sessions)."""
+
+    def __init__(self, tally: Counter, edge_index: int):
+        self.tally, self.index = tally, edge_index
 
 
-def _resumed(registry) -> float:
-    return registry.get_sample_value("specdec_edge_sessions_resumed_total") or 0.0
+def _started(edge_tally: _EdgeTally, mode: Mode) -> float:
+    return edge_tally.tally["started", edge_tally.index, mode]
+
+
+def _resumed(edge_tally: _EdgeTally) -> float:
+    return edge_tally.tally["resumed", edge_tally.index]
 
 
 def _check_fit(counts, law, label):
@@ -169,8 +196,8 @@ def _check_fit(counts, law, label):
 # run with `make test-slow` (their exact replay is checked by default, in process, further below)
 @pytest.mark.parametrize("mode_kw", [CHAIN, pytest.param(DSSD, marks=pytest.mark.slow),
                                      pytest.param(TREE, marks=pytest.mark.slow)], ids=["tslt", "dssd", "tree"])
-def test_resume_on_a_restarted_edge_is_lossless(tiny_pair_v8, mode_kw) -> None:
-    counts, law, reconnected, first, second = _run(tiny_pair_v8, "restarted", mode_kw)
+def test_resume_on_a_restarted_edge_is_lossless(twin, tiny_pair_v8, mode_kw) -> None:
+    counts, law, reconnected, first, second = _run(twin, tiny_pair_v8, "restarted", mode_kw)
     mode = mode_kw["mode"]
     assert reconnected >= MIN_CUT_FRACTION * NUM_SESSIONS, reconnected
     # every reconnected session was re-created on the second edge, none resumed there
@@ -180,8 +207,8 @@ def test_resume_on_a_restarted_edge_is_lossless(tiny_pair_v8, mode_kw) -> None:
 
 
 @pytest.mark.slow
-def test_resume_after_the_session_expired_is_lossless(tiny_pair_v8) -> None:
-    counts, law, reconnected, first, _ = _run(tiny_pair_v8, "expired", CHAIN)
+def test_resume_after_the_session_expired_is_lossless(twin, tiny_pair_v8) -> None:
+    counts, law, reconnected, first, _ = _run(twin, tiny_pair_v8, "expired", CHAIN)
     assert reconnected >= MIN_CUT_FRACTION * NUM_SESSIONS, reconnected
     # The edge had freed each session (0 s window) before the device came back: all re-created.
     assert _started(first, Mode.TSLT) == NUM_SESSIONS + reconnected and _resumed(first) == 0
@@ -190,8 +217,8 @@ def test_resume_after_the_session_expired_is_lossless(tiny_pair_v8) -> None:
 
 
 @pytest.mark.slow
-def test_resume_in_the_middle_of_a_dssd_fallback_is_lossless(tiny_pair_v8) -> None:
-    counts, law, reconnected, first, _ = _run(tiny_pair_v8, "mid-fallback", DSSD)
+def test_resume_in_the_middle_of_a_dssd_fallback_is_lossless(twin, tiny_pair_v8) -> None:
+    counts, law, reconnected, first, _ = _run(twin, tiny_pair_v8, "mid-fallback", DSSD)
     # a fallback happens only after a rejection that the device's samples did not resolve
     assert reconnected >= 100, reconnected
     assert _resumed(first) == reconnected  # the edge kept the session: resumed with its KV cache
@@ -199,9 +226,12 @@ def test_resume_in_the_middle_of_a_dssd_fallback_is_lossless(tiny_pair_v8) -> No
     assert fit.p_value > P_VALUE_CUT, str(fit)
 
 
-def test_control_resume_reusing_the_first_attempts_numbers_is_rejected(tiny_pair_v8, monkeypatch) -> None:
-    monkeypatch.setattr(servicer, "VerifierSession", OneGeneratorPerSession)
-    counts, law, reconnected, _, second = _run(tiny_pair_v8, "restarted", CHAIN)
+# ~40 s of CPU: behind `make test-slow`. The same broken edge (OneGeneratorPerSession) is caught in the
+# default run, without statistics, by test_control_one_generator_per_session_does_not_replay below.
+@pytest.mark.slow
+def test_control_resume_reusing_the_first_attempts_numbers_is_rejected(twin, tiny_pair_v8) -> None:
+    counts, law, reconnected, _, second = _run(twin, tiny_pair_v8, "restarted", CHAIN,
+                                               patches=[(servicer, "VerifierSession", OneGeneratorPerSession)])
     assert _started(second, Mode.TSLT) == reconnected >= MIN_CUT_FRACTION * NUM_SESSIONS
     fit = _check_fit(counts, law, "control: one generator per session, restarted tslt")
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"

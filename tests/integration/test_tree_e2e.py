@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from harness import device_config, edge, load, run, run_sessions, target_greedy
+from harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
 from specdec.common.codecs import Mode
 from specdec.common.modeling import CachedLM, encode_prompt
 from specdec.common.tree import TreeSpec
@@ -53,17 +53,15 @@ def test_chain_shaped_tree_is_the_chain_draw_for_draw(tiny_pair_v512) -> None:
 
 @pytest.mark.parametrize("kw", [dict(mode=Mode.DENSE, dense_dtype="fp32"), dict(mode=Mode.TSLT, top_k=3),
                                 dict(mode=Mode.KSQS, top_k=3, lattice=8)], ids=lambda kw: kw["mode"].value)
-def test_branching_tree_is_lossless(tiny_pair_v8, kw) -> None:
+def test_branching_tree_is_lossless(twin, tiny_pair_v8, kw) -> None:
     target_dir, drafter_dir = tiny_pair_v8
-    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, tree=(2, 2), **kw)
+    cfg_kw = dict(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, tree=(2, 2), **kw)
     tok = load(str(drafter_dir)).tokenizer
     law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)))
-
-    async def main():
-        async with edge(target_dir) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(TREE_SESSIONS), concurrency=CONCURRENCY)
-
-    counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
+    # half of the sessions in the twin process (harness.Twin): same seeds, same tokens, both cores
+    results = split_sessions(twin, range(TREE_SESSIONS), target_dir, drafter_dir, cfg_kw, PROMPT,
+                             concurrency=CONCURRENCY)
+    counts = Counter(tuple(tokens) for tokens, _, _ in results)
     fit = goodness_of_fit(counts, law)
     assert fit.p_value > P_VALUE_CUT, str(fit)
 
