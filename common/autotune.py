@@ -27,6 +27,8 @@ from specdec.common.latency import expected_tokens_per_call, oracle_time_draftin
 # Modes whose rounds the device can draft ahead (device/chain.py DRAFT_AHEAD_MODES, stated here as
 # data so that this module stays free of device code).
 AHEAD_MODES = frozenset({Mode.DENSE, Mode.TSLT, Mode.KSQS})
+TRUST_FACTOR = 4.0             # rounds up to this x the largest measured one are predicted at the estimate
+UNTRUSTED_BPS = 1e6            # ... and the bits beyond it at most this fast
 PROTO_BYTES_PER_TOKEN = 6      # a draft token's id and its packet's length prefix on the wire
 PROTO_BYTES_PER_ROUND = 24     # round id, settings and framing of a Draft message
 VERDICT_BYTES = 40             # a Verdict (ids, counts, timings): the downlink of a verified round
@@ -72,6 +74,14 @@ class Estimates:
     dssd_fallback_rate: float = 0.05        # P(a DSSD rejection needs the full p_j) ...
     dssd_fallback_bytes: float = 0.0        # ... and what that p_j costs downlink
     edge_chunk: int = 16                    # tokens an edge-only round asks for
+    # measured / predicted round time per codec key: what the model misses (runtime overheads,
+    # contention) is learned per kind of round and scales its predictions (1 = the model as is)
+    time_scale: Mapping[tuple[Mode, int], float] = field(default_factory=dict)
+    # The goodput was measured with rounds of up to this many bits; a larger round may meet a slower
+    # link (a token bucket lets small rounds through at line rate), so bits beyond TRUST_FACTOR x
+    # this are predicted at UNTRUSTED_BPS at best: the controller grows its rounds step by step, as
+    # TCP's slow start grows its window. inf = no limit.
+    measured_up_bits: float = math.inf
 
     def verify_s(self, tokens: int) -> float:
         """The edge's time for a forward over ``tokens`` tokens (affine fit of its reports)."""
@@ -98,6 +108,15 @@ def _serialize_s(nbytes: float, bps: float) -> float:
     return 8.0 * nbytes / bps if bps > 0 and math.isfinite(bps) else 0.0
 
 
+def uplink_s(nbytes: float, e: Estimates) -> float:
+    """Serialization of an uplink message: at the goodput estimate up to the size it was measured
+    with (times TRUST_FACTOR), beyond that at no more than UNTRUSTED_BPS."""
+    trusted = TRUST_FACTOR * e.measured_up_bits / 8.0
+    if nbytes <= trusted:
+        return _serialize_s(nbytes, e.uplink_bps)
+    return _serialize_s(trusted, e.uplink_bps) + _serialize_s(nbytes - trusted, min(e.uplink_bps, UNTRUSTED_BPS))
+
+
 def uplink_bytes(c: Candidate, e: Estimates) -> float:
     """Bytes of one round's Draft message run as ``c``."""
     if c.mode is Mode.NONE:
@@ -106,16 +125,24 @@ def uplink_bytes(c: Candidate, e: Estimates) -> float:
 
 
 def predict(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
-    """Expected tokens and seconds of one round run as ``c`` (module docstring: the model)."""
+    """Expected tokens and seconds of one round run as ``c`` (module docstring: the model), scaled
+    by what rounds of its kind measured against it (``Estimates.time_scale``)."""
+    p = model_round(c, e, draft_ahead)
+    scale = e.time_scale.get(c.codec_key, 1.0)
+    return Prediction(c, p.tokens, p.seconds * scale, p.alpha) if scale != 1.0 else p
+
+
+def model_round(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
+    """:func:`predict` before the learned scale."""
     if c.mode is Mode.NONE:
         n = max(1, e.edge_chunk)
-        seconds = (e.rtt_s + _serialize_s(PROTO_BYTES_PER_ROUND, e.uplink_bps)
+        seconds = (e.rtt_s + uplink_s(PROTO_BYTES_PER_ROUND, e)
                    + n * (e.queue_s + e.verify_s(1) + _serialize_s(EDGE_TOKEN_BYTES, e.downlink_bps)))
         return Prediction(c, float(n), seconds, 0.0)
     L = c.draft_len
     alpha = e.alpha(c)
     tokens = expected_tokens_per_call(alpha, L)
-    comm = (e.rtt_s + _serialize_s(uplink_bytes(c, e), e.uplink_bps)
+    comm = (e.rtt_s + uplink_s(uplink_bytes(c, e), e)
             + _serialize_s(VERDICT_BYTES, e.downlink_bps))
     t_slm = e.draft_s + e.encode_s.get(c.mode, 0.0)
     verify = e.queue_s + L * e.decode_s.get(c.mode, 0.0) + e.verify_s(L + 1)
@@ -181,7 +208,9 @@ def fit_link(samples: list[tuple[float, float]], weights: list[float], prior_rtt
     Where the rounds cannot separate the two, the previous estimate of one gives the other: rounds
     all smaller than ``small_bits`` measure the round trip (their serialization at ``prior_bps``
     taken off), rounds all of one larger size measure the rate above ``prior_rtt_s``. A fit whose
-    larger rounds are not slower means serialization is lost in the noise (a fast link)."""
+    larger rounds are not slower says nothing about the rate (noise, or a round trip that changed
+    inside the window): the rate stays ``prior_bps``. Never infinite: one window of noisy rounds must
+    not make the device send megabytes down a slow link."""
     if not samples:
         return prior_rtt_s, prior_bps
     w = sum(weights)
@@ -194,7 +223,7 @@ def fit_link(samples: list[tuple[float, float]], weights: list[float], prior_rtt
         var = sum(wi * (b - mean_b) ** 2 for wi, (b, _) in zip(weights, samples))
         cov = sum(wi * (b - mean_b) * (t - mean_t) for wi, (b, t) in zip(weights, samples))
         if cov <= 0:
-            return max(0.0, mean_t), math.inf
+            return max(0.0, mean_t - mean_b / prior_bps), prior_bps
         slope = cov / var
         rtt = mean_t - slope * mean_b
         if rtt >= 0:
@@ -202,4 +231,4 @@ def fit_link(samples: list[tuple[float, float]], weights: list[float], prior_rtt
         return 0.0, mean_b / mean_t  # all of the time is serialization
     rtt = max(0.0, min(prior_rtt_s, mean_t))
     excess = mean_t - rtt
-    return rtt, (mean_b / excess if excess > 0 else math.inf)
+    return rtt, (mean_b / excess if excess > 0 else prior_bps)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,8 +37,12 @@ from specdec.common.codecs import Mode
 from specdec.common.protocol import DraftSettings, Hello
 from specdec.common.stats import RoundRecord
 
-FAST_LINK_BPS = 1e9           # an uplink we have not measured yet is assumed fast: the first large
-                              # round then measures it (optimism explores)
+FAST_LINK_BPS = 1e9           # the most goodput the device believes in (and what a probe asks about)
+PRIOR_UPLINK_BPS = 10e6       # before any measurement: a middling link, so the first rounds carry tens
+                              # of KB at most (a dense round at 1e9 "measured" a 0.5 Mbit/s link in 6 s)
+TIME_SCALE_MIN, TIME_SCALE_MAX = 0.5, 4.0  # bounds of the learned measured/modelled round-time ratio
+TRUST_MEMORY = 32             # rounds whose sizes say how large a round the goodput estimate covers
+RATE_GROWTH = 4.0             # the goodput estimate may rise this much per round, fall without limit
 MIN_RATE_SAMPLE_BYTES = 1200  # rounds smaller than about one segment say nothing about goodput
 MIN_EXCESS_S = 2e-4           # below this the serialization is lost in timer noise
 LINK_WINDOW = 6               # rounds in the round-trip / goodput fit ...
@@ -94,6 +99,10 @@ class _ModelSide:
         self.accept_num = PRIOR_ALPHA * PRIOR_WEIGHT   # decayed sum of accepted + TV per tested position
         self.accept_den = PRIOR_WEIGHT
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
+        # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
+        # whatever K), so per temperature; from sample encodings and from the rounds actually sent
+        self.packet_bytes: dict[tuple[Mode, int], _Ewma] = {}
+        self.encoded = 0                                 # q encoded at this temperature
         self.guess = [PRIOR_GUESS * 2, 2.0]             # decayed (hits, trials)
         self.fallback = [0.0, 0.0]                       # decayed (fallbacks, DSSD rejections)
 
@@ -117,6 +126,9 @@ class _ModelSide:
     def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
         self.sigma.setdefault(key, _Ewma()).add(tv)
 
+    def add_bytes(self, key: tuple[Mode, int], size: float) -> None:
+        self.packet_bytes.setdefault(key, _Ewma()).add(size)
+
     def tv(self, key: tuple[Mode, int]) -> float:
         e = self.sigma.get(key)
         return e.value if e is not None and e.value is not None else 0.0
@@ -134,7 +146,8 @@ class LinkTracker:
         self.config = config
         self.lock = threading.Lock()   # encode hooks run in worker threads, rounds on the event loop
         self.link_samples = collections.deque(maxlen=LINK_WINDOW)  # (uplink bits, network s) per round
-        self._link = (0.0, FAST_LINK_BPS)                          # fitted (round trip s, uplink bits/s)
+        self.sizes_sent = collections.deque(maxlen=TRUST_MEMORY)   # uplink bits of recent rounds
+        self._link = (0.0, PRIOR_UPLINK_BPS)                       # fitted (round trip s, uplink bits/s)
         self._last_off = 0.0                                       # the last round's miss, if an outlier
         self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
         self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
@@ -142,11 +155,10 @@ class LinkTracker:
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
         self.queue_s = _Ewma(0.0)               # edge: wait for its worker per round
-        self.packet_bytes: dict[tuple[Mode, int], float] = {}
         self.models: dict[float, _ModelSide] = {}
         self.rounds_since_rate = 0
-        self.encoded = 0
         self.dssd_samples = DraftSettings().dssd_samples  # m of the DSSD rounds this device sends
+        self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
 
     def model(self, temperature: float) -> _ModelSide:
         if temperature not in self.models:
@@ -173,13 +185,17 @@ class LinkTracker:
             self.down.append((8 * down_bytes, max(MIN_EXCESS_S, excess)))
             return
         self._check_change(8.0 * up_bytes, network)
+        self.sizes_sent.append(8.0 * up_bytes)
         self.link_samples.append((8.0 * up_bytes, network))
         n = len(self.link_samples)
         weights = [LINK_DECAY ** (n - 1 - i) for i in range(n)]
         rtt, rate = A.fit_link(list(self.link_samples), weights, self.rtt_s(), self.uplink_bps(),
                                8.0 * MIN_RATE_SAMPLE_BYTES)
         self.rounds_since_rate = 0 if up_bytes >= MIN_RATE_SAMPLE_BYTES else self.rounds_since_rate + 1
-        self._link = (rtt, min(rate, FAST_LINK_BPS))
+        # A slower link shows at once; a faster one at most RATE_GROWTH x per round, so that one
+        # noisy window cannot send dense rounds down a slow link (each would take seconds).
+        rate = min(rate, self.uplink_bps() * RATE_GROWTH, FAST_LINK_BPS)
+        self._link = (rtt, rate)
 
     def _check_change(self, bits: float, network: float) -> None:
         """Two rounds in a row far from what the fit predicts (in the same direction): the link changed,
@@ -226,8 +242,8 @@ class LinkTracker:
                 side.add_sigma((Mode.TSLT, k), max(0.0, 1.0 - float(top[k - 1])))
             if settings.mode is Mode.KSQS:
                 side.add_sigma((Mode.KSQS, settings.top_k), used_tv)
-            self.encoded += 1
-            refresh = self.encoded % BYTES_REFRESH_EVERY == 1
+            side.encoded += 1
+            refresh = side.encoded % BYTES_REFRESH_EVERY == 1
         if refresh:
             self._measure_packets(q, settings, temperature)
 
@@ -245,9 +261,11 @@ class LinkTracker:
             if mode is Mode.KSQS:
                 tvs[key] = 0.5 * float((enc.q_hat.double() - q.double()).abs().sum())
         with self.lock:
-            self.packet_bytes.update(sizes)
+            side = self.model(temperature)
+            for key, size in sizes.items():
+                side.add_bytes(key, size)
             for key, tv in tvs.items():
-                self.model(temperature).add_sigma(key, tv)
+                side.add_sigma(key, tv)
 
     def _codec_keys(self, vocab_size: int) -> list[tuple[Mode, int]]:
         cfg = self.config
@@ -264,7 +282,10 @@ class LinkTracker:
         forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
         dssd_full = settings.mode is Mode.DSSD and r.downlink_bytes >= 8 * vocab_size
         with self.lock:
-            if not catching_up:
+            # An edge-only round's network time also holds every streamed token's per-message costs
+            # (their sum grows with the round): not a round-trip sample. Its kind's learned time
+            # scale covers those costs instead.
+            if not catching_up and settings.mode is not Mode.NONE:
                 self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes, dssd_full)
             if settings.mode is Mode.NONE:
                 if r.generated:
@@ -281,8 +302,18 @@ class LinkTracker:
                 self.decode_s.setdefault(settings.mode, _Ewma()).add(per_token["decode"])
             side = self.model(temperature)
             side.add_acceptance(r.accepted, r.tested, side.tv(_codec_key(settings)))
+            if r.drafted_tokens and settings.mode is not Mode.DSSD:
+                sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
+                side.add_bytes(_codec_key(settings), max(0.0, sent))
             if settings.mode is Mode.DSSD and r.accepted < r.positions:
                 _share(side.fallback, dssd_full)
+
+    def add_round_time(self, key: tuple[Mode, int], measured_s: float, modelled_s: float) -> None:
+        """A round took ``measured_s`` where the model said ``modelled_s`` (before any scale)."""
+        if modelled_s > 0 and measured_s > 0:
+            ratio = min(TIME_SCALE_MAX, max(TIME_SCALE_MIN, measured_s / modelled_s))
+            with self.lock:
+                self.time_scale.setdefault(key, _Ewma()).add(ratio)
 
     def observe_guess(self, temperature: float, kept: bool) -> None:
         with self.lock:
@@ -298,13 +329,15 @@ class LinkTracker:
                 draft_s=self.draft_s.value if self.draft_s.value is not None else 0.01,
                 verify_base_s=base, verify_per_token_s=slope, alpha_base=side.alpha_base,
                 sigma={k: e.value for k, e in side.sigma.items() if e.value is not None},
-                packet_bytes=dict(self.packet_bytes),
+                packet_bytes={k: e.value for k, e in side.packet_bytes.items() if e.value is not None},
                 encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
                 decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
                 queue_s=self.queue_s.value or 0.0,
                 guess_rate=side.guess[0] / side.guess[1],
                 dssd_fallback_rate=side.fallback_rate(self.dssd_samples),
                 dssd_fallback_bytes=8.0 * vocab_size,
+                time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
+                measured_up_bits=max(self.sizes_sent, default=8.0 * MIN_RATE_SAMPLE_BYTES),
                 edge_chunk=A.edge_chunk(self.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
 
 
@@ -327,6 +360,8 @@ class AutoPolicy:
         self._last_len = 0
         self._drafted_last = False    # the last round was drafted (False at the start: catch-up)
         self.edge_only_run = 0        # edge-only rounds in a row
+        self._chosen_at: float | None = None  # when the current round's settings were chosen
+        self._modelled = 0.0                  # and the model's time for it (before the learned scale)
 
     def choose(self) -> DraftSettings:
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size)
@@ -334,6 +369,8 @@ class AutoPolicy:
         probe = self._probe(pick, e) or self._revisit(pick, ranking)
         chosen = probe or pick
         self.current = chosen.candidate
+        self._modelled = A.model_round(chosen.candidate, e, self.draft_ahead).seconds
+        self._chosen_at = time.perf_counter()
         self.last = _explain(chosen, e, ranking, probe is not None)
         return self.settings_for(chosen.candidate, e.edge_chunk)
 
@@ -370,6 +407,10 @@ class AutoPolicy:
 
     def observe(self, r: RoundRecord, settings: DraftSettings) -> None:
         t = self.hello.temperature
+        if self._chosen_at is not None and self._drafted_last == (settings.mode is not Mode.NONE):
+            # the round's wall time from its choice to its verdict (not a round that catches the drafter up)
+            self.tracker.add_round_time(_codec_key(settings), time.perf_counter() - self._chosen_at, self._modelled)
+        self._chosen_at = None
         if self._await_guess and settings.mode in A.AHEAD_MODES and settings.draft_len == self._last_len:
             self.tracker.observe_guess(t, r.drafted_ahead)
         drafted = settings.mode is not Mode.NONE
@@ -390,6 +431,7 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "rtt_s": e.rtt_s, "uplink_bps": _finite(e.uplink_bps), "downlink_bps": _finite(e.downlink_bps),
         "draft_s": e.draft_s, "verify_base_s": e.verify_base_s, "verify_per_token_s": e.verify_per_token_s,
         "alpha_base": e.alpha_base, "guess_rate": e.guess_rate, "edge_chunk": e.edge_chunk,
+        "time_scale": e.time_scale.get(chosen.candidate.codec_key, 1.0),
     }
 
 

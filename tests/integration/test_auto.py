@@ -8,7 +8,8 @@ from collections import Counter
 
 import torch
 
-from harness import EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, target_greedy
+from harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, split_sessions,
+                     target_greedy)
 from specdec.common.codecs import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
@@ -80,25 +81,31 @@ def test_greedy_auto_equals_the_target_greedy_decode(tiny_pair_v512) -> None:
             assert len(modes) >= 3, modes  # the test exercised switches between modes
 
 
-def _counts(tiny_pair, factory, sessions: int) -> tuple[Counter, dict]:
+def _counts(twin, tiny_pair, factory, sessions: int) -> tuple[Counter, dict, list]:
+    """Sequence counts of seeded sessions over real gRPC, half in the ``twin`` process (harness)."""
     target_dir, drafter_dir = tiny_pair
     # Sessions run past the tokens the law covers, so that rounds drafted ahead land inside them.
-    cfg = device_config(temperature=1.0, max_new_tokens=N_TOKENS + 3, mode="auto")
-    drafter = load(str(drafter_dir))
-    law = exact_law(str(target_dir), tuple(encode_prompt(drafter.tokenizer, PROMPT, raw=True)))
-
-    async def main():
-        async with edge(target_dir) as address:
-            return await run_sessions(address, drafter, cfg, PROMPT, range(sessions), factory, CONCURRENCY)
-
-    results = run(main())
+    cfg_kw = dict(temperature=1.0, max_new_tokens=N_TOKENS + 3, mode="auto")
+    law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
+    results = split_sessions(twin, range(sessions), target_dir, drafter_dir, cfg_kw, PROMPT, factory, CONCURRENCY)
     return Counter(tuple(tokens[:N_TOKENS]) for tokens, _, _ in results), law, results
 
 
-def test_auto_switching_every_round_is_lossless(tiny_pair_v8) -> None:
-    counts, law, results = _counts(tiny_pair_v8, random_auto_session, NUM_SESSIONS)
-    kinds = Counter(key.split("/")[0] for _, _, s in results for key in s.policy.last_choices)
+def test_random_auto_covers_every_kind_of_round(tiny_pair_v8) -> None:
+    """What the law test below exercises: every mode, edge-only rounds among them."""
+    target_dir, drafter_dir = tiny_pair_v8
+    cfg = device_config(temperature=1.0, max_new_tokens=N_TOKENS + 3, mode="auto")
+
+    async def main():
+        async with edge(target_dir) as address:
+            return await run_sessions(address, load(str(drafter_dir)), cfg, PROMPT, range(60), random_auto_session)
+
+    kinds = Counter(key.split("/")[0] for _, _, s in run(main()) for key in s.policy.last_choices)
     assert {"none", "dssd", "dense"} <= set(kinds) and len(kinds) >= 6, kinds
+
+
+def test_auto_switching_every_round_is_lossless(twin, tiny_pair_v8) -> None:
+    counts, law, results = _counts(twin, tiny_pair_v8, random_auto_session, NUM_SESSIONS)
     assert sum(s.stats.ahead_rounds_used for _, _, s in results) > 20  # rounds drafted ahead were kept too
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
@@ -116,9 +123,12 @@ class SamplesUniformOnSupport(DraftSession):
         return DraftStep(int(torch.multinomial(other / other.sum(), 1, generator=generator)), encoded)
 
 
-def test_control_auto_with_a_device_sampling_another_q_is_detected(tiny_pair_v8) -> None:
-    counts, law, _ = _counts(tiny_pair_v8, lambda d, h: random_auto_session(d, h, SamplesUniformOnSupport),
-                             CONTROL_SESSIONS)
+def random_auto_sampling_another_q(drafter, hello):
+    return random_auto_session(drafter, hello, SamplesUniformOnSupport)
+
+
+def test_control_auto_with_a_device_sampling_another_q_is_detected(twin, tiny_pair_v8) -> None:
+    counts, law, _ = _counts(twin, tiny_pair_v8, random_auto_sampling_another_q, CONTROL_SESSIONS)
     fit = goodness_of_fit(counts, law)
     print(f"control under auto: {fit}")
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
