@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from specdec.common.runtime import run_async  # noqa: E402
 from specdec.device import runner  # noqa: E402
 from specdec.device.client import generate  # noqa: E402
 from specdec.device.drafter import DraftSession  # noqa: E402
-from suite.driver import WARMUP_TOKENS, device_config, emit  # noqa: E402
+from suite.driver import WARMUP_TOKENS, device_config, emit, serve_batches  # noqa: E402
 
 
 try:  # mode auto's memory of the link and the models: one per device, shared by its sessions (as
@@ -122,15 +121,7 @@ async def main_async(args) -> None:
         warm = device_config(args.edge, {"temperature": 1.0, "max_new_tokens": WARMUP_TOKENS})
         await run_session(channel, drafter, warm, "Hello!", 0, choice.operating_point)
         emit({"ready": True, "draft_model": drafter.name})
-        while True:
-            line = await asyncio.to_thread(sys.stdin.readline)
-            if not line or not line.strip():
-                break
-            batch = json.loads(line)
-            if batch.get("quit"):
-                break
-            await run_jobs(channel, drafter, args.edge, batch["jobs"], choice.operating_point)
-            emit({"batch_done": True})
+        await serve_batches(lambda jobs: run_jobs(channel, drafter, args.edge, jobs, choice.operating_point))
 
 
 def main() -> int:

@@ -174,15 +174,21 @@ async def main_async(args) -> None:
             warm = device_config(args.edge, {"temperature": 1.0, "max_new_tokens": WARMUP_TOKENS})
             await run_session(channel, drafter, warm, "Hello!", 0, None, choice.operating_point)
         emit({"ready": True, "draft_model": drafter.name})
-        while True:
-            line = await asyncio.to_thread(sys.stdin.readline)
-            if not line or not line.strip():
-                break
-            batch = json.loads(line)
-            if batch.get("quit"):
-                break
-            await run_jobs(channel, drafter, args.edge, batch["jobs"], choice.operating_point)
-            emit({"batch_done": True})
+        await serve_batches(lambda jobs: run_jobs(channel, drafter, args.edge, jobs, choice.operating_point))
+
+
+async def serve_batches(run_batch) -> None:
+    """Run each batch of jobs read from stdin (one JSON line ``{"jobs": [...]}`` per batch) with
+    ``run_batch(jobs)``, answering ``batch_done`` after each, until EOF or ``{"quit": true}``."""
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line or not line.strip():
+            return
+        batch = json.loads(line)
+        if batch.get("quit"):
+            return
+        await run_batch(batch["jobs"])
+        emit({"batch_done": True})
 
 
 def main() -> int:
