@@ -151,8 +151,10 @@ class ClientTls:
 
 
 # gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a device resuming a session after a
-# short outage should retry sooner.
-RECONNECT_BACKOFF_MS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+# short outage should retry sooner. gRPC core also reads min_reconnect_backoff_ms as the least time a
+# connection attempt gets to finish its HTTP/2 handshake (default 20 s): at 200 ms a loaded host's
+# edge could not answer SETTINGS in time and the first call failed UNAVAILABLE; 5 s leaves room.
+RECONNECT_BACKOFF_MS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 5_000),
                         ("grpc.max_reconnect_backoff_ms", 2_000))
 
 
