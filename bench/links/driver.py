@@ -29,7 +29,7 @@ from specdec.common.runtime import run_async  # noqa: E402
 from specdec.device import runner  # noqa: E402
 from specdec.device.client import generate  # noqa: E402
 from specdec.device.drafter import DraftSession  # noqa: E402
-from suite.driver import WARMUP_TOKENS, device_config, emit, serve_batches  # noqa: E402
+from suite.driver import WARMUP_TOKENS, device_config, emit, run_job, serve_batches  # noqa: E402
 
 
 try:  # mode auto's memory of the link and the models: one per device, shared by its sessions (as
@@ -97,20 +97,7 @@ async def run_session(channel, drafter, cfg, prompt: str, seed: int, operating_p
 async def run_jobs(channel, drafter, edge: str, jobs: list[dict], operating_point) -> None:
     for job in jobs:
         cfg = device_config(edge, job["config"])
-        t0 = time.perf_counter()
-        ran = 0
-        for i, (prompt, seed) in enumerate(zip(job["prompts"], job["seeds"])):
-            if ran and time.perf_counter() - t0 > job.get("budget_s", float("inf")):
-                break
-            try:
-                record, extra = await run_session(channel, drafter, cfg, prompt, seed, operating_point)
-            except Exception as exc:  # one failed session must not sink the run: report it
-                emit({"job": job["id"], "prompt": i, "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            ran += 1
-            emit({"job": job["id"], "prompt": i, "seed": seed, "record": record, "extra": extra})
-        emit({"job": job["id"], "done": True, "sessions": ran, "planned": len(job["prompts"]),
-              "elapsed_s": time.perf_counter() - t0})
+        await run_job(job, lambda prompt, seed: run_session(channel, drafter, cfg, prompt, seed, operating_point))
 
 
 async def main_async(args) -> None:

@@ -147,21 +147,27 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
 async def run_jobs(channel, drafter, edge: str, jobs: list[dict], operating_point) -> None:
     for job in jobs:
         cfg = device_config(edge, job["config"])
-        t0 = time.perf_counter()
-        ran = 0
-        for i, (prompt, seed) in enumerate(zip(job["prompts"], job["seeds"])):
-            if ran and time.perf_counter() - t0 > job.get("budget_s", float("inf")):
-                break  # this point's time is spent; at least one session always runs
-            try:
-                record, extra = await run_session(channel, drafter, cfg, prompt, seed, job.get("topk_grid"),
-                                                  operating_point)
-            except Exception as exc:  # one failed session must not sink the run: report it
-                emit({"job": job["id"], "prompt": i, "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            ran += 1
-            emit({"job": job["id"], "prompt": i, "seed": seed, "record": record, "extra": extra})
-        emit({"job": job["id"], "done": True, "sessions": ran, "planned": len(job["prompts"]),
-              "elapsed_s": time.perf_counter() - t0})
+        await run_job(job, lambda prompt, seed: run_session(channel, drafter, cfg, prompt, seed, job.get("topk_grid"),
+                                                            operating_point))
+
+
+async def run_job(job: dict, session) -> None:
+    """A job's sessions, ``await session(prompt, seed)`` -> (record, extra) each, within its time
+    budget: one JSON line per session (or its error), then one for the job."""
+    t0 = time.perf_counter()
+    ran = 0
+    for i, (prompt, seed) in enumerate(zip(job["prompts"], job["seeds"])):
+        if ran and time.perf_counter() - t0 > job.get("budget_s", float("inf")):
+            break  # this point's time is spent; at least one session always runs
+        try:
+            record, extra = await session(prompt, seed)
+        except Exception as exc:  # one failed session must not sink the run: report it
+            emit({"job": job["id"], "prompt": i, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        ran += 1
+        emit({"job": job["id"], "prompt": i, "seed": seed, "record": record, "extra": extra})
+    emit({"job": job["id"], "done": True, "sessions": ran, "planned": len(job["prompts"]),
+          "elapsed_s": time.perf_counter() - t0})
 
 
 async def main_async(args) -> None:
