@@ -95,5 +95,14 @@ bench: $(PB_OUT) $(BENCH_STAMP)
 bench-links: $(PB_OUT) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_links.py $(ARGS)
 
+# N = 1, 2, 4, 8, 16, 32 devices against one edge-server (issue 19): the default drafter's real drafts,
+# recorded once (cached in $SPECDEC_CACHE_DIR/capacity), replayed by asyncio gRPC clients with their
+# drafting time; batched, --no-batching and edge-only serving interleaved, then real device-clients at
+# N = 1, 2 validate the replay (results/bench_capacity/<timestamp>/, results/bench_capacity/latest).
+# ARGS=--quick (N = 1, 2, 8): ~5 min; the full run ~25 min on 2 shared cores.
+.PHONY: bench-capacity
+bench-capacity: $(PB_OUT) $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/bench_capacity.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) $(PB_DIR)/*_pb2*.py $(PB_DIR)/*_pb2*.pyi
