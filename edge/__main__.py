@@ -8,6 +8,7 @@ import sys
 from specdec.common.modeling import DTYPES, ModelSpec
 from specdec.common.runtime import MAX_MESSAGE_BYTES, OneLineParser, apply_threads, is_loopback, run_async
 from specdec.edge.admission import AdmissionSettings
+from specdec.edge.batching import BatchSettings
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
@@ -31,6 +32,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a valid number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="edge-server", description="specdec edge server: verifies drafts with the target model")
     p.add_argument("--model", help="target: HF directory or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -40,7 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
-    p.add_argument("--workers", type=_positive(int), default=4)
+    p.add_argument("--workers", type=_positive(int), default=4,
+                   help="threads running sessions' work (decoding drafts, verification); with batching at "
+                   "least --max-sessions, since each waits for its share of a shared forward (default: %(default)s)")
+    batch = BatchSettings()
+    p.add_argument("--no-batching", action="store_true",
+                   help="every session runs its own target forwards (one session per forward, as before "
+                   "batching); default: the forwards of all sessions ready at once run as one")
+    p.add_argument("--max-batch-tokens", type=_positive(int), default=batch.max_batch_tokens, metavar="N",
+                   help="new tokens (all sessions) per target forward; longer prompts are prefilled in "
+                   "chunks of this size (default: %(default)s)")
+    p.add_argument("--batch-wait-ms", type=_non_negative_float, default=batch.wait_s * 1000, metavar="MS",
+                   help="longest a ready forward waits for sessions still decoding their round; it starts "
+                   "at once when every working session has handed in (default: %(default)g)")
     p.add_argument("--max-sessions", type=_positive(int), default=64,
                    help="sessions held at once, detached ones waiting for a resume included")
     admit = AdmissionSettings()
@@ -88,8 +111,10 @@ def config_from_args(a) -> EdgeConfig:
     tls = TlsConfig(cert=a.tls_cert, key=a.tls_key, client_ca=a.tls_client_ca) if a.tls_cert else None
     admission = AdmissionSettings(max_sessions_per_principal=a.max_sessions_per_principal,
                                   queue=a.admission_queue, wait_s=a.admission_wait_ms / 1000)
+    batching = BatchSettings(enabled=not a.no_batching, max_batch_tokens=a.max_batch_tokens,
+                             wait_s=a.batch_wait_ms / 1000)
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
-                      workers=a.workers, limits=limits, admission=admission, tls=tls,
+                      workers=a.workers, batching=batching, limits=limits, admission=admission, tls=tls,
                       auth_token_file=a.auth_token_file, max_message_bytes=a.max_message_bytes)
 
 

@@ -14,6 +14,14 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
 - sessions waiting for a slot now: ``specdec_edge_admission_queued_sessions``
 - admission wait p95 (admitted sessions; 0 for those admitted at once):
   ``histogram_quantile(0.95, sum by (le) (rate(specdec_edge_admission_wait_seconds_bucket[$__rate_interval])))``
+- target forwards per second, and sessions / tokens per forward (batching):
+  ``rate(specdec_edge_batch_forward_seconds_count[$__rate_interval])``,
+  ``rate(specdec_edge_batch_sessions_sum[$__rate_interval]) / rate(specdec_edge_batch_sessions_count[$__rate_interval])``,
+  ``rate(specdec_edge_batch_tokens_sum[$__rate_interval]) / rate(specdec_edge_batch_tokens_count[$__rate_interval])``
+- share of the edge's time in target forwards (1 = the target never idles):
+  ``rate(specdec_edge_batch_forward_seconds_sum[$__rate_interval])``
+- a forward request's wait for its batch, p95:
+  ``histogram_quantile(0.95, sum by (le) (rate(specdec_edge_batch_queue_seconds_bucket[$__rate_interval])))``
 - share of admitted sessions that had to wait (longer than 1 ms):
   ``1 - rate(specdec_edge_admission_wait_seconds_bucket{le="0.001"}[$__rate_interval])
   / rate(specdec_edge_admission_wait_seconds_count[$__rate_interval])``
@@ -22,14 +30,21 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from specdec.common.metrics import STATUSES, SpecMetrics
+from specdec.common.metrics import PHASE_BUCKETS, STATUSES, SpecMetrics
 from specdec.common.stats import EDGE_PHASES, RoundRecord
 from specdec.edge.admission import REASONS
+from specdec.edge.batching import BatchStats
 
 # The edge also refuses callers and frees sessions nobody resumed in time.
 EDGE_STATUSES = STATUSES + ("unauthenticated", "permission_denied", "expired")
 # A queued session waits up to --admission-wait-ms (5 s by default); at once is ~0.
 ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Sessions per forward: 1 up to --max-sessions (64 by default).
+BATCH_SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# New tokens per forward: one edge-only token up to --max-batch-tokens (256 by default).
+BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# A request waits ~0 (alone), the scheduler's 2 ms window, or a whole forward in progress (10-500 ms).
+BATCH_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class EdgeMetrics(SpecMetrics):
@@ -45,6 +60,14 @@ class EdgeMetrics(SpecMetrics):
                                         **self.kw)
         for reason in REASONS:
             self.rejected.labels(reason)
+        self.batch_sessions = Histogram("batch_sessions", "Sessions whose tokens one target forward ran",
+                                        buckets=BATCH_SESSIONS_BUCKETS, **self.kw)
+        self.batch_tokens = Histogram("batch_tokens", "New tokens one target forward ran (all sessions)",
+                                      buckets=BATCH_TOKENS_BUCKETS, **self.kw)
+        self.batch_queue = Histogram("batch_queue_seconds", "Time a forward request waited for its batch "
+                                     "to start", buckets=BATCH_QUEUE_BUCKETS, **self.kw)
+        self.batch_forward = Histogram("batch_forward_seconds", "Duration of one (batched) target forward",
+                                       buckets=PHASE_BUCKETS, **self.kw)
 
     def set_model(self, name: str, vocab_size: int) -> None:
         self.model.info({"name": name, "vocab_size": str(vocab_size)})
@@ -60,6 +83,14 @@ class EdgeMetrics(SpecMetrics):
 
     def admission_waited(self, seconds: float) -> None:
         self.admission_wait.observe(seconds)
+
+    def observe_batch(self, b: BatchStats) -> None:
+        """One forward of the scheduler (called on its thread; prometheus_client is thread-safe)."""
+        self.batch_sessions.observe(b.sessions)
+        self.batch_tokens.observe(b.tokens)
+        self.batch_forward.observe(b.forward_seconds)
+        for seconds in b.queue_seconds:
+            self.batch_queue.observe(seconds)
 
     def observe_round(self, r: RoundRecord) -> None:
         super().observe_round(r)

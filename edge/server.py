@@ -15,6 +15,7 @@ from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 from specdec.edge.admission import AdmissionSettings
 from specdec.edge.auth import Authenticator, load_tokens
+from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.servicer import SpeculativeDecodingServicer
 from specdec.edge.verifier import EdgeLimits, TargetInfo
@@ -39,7 +40,9 @@ class EdgeConfig:
     host: str = "127.0.0.1"                               # bind address
     port: int = 50051                                     # 0 = pick a free port
     metrics_port: int = 0                                 # 0 = no /metrics endpoint
-    workers: int = 4                                      # threads running target forwards
+    workers: int = 4                                      # threads running sessions' work (at least
+                                                          # max_sessions when batching: each may join a forward)
+    batching: BatchSettings = field(default_factory=BatchSettings)  # target forwards shared across sessions
     limits: EdgeLimits = field(default_factory=EdgeLimits)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)  # per-principal cap, queue
     tls: TlsConfig | None = None                          # None = plaintext (loopback and labs)
@@ -54,10 +57,15 @@ def target_info(target: LoadedModel) -> TargetInfo:
 
 async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetrics | None = None):
     """Create and start the grpc.aio server inside the running loop; returns (server, port)."""
-    executor = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="verify")
+    scheduler = None
+    workers = cfg.workers
+    if cfg.batching.enabled:
+        scheduler = ForwardScheduler(cfg.batching, metrics.observe_batch if metrics else None)
+        workers = max(workers, cfg.limits.max_sessions)  # waiting threads cost no CPU
+    executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
     auth = authenticator(cfg)
     servicer = SpeculativeDecodingServicer(target, target_info(target), cfg.limits, executor, metrics, auth,
-                                           admission=cfg.admission)
+                                           admission=cfg.admission, scheduler=scheduler)
     server = grpc.aio.server(options=server_options(cfg))
     pb_grpc.add_SpeculativeDecodingServicer_to_server(servicer, server)
     address = f"{cfg.host}:{cfg.port}"
@@ -72,6 +80,7 @@ async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetric
         raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
     await server.start()
     server._specdec_executor = executor  # shut down with the server
+    server._specdec_scheduler = scheduler
     return server, port
 
 
@@ -99,6 +108,8 @@ def authenticator(cfg: EdgeConfig) -> Authenticator:
 
 async def stop_server(server, grace: float = GRACE_SECONDS) -> None:
     await server.stop(grace)
+    if server._specdec_scheduler is not None:
+        server._specdec_scheduler.stop()
     server._specdec_executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -34,6 +34,7 @@ from specdec.common.stats import edge_only_record, edge_record
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.edge.admission import Admission, AdmissionRefused, AdmissionSettings, Slot
 from specdec.edge.auth import Authenticator, admission_principal
+from specdec.edge.batching import ForwardScheduler
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
                                    VerifierSession)
 
@@ -76,7 +77,7 @@ class _Entry:
 class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def __init__(self, target, info: TargetInfo, limits: EdgeLimits, executor: ThreadPoolExecutor,
                  metrics=None, auth: Authenticator | None = None,
-                 admission: AdmissionSettings | None = None):
+                 admission: AdmissionSettings | None = None, scheduler: ForwardScheduler | None = None):
         self.target = target
         self.info = info
         self.limits = limits
@@ -85,6 +86,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self.auth = auth or Authenticator()
         self.sessions: dict[str, _Entry] = {}
         self.admission = Admission(admission or AdmissionSettings(), limits.max_sessions, metrics)
+        self.scheduler = scheduler  # None: every session runs its own forwards (--no-batching)
 
     async def Generate(self, request_iterator, context):
         # Credentials first: an unauthenticated caller gets no model work at all.
@@ -153,7 +155,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             self.admission.check_cap(counts_as)  # over its cap: refused before any work
             # The Hello is checked before queueing (cheap: no KV cache exists before the prompt), so
             # a bad one is told so at once rather than after waiting in the admission queue.
-            session = await self._call(VerifierSession, self.target, self.info, hello, self.limits, sid)
+            session = await self._call(self._new_session, hello, sid)
             slot = await self.admission.admit(counts_as)
         except AdmissionRefused as exc:
             log.debug("session refused (%s): %s", exc.reason, exc.message)
@@ -165,6 +167,11 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         if self.metrics:
             self.metrics.session_started(hello.draft.mode.value)
         return sid, entry, False
+
+    def _new_session(self, hello: P.Hello, sid: str) -> VerifierSession:
+        if self.scheduler is None:
+            return VerifierSession(self.target, self.info, hello, self.limits, sid)
+        return VerifierSession(self.target, self.info, hello, self.limits, sid, forward=self.scheduler.forward)
 
     def _release(self, state: dict, status: str | None) -> None:
         """End of a stream: free its session, or (stream broke, status None) detach it for a while."""
@@ -268,12 +275,19 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         """Run blocking torch work on the worker pool; map its errors to a session status."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.executor, fn, *args)
+            return await loop.run_in_executor(self.executor, self._work, fn, *args)
         except ValueError as exc:
             raise _SessionEnd(status_for(exc), str(exc)) from None
         except Exception as exc:  # a bug in one session must not take the server down
             log.exception("session failed")
             raise _SessionEnd(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}") from None
+
+    def _work(self, fn, *args):
+        """On a worker thread: a scheduler may hold a forward briefly for this thread to join it."""
+        if self.scheduler is None:
+            return fn(*args)
+        with self.scheduler.working():
+            return fn(*args)
 
     def _observe_request(self, session: VerifierSession, prompt_len: int, seconds: float) -> None:
         if self.metrics:

@@ -12,13 +12,14 @@ forward feeds ``tokens[cache_len:] + draft`` and reads the last ``L + 1`` logits
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
 from specdec.common import verification as V
 from specdec.common import settings as S
+from specdec.common.batched import ForwardRequest, forward_batch
 from specdec.common.codecs import (CodecConfig, Mode, decode_distribution, decode_dssd_scalars,
                                    encode_target_probs)
 from specdec.common.distributions import densify, sample_token
@@ -61,12 +62,24 @@ class TargetInfo:
     max_context: int
 
 
+Forward = Callable[[ForwardRequest], torch.Tensor]  # runs one target forward, returns its logits
+
+
+def forward_alone(request: ForwardRequest) -> torch.Tensor:
+    """A forward of one session only, on the calling thread (no scheduler: ``--no-batching``)."""
+    return forward_batch([request])[0]
+
+
 class VerifierSession:
-    """One generation session on the edge. Methods are blocking (torch); call them off the loop."""
+    """One generation session on the edge. Methods are blocking (torch); call them off the loop.
+
+    Every target forward goes through ``forward``: the edge's scheduler, which batches it with other
+    sessions' (:mod:`specdec.edge.batching`), or :func:`forward_alone`."""
 
     def __init__(self, target: LoadedModel, info: TargetInfo, hello: Hello, limits: EdgeLimits,
-                 session_id: str):
+                 session_id: str, forward: Forward = forward_alone):
         self._check_hello(info, hello, limits)
+        self._forward = forward
         self.hello = hello
         self.info = info
         self.limits = limits
@@ -112,7 +125,7 @@ class VerifierSession:
             raise ValueError("prompt sent twice")
         self.tokens = ids
         if len(ids) > 1:
-            self.lm.forward(ids[:-1], num_logits=1)
+            self._forward(ForwardRequest(self.lm, ids[:-1], num_logits=0))
 
     def resync(self, prompt: Prompt) -> int:
         """A resumed stream: adopt the device's verified prefix, keep the KV of the common prefix.
@@ -227,7 +240,8 @@ class VerifierSession:
         """One target forward over prefix + whole tree (tree attention), then TSLT Alg. 8."""
         tail = self.tokens[self.lm.cache_len:]
         attend, positions = edge_tree_inputs(spec, self.lm.cache_len, len(tail))
-        logits = self.lm.forward_masked(tail + list(draft.token_ids), attend, positions, spec.num_nodes)
+        logits = self._forward(ForwardRequest(self.lm, tail + list(draft.token_ids), spec.num_nodes,
+                                              attend=attend, positions=positions))
         p = self._target_probs(logits)  # row 0: after the prefix; row n: after node n
         node_tokens = torch.tensor([0, *draft.token_ids], dtype=torch.long)  # root entry unused
         result = tree_verify(spec, node_tokens, q, p, generator)
@@ -304,7 +318,7 @@ class VerifierSession:
         return torch.stack(rows)
 
     def _feed_logits(self, draft_ids: list[int], num_logits: int) -> torch.Tensor:
-        return self.lm.forward(self.tokens[self.lm.cache_len:] + draft_ids, num_logits=num_logits)
+        return self._forward(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:] + draft_ids, num_logits))
 
     def _target_probs(self, logits: torch.Tensor) -> torch.Tensor:
         h = self.hello

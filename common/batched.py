@@ -1,0 +1,152 @@
+"""One target forward over the new tokens of several sequences, each with its own KV cache.
+
+Model code, not transport: it runs forwards and never imports grpc. The edge's scheduler
+(:mod:`specdec.edge.batching`) gathers the sessions' requests and calls :func:`forward_batch`.
+
+Layout ("padding with attention masks"): the B cached prefixes are copied right-padded into one
+[B, heads, C, head_dim] cache per layer, C the longest; the new tokens are left-padded into
+[B, N] so that every row's last logits sit at the same positions (one ``logits_to_keep`` for all).
+A 4-D boolean mask lets row b's query i see its own c_b cached keys and its own new keys up to i
+(or the tree pattern it asked for); padded keys are never seen, and a padded query sees only
+itself (an all-false row would make sdpa return NaN). Each row's new keys and values are appended
+to its own cache afterwards, so a session's cache is the same object with or without batching.
+
+Why padding, not slots in one preallocated cache: sessions come and go between forwards and hold
+caches of very different lengths; per-session caches keep rollback (truncate), tree compaction
+(keep) and resume exactly as they are, and the copy into the padded cache costs far less than the
+forward reads in weights (135M float32 parameters: ~540 MB per forward; 8 sessions x 300 cached
+tokens of SmolLM2's KV: ~110 MB).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.common.modeling import CachedLM
+
+
+@dataclass
+class ForwardRequest:
+    """One sequence's share of a forward: feed ``new_ids`` after its cached prefix."""
+    lm: CachedLM                          # its model runner and KV cache (appended to in place)
+    new_ids: list[int]
+    num_logits: int                       # logits of the last inputs to return (0 = none: a prefill chunk)
+    attend: torch.Tensor | None = None    # [n, cache_len + n] bool (token trees); None = causal
+    positions: torch.Tensor | None = None  # [n] int64 position ids (trees); None = cache_len + i
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.new_ids)
+
+
+def batchable(lm: CachedLM) -> bool:
+    """Only caches of plain full-attention layers can be padded and sliced (no sliding windows)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in lm.cache.layers)
+
+
+@torch.inference_mode()
+def forward_batch(requests: list[ForwardRequest]) -> list[torch.Tensor]:
+    """Run all ``requests`` in one forward of their shared model; row b's [num_logits_b, V] float32
+    logits, equal to what ``lm.forward`` / ``lm.forward_masked`` would return within float
+    tolerance (a single request takes exactly that path)."""
+    if not requests:
+        return []
+    if len(requests) == 1:
+        return [_forward_one(requests[0])]
+    model, device = requests[0].lm.model, requests[0].lm.device
+    if any(r.lm.model is not model for r in requests):
+        raise ValueError("a batch shares one model")
+    if any(not r.new_ids for r in requests):
+        raise ValueError("forward needs at least one new token")
+    lens = [r.lm.cache_len for r in requests]
+    width = max(r.num_tokens for r in requests)
+    past = _padded_past(requests, lens)
+    ids, positions = _padded_inputs(requests, lens, width, device)
+    mask = _batch_mask(requests, lens, width).to(device)
+    keep = max(1, max(r.num_logits for r in requests))
+    out = model(input_ids=ids, past_key_values=past, position_ids=positions, attention_mask=mask[:, None],
+                use_cache=True, logits_to_keep=keep)
+    _append_new_kv(requests, out.past_key_values, width)
+    logits = out.logits.float()
+    return [logits[b, keep - r.num_logits:] for b, r in enumerate(requests)]
+
+
+def _forward_one(r: ForwardRequest) -> torch.Tensor:
+    keep = max(1, r.num_logits)
+    if r.attend is None:
+        logits = r.lm.forward(r.new_ids, num_logits=keep)
+    else:
+        logits = r.lm.forward_masked(r.new_ids, r.attend, r.positions, keep)
+    return logits[keep - r.num_logits:]
+
+
+def _padded_past(requests: list[ForwardRequest], lens: list[int]):
+    """A DynamicCache of [B, H, C, D] per layer: row b's cached keys/values, then zeros."""
+    from transformers import DynamicCache
+
+    past = DynamicCache()
+    longest = max(lens)
+    if longest == 0:
+        return past
+    first = next(r for r, n in zip(requests, lens) if n)
+    for layer_idx, layer in enumerate(first.lm.cache.layers):
+        shape = list(layer.keys.shape)
+        shape[0], shape[-2] = len(requests), longest
+        keys = layer.keys.new_zeros(shape)
+        values = layer.values.new_zeros(shape)
+        for b, (r, n) in enumerate(zip(requests, lens)):
+            if n:
+                src = r.lm.cache.layers[layer_idx]
+                keys[b, :, :n] = src.keys[0]
+                values[b, :, :n] = src.values[0]
+        past.update(keys, values, layer_idx)
+    return past
+
+
+def _padded_inputs(requests: list[ForwardRequest], lens: list[int], width: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, N] input ids (left-padded with token 0) and position ids (padding repeats a real one)."""
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    positions = torch.zeros(len(requests), width, dtype=torch.long)
+    for b, (r, n) in enumerate(zip(requests, lens)):
+        k = r.num_tokens
+        ids[b, width - k:] = torch.tensor(r.new_ids, dtype=torch.long)
+        own = r.positions.cpu() if r.positions is not None else torch.arange(n, n + k)
+        positions[b, width - k:] = own
+        positions[b, :width - k] = own[0]
+    return ids.to(device), positions.to(device)
+
+
+def _batch_mask(requests: list[ForwardRequest], lens: list[int], width: int) -> torch.Tensor:
+    """[B, N, C + N] bool: which keys each (left-padded) query may see."""
+    longest = max(lens)
+    mask = torch.zeros(len(requests), width, longest + width, dtype=torch.bool)
+    diag = torch.arange(width)
+    mask[:, diag, longest + diag] = True  # every query sees itself: padded ones see nothing else
+    for b, (r, n) in enumerate(zip(requests, lens)):
+        k = r.num_tokens
+        attend = r.attend.cpu() if r.attend is not None else _causal(n, k)
+        if attend.shape != (k, n + k):
+            raise ValueError(f"attend {tuple(attend.shape)} does not fit {k} new tokens after {n} cached")
+        rows = slice(width - k, width)
+        mask[b, rows, :n] = attend[:, :n]
+        mask[b, rows, longest + width - k:] = attend[:, n:]
+    return mask
+
+
+def _causal(cached: int, new: int) -> torch.Tensor:
+    """[new, cached + new]: all of the prefix, and the new tokens up to oneself."""
+    return torch.ones(new, cached + new, dtype=torch.bool).tril(cached)
+
+
+def _append_new_kv(requests: list[ForwardRequest], past, width: int) -> None:
+    """Append each row's new keys/values (the last n_b of the batch's N new columns) to its cache."""
+    for layer_idx, layer in enumerate(past.layers):
+        for b, r in enumerate(requests):
+            k = r.num_tokens
+            new_k = layer.keys[b:b + 1, :, layer.keys.shape[-2] - k:]
+            new_v = layer.values[b:b + 1, :, layer.values.shape[-2] - k:]
+            r.lm.cache.update(new_k, new_v, layer_idx)  # cat copies them out

@@ -1,0 +1,99 @@
+"""Many sessions in flight on one edge whose scheduler batches their target forwards.
+
+Real gRPC on loopback, tiny real checkpoints. Every mode at once (chains, a token tree, DSSD,
+edge-only), each session must still equal the target's own greedy decode, and the target law must
+hold at T = 1 with eight sessions in flight; the edge's batch metrics prove that forwards were
+shared (otherwise these tests would only repeat the single-session ones).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from harness import device_config, edge, load, run, run_sessions, target_greedy
+from specdec.common.modeling import encode_prompt
+from specdec.edge.metrics import EdgeMetrics
+from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+
+PROMPTS = ["w1 w2 w3", "w40 w7", "w300 w301 w302 w303 w9"]
+MAX_NEW = 12
+# Every kind of forward the scheduler serves: chains of each codec, a tree, DSSD, edge-only tokens.
+MIXED = {
+    "tslt": dict(mode="tslt", top_k=16),
+    "dense": dict(mode="dense", dense_dtype="fp16"),
+    "ksqs": dict(mode="ksqs", top_k=16, lattice=64),
+    "dssd": dict(mode="dssd", dssd_samples=2),
+    "tree": dict(mode="tslt", top_k=16, tree=(2, 2)),
+    "none": dict(mode="none"),
+}
+LAW_SESSIONS = 1000
+LAW_CONCURRENCY = 8
+
+
+def mean_batch(metrics: EdgeMetrics) -> tuple[float, float]:
+    """(forwards, mean sessions per forward) from the edge's own histogram."""
+    samples = {s.name: s.value for m in metrics.batch_sessions.collect() for s in m.samples}
+    count, total = samples["specdec_edge_batch_sessions_count"], samples["specdec_edge_batch_sessions_sum"]
+    return count, total / max(count, 1)
+
+
+def test_every_mode_at_once_equals_target_greedy(tiny_pair_v512) -> None:
+    target_dir, drafter_dir = tiny_pair_v512
+    metrics = EdgeMetrics()
+
+    async def main():
+        async with edge(target_dir, metrics=metrics) as address:
+            jobs = [run_sessions(address, drafter_dir, device_config(temperature=0.0, max_new_tokens=MAX_NEW, **kw),
+                                 prompt, [0]) for kw in MIXED.values() for prompt in PROMPTS]
+            return await asyncio.gather(*jobs)
+
+    results = iter(run(main()))
+    tok = load(str(drafter_dir)).tokenizer
+    for name in MIXED:
+        for prompt in PROMPTS:
+            [(tokens, _, _)] = next(results)
+            assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), MAX_NEW), \
+                f"{name} prompt {prompt!r}"
+    forwards, sessions = mean_batch(metrics)
+    print(f"{forwards:.0f} forwards, {sessions:.2f} sessions per forward")
+    assert sessions > 1.5, "the 18 sessions never shared a forward: batching did not run"
+
+
+def test_target_law_holds_with_eight_sessions_per_forward(tiny_pair_v8) -> None:
+    target_dir, drafter_dir = tiny_pair_v8
+    metrics = EdgeMetrics()
+    cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=2, mode="tslt", top_k=3)
+
+    async def main():
+        async with edge(target_dir, metrics=metrics) as address:
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(LAW_SESSIONS),
+                                      concurrency=LAW_CONCURRENCY)
+
+    counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
+    law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
+    assert set(counts) <= set(law), "generated a sequence the target cannot produce"
+    fit = goodness_of_fit(counts, law)
+    forwards, sessions = mean_batch(metrics)
+    print(f"{LAW_SESSIONS} sessions, {forwards:.0f} forwards, {sessions:.2f} sessions per forward: {fit}")
+    assert sessions > 1.5, "sessions did not share forwards: the law was not tested under batching"
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+def test_batching_flags_derive_from_the_settings_and_bad_values_exit_with_one_line(capsys) -> None:
+    from specdec.edge import __main__ as edge_cli
+    from specdec.edge.batching import BatchSettings
+
+    parse = edge_cli.build_parser().parse_args
+    assert edge_cli.config_from_args(parse([])).batching == BatchSettings()
+    cfg = edge_cli.config_from_args(parse(["--no-batching", "--max-batch-tokens", "64", "--batch-wait-ms", "0"]))
+    assert cfg.batching == BatchSettings(enabled=False, max_batch_tokens=64, wait_s=0.0)
+    for argv in (["--max-batch-tokens", "0"], ["--batch-wait-ms", "-1"], ["--batch-wait-ms", "nan"],
+                 ["--batch-wait-ms", "inf"], ["--max-batch-tokens", "x"]):
+        try:
+            rc = edge_cli.main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2, argv
+        assert len(err.strip().splitlines()) == 1 and err.startswith("edge-server: error:"), (argv, err)
