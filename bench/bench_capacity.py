@@ -108,7 +108,7 @@ def edge_only_hello(h):
     return cfg.hello(h.vocab_fingerprint, h.vocab_size, seed=h.seed, operating_point=choose_drafter(cfg).operating_point)
 
 
-def script_factory(kind: str, rec, max_new: int):
+def script_factory(kind: str, rec, max_new: int, draft_scale: float = 1.0):
     """A zero-argument callable making a fresh script (capacity/scripts.py) for one session."""
     from capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript
     hello = hello_of(rec)
@@ -116,12 +116,13 @@ def script_factory(kind: str, rec, max_new: int):
         hello = edge_only_hello(hello)
         return lambda: EdgeOnlyScript(hello, rec.prompt_ids, rec.eos_ids, max_new)
     if isinstance(rec, R.PositionTable):
-        return lambda: GreedyScript(rec, hello, max_new)
+        return lambda: GreedyScript(rec, hello, max_new, draft_scale)
     return lambda: SessionScript(rec, hello, max_new, decode_draft)
 
 
-def clients_for(s: plan.Settings, n: int, temp: float, kind: str, recs: dict, max_new: int) -> list[list]:
-    return [[script_factory(kind, recs[(temp, p, 0 if temp == 0 else seed)], max_new)
+def clients_for(s: plan.Settings, n: int, temp: float, kind: str, recs: dict, max_new: int,
+                draft_scale: float = 1.0) -> list[list]:
+    return [[script_factory(kind, recs[(temp, p, 0 if temp == 0 else seed)], max_new, draft_scale)
              for p, seed in zip(ps, seeds)]
             for ps, seeds in zip(plan.client_prompts(n, s), plan.client_seeds(n, s))]
 
@@ -169,34 +170,47 @@ def print_cell(c: dict) -> None:
 
 def validate(s: plan.Settings, edge, recs: dict, prompts: list[str], logs: Path) -> dict:
     """Real device-clients (the default drafter in bench/suite/driver.py processes) at N = 1 and 2
-    against the edge, interleaved with the replay of the same sessions (T = 0, same prompts)."""
+    against the edge, each followed by the replay of the same sessions (T = 0, same prompts): once
+    with the recorded drafting times, once with them scaled to the drafting speed the real devices
+    had in that run (here they share the two cores with the edge, a real device has its own)."""
     from capacity import rig
-    ns = [n for n in plan.VALIDATION_NS]
     tokens = min(s.validation_tokens, s.max_new_tokens)
-    drivers = rig.Drivers(edge.address, max(ns), logs)
+    drivers = rig.Drivers(edge.address, max(plan.VALIDATION_NS), logs)
     real: dict[int, list] = {}
-    replay: dict[int, list] = {}
+    replay: dict[str, dict[int, list]] = {"recorded": {}, "scaled": {}}
+    scales: dict[int, list] = {}
+    step = recorded_step_s(recs)
     try:
         for rep in range(max(1, min(2, s.repeats))):
-            for n in ns:
+            for n in plan.VALIDATION_NS:
                 jobs = [{"id": f"val|N{n}|{i}|r{rep}", "config": {"temperature": 0.0, "max_new_tokens": tokens},
                          "prompts": [prompts[i % s.prompts]], "seeds": [0]} for i in range(n)]
                 lines = drivers.run(jobs)
-                real.setdefault(n, []).extend(x for x in lines if "record" in x)
-                errors = [x for x in lines if "error" in x]
-                clients = clients_for(replace(s, sessions_per_client=1), n, 0.0, "replay", recs, tokens)
-                t0, results = run_clients(edge.address, clients, "replay")
-                replay.setdefault(n, []).extend(r.to_json(t0) for r in results)
-                rr = [x["record"]["stats"]["tokens_per_second"] for x in lines if "record" in x]
-                pr = [r.to_json(t0)["tokens_per_s"] for r in results]
-                print(f"  validation N={n} r{rep}: real {', '.join(f'{x:.1f}' for x in rr)} tok/s, "
-                      f"replay {', '.join(f'{x:.1f}' for x in pr)} tok/s" + (f"  ERR {errors}" if errors else ""),
-                      flush=True)
+                got = [x["record"] for x in lines if "record" in x]
+                real.setdefault(n, []).extend(got)
+                scale = analyze.real_step_s(got) / step if got and step else 1.0
+                scales.setdefault(n, []).append(scale)
+                line = f"  validation N={n} r{rep}: real " + ", ".join(
+                    f"{x['stats']['tokens_per_second']:.1f}" for x in got)
+                for label, k in (("recorded", 1.0), ("scaled", scale)):
+                    clients = clients_for(replace(s, sessions_per_client=1), n, 0.0, "replay", recs, tokens, k)
+                    t0, results = run_clients(edge.address, clients, "replay")
+                    rj = [r.to_json(t0) for r in results]
+                    replay[label].setdefault(n, []).extend(rj)
+                    line += f" | replay {label} (x{k:.2f}) " + ", ".join(f"{x['tokens_per_s']:.1f}" for x in rj)
+                print(line + " tok/s" + "".join(f"  ERR {x}" for x in lines if "error" in x), flush=True)
     finally:
         drivers.stop()
-    return {"tokens": tokens, "edge": edge.kind, "real": {str(k): [x["record"] for x in v] for k, v in real.items()},
-            "replay": {str(k): v for k, v in replay.items()},
-            "summary": analyze.validation({k: [x["record"] for x in v] for k, v in real.items()}, replay)}
+    return {"tokens": tokens, "edge": edge.kind, "recorded_step_s": step, "draft_scales": scales,
+            "real": {str(k): v for k, v in real.items()},
+            "replay": {label: {str(k): v for k, v in d.items()} for label, d in replay.items()},
+            "summary": {label: analyze.validation(real, d) for label, d in replay.items()}}
+
+
+def recorded_step_s(recs: dict) -> float | None:
+    """Mean recorded drafting step (seconds) over the T = 0 position tables."""
+    steps = [x for r in recs.values() if isinstance(r, R.PositionTable) for p in r.proposals.values() for x in p.step_s]
+    return sum(steps) / len(steps) if steps else None
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -233,10 +247,14 @@ def print_goals(goals: dict) -> None:
 
 
 def print_validation(v: dict) -> None:
-    print(f"\nreplay vs real device-clients ({v['tokens']} tokens, T = 0, edge {v['edge']})")
-    for n, x in v["summary"].items():
-        print(f"  N = {n}: real {fmt(x['real_tps_mean'], '.1f')} tok/s per device, replay "
-              f"{fmt(x['replay_tps_mean'], '.1f')} -> replay / real {fmt(x['ratio'], '.2f')}")
+    print(f"\nreplay vs real device-clients ({v['tokens']} tokens, T = 0, edge {v['edge']}; drafting: "
+          f"recorded {fmt((v['recorded_step_s'] or 0) * 1e3, '.1f')} ms per step)")
+    for label, summ in v["summary"].items():
+        for n, x in summ.items():
+            print(f"  N = {n}, replay with {label} drafting times: real {fmt(x['real_tps_mean'], '.1f')} tok/s per "
+                  f"device (draft {fmt(x['real_draft_ms_per_step'], '.0f')} ms/step, edge {fmt(x['real_edge_ms_per_round'], '.0f')}"
+                  f" ms/round), replay {fmt(x['replay_tps_mean'], '.1f')} (edge {fmt(x['replay_edge_ms_per_round'], '.0f')}"
+                  f" ms/round) -> replay / real {fmt(x['ratio'], '.2f')}")
 
 
 def finish(data: dict, out: Path) -> None:

@@ -40,6 +40,8 @@ def batch_stats(before: dict | None, after: dict | None) -> dict:
         return {"available": False}
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     forwards = d.get("specdec_edge_batch_sessions_count", 0.0)
+    if not forwards:  # an edge serving one session per forward (--no-batching) counts no batches
+        return {"available": False}
 
     def mean(family: str):
         return d.get(f"{family}_sum", 0.0) / forwards if forwards else None
@@ -190,17 +192,36 @@ def _goal(text: str, value, threshold: float, where: str = "", detail=None) -> d
             "pass": None if value is None else value >= threshold}
 
 
-def validation(real: dict[int, list[dict]], replay: dict[int, list[dict]]) -> dict:
-    """Replay vs real device-clients per N: mean per-session tokens/s and their ratio.
+def real_step_s(records: list[dict]) -> float | None:
+    """A real device's mean drafting step (forward, sampling, encoding) over its sessions' records:
+    drafting seconds / tokens drafted, those drafted ahead and thrown away included."""
+    secs = sum(r["stats"]["time"]["draft"] + r["stats"]["time"]["encode"] for r in records)
+    steps = sum(r["stats"]["draft_tokens"] + r["stats"]["draft_ahead"]["tokens_discarded"] for r in records)
+    return secs / steps if steps else None
 
-    ``real[n]``: the driver's session records ({"stats": {...}}); ``replay[n]``: replay sessions."""
+
+def validation(real: dict[int, list[dict]], replay: dict[int, list[dict]]) -> dict:
+    """Replay vs real device-clients per N: mean per-session tokens/s, their ratio, and what explains
+    a difference: the real devices' drafting step and the edge's seconds per round on both sides.
+
+    ``real[n]``: the driver's session records (device-client --json); ``replay[n]``: replay sessions."""
     out = {}
     for n in sorted(set(real) & set(replay)):
-        r = [x["stats"]["tokens_per_second"] for x in real[n]]
-        p = [x["tokens_per_s"] for x in replay[n] if not x["error"] and not x["divergence"]]
-        rt = [x["stats"]["generated_tokens"] for x in real[n]]
-        pt = [x["tokens"] for x in replay[n]]
-        out[str(n)] = {"real_tps_mean": _mean(r), "replay_tps_mean": _mean(p),
-                       "ratio": _div(_mean(p), _mean(r)), "real_sessions": len(r), "replay_sessions": len(p),
-                       "real_tokens": rt, "replay_tokens": pt}
+        rs = real[n]
+        ps = [x for x in replay[n] if not x["error"] and not x["divergence"]]
+        r_tps = _mean([x["stats"]["tokens_per_second"] for x in rs])
+        p_tps = _mean([x["tokens_per_s"] for x in ps])
+        r_rounds = sum(x["stats"]["rounds"] for x in rs)
+        p_rounds = sum(x["rounds"] for x in ps)
+        out[str(n)] = {"real_tps_mean": r_tps, "replay_tps_mean": p_tps, "ratio": _div(p_tps, r_tps),
+                       "real_sessions": len(rs), "replay_sessions": len(ps),
+                       "real_tokens": [x["stats"]["generated_tokens"] for x in rs], "replay_tokens": [x["tokens"] for x in ps],
+                       "real_rounds": r_rounds, "replay_rounds": p_rounds,
+                       "real_draft_ms_per_step": _ms(real_step_s(rs)),
+                       "real_edge_ms_per_round": _ms(_div(sum(x["stats"]["time"]["verify"] for x in rs), r_rounds)),
+                       "replay_edge_ms_per_round": _ms(_div(sum(x.get("edge_s", 0.0) for x in ps), p_rounds))}
     return out
+
+
+def _ms(x):
+    return x * 1e3 if isinstance(x, (int, float)) else None

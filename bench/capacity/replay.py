@@ -40,6 +40,7 @@ class SessionResult:
     drafted: int = 0
     accepted: int = 0
     advised: list[int] = field(default_factory=list)
+    edge_s: float = 0.0              # the edge's own verify + decode seconds, from the verdicts (as the device counts)
     divergence: str | None = None
     error: str | None = None
 
@@ -60,7 +61,7 @@ class SessionResult:
                 "wall_s": wall, "tokens_per_s": tok / wall if wall > 0 and tok else 0.0,
                 "ttft_s": (ttft - self.t_hello) if ttft is not None else None,
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "advised": self.advised, "divergence": self.divergence, "error": self.error,
+                "advised": self.advised, "edge_s": self.edge_s, "divergence": self.divergence, "error": self.error,
                 "events": [(round(t - t0, 5), n) for t, n in self.events]}
 
 
@@ -108,6 +109,7 @@ async def run_session(stub, script, res: SessionResult) -> SessionResult:
                 if not isinstance(verdict, P.Verdict):
                     raise RuntimeError("expected Verdict")
                 new = script.on_verdict(plan, verdict, time.perf_counter() - t_send)
+                res.edge_s += verdict.verify_seconds + verdict.decode_seconds
                 res.events.append((time.perf_counter(), len(new)))
                 if not verdict.more:
                     break

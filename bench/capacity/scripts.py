@@ -76,9 +76,11 @@ class Script:
 class GreedyScript(Script):
     """T = 0 from a :class:`PositionTable`: exact for any round boundaries and draft lengths."""
 
-    def __init__(self, table: PositionTable, hello: P.Hello, max_new: int):
+    def __init__(self, table: PositionTable, hello: P.Hello, max_new: int, draft_scale: float = 1.0):
         super().__init__(hello, table.prompt_ids, table.eos_ids, min(max_new, table.max_new_tokens))
         self.table = table
+        self.draft_scale = draft_scale  # recorded drafting seconds x this (the validation's slower device)
+        self.draft_s = 0.0              # device seconds spent before sends (what the device's clock shows)
         self.draft_len = hello.draft.draft_len
         self.ahead: tuple[int, int, list[float]] | None = None  # (start, guess, cumulative costs) of the ahead round
         self.kept_ahead: float | None = None                    # seconds of ahead work left to do
@@ -94,8 +96,9 @@ class GreedyScript(Script):
         limit = chain_limit(self.draft_len, self.remaining, advised)
         prop = self._proposal(i)
         limit = min(limit, len(prop.tokens))
-        fresh = sum(prop.step_s[:limit])
+        fresh = self._cost(prop.step_s[:limit])
         delay = fresh if self.kept_ahead is None else self.kept_ahead
+        self.draft_s += delay
         self.kept_ahead = None
         self.round_id += 1
         block = P.DraftBlock(round_id=self.round_id, token_ids=tuple(prop.tokens[:limit]),
@@ -112,10 +115,10 @@ class GreedyScript(Script):
         if after < 1 or guess_at is None or nxt is None:
             return None
         k = chain_limit(self.draft_len, after)
-        feed = min(nxt.step_s)  # the ahead round first feeds the last draft: about one drafter forward
+        feed = self._cost([min(nxt.step_s)])  # the ahead round first feeds the last draft: one drafter forward
         cum, t = [], feed
         for s in nxt.step_s[:k]:
-            t += s
+            t += self._cost([s])
             cum.append(t)
         return start, guess_at.tokens[0], [feed] + cum
 
@@ -149,7 +152,10 @@ class GreedyScript(Script):
         prop = self.table.proposals.get(i)
         if prop is None:
             return 0.0
-        return sum(prop.step_s[:chain_limit(self.draft_len, self.remaining)])
+        return self._cost(prop.step_s[:chain_limit(self.draft_len, self.remaining)])
+
+    def _cost(self, steps: list[float]) -> float:
+        return sum(steps) * self.draft_scale
 
 
 class SessionScript(Script):
