@@ -101,19 +101,14 @@ def decode_draft(raw: bytes):
     return wire.draft_from_pb(pb.DeviceMessage.FromString(raw).draft)
 
 
-def edge_only_hello(h):
-    """The Hello device-client --mode none sends for a session like ``h`` (same seed, temperature)."""
-    from specdec.device.runner import DeviceConfig, choose_drafter
-    cfg = DeviceConfig.of(mode="none", temperature=h.temperature, max_new_tokens=h.max_new_tokens)
-    return cfg.hello(h.vocab_fingerprint, h.vocab_size, seed=h.seed, operating_point=choose_drafter(cfg).operating_point)
-
-
 def script_factory(kind: str, rec, max_new: int, draft_scale: float = 1.0):
     """A zero-argument callable making a fresh script (capacity/scripts.py) for one session."""
     from capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript
     hello = hello_of(rec)
     if kind == "edge-only":
-        hello = edge_only_hello(hello)
+        from capacity.replay import edge_only_hello
+        from specdec.device.runner import DeviceConfig, choose_drafter
+        hello = edge_only_hello(hello, choose_drafter(DeviceConfig()).operating_point)
         return lambda: EdgeOnlyScript(hello, rec.prompt_ids, rec.eos_ids, max_new)
     if isinstance(rec, R.PositionTable):
         return lambda: GreedyScript(rec, hello, max_new, draft_scale)
@@ -318,12 +313,7 @@ def main(argv=None) -> int:
     modes_edge, skipped = plan.edge_kinds(rig.edge_flags(), s.modes)
     modes = [m for m in s.modes if m in modes_edge]
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = RESULTS / (stamp + ("-quick" if s.quick else ""))
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    latest = RESULTS / "latest"
-    if latest.is_symlink() or latest.exists():
-        latest.unlink()
-    latest.symlink_to(out.name)
+    out = rig.run_dir(RESULTS, stamp + ("-quick" if s.quick else ""))
     prompts = [r["prompt"] for r in suite_plan.prompt_sample(suite_plan.load_prompts(), s.prompts)]
     cells_plan = plan.schedule(s, modes)
     print(f"bench-capacity {'quick' if s.quick else 'full'}: N = {list(s.ns)}, modes {modes} "

@@ -11,7 +11,7 @@ Loads the drafter once (as device-client would: runner.choose_drafter), then for
   cache is after a verdict. Saved as a PositionTable.
 * T > 0: one real session with the job's seed, every round logged as sent (SessionLog).
 
-Prints one JSON line per job written. One torch thread (the device's own core, here shared).
+Prints one JSON line per job written. Run with OMP_NUM_THREADS=1: one torch thread, a device's own core.
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ import json
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: suite, capacity
 
@@ -125,10 +123,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--edge", required=True)
     p.add_argument("--jobs", required=True, help="JSON list of jobs")
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    run_async(main_async(args))
+    run_async(main_async(p.parse_args()))  # torch's threads: OMP_NUM_THREADS (1, from the rig)
     return 0
 
 

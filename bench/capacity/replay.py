@@ -16,7 +16,7 @@ import grpc
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.device.runner import open_channel
+from specdec.device.runner import DeviceConfig, open_channel
 
 from capacity.scripts import Divergence
 
@@ -40,6 +40,7 @@ class SessionResult:
     drafted: int = 0
     accepted: int = 0
     advised: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)   # the tokens delivered (not written to the results)
     edge_s: float = 0.0              # the edge's own verify + decode seconds, from the verdicts (as the device counts)
     divergence: str | None = None
     error: str | None = None
@@ -63,6 +64,12 @@ class SessionResult:
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "advised": self.advised, "edge_s": self.edge_s, "divergence": self.divergence, "error": self.error,
                 "events": [(round(t - t0, 5), n) for t, n in self.events]}
+
+
+def edge_only_hello(h: P.Hello, operating_point=()) -> P.Hello:
+    """The Hello device-client --mode none sends for a session like ``h`` (same seed, temperature)."""
+    cfg = DeviceConfig.of(mode="none", temperature=h.temperature, max_new_tokens=h.max_new_tokens)
+    return cfg.hello(h.vocab_fingerprint, h.vocab_size, seed=h.seed, operating_point=operating_point)
 
 
 def advice_of(msg) -> int | None:
@@ -111,6 +118,7 @@ async def run_session(stub, script, res: SessionResult) -> SessionResult:
                 new = script.on_verdict(plan, verdict, time.perf_counter() - t_send)
                 res.edge_s += verdict.verify_seconds + verdict.decode_seconds
                 res.events.append((time.perf_counter(), len(new)))
+                res.ids.extend(new)
                 if not verdict.more:
                     break
             res.accepted += verdict.num_accepted

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,17 @@ RECORD = Path(__file__).resolve().parent / "record.py"
 EDGE_COMMON = ("--port", "0", "--threads", "1", "--max-sessions-per-principal", "0")
 METRICS_TIMEOUT_S = 10.0
 RECORD_TIMEOUT_S = 3600.0
+
+
+def run_dir(results: Path, name: str) -> Path:
+    """``results/name`` (with logs/), and ``results/latest`` pointing at it, swapped in atomically."""
+    out = results / name
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    tmp = results / f".latest-{name}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(name)
+    os.replace(tmp, results / "latest")
+    return out
 
 
 def edge_flags() -> set[str]:

@@ -126,9 +126,9 @@ class GreedyScript(Script):
         ids = list(plan.block.token_ids)
         if v.next_token is None or not 0 <= v.num_accepted <= len(ids):
             raise Divergence(f"verdict {v} does not fit round {plan.block.round_id}")
-        new = ids[: v.num_accepted] + [int(v.next_token)]
         start = len(self.generated)
-        if new != self.table.path[start:start + len(new)]:
+        new = clip(start, ids[: v.num_accepted] + [int(v.next_token)], self.max_new, self.eos_ids)
+        if new != self.table.path[start:start + len(new)]:  # the path was recorded to max_new_tokens only
             raise Divergence(f"at generated={start} the edge verified {new}, the greedy path has "
                              f"{self.table.path[start:start + len(new)]}")
         taken = self._take(new)

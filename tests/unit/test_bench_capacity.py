@@ -133,6 +133,15 @@ def test_greedy_replay_stops_at_eos_and_max_new() -> None:
     assert sc.on_verdict(p, verdict(1, 1, EOS), wait_s=0.0) == [10, EOS] and sc.finished
 
 
+def test_greedy_replay_last_round_is_cut_at_the_recorded_length() -> None:
+    path = [10, 11, 12, 13, 14]  # recorded to max_new_tokens = 5: the last bonus lies beyond it
+    sc = GreedyScript(table(path, {i: (path[i:] + [7, 7, 7])[:3] for i in range(5)}), hello(), max_new=5)
+    sc.on_verdict(sc.next_round(), verdict(1, 3, 13), wait_s=0.0)
+    p = sc.next_round()
+    assert p.block.token_ids == (14,)
+    assert sc.on_verdict(p, verdict(2, 1, 55), wait_s=0.0) == [14] and sc.finished
+
+
 def test_session_replay_sends_the_log_and_checks_each_verdict() -> None:
     from specdec.common import wire
     blocks = [P.DraftBlock(1, (3, 4), (b"a", b"b")), P.DraftBlock(2, (6, 7), (b"c", b"d"))]
