@@ -22,10 +22,6 @@ from capacity.scripts import Divergence
 
 SESSION_TIMEOUT_S = 600.0   # one session longer than this is a failure of the run, not a data point
 CLOSE_GRACE_S = 5.0
-# A field the edge may add to Verdict for load-aware speculation (issue 19 item 2): the longest draft
-# that pays at the current load. Read when the proto has one of these names; a client takes the
-# smaller of it and its own L, as the real device does.
-ADVICE_FIELDS = ("max_draft_len", "advised_draft_len", "draft_len_advice")
 
 
 @dataclass
@@ -39,7 +35,7 @@ class SessionResult:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    advised: list[int] = field(default_factory=list)
+    hints: list[int | None] = field(default_factory=list)   # the edge's draft-length advice before each round
     ids: list[int] = field(default_factory=list)   # the tokens delivered (not written to the results)
     edge_s: float = 0.0              # the edge's own verify + decode seconds, from the verdicts (as the device counts)
     divergence: str | None = None
@@ -62,7 +58,7 @@ class SessionResult:
                 "wall_s": wall, "tokens_per_s": tok / wall if wall > 0 and tok else 0.0,
                 "ttft_s": (ttft - self.t_hello) if ttft is not None else None,
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "advised": self.advised, "edge_s": self.edge_s, "divergence": self.divergence, "error": self.error,
+                "hints": self.hints, "edge_s": self.edge_s, "divergence": self.divergence, "error": self.error,
                 "events": [(round(t - t0, 5), n) for t, n in self.events]}
 
 
@@ -70,17 +66,6 @@ def edge_only_hello(h: P.Hello, operating_point=()) -> P.Hello:
     """The Hello device-client --mode none sends for a session like ``h`` (same seed, temperature)."""
     cfg = DeviceConfig.of(mode="none", temperature=h.temperature, max_new_tokens=h.max_new_tokens)
     return cfg.hello(h.vocab_fingerprint, h.vocab_size, seed=h.seed, operating_point=operating_point)
-
-
-def advice_of(msg) -> int | None:
-    """The edge's advised draft length in a Verdict message, if its proto has such a field."""
-    v = msg.verdict
-    for name in ADVICE_FIELDS:
-        if name in v.DESCRIPTOR.fields_by_name:
-            if v.DESCRIPTOR.fields_by_name[name].has_presence and not v.HasField(name):
-                return None
-            return int(getattr(v, name))
-    return None
 
 
 async def _read(call):
@@ -101,9 +86,10 @@ async def run_session(stub, script, res: SessionResult) -> SessionResult:
             raise RuntimeError("expected Welcome")
         res.t_start = time.perf_counter()
         await call.write(wire.prompt_to_pb(P.Prompt(tuple(script.prompt_ids))))
-        advised = None
+        hint = None  # load-aware speculation (issue 19 item 2): the newest advice of any verdict counts
         while not script.finished:
-            plan = script.next_round(advised)
+            res.hints.append(hint)
+            plan = script.next_round(hint)
             if plan.delay_s > 0:
                 await asyncio.sleep(plan.delay_s)
             t_send = time.perf_counter()
@@ -119,12 +105,11 @@ async def run_session(stub, script, res: SessionResult) -> SessionResult:
                 res.edge_s += verdict.verify_seconds + verdict.decode_seconds
                 res.events.append((time.perf_counter(), len(new)))
                 res.ids.extend(new)
+                if getattr(verdict, "draft_len_hint", None) is not None:
+                    hint = verdict.draft_len_hint
                 if not verdict.more:
                     break
             res.accepted += verdict.num_accepted
-            advised = advice_of(msg)
-            if advised is not None:
-                res.advised.append(advised)
         await call.write(wire.close_to_pb())
         await call.done_writing()
         await asyncio.wait_for(call.code(), CLOSE_GRACE_S)

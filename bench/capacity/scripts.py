@@ -19,6 +19,12 @@ from specdec.common.codecs import Mode
 
 from capacity.recording import PositionTable, Proposal, SessionLog
 
+try:  # the edge's load-aware advice applied to the device's settings, as the device applies it
+    from specdec.common.settings import within_draft_len
+except ImportError:  # a tree from before load-aware speculation: no edge sends advice there
+    def within_draft_len(s, limit):
+        return s
+
 MIN_DRAFT_LEN = 1  # common/budget.MIN_DRAFT_LEN: a chain round drafts at least one token
 
 
@@ -42,13 +48,9 @@ def clip(done: int, new: list[int], max_new: int, eos_ids) -> list[int]:
     return out
 
 
-def chain_limit(draft_len: int, remaining: int, advised: int | None = None) -> int:
-    """Positions a round drafts: L, fewer near the end (the last token is the verdict's), at least
-    one; ``advised``: the edge's longest paying draft under load (issue 19 item 2), if it sent one."""
-    limit = min(draft_len, max(MIN_DRAFT_LEN, remaining - 1))
-    if advised is not None:
-        limit = min(limit, advised)
-    return max(MIN_DRAFT_LEN, limit)
+def chain_limit(draft_len: int, remaining: int) -> int:
+    """Positions a round drafts: L, fewer near the end (the last token is the verdict's), at least one."""
+    return max(MIN_DRAFT_LEN, min(draft_len, remaining - 1))
 
 
 class Script:
@@ -74,16 +76,17 @@ class Script:
 
 
 class GreedyScript(Script):
-    """T = 0 from a :class:`PositionTable`: exact for any round boundaries and draft lengths."""
+    """T = 0 from a :class:`PositionTable`: exact for any round boundaries and draft lengths, so it
+    follows the edge's load-aware advice (``hint``) as the device does: drafts no longer than the
+    hint, and at 0 an edge-only round (its tokens are the greedy path too)."""
 
     def __init__(self, table: PositionTable, hello: P.Hello, max_new: int, draft_scale: float = 1.0):
         super().__init__(hello, table.prompt_ids, table.eos_ids, min(max_new, table.max_new_tokens))
         self.table = table
         self.draft_scale = draft_scale  # recorded drafting seconds x this (the validation's slower device)
         self.draft_s = 0.0              # device seconds spent before sends (what the device's clock shows)
-        self.draft_len = hello.draft.draft_len
-        self.ahead: tuple[int, int, list[float]] | None = None  # (start, guess, cumulative costs) of the ahead round
-        self.kept_ahead: float | None = None                    # seconds of ahead work left to do
+        self.ahead: tuple[P.DraftSettings, int, list[float]] | None = None  # (settings, guess, cumulative costs)
+        self.kept: tuple[P.DraftSettings, float] | None = None  # a kept ahead round: settings, seconds left
 
     def _proposal(self, i: int) -> Proposal:
         p = self.table.proposals.get(i)
@@ -91,36 +94,43 @@ class GreedyScript(Script):
             raise Divergence(f"no recorded proposal at generated={i}")
         return p
 
-    def next_round(self, advised: int | None = None) -> RoundPlan:
-        i = len(self.generated)
-        limit = chain_limit(self.draft_len, self.remaining, advised)
-        prop = self._proposal(i)
-        limit = min(limit, len(prop.tokens))
-        fresh = self._cost(prop.step_s[:limit])
-        delay = fresh if self.kept_ahead is None else self.kept_ahead
-        self.draft_s += delay
-        self.kept_ahead = None
+    def next_round(self, hint: int | None = None) -> RoundPlan:
+        s = within_draft_len(self.hello.draft, hint)
         self.round_id += 1
+        if s.mode is Mode.NONE:
+            return self._edge_round(s)
+        i = len(self.generated)
+        prop = self._proposal(i)
+        limit = min(chain_limit(s.draft_len, self.remaining), len(prop.tokens))
+        kept, self.kept = self.kept, None
+        delay = kept[1] if kept is not None and kept[0] == s else self._cost(prop.step_s[:limit])
+        self.draft_s += delay
         block = P.DraftBlock(round_id=self.round_id, token_ids=tuple(prop.tokens[:limit]),
-                             distributions=tuple(prop.payloads[:limit]))
-        self.ahead = self._ahead_plan(i, limit)
+                             distributions=tuple(prop.payloads[:limit]),
+                             settings=None if s == self.hello.draft else s)
+        self.ahead = self._ahead_plan(i, limit, s)
         return RoundPlan(block, delay)
 
-    def _ahead_plan(self, i: int, limit: int):
-        """The round the device drafts ahead while this one is verified: its start, the bonus it
+    def _edge_round(self, s: P.DraftSettings) -> RoundPlan:
+        """Advised 0: ask the edge for a chunk of tokens (the device drops any round drafted ahead)."""
+        self.ahead = self.kept = None
+        s = replace(s, edge_tokens=min(s.edge_tokens or self.remaining, self.remaining))
+        return RoundPlan(P.DraftBlock(round_id=self.round_id, token_ids=(), settings=s), 0.0)
+
+    def _ahead_plan(self, i: int, limit: int, s: P.DraftSettings):
+        """The round the device drafts ahead while this one is verified: its settings, the bonus it
         guesses (the drafter's argmax after a fully accepted round) and its cumulative costs."""
         after = self.remaining - limit - 1
-        guess_at, start = self.table.proposals.get(i + limit), i + limit + 1
-        nxt = self.table.proposals.get(start)
+        guess_at, nxt = self.table.proposals.get(i + limit), self.table.proposals.get(i + limit + 1)
         if after < 1 or guess_at is None or nxt is None:
             return None
-        k = chain_limit(self.draft_len, after)
+        k = chain_limit(s.draft_len, after)
         feed = self._cost([min(nxt.step_s)])  # the ahead round first feeds the last draft: one drafter forward
-        cum, t = [], feed
-        for s in nxt.step_s[:k]:
-            t += self._cost([s])
+        cum, t = [feed], feed
+        for step in nxt.step_s[:k]:
+            t += self._cost([step])
             cum.append(t)
-        return start, guess_at.tokens[0], [feed] + cum
+        return s, guess_at.tokens[0], cum
 
     def on_verdict(self, plan: RoundPlan, v: P.Verdict, wait_s: float) -> list[int]:
         ids = list(plan.block.token_ids)
@@ -132,27 +142,27 @@ class GreedyScript(Script):
             raise Divergence(f"at generated={start} the edge verified {new}, the greedy path has "
                              f"{self.table.path[start:start + len(new)]}")
         taken = self._take(new)
-        self.kept_ahead = self._after_ahead(v, len(ids), wait_s)
+        if ids:
+            self.kept = self._after_ahead(v, len(ids), wait_s)
         return taken
 
-    def _after_ahead(self, v: P.Verdict, sent: int, wait_s: float) -> float | None:
-        """Seconds of drafting left before the next round can be sent, if drafting ahead decides it."""
+    def _after_ahead(self, v: P.Verdict, sent: int, wait_s: float):
+        """(settings, seconds of drafting left before the next round can go) if drafting ahead decides it."""
         if self.ahead is None:
             return None
-        _, guess, cum = self.ahead
+        s, guess, cum = self.ahead
         self.ahead = None
         if v.num_accepted == sent and int(v.next_token) == guess:
-            return max(0.0, cum[-1] - wait_s)      # the guess held: the rest of the ahead round
+            return s, max(0.0, cum[-1] - wait_s)   # the guess held: the rest of the ahead round
         in_flight = next((c for c in cum if c >= wait_s), wait_s)
         extra = in_flight - wait_s                 # the step running at the verdict is finished first
-        return None if extra <= 0 else extra + self._fresh_cost()
+        return None if extra <= 0 else (s, extra + self._fresh_cost(s))
 
-    def _fresh_cost(self) -> float:
-        i = len(self.generated)
-        prop = self.table.proposals.get(i)
+    def _fresh_cost(self, s: P.DraftSettings) -> float:
+        prop = self.table.proposals.get(len(self.generated))
         if prop is None:
             return 0.0
-        return self._cost(prop.step_s[:chain_limit(self.draft_len, self.remaining)])
+        return self._cost(prop.step_s[:chain_limit(s.draft_len, self.remaining)])
 
     def _cost(self, steps: list[float]) -> float:
         return sum(steps) * self.draft_scale
@@ -167,13 +177,13 @@ class SessionScript(Script):
         self.index = 0
         self.last_wait = 0.0
 
-    def next_round(self, advised: int | None = None) -> RoundPlan:
+    def next_round(self, hint: int | None = None) -> RoundPlan:
         if self.index >= len(self.log.rounds):
             raise Divergence("the recording ended before the session did")
         r = self.log.rounds[self.index]
         block = self.decode_draft(r.draft)
-        if advised is not None and advised < len(block.token_ids):
-            raise Divergence(f"the edge advised drafts of {advised}; the recording drafted {len(block.token_ids)}")
+        if hint is not None and hint < len(block.token_ids):  # a shorter round would draw other numbers
+            raise Divergence(f"the edge advised drafts of {hint}; the recording drafted {len(block.token_ids)}")
         delay = max(0.0, r.draft_s - self.last_wait) if r.drafted_ahead else r.draft_s
         self.round_id = block.round_id
         return RoundPlan(block, delay)
@@ -198,7 +208,7 @@ class EdgeOnlyScript(Script):
             raise ValueError(f"edge-only sessions need a mode none Hello, got {hello.draft.mode.value}")
         super().__init__(hello, prompt_ids, eos_ids, max_new)
 
-    def next_round(self, advised: int | None = None) -> RoundPlan:
+    def next_round(self, hint: int | None = None) -> RoundPlan:
         self.round_id += 1
         s = replace(self.hello.draft, edge_tokens=min(self.hello.draft.edge_tokens or self.remaining,
                                                       self.remaining))

@@ -72,9 +72,26 @@ def verdict(round_id: int, n: int, nxt: int) -> P.Verdict:
     return P.Verdict(round_id=round_id, num_accepted=n, next_token=nxt)
 
 
-def test_chain_limit_near_the_end_and_with_the_edges_advice() -> None:
+def test_chain_limit_near_the_end() -> None:
     assert chain_limit(4, 10) == 4 and chain_limit(4, 3) == 2 and chain_limit(4, 1) == 1
-    assert chain_limit(4, 10, advised=2) == 2 and chain_limit(4, 10, advised=0) == 1
+
+
+def test_greedy_replay_follows_the_edges_load_advice() -> None:
+    pytest.importorskip("specdec.common.settings").within_draft_len  # load-aware speculation exists
+    path = list(range(10, 30))
+    sc = GreedyScript(table(path, {i: path[i:i + 3] for i in range(len(path))}), hello(), max_new=20)
+    p = sc.next_round(hint=2)  # shorter drafts: the round says how it was drafted
+    assert p.block.token_ids == (10, 11) and p.block.settings.draft_len == 2
+    sc.on_verdict(p, verdict(1, 2, 12), wait_s=0.0)
+    p = sc.next_round(hint=0)  # none pays: an edge-only chunk, no drafting
+    assert p.block.token_ids == () and p.block.settings.mode is Mode.NONE and p.delay_s == 0.0
+    assert 1 <= p.block.settings.edge_tokens <= 17
+    for t in path[3:6]:
+        assert sc.on_verdict(p, P.Verdict(round_id=2, num_accepted=0, next_token=t, more=True), 0.0) == [t]
+    with pytest.raises(Divergence):  # a streamed token off the greedy path
+        sc.on_verdict(p, P.Verdict(round_id=2, num_accepted=0, next_token=77, more=True), 0.0)
+    p = sc.next_round(hint=None)
+    assert p.block.settings is None and p.block.token_ids == tuple(path[6:9])
 
 
 def test_greedy_replay_follows_the_path_and_sends_the_recorded_payloads() -> None:
@@ -161,7 +178,7 @@ def test_session_replay_sends_the_log_and_checks_each_verdict() -> None:
     with pytest.raises(Divergence):
         sc.on_verdict(p, verdict(2, 2, 9), wait_s=0.0)
     with pytest.raises(Divergence):
-        SessionScript(log, hello(), 5, decode).next_round(advised=1)  # a shorter draft is not in the log
+        SessionScript(log, hello(), 5, decode).next_round(hint=1)  # a shorter draft is not in the log
 
 
 def test_edge_only_asks_for_every_remaining_token() -> None:
