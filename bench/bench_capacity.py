@@ -159,6 +159,7 @@ def print_cell(c: dict) -> None:
         "mean_sessions") else "batch n/a"
     print(f"  {c['name']:<28} {fmt(st['aggregate_tps'], '.1f'):>7} tok/s agg  p50 {fmt(st['per_device_p50'], '.1f'):>6}"
           f"  p95 {fmt(st['per_device_p95'], '.1f'):>6}  ttft {fmt(st['ttft_p50'], '.2f')} s  {bs}"
+          + (f"  hint {st['mean_hint']:.1f} in {st['hinted_rounds']}/{st['rounds']} rounds" if st["hinted_rounds"] else "")
           + (f"  div {st['divergences']}" if st["divergences"] else "")
           + (f"  ERR {st['errors']}" if st["errors"] else ""), flush=True)
 

@@ -91,7 +91,17 @@ def cell_stats(sessions: list[dict], n: int) -> dict:
             "per_device_p50": percentile(tps, 50), "per_device_p95": percentile(tps, 5),
             "per_device_mean": statistics.fmean(tps) if tps else None,
             "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
-            "acceptance": _acceptance(ok)}
+            "acceptance": _acceptance(ok), **hint_stats(ok)}
+
+
+def hint_stats(sessions: list[dict]) -> dict:
+    """The edge's load-aware advice over the rounds: how often it came, its mean, how often it was 0."""
+    hints = [h for s in sessions for h in s.get("hints", [])]
+    given = [h for h in hints if h is not None]
+    return {"rounds": len(hints), "hinted_rounds": len(given),
+            "mean_hint": statistics.fmean(given) if given else None,
+            "zero_hints": sum(1 for h in given if h == 0),
+            "hints_not_followed": sum(s.get("hints_not_followed", 0) for s in sessions)}
 
 
 def _acceptance(sessions: list[dict]):
@@ -119,7 +129,7 @@ def cell_stats_pooled(sessions: list[dict]) -> dict:
     ttft = [s["ttft_s"] for s in ok if s["ttft_s"] is not None]
     return {"per_device_p50": percentile(tps, 50), "per_device_p95": percentile(tps, 5),
             "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95), "acceptance": _acceptance(ok),
-            "sessions": len(sessions)}
+            "sessions": len(sessions), **hint_stats(ok)}
 
 
 def _combine_batch(batch: list[dict]) -> dict:

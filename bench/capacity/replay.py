@@ -36,6 +36,7 @@ class SessionResult:
     drafted: int = 0
     accepted: int = 0
     hints: list[int | None] = field(default_factory=list)   # the edge's draft-length advice before each round
+    hints_not_followed: int = 0      # T > 0 replays: rounds longer than the advice (scripts.SessionScript)
     ids: list[int] = field(default_factory=list)   # the tokens delivered (not written to the results)
     edge_s: float = 0.0              # the edge's own verify + decode seconds, from the verdicts (as the device counts)
     divergence: str | None = None
@@ -58,7 +59,7 @@ class SessionResult:
                 "wall_s": wall, "tokens_per_s": tok / wall if wall > 0 and tok else 0.0,
                 "ttft_s": (ttft - self.t_hello) if ttft is not None else None,
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "hints": self.hints, "edge_s": self.edge_s, "divergence": self.divergence, "error": self.error,
+                "hints": self.hints, "hints_not_followed": self.hints_not_followed, "edge_s": self.edge_s, "divergence": self.divergence, "error": self.error,
                 "events": [(round(t - t0, 5), n) for t, n in self.events]}
 
 
@@ -113,6 +114,7 @@ async def run_session(stub, script, res: SessionResult) -> SessionResult:
         await call.write(wire.close_to_pb())
         await call.done_writing()
         await asyncio.wait_for(call.code(), CLOSE_GRACE_S)
+        res.hints_not_followed = getattr(script, "hints_not_followed", 0)
     except Divergence as exc:
         res.divergence = str(exc)
         await _close_quietly(call)

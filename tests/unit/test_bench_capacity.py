@@ -177,8 +177,8 @@ def test_session_replay_sends_the_log_and_checks_each_verdict() -> None:
     assert p.delay_s == pytest.approx(0.02)  # drafted ahead: 0.05 s of drafting, 0.03 s of it in the wait
     with pytest.raises(Divergence):
         sc.on_verdict(p, verdict(2, 2, 9), wait_s=0.0)
-    with pytest.raises(Divergence):
-        SessionScript(log, hello(), 5, decode).next_round(hint=1)  # a shorter draft is not in the log
+    sc = SessionScript(log, hello(), 5, decode)
+    assert sc.next_round(hint=1).block == blocks[0] and sc.hints_not_followed == 1  # no shorter draft in the log
 
 
 def test_edge_only_asks_for_every_remaining_token() -> None:
@@ -225,6 +225,8 @@ def test_cell_aggregate_counts_tokens_while_every_client_is_busy() -> None:
     assert st["per_device_p50"] == pytest.approx((5.0 + 2.5) / 2)
     assert st["per_device_p95"] < st["per_device_p50"]  # the tail: the slow end of tokens/s
     assert analyze.cell_stats([a], 2)["aggregate_tps"] is None  # a client with no session: no window
+    h = analyze.hint_stats([{**a, "hints": [None, 4, 0]}, {**b, "hints": [2], "hints_not_followed": 1}])
+    assert h == {"rounds": 4, "hinted_rounds": 3, "mean_hint": 2.0, "zero_hints": 1, "hints_not_followed": 1}
 
 
 def test_batch_stats_from_metrics_and_their_absence() -> None:
