@@ -203,6 +203,14 @@ def validate(s: plan.Settings, edge, recs: dict, prompts: list[str], logs: Path)
             "summary": {label: analyze.validation(real, d) for label, d in replay.items()}}
 
 
+def recording_stats(rec) -> dict:
+    """What a recording says about the drafter's speed (a recording made on a busy host is slower)."""
+    if isinstance(rec, R.PositionTable):
+        steps = sorted(x for p in rec.proposals.values() for x in p.step_s)
+        return {"positions": len(rec.proposals), "median_step_ms": steps[len(steps) // 2] * 1e3 if steps else None}
+    return {"rounds": len(rec.rounds), "draft_ms_per_round": 1e3 * sum(r.draft_s for r in rec.rounds) / max(1, len(rec.rounds))}
+
+
 def recorded_step_s(recs: dict) -> float | None:
     """Mean recorded drafting step (seconds) over the T = 0 position tables."""
     steps = [x for r in recs.values() if isinstance(r, R.PositionTable) for p in r.proposals.values() for x in p.step_s]
@@ -332,7 +340,7 @@ def main(argv=None) -> int:
             print(f"edge {kind} ready on {edges[kind].address} (/metrics :{edges[kind].metrics_port})", flush=True)
         first = edges[modes_edge[modes[0]]]
         recs = ensure_recordings(s, prompts, first.address, out / "logs")
-        data["recordings"] = {f"T{t:g}|p{p}|s{seed}": r.meta for (t, p, seed), r in recs.items()}
+        data["recordings"] = {f"T{t:g}|p{p}|s{seed}": {**r.meta, **recording_stats(r)} for (t, p, seed), r in recs.items()}
         warm_up(edges, modes_edge, s, recs)
         data["timing"]["setup_s"] = time.perf_counter() - t_run
         for cell in cells_plan:
