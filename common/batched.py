@@ -48,10 +48,11 @@ def batchable(lm: CachedLM) -> bool:
 
 
 @torch.inference_mode()
-def forward_batch(requests: list[ForwardRequest]) -> list[torch.Tensor]:
+def forward_batch(requests: list[ForwardRequest], workspace: BatchWorkspace | None = None) -> list[torch.Tensor]:
     """Run all ``requests`` in one forward of their shared model; row b's [num_logits_b, V] float32
     logits, equal to what ``lm.forward`` / ``lm.forward_masked`` would return within float
-    tolerance (a single request takes exactly that path)."""
+    tolerance (a single request takes exactly that path). ``workspace``: memory to reuse across
+    calls (a scheduler keeps one)."""
     if not requests:
         return []
     if len(requests) == 1:
@@ -63,7 +64,7 @@ def forward_batch(requests: list[ForwardRequest]) -> list[torch.Tensor]:
         raise ValueError("forward needs at least one new token")
     lens = [r.lm.cache_len for r in requests]
     width = max(r.num_tokens for r in requests)
-    past = _padded_past(requests, lens)
+    past = _padded_past(requests, lens, width, workspace or BatchWorkspace())
     ids, positions = _padded_inputs(requests, lens, width, device)
     mask = _batch_mask(requests, lens, width).to(device)
     keep = max(1, max(r.num_logits for r in requests))
@@ -83,27 +84,77 @@ def _forward_one(r: ForwardRequest) -> torch.Tensor:
     return logits[keep - r.num_logits:]
 
 
-def _padded_past(requests: list[ForwardRequest], lens: list[int]):
-    """A DynamicCache of [B, H, C, D] per layer: row b's cached keys/values, then zeros."""
-    from transformers import DynamicCache
+class BatchWorkspace:
+    """Memory the padded caches of successive batches reuse, one flat buffer per layer for keys and one
+    for values, grown as batches grow (never shrunk). Fresh buffers of ~100 MB per forward cost more
+    in page faults than the copies into them; a reused one holds only finite old keys, which the
+    masks hide (an all-finite key times a zero weight adds nothing, where uninitialized memory might
+    hold NaN)."""
 
-    past = DynamicCache()
+    def __init__(self):
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def view(self, layer_idx: int, kind: str, like: torch.Tensor, shape: list[int]) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get((layer_idx, kind))
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.zeros(numel * 5 // 4, dtype=like.dtype, device=like.device)  # headroom: rows grow
+            self._buffers[(layer_idx, kind)] = buf
+        return buf[:numel].view(shape)
+
+
+def _batch_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class BatchLayer(DynamicLayer):
+        """One layer of a batch's padded cache: [B, H, C + N, D] whose first C columns hold the rows'
+        cached keys; the forward writes the N new columns in place (DynamicLayer would cat: a
+        second copy of every cache)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int):
+            super().__init__()
+            self.keys, self.values, self.filled = keys, values, filled
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            end = self.filled + key_states.shape[-2]
+            self.keys[:, :, self.filled:end] = key_states
+            self.values[:, :, self.filled:end] = value_states
+            self.filled = end
+            return self.keys[:, :, :end], self.values[:, :, :end]
+
+        def get_seq_length(self) -> int:
+            return self.filled
+
+    return BatchLayer
+
+
+def _padded_past(requests: list[ForwardRequest], lens: list[int], width: int, workspace: BatchWorkspace):
+    """A cache of [B, H, C + N, D] per layer: row b's cached keys/values in its first c_b columns,
+    room for the N new ones at C."""
+    from transformers.cache_utils import Cache
+
     longest = max(lens)
-    if longest == 0:
-        return past
-    first = next(r for r, n in zip(requests, lens) if n)
+    first = next((r for r, n in zip(requests, lens) if n), None)
+    if first is None:  # nothing cached anywhere (first prefill chunks): a plain growing cache
+        from transformers import DynamicCache
+        return DynamicCache()
+    layer_class = _batch_layer_class()
+    layers = []
     for layer_idx, layer in enumerate(first.lm.cache.layers):
         shape = list(layer.keys.shape)
-        shape[0], shape[-2] = len(requests), longest
-        keys = layer.keys.new_zeros(shape)
-        values = layer.values.new_zeros(shape)
+        shape[0], shape[-2] = len(requests), longest + width
+        keys = workspace.view(layer_idx, "k", layer.keys, shape)
+        values = workspace.view(layer_idx, "v", layer.values, shape)
         for b, (r, n) in enumerate(zip(requests, lens)):
             if n:
                 src = r.lm.cache.layers[layer_idx]
                 keys[b, :, :n] = src.keys[0]
                 values[b, :, :n] = src.values[0]
-        past.update(keys, values, layer_idx)
-    return past
+        layers.append(layer_class(keys, values, longest))
+    return Cache(layers=layers)
 
 
 def _padded_inputs(requests: list[ForwardRequest], lens: list[int], width: int,

@@ -70,6 +70,7 @@ class Verdict:
     decode_seconds: float = 0.0                # edge: decoding the draft payloads
     accepted_nodes: tuple[int, ...] = ()       # tree: accepted path (node indices, depth order)
     more: bool = False                         # mode none: more tokens of this round follow
+    draft_len_hint: int | None = None          # edge: longest draft that pays at its load (None: no advice)
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,25 @@ def resolve(given: Mapping[str, Any], operating_point: Mapping[str, Any] = (), v
     return replace(s, coupled_bonus=s.coupled)
 
 
+# With no draft advised (the edge is loaded), a device asks for this many edge-only tokens per round,
+# then looks at the edge's advice again: load changes as sessions come and go, over seconds.
+EDGE_ONLY_CHUNK = 8
+
+
+def within_draft_len(s: DraftSettings, limit: int | None) -> DraftSettings:
+    """``s`` drafting at most ``limit`` tokens per round (a tree at most ``limit`` deep); ``limit``
+    0 makes it an edge-only round of EDGE_ONLY_CHUNK tokens, None leaves it as it is. The edge's
+    load-aware advice, applied to whatever the device chose (issue 19: the smaller of the two)."""
+    if limit is None or s.mode is Mode.NONE:
+        return s
+    if limit == 0:
+        return replace(s, mode=Mode.NONE, edge_tokens=EDGE_ONLY_CHUNK, tree=(), bit_budget=0,
+                       coupled_bonus=False)
+    if s.tree:
+        return replace(s, tree=s.tree[:limit])
+    return replace(s, draft_len=min(s.draft_len, limit))
+
+
 def validate(s: DraftSettings) -> None:
     """Every field the round's mode reads within the table's bounds, and the combinations that make
     sense (ValueError). Fields another mode reads are not looked at: a device may leave them zero."""

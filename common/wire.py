@@ -144,6 +144,8 @@ def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
     )
     if v.next_token is not None:
         msg.next_token = v.next_token
+    if v.draft_len_hint is not None:
+        msg.draft_len_hint = v.draft_len_hint
     return pb.EdgeMessage(verdict=msg)
 
 
@@ -152,8 +154,9 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         round_id=m.round_id, num_accepted=m.num_accepted,
         next_token=m.next_token if m.HasField("next_token") else None,
         reject_samples=tuple(m.reject_samples), reject_sample_probs=tuple(m.reject_sample_probs),
-        accepted_nodes=tuple(m.accepted_nodes), more=m.more, verify_seconds=m.timings.verify_seconds, queue_seconds=m.timings.queue_seconds,
-        decode_seconds=m.timings.decode_seconds,
+        accepted_nodes=tuple(m.accepted_nodes), more=m.more, verify_seconds=m.timings.verify_seconds,
+        queue_seconds=m.timings.queue_seconds, decode_seconds=m.timings.decode_seconds,
+        draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
     )
 
 

@@ -254,6 +254,7 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
     verdict = wire.edge_message_from_pb(reply)
     if not isinstance(verdict, P.Verdict):
         raise EdgeError(grpc.StatusCode.INTERNAL, "expected Verdict")
+    session.observe_verdict(verdict)
     received = reply.ByteSize()
     network = max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
     if verdict.next_token is not None:
@@ -282,6 +283,7 @@ async def _edge_round(stream: _Stream, session: DraftSession, result: Generation
         verdict = wire.edge_message_from_pb(reply)
         if not isinstance(verdict, P.Verdict):
             raise EdgeError(grpc.StatusCode.INTERNAL, "expected Verdict")
+        session.observe_verdict(verdict)
         received += reply.ByteSize()
         edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
         deliver([session.take_edge_token(rd, verdict)])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from specdec.common import settings as S
 from specdec.common.codecs import CodecConfig, Mode, dssd_theoretical_bits
 from specdec.common.conformal import ConformalController
 from specdec.common.modeling import LoadedModel
@@ -89,6 +90,7 @@ class DraftSession:
         self.vocab_size = drafter.vocab_size
         self.model = DraftModel(drafter, hello.temperature)
         self.settings = hello.draft       # the next round's; change between rounds to re-plan
+        self.edge_hint: int | None = None  # the edge's advised longest draft at its load (last verdict)
         self.controller: ConformalController | None = None  # C-SQS threshold (SQS Alg. 1)
         self._controller_key: tuple | None = None
         self.tokens: list[int] = []
@@ -127,9 +129,15 @@ class DraftSession:
         self._ahead = None
 
     def choose_settings(self) -> None:
-        """Called before each round: the policy (mode auto) sets :attr:`settings`; else they stay."""
-        if self.policy is not None:
-            self.settings = self.policy.choose()
+        """Called before each round: the policy (mode auto) or the session's own settings, drafting
+        no longer than the edge advised at its load (0: an edge-only round)."""
+        chosen = self.policy.choose() if self.policy is not None else self.hello.draft
+        self.settings = S.within_draft_len(chosen, self.edge_hint)
+
+    def observe_verdict(self, verdict: Verdict) -> None:
+        """Every verdict may carry the edge's draft-length advice; the newest counts."""
+        if verdict.draft_len_hint is not None:
+            self.edge_hint = verdict.draft_len_hint
 
     def observe(self, record: RoundRecord, settings: DraftSettings) -> None:
         """A finished round (its verdict and any DSSD fallback in): statistics, policy, round log."""
@@ -137,7 +145,8 @@ class DraftSession:
         if self.policy is not None:
             self.policy.observe(record, settings)
         if self.round_log is not None:
-            entry = {"t": time.perf_counter() - self._t0, **round_settings_json(settings), **record.to_json()}
+            entry = {"t": time.perf_counter() - self._t0, **round_settings_json(settings), **record.to_json(),
+                     "edge_hint": self.edge_hint}
             if self.policy is not None:
                 entry["auto"] = self.policy.last
             self.round_log.append(entry)

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batched import ForwardRequest, batchable, forward_batch
+from specdec.common.batched import BatchWorkspace, ForwardRequest, batchable, forward_batch
+from specdec.common.loadaware import CURVE_POINTS, CostCurve, best_draft_len
+from specdec.common.modeling import CachedLM
 
 log = logging.getLogger("specdec.edge")
 
@@ -39,6 +41,14 @@ log = logging.getLogger("specdec.edge")
 DEFAULT_MAX_BATCH_TOKENS = 256
 # Decoding a draft packet takes ~0.1-2 ms here; a session that needs longer is not waited for.
 DEFAULT_WAIT_S = 0.002
+# A session that ran a forward this recently is load: a round trip plus drafting is ~0.05-0.5 s.
+ACTIVE_WINDOW_S = 1.0
+# Below this share of time in forwards the edge has room to spare: a longer draft costs the other
+# sessions little, and the device (which sees its round trip, the edge does not) decides alone.
+SATURATED_UTILIZATION = 0.7
+# Start-up calibration: cached context of each timed forward, and timings per point (the least is kept).
+CALIBRATION_CONTEXT = 64
+CALIBRATION_REPEATS = 2
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,11 @@ class ForwardScheduler:
         self._pending: deque[_Pending] = deque()
         self._working = 0       # threads now inside working(): each may still hand in a forward
         self._stopped = False
+        self._workspace = BatchWorkspace()  # the padded caches' memory, reused by every forward
+        self.cost = CostCurve()  # seconds per forward by tokens: calibrated, then refreshed by every forward
+        self._last_forward: dict[int, float] = {}  # id(CachedLM) -> when it last ran (for the load)
+        self._busy: deque[tuple[float, float]] = deque()  # (end, seconds) of forwards in the window
+        self._load_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="forward-scheduler", daemon=True)
         self._thread.start()
 
@@ -120,6 +135,59 @@ class ForwardScheduler:
             self._pending.append(_Pending(request, future, time.perf_counter()))
             self._cond.notify_all()
         return future
+
+    # -- load-aware speculation -------------------------------------------------------------------------
+    def calibrate(self, lm: CachedLM, vocab_size: int, max_context: int) -> None:
+        """Time forwards of 1, 2, 4 .. max_batch_tokens tokens on the edge's own hardware (start-up)."""
+        context = [i % vocab_size for i in range(CALIBRATION_CONTEXT)]
+        lm.forward(context, 1)  # also warms the kernels up
+        longest = min(self.settings.max_batch_tokens, max_context - CALIBRATION_CONTEXT)
+        for tokens in (p for p in CURVE_POINTS if p <= longest):
+            ids = [(7 * i + 3) % vocab_size for i in range(tokens)]
+            best = float("inf")
+            for _ in range(CALIBRATION_REPEATS):
+                start = time.perf_counter()
+                lm.forward(ids, 1)
+                best = min(best, time.perf_counter() - start)
+                lm.truncate(CALIBRATION_CONTEXT)
+            with self._load_lock:
+                self.cost.seconds[tokens] = best
+
+    def active_sessions(self) -> int:
+        """Sessions that ran a forward within ACTIVE_WINDOW_S: the load the edge shares."""
+        now = time.perf_counter()
+        with self._load_lock:
+            for key in [k for k, t in self._last_forward.items() if now - t > ACTIVE_WINDOW_S]:
+                del self._last_forward[key]
+            return len(self._last_forward)
+
+    def utilization(self) -> float:
+        """Share of the last ACTIVE_WINDOW_S the target spent in forwards."""
+        now = time.perf_counter()
+        with self._load_lock:
+            while self._busy and now - self._busy[0][0] > ACTIVE_WINDOW_S:
+                self._busy.popleft()
+            return min(1.0, sum(seconds for _, seconds in self._busy) / ACTIVE_WINDOW_S)
+
+    def draft_len_hint(self, alpha: float, max_len: int) -> int | None:
+        """The longest draft that still pays at the current load: ``max_len`` while the edge has time
+        to spare, else the draft length that maximizes the edge's goodput (common/loadaware.py)
+        for the sessions it serves now. None before calibration."""
+        sessions = max(1, self.active_sessions())
+        if self.utilization() < SATURATED_UTILIZATION:
+            return max_len if self.cost.seconds else None
+        with self._load_lock:
+            if not self.cost.seconds:
+                return None
+            return best_draft_len(sessions, alpha, self.cost, max_len)
+
+    def _note_load(self, batch: list[_Pending], tokens: int, seconds: float) -> None:
+        now = time.perf_counter()
+        with self._load_lock:
+            self.cost.observe(tokens, seconds)
+            self._busy.append((now, seconds))
+            for p in batch:
+                self._last_forward[id(p.request.lm)] = now
 
     def stop(self) -> None:
         with self._cond:
@@ -176,7 +244,7 @@ class ForwardScheduler:
     def _run(self, batch: list[_Pending]) -> None:
         start = time.perf_counter()
         try:
-            results = forward_batch([p.request for p in batch])
+            results = forward_batch([p.request for p in batch], self._workspace)
         except Exception as exc:  # noqa: BLE001 - one session's bad request must not fail the others
             if len(batch) == 1:
                 batch[0].future.set_exception(exc)
@@ -188,8 +256,10 @@ class ForwardScheduler:
         seconds = time.perf_counter() - start
         for p, logits in zip(batch, results):
             p.future.set_result(logits)
+        tokens = sum(p.request.num_tokens for p in batch)
+        self._note_load(batch, tokens, seconds)
         if self._observer is not None:
-            self._observer(BatchStats(sessions=len(batch), tokens=sum(p.request.num_tokens for p in batch),
+            self._observer(BatchStats(sessions=len(batch), tokens=tokens,
                                       queue_seconds=tuple(start - p.since for p in batch),
                                       forward_seconds=seconds))
 

@@ -22,6 +22,9 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
   ``rate(specdec_edge_batch_forward_seconds_sum[$__rate_interval])``
 - a forward request's wait for its batch, p95:
   ``histogram_quantile(0.95, sum by (le) (rate(specdec_edge_batch_queue_seconds_bucket[$__rate_interval])))``
+- load-aware speculation: the draft length the edge advises, p50, and the load it sees:
+  ``histogram_quantile(0.5, sum by (le) (rate(specdec_edge_draft_len_hint_bucket[$__rate_interval])))``,
+  ``specdec_edge_batch_active_sessions``
 - share of admitted sessions that had to wait (longer than 1 ms):
   ``1 - rate(specdec_edge_admission_wait_seconds_bucket{le="0.001"}[$__rate_interval])
   / rate(specdec_edge_admission_wait_seconds_count[$__rate_interval])``
@@ -44,6 +47,8 @@ BATCH_SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # New tokens per forward: one edge-only token up to --max-batch-tokens (256 by default).
 BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # A request waits ~0 (alone), the scheduler's 2 ms window, or a whole forward in progress (10-500 ms).
+# Advised draft lengths: 0 (edge-only) up to the edge's --max-draft-len (32).
+HINT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 BATCH_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -66,6 +71,10 @@ class EdgeMetrics(SpecMetrics):
                                       buckets=BATCH_TOKENS_BUCKETS, **self.kw)
         self.batch_queue = Histogram("batch_queue_seconds", "Time a forward request waited for its batch "
                                      "to start", buckets=BATCH_QUEUE_BUCKETS, **self.kw)
+        self.hint = Histogram("draft_len_hint", "Draft length advised in a verdict at the edge's load "
+                              "(0: edge-only rounds)", buckets=HINT_BUCKETS, **self.kw)
+        self.active_batch_sessions = Gauge("batch_active_sessions", "Sessions that ran a target forward "
+                                           "within the last second (the load draft advice is for)", **self.kw)
         self.batch_forward = Histogram("batch_forward_seconds", "Duration of one (batched) target forward",
                                        buckets=PHASE_BUCKETS, **self.kw)
 
@@ -83,6 +92,10 @@ class EdgeMetrics(SpecMetrics):
 
     def admission_waited(self, seconds: float) -> None:
         self.admission_wait.observe(seconds)
+
+    def draft_len_hinted(self, hint: int, active_sessions: int) -> None:
+        self.hint.observe(hint)
+        self.active_batch_sessions.set(active_sessions)
 
     def observe_batch(self, b: BatchStats) -> None:
         """One forward of the scheduler (called on its thread; prometheus_client is thread-safe)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from specdec.common.modeling import LoadedModel, ModelSpec, load_model, vocab_fingerprint
+from specdec.common.modeling import CachedLM, LoadedModel, ModelSpec, load_model, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 from specdec.edge.admission import AdmissionSettings
@@ -62,6 +62,9 @@ async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetric
     if cfg.batching.enabled:
         scheduler = ForwardScheduler(cfg.batching, metrics.observe_batch if metrics else None)
         workers = max(workers, cfg.limits.max_sessions)  # waiting threads cost no CPU
+        await asyncio.get_running_loop().run_in_executor(
+            None, scheduler.calibrate, CachedLM(target.model, target.device), target.vocab_size,
+            min(cfg.limits.max_context or target.max_context, target.max_context))
     executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
     auth = authenticator(cfg)
     servicer = SpeculativeDecodingServicer(target, target_info(target), cfg.limits, executor, metrics, auth,

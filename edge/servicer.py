@@ -213,7 +213,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             t0 = time.perf_counter()
             verdict = await self._call(session.verify, msg)
             queue = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
-            verdict = replace(verdict, queue_seconds=queue)
+            verdict = replace(verdict, queue_seconds=queue, draft_len_hint=self._hint(session))
             reply = wire.verdict_to_pb(verdict)
             if self.metrics:
                 self.metrics.observe_round(edge_record(msg, verdict, settings.mode.value, size, reply.ByteSize()))
@@ -234,7 +234,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             if verdict is None:
                 break
             wait = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
-            reply = wire.verdict_to_pb(replace(verdict, queue_seconds=wait))
+            reply = wire.verdict_to_pb(replace(verdict, queue_seconds=wait, draft_len_hint=self._hint(session)))
             await context.write(reply)
             generated, downlink = generated + 1, downlink + reply.ByteSize()
             verify, queue = verify + verdict.verify_seconds, queue + wait
@@ -242,6 +242,15 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 break
         if self.metrics:
             self.metrics.observe_round(edge_only_record(generated, size, downlink, verify, queue))
+
+    def _hint(self, session: VerifierSession) -> int | None:
+        """Load-aware speculation: how long this device should draft at the edge's load now."""
+        if self.scheduler is None:
+            return None  # one session per forward: load does not change what a draft costs
+        hint = self.scheduler.draft_len_hint(session.acceptance.alpha, self.limits.max_draft_len)
+        if hint is not None and self.metrics:
+            self.metrics.draft_len_hinted(hint, self.scheduler.active_sessions())
+        return hint
 
     async def _read(self, context):
         return (await self._read_sized(context))[0]

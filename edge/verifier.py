@@ -23,6 +23,7 @@ from specdec.common.batched import ForwardRequest, forward_batch
 from specdec.common.codecs import (CodecConfig, Mode, decode_distribution, decode_dssd_scalars,
                                    encode_target_probs)
 from specdec.common.distributions import densify, sample_token
+from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.sampling import model_probs, validate_hello
 from specdec.common.streams import Purpose, stream
@@ -94,6 +95,7 @@ class VerifierSession:
         # between rounds usually alternates among a few.
         self._codecs: dict[DraftSettings, CodecConfig | None] = {hello.draft: hello.draft.codec(info.vocab_size)}
         self._specs: dict[tuple[int, ...], TreeSpec] = {}  # tree configuration (prefix) -> spec
+        self.acceptance = Acceptance()  # of this device's drafts, for load-aware speculation
 
     @staticmethod
     def _check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
@@ -166,6 +168,7 @@ class VerifierSession:
             verdict = self._verify_tree(draft, spec, q, generator)
         else:
             verdict = self._verify_chain(draft, settings, q, generator)
+        self.acceptance.observe(spec.depth if spec is not None else len(draft.token_ids), verdict.num_accepted)
         self.round_id = draft.round_id
         return replace(verdict, verify_seconds=time.perf_counter() - start, decode_seconds=decode_seconds)
 

@@ -8,10 +8,13 @@ shared (otherwise these tests would only repeat the single-session ones).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import Counter
 
 from harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common.modeling import encode_prompt
+from specdec.device.drafter import DraftSession
+from specdec.edge.batching import ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
 from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit
@@ -97,3 +100,36 @@ def test_batching_flags_derive_from_the_settings_and_bad_values_exit_with_one_li
         err = capsys.readouterr().err
         assert rc == 2, argv
         assert len(err.strip().splitlines()) == 1 and err.startswith("edge-server: error:"), (argv, err)
+
+
+# The edge's advice in the order its verdicts give it: shorter than the device's L = 4, edge-only,
+# longer than L (the device keeps its own), and back.
+SCRIPTED_HINTS = (2, 0, 6, 1, 0, 3)
+
+
+def test_device_drafts_no_longer_than_the_edge_advises(tiny_pair_v512, monkeypatch) -> None:
+    """Load-aware speculation end to end: whatever length the edge advises (scripted here, since a
+    test cannot load two cores the way 32 devices do), the next round drafts min(its own, advised),
+    0 means edge-only rounds, and the output is still the target's greedy decode."""
+    target_dir, drafter_dir = tiny_pair_v512
+    given = iter(SCRIPTED_HINTS * 100)
+    monkeypatch.setattr(ForwardScheduler, "draft_len_hint", lambda self, alpha, max_len: next(given))
+    cfg = device_config(temperature=0.0, max_new_tokens=40, mode="tslt", top_k=16, draft_len=4)
+
+    async def main():
+        async with edge(target_dir) as address:
+            return await run_sessions(address, drafter_dir, cfg, PROMPTS[0], [0],
+                                      session_factory=functools.partial(DraftSession, round_log=True))
+
+    [(tokens, _, session)] = run(main())
+    tok = load(str(drafter_dir)).tokenizer
+    assert tokens == target_greedy(target_dir, encode_prompt(tok, PROMPTS[0], raw=True), 40)
+    log = session.round_log
+    advised = [None] + [entry["edge_hint"] for entry in log[:-1]]  # what each round was drafted under
+    for entry, hint in zip(log, advised):
+        if hint == 0:
+            assert entry["mode"] == "none" and entry["drafted"] == 0, entry
+        else:
+            assert entry["mode"] == "tslt" and entry["drafted"] <= min(4, hint or 4), (hint, entry)
+    assert {e["mode"] for e in log} == {"tslt", "none"}
+    assert any(e["drafted"] == 4 for e in log), "advice above the device's own L must not shorten it"
