@@ -17,6 +17,13 @@ __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock"
            "ResidualReply", "ResidualRequest", "Prompt", "Close"]
 
 
+# Why the edge ended a session, machine-readable, in the trailing metadata under REASON_KEY (a
+# status's details are for people): a device tells a full context, where an answer ends at its
+# length limit, from a refusal such as admission's (principal_cap, queue_full, queue_timeout).
+REASON_KEY = "specdec-reason"
+CONTEXT_FULL = "context_full"
+
+
 @dataclass(frozen=True)
 class Hello:
     """Opens a session. ``draft`` is how its rounds are drafted unless a round says otherwise; the

@@ -28,12 +28,18 @@ log = logging.getLogger("specdec.device")
 
 
 class EdgeError(RuntimeError):
-    """The edge ended the session with a gRPC status; ``code`` and ``details`` say why."""
+    """The edge ended the session with a gRPC status; ``code`` and ``details`` say why, ``reason``
+    (protocol.REASON_KEY in the trailing metadata, "" if none) says it to programs."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
         super().__init__(f"edge session failed: {code.name}: {details}")
         self.code = code
         self.details = details
+        self.reason = reason
+
+
+def _reason(metadata) -> str:
+    return next((str(v) for k, v in (metadata or ()) if k == P.REASON_KEY), "")
 
 
 @dataclass
@@ -71,7 +77,8 @@ class _Stream:
         try:
             await self.call.write(msg)
         except asyncio.InvalidStateError:  # the RPC already ended (link cut, edge gone): why?
-            raise EdgeError(await self.call.code(), await self.call.details() or "stream ended") from None
+            raise EdgeError(await self.call.code(), await self.call.details() or "stream ended",
+                            _reason(await self.call.trailing_metadata())) from None
         return msg.ByteSize()
 
     async def recv(self):
@@ -168,7 +175,7 @@ async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, me
             await _run(stream, session, hello, eos_ids, on_tokens, result)
             return result
         except grpc.aio.AioRpcError as exc:
-            error = EdgeError(exc.code(), exc.details() or "")
+            error = EdgeError(exc.code(), exc.details() or "", _reason(exc.trailing_metadata()))
         except EdgeError as exc:
             error = exc
         except BaseException:  # cancelled, or stopped by the caller: free the edge session at once
@@ -182,7 +189,7 @@ async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, me
         give_up_at = give_up_at or now + policy.reconnect_timeout_s
         if now >= give_up_at:
             raise EdgeError(error.code, f"{error.details} (gave up reconnecting after "
-                                        f"{policy.reconnect_timeout_s:g} s)")
+                                        f"{policy.reconnect_timeout_s:g} s)", error.reason)
         await asyncio.to_thread(session.abort_round)
         result.reconnects += 1
         log.warning("stream to the edge broke (%s: %s); resuming in %.1f s", error.code.name, error.details, backoff)

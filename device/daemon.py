@@ -24,6 +24,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from specdec.common import protocol as P
 from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
 from specdec.device import openai_schema as S
 from specdec.device.client import EdgeError, generate
@@ -223,9 +224,10 @@ class DeviceEngine:
         except _StopStringSeen:
             pass
         except EdgeError as exc:
-            # Mid-answer RESOURCE_EXHAUSTED is the edge's context filling up: the answer ends at the
-            # length limit, as the target alone would have to. Before any token it is a real refusal.
-            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or not text.ids:
+            # The edge's context filling up mid-answer: the answer ends at the length limit, as the
+            # target alone would have to. Any other error (an admission refusal when a broken stream
+            # re-creates the session, too), or one before any token, is a real failure.
+            if exc.reason != P.CONTEXT_FULL or not text.ids:
                 raise edge_api_error(exc) from None
             log.info("choice %d ended at the edge's limit after %d tokens: %s", index, len(text.ids), exc.details)
         tail = text.flush()

@@ -45,10 +45,11 @@ RESUME_TOKEN_BYTES = 32  # the secret that, with the same credentials, lets a st
 
 
 class _SessionEnd(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
         super().__init__(details)
         self.code = code
         self.details = details
+        self.reason = reason  # machine-readable, sent as trailing metadata (protocol.REASON_KEY)
 
 
 def status_for(exc: Exception) -> grpc.StatusCode:
@@ -101,6 +102,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             status = "ok" if closed else None  # end of stream without Close: keep it for a resume
         except _SessionEnd as end:
             status = end.code.name.lower()
+            if end.reason:
+                context.set_trailing_metadata(((P.REASON_KEY, end.reason),))
             await context.abort(end.code, end.details)
         except asyncio.CancelledError:  # the stream broke: keep the session for a resume
             raise
@@ -159,7 +162,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             slot = await self.admission.admit(counts_as)
         except AdmissionRefused as exc:
             log.debug("session refused (%s): %s", exc.reason, exc.message)
-            raise _SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message) from None
+            raise _SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, exc.reason) from None
         entry = _Entry(session=session, principal=principal, slot=slot,
                        resume_token=secrets.token_bytes(RESUME_TOKEN_BYTES))
         entry.generation = 1
@@ -206,7 +209,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             try:  # cheap after a round's first use of its settings: no worker hop for it
                 settings = session.round_settings(msg)
             except ValueError as exc:
-                raise _SessionEnd(status_for(exc), str(exc)) from None
+                raise _SessionEnd(status_for(exc), str(exc), getattr(exc, "reason", "")) from None
             if settings.mode is Mode.NONE:
                 await self._edge_round(session, msg, size, context)
                 return
@@ -286,7 +289,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         try:
             return await loop.run_in_executor(self.executor, self._work, fn, *args)
         except ValueError as exc:
-            raise _SessionEnd(status_for(exc), str(exc)) from None
+            raise _SessionEnd(status_for(exc), str(exc), getattr(exc, "reason", "")) from None
         except Exception as exc:  # a bug in one session must not take the server down
             log.exception("session failed")
             raise _SessionEnd(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}") from None

@@ -29,7 +29,7 @@ from specdec.common.sampling import model_probs, validate_hello
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from specdec.common.protocol import (PROTOCOL_VERSION, DraftBlock, DraftSettings, Hello, Prompt,
+from specdec.common.protocol import (CONTEXT_FULL, PROTOCOL_VERSION, DraftBlock, DraftSettings, Hello, Prompt,
                                      ResidualReply, ResidualRequest, Verdict, Welcome)
 
 
@@ -38,12 +38,17 @@ class RefusedError(ValueError):
 
 
 class LimitError(ValueError):
-    """A request beyond a configured limit; maps to RESOURCE_EXHAUSTED."""
+    """A request beyond a configured limit; maps to RESOURCE_EXHAUSTED, with ``reason`` sent to the
+    device as protocol.REASON_KEY (CONTEXT_FULL: the sequence reached the context limit)."""
+
+    def __init__(self, message: str, reason: str = "limit"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
 class EdgeLimits:
-    max_sessions: int = 64          # concurrent sessions; more get RESOURCE_EXHAUSTED
+    max_sessions: int = 64          # sessions held at once (detached ones too); more wait in admission's queue
     max_context: int = 0            # tokens per session; 0 = the model's max_position_embeddings
     max_draft_len: int = 32         # draft tokens per round
     max_k: int = 8192               # transmitted support size per distribution
@@ -139,7 +144,8 @@ class VerifierSession:
         if not ids:
             raise ValueError("empty prefix on resume")
         if len(ids) + 1 > self.max_context:
-            raise LimitError(f"prefix of {len(ids)} tokens exceeds the context limit {self.max_context}")
+            raise LimitError(f"prefix of {len(ids)} tokens exceeds the context limit {self.max_context}",
+                             CONTEXT_FULL)
         self._check_ids(ids, "prefix")
         common = 0
         for a, b in zip(ids, self.tokens):
@@ -201,7 +207,7 @@ class VerifierSession:
         for i in range(want):
             start = time.perf_counter()
             if len(self.tokens) + 1 > self.max_context:
-                raise LimitError(f"context limit {self.max_context} tokens reached")
+                raise LimitError(f"context limit {self.max_context} tokens reached", CONTEXT_FULL)
             token = self._edge_token()
             last = i + 1 == want or token in self.eos_token_ids or len(self.tokens) + 1 > self.max_context
             yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=token, more=not last,
@@ -297,7 +303,7 @@ class VerifierSession:
         self._check_ids(draft.token_ids, "draft")
         extra = 1 if draft.correction_token is not None else 0
         if len(self.tokens) + extra + n + 1 > self.max_context:
-            raise LimitError(f"context limit {self.max_context} tokens reached")
+            raise LimitError(f"context limit {self.max_context} tokens reached", CONTEXT_FULL)
 
     def _apply_correction(self, draft: DraftBlock) -> None:
         if self._pending_reject is not None:

@@ -143,6 +143,7 @@ def test_cap_per_bearer_token_principal(tiny_pair_v512, tokens) -> None:
     assert isinstance(refused, EdgeError) and refused.code == EXHAUSTED
     reason = f"principal '{ALICE_PRINCIPAL}' holds 2 sessions: the limit per principal is 2"
     assert refused.details == reason
+    assert refused.reason == "principal_cap"  # machine-readable: a daemon does not read it as a full context
     assert "RESOURCE_EXHAUSTED" in str(refused) and reason in str(refused)  # what device-client prints
     assert EXHAUSTED not in RETRYABLE and refused_after < 5.0  # refused at once, and not retried
     assert (raw_refused.code, raw_refused.details) == (EXHAUSTED, reason)
