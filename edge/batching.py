@@ -5,9 +5,14 @@ they need (a verification round, an edge-only token, a prefill chunk) is handed 
 and the session's thread waits for its logits. One scheduler thread gathers what is pending and
 runs it through :func:`specdec.common.batched.forward_batch`:
 
-- it starts a forward as soon as every session that is working has handed in its forward (no one
-  else can join), or the pending tokens reach ``max_batch_tokens``, or the oldest request has
-  waited ``wait_s`` (a session still decoding its draft does not hold the others for longer);
+- it starts a forward as soon as every session that is working has handed in its forward and no
+  other session is due back (below), or the pending tokens reach ``max_batch_tokens``, or the
+  oldest request has waited long enough: ``wait_s`` for a session still decoding its draft, and up
+  to JOIN_SHARE of the forward's own cost for a session due back. A session is due back when the
+  gap it usually leaves between its forwards (its round trip and drafting; ~1 ms for an edge-only
+  session's next token) is about to end: without that wait two sessions whose gaps are shorter
+  than a forward fall into lockstep, each forward serving one of them while the other waits for it,
+  and batching never happens;
 - requests are taken oldest first up to ``max_batch_tokens`` (at least one): no session starves;
 - a prompt longer than ``max_batch_tokens`` is fed in chunks, each its own request, so a long
   prefill shares forwards with the rounds of other sessions instead of stalling them;
@@ -43,6 +48,11 @@ DEFAULT_MAX_BATCH_TOKENS = 256
 DEFAULT_WAIT_S = 0.002
 # A session that ran a forward this recently is load: a round trip plus drafting is ~0.05-0.5 s.
 ACTIVE_WINDOW_S = 1.0
+# A forward waits for a session due back for at most this share of its own predicted cost: the
+# pending sessions lose that much, the one that joins saves a whole forward of waiting.
+JOIN_SHARE = 0.5
+# How fast a session's usual gap between forwards follows a change (a new link, a new draft length).
+GAP_EWMA = 0.3
 # Below this share of time in forwards the edge has room to spare: a longer draft costs the other
 # sessions little, and the device (which sees its round trip, the edge does not) decides alone.
 SATURATED_UTILIZATION = 0.7
@@ -92,6 +102,8 @@ class ForwardScheduler:
         self.cost = CostCurve()  # seconds per forward by tokens: calibrated, then refreshed by every forward
         self._last_forward: dict[int, float] = {}  # id(CachedLM) -> when it last ran (for the load)
         self._busy: deque[tuple[float, float]] = deque()  # (end, seconds) of forwards in the window
+        self._done: dict[int, float] = {}   # id(CachedLM) -> when its last forward ended (under _cond)
+        self._gap: dict[int, float] = {}    # id(CachedLM) -> its usual gap until the next hand-in
         self._load_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="forward-scheduler", daemon=True)
         self._thread.start()
@@ -129,12 +141,24 @@ class ForwardScheduler:
 
     def _submit(self, request: ForwardRequest) -> Future:
         future: Future = Future()
+        now = time.perf_counter()
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the edge is shutting down")
-            self._pending.append(_Pending(request, future, time.perf_counter()))
+            key = id(request.lm)
+            if key in self._done:
+                gap = now - self._done[key]
+                old = self._gap.get(key)
+                self._gap[key] = gap if old is None else (1 - GAP_EWMA) * old + GAP_EWMA * gap
+            self._pending.append(_Pending(request, future, now))
             self._cond.notify_all()
         return future
+
+    def forget(self, lm: CachedLM) -> None:
+        """A session ended: it is not due back."""
+        with self._cond:
+            self._done.pop(id(lm), None)
+            self._gap.pop(id(lm), None)
 
     # -- load-aware speculation -------------------------------------------------------------------------
     def calibrate(self, lm: CachedLM, vocab_size: int, max_context: int) -> None:
@@ -210,17 +234,40 @@ class ForwardScheduler:
                     self._fail_pending()
                     return None
                 if self._pending:
-                    wait = self._pending[0].since + self.settings.wait_s - time.perf_counter()
-                    if self._ready() or wait <= 0:
+                    now = time.perf_counter()
+                    deadline, ready = self._deadline(now)
+                    if ready or now >= deadline:
                         return self._take()
-                    self._cond.wait(timeout=wait)
+                    self._cond.wait(timeout=deadline - now)
                 else:
                     self._cond.wait()
 
-    def _ready(self) -> bool:
-        """No one else can join (everyone working has handed in), or the batch is full."""
+    def _deadline(self, now: float) -> tuple[float, bool]:
+        """(latest start of the next forward, whether it may start now): now if the batch is full or
+        every working session has handed in and none is due back before the deadline."""
         tokens = sum(p.request.num_tokens for p in self._pending)
-        return len(self._pending) >= self._working or tokens >= self.settings.max_batch_tokens
+        if tokens >= self.settings.max_batch_tokens:
+            return now, True
+        oldest = self._pending[0].since
+        join = JOIN_SHARE * self._cost(tokens)
+        due = self._due_back(now, oldest + join)
+        deadline = oldest + max(self.settings.wait_s, join if due else 0.0)
+        return deadline, len(self._pending) >= self._working and not due
+
+    def _due_back(self, now: float, until: float) -> bool:
+        """Whether a session that is not pending is due to hand in a forward before ``until``."""
+        pending = {id(p.request.lm) for p in self._pending}
+        for key, done in list(self._done.items()):
+            if now - done > ACTIVE_WINDOW_S:
+                del self._done[key]  # left, or away far longer than a round: not due
+                self._gap.pop(key, None)
+            elif key not in pending and key in self._gap and done + self._gap[key] <= until:
+                return True
+        return False
+
+    def _cost(self, tokens: int) -> float:
+        with self._load_lock:
+            return self.cost(tokens) if self.cost.seconds else 0.0
 
     def _take(self) -> list[_Pending]:
         """Oldest first, up to max_batch_tokens (at least one request); a cache that cannot be
@@ -254,6 +301,10 @@ class ForwardScheduler:
                 self._run([p])
             return
         seconds = time.perf_counter() - start
+        with self._cond:  # before the results: a session may hand in its next forward at once
+            end = time.perf_counter()
+            for p in batch:
+                self._done[id(p.request.lm)] = end
         for p, logits in zip(batch, results):
             p.future.set_result(logits)
         tokens = sum(p.request.num_tokens for p in batch)

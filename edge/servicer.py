@@ -201,6 +201,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         entry = self.sessions.pop(sid, None)
         if entry is not None:
             self.admission.release(entry.slot)  # the longest waiting new session gets it
+            if self.scheduler is not None:
+                self.scheduler.forget(entry.session.lm)  # not due back: no forward waits for it
             self._observe_end(status, True)
 
     # -- messages ------------------------------------------------------------------------------------

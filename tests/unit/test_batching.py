@@ -6,11 +6,13 @@ compared with the same sequence run alone, which is what the edge did before bat
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from specdec.common.batched import ForwardRequest, forward_batch
+from specdec.common.loadaware import CostCurve
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
 from specdec.common.treeplan import edge_tree_inputs
 from specdec.common.tree import TreeSpec
@@ -201,3 +203,49 @@ def test_stopped_scheduler_refuses_work(model):
     lm, _ = twins(model, [3])
     with pytest.raises(RuntimeError, match="shutting down"):
         scheduler.forward(ForwardRequest(lm, [4], 1))
+
+
+def test_sessions_due_back_are_waited_for_so_they_do_not_fall_into_lockstep(model):
+    """Two sessions whose gap between forwards (20 ms: round trip and drafting) is shorter than a
+    forward: without waiting for the one due back, each forward would serve one of them while the
+    other waits. With the join window they share forwards once the scheduler has seen their gaps."""
+    gen = torch.Generator().manual_seed(7)
+    stats = []
+    scheduler = ForwardScheduler(BatchSettings(wait_s=0.0), observer=stats.append)
+    scheduler.cost = CostCurve({1: 0.2, 256: 0.2})  # a slow target: the join window is 0.1 s
+    try:
+        lms = [twins(model, ids(gen, 3))[1] for _ in range(2)]
+
+        def session(lm, delay):
+            time.sleep(delay)
+            for _ in range(8):
+                with scheduler.working():
+                    scheduler.forward(ForwardRequest(lm, [5], 1))
+                time.sleep(0.02)
+
+        threads = [threading.Thread(target=session, args=(lm, d)) for lm, d in zip(lms, (0.0, 0.01))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        scheduler.stop()
+    assert sum(s.sessions for s in stats) == 16
+    # 10 ms apart and a 2 ms forward: without the wait every forward would serve one session
+    assert sum(s.sessions == 2 for s in stats) >= 5, [s.sessions for s in stats]
+
+
+def test_a_session_that_left_is_not_waited_for(model):
+    gen = torch.Generator().manual_seed(8)
+    scheduler = ForwardScheduler(BatchSettings(wait_s=0.0))
+    scheduler.cost = CostCurve({1: 2.0, 256: 2.0})  # a join window of 1 s
+    try:
+        gone, stays = (twins(model, ids(gen, 3))[1] for _ in range(2))
+        for lm in (gone, stays, gone):
+            scheduler.forward(ForwardRequest(lm, [5], 1))  # 'gone' gets a gap, then is due back
+        scheduler.forget(gone)
+        start = time.perf_counter()
+        scheduler.forward(ForwardRequest(stays, [6], 1))
+        assert time.perf_counter() - start < 0.5
+    finally:
+        scheduler.stop()
