@@ -4,7 +4,7 @@
     make bench-capacity ARGS=--quick         # N = 1, 2, 8, 48 tokens: a few minutes
     .venv/bin/python bench/bench_capacity.py [--quick] [--ns 1,2,4] [--tokens 128] [--prompts 8]
         [--sessions 1] [--temperatures 0,1] [--repeats 2] [--modes batched,unbatched,edge-only]
-        [--no-validate] [--replot DIR]
+        [--edge-threads 1] [--no-validate] [--replot DIR]
 
 Two cores cannot run N real drafters, so the devices are replayed (bench/capacity/): the default
 drafter's real drafts, recorded once against the real edge (cached under $SPECDEC_CACHE_DIR/capacity),
@@ -290,6 +290,7 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", help="e.g. 0 or 0,1")
     p.add_argument("--repeats", type=int, help="passes over the grid")
     p.add_argument("--modes", help=f"serving modes, from {','.join(plan.MODES)}")
+    p.add_argument("--edge-threads", type=int, help="torch threads per edge-server (default 1)")
     p.add_argument("--no-validate", action="store_true", help="skip the real device-clients at N = 1, 2")
     p.add_argument("--replot", type=Path, help="recompute tables, goals and plots of a finished run's directory")
     return p, p.parse_args(argv)
@@ -300,7 +301,7 @@ def settings_from(p, a) -> plan.Settings:
     try:
         s = plan.with_overrides(
             s, ns=tuple(int(x) for x in a.ns.split(",")) if a.ns else None, max_new_tokens=a.tokens,
-            prompts=a.prompts, sessions_per_client=a.sessions, repeats=a.repeats,
+            prompts=a.prompts, sessions_per_client=a.sessions, repeats=a.repeats, edge_threads=a.edge_threads,
             temperatures=tuple(float(x) for x in a.temperatures.split(",")) if a.temperatures else None,
             modes=tuple(x for x in a.modes.split(",") if x) if a.modes else None)
         if a.no_validate:
@@ -336,7 +337,7 @@ def main(argv=None) -> int:
     edges: dict[str, rig.Edge] = {}
     try:
         for kind in sorted(set(modes_edge.values())):
-            edges[kind] = rig.Edge(kind, out / "logs")
+            edges[kind] = rig.Edge(kind, out / "logs", s.edge_threads)
             print(f"edge {kind} ready on {edges[kind].address} (/metrics :{edges[kind].metrics_port})", flush=True)
         first = edges[modes_edge[modes[0]]]
         recs = ensure_recordings(s, prompts, first.address, out / "logs")

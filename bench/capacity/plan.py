@@ -40,6 +40,7 @@ class Settings:
     modes: tuple[str, ...] = MODES
     validate: bool = True              # real device-clients at VALIDATION_NS, same edge, same prompts
     validation_tokens: int = 96
+    edge_threads: int = 1              # torch threads of each edge-server (--threads)
     quick: bool = False
 
     @classmethod
@@ -58,8 +59,8 @@ def check(s: Settings) -> None:
         raise ValueError(f"device counts must be >= 1, got {list(s.ns)}")
     if s.max_new_tokens < 2:
         raise ValueError(f"--tokens must be >= 2, got {s.max_new_tokens}")
-    if s.prompts < 1 or s.sessions_per_client < 1 or s.repeats < 1:
-        raise ValueError("--prompts, --sessions and --repeats must be >= 1")
+    if s.prompts < 1 or s.sessions_per_client < 1 or s.repeats < 1 or s.edge_threads < 1:
+        raise ValueError("--prompts, --sessions, --repeats and --edge-threads must be >= 1")
     if any(t < 0 for t in s.temperatures) or not s.temperatures:
         raise ValueError(f"temperatures must be >= 0, got {list(s.temperatures)}")
     unknown = set(s.modes) - set(SERVING)

@@ -37,8 +37,10 @@ def capacity_figure(table: dict, label: str, path: Path) -> Path:
             d.plot(xs, ys, "s--", color=col, alpha=0.7, label=f"{mode} tokens")
     titles = [(a, "aggregate tokens/s (all N busy)"), (b, "per-device tokens/s (p95 = slowest 5 %)"),
               (c, "time to first token (s)"), (d, "per target forward (edge /metrics)")]
+    ns = sorted({int(n) for by_n in table.values() for n in by_n})
     for ax, title in titles:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("devices N")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)

@@ -1,8 +1,8 @@
 """The processes of bench-capacity: edge-server processes (one per edge kind, up for the whole run,
 each with its /metrics), the recorder, and real device drivers for the validation.
 
-Every edge gets one torch thread (the two cores are shared with the load generator and, during the
-validation, with real drafters) and no per-principal session cap: all clients of the load
+Every edge gets one torch thread by default (the two cores are shared with the load generator and,
+during the validation, with real drafters; ``--edge-threads``) and no per-principal session cap: all clients of the load
 generator are one host, which the default cap (half of --max-sessions) would count as one principal.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from testbed import procs
 from capacity import plan
 
 RECORD = Path(__file__).resolve().parent / "record.py"
-EDGE_COMMON = ("--port", "0", "--threads", "1", "--max-sessions-per-principal", "0")
+EDGE_COMMON = ("--port", "0", "--max-sessions-per-principal", "0")
 METRICS_TIMEOUT_S = 10.0
 RECORD_TIMEOUT_S = 3600.0
 
@@ -53,12 +53,12 @@ def free_port() -> int:
 class Edge(procs.ReadyProcess):
     """One edge-server of a kind (plan.EDGES) on loopback with /metrics on its own port."""
 
-    def __init__(self, kind: str, logs: Path):
+    def __init__(self, kind: str, logs: Path, threads: int = 1):
         self.kind = kind
         self.metrics_port = free_port()
         self.log_path = logs / f"edge-{kind}.log"
-        super().__init__(procs.edge_server_cmd(*EDGE_COMMON, "--metrics-port", str(self.metrics_port),
-                                               *plan.EDGES[kind]["args"]),
+        super().__init__(procs.edge_server_cmd(*EDGE_COMMON, "--threads", str(threads),
+                                               "--metrics-port", str(self.metrics_port), *plan.EDGES[kind]["args"]),
                          name=f"edge-server ({kind})", ready_re=procs.EDGE_READY_RE)
 
     def metrics(self) -> str | None:

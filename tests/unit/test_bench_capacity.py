@@ -36,7 +36,7 @@ def test_quick_preset_and_checks() -> None:
     assert q.ns == (1, 2, 8) and q.quick and q.max_new_tokens < plan.Settings().max_new_tokens
     assert plan.Settings().ns == (1, 2, 4, 8, 16, 32)
     for bad in (dict(ns=(0,)), dict(max_new_tokens=1), dict(temperatures=(-1.0,)), dict(modes=("x",)),
-                dict(prompts=0)):
+                dict(prompts=0), dict(edge_threads=0)):
         with pytest.raises(ValueError):
             plan.check(plan.Settings(**bad))
     plan.check(plan.Settings())
