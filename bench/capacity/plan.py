@@ -121,7 +121,7 @@ def client_seeds(n: int, s: Settings) -> list[list[int]]:
 def recordings_needed(s: Settings) -> list[tuple[float, int, int]]:
     """(temperature, prompt index, seed) of every recording a run replays (T = 0: one per prompt)."""
     out = set()
-    n = max(s.ns)
+    n = max(max(s.ns), max(VALIDATION_NS) if s.validate and 0.0 in s.temperatures else 0)
     for temp in s.temperatures:
         for prompts, seeds in zip(client_prompts(n, s), client_seeds(n, s)):
             for p, seed in zip(prompts, seeds):

@@ -47,6 +47,9 @@ def test_recordings_needed_one_per_prompt_at_t0_one_per_session_above() -> None:
     need = plan.recordings_needed(s)
     assert {x for x in need if x[0] == 0.0} == {(0.0, 0, 0), (0.0, 1, 0)}
     assert {x for x in need if x[0] == 1.0} == {(1.0, 0, 0), (1.0, 1, 1), (1.0, 0, 2), (1.0, 1, 3)}
+    one = plan.Settings(ns=(1,), prompts=8)  # the validation's N = 2 needs a second client's recording
+    assert plan.recordings_needed(one) == [(0.0, 0, 0), (0.0, 1, 0)]
+    assert plan.recordings_needed(plan.Settings(ns=(1,), validate=False)) == [(0.0, 0, 0)]
 
 
 def test_serving_modes_fall_back_to_todays_edge_without_batching_flags() -> None:
