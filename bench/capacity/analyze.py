@@ -204,9 +204,11 @@ def _goal(text: str, value, threshold: float, where: str = "", detail=None) -> d
 
 def real_step_s(records: list[dict]) -> float | None:
     """A real device's mean drafting step (forward, sampling, encoding) over its sessions' records:
-    drafting seconds / tokens drafted, those drafted ahead and thrown away included."""
+    drafting seconds / drafter forwards: tokens drafted, those drafted ahead and thrown away, and the
+    forward that feeds the last draft before each round drafted ahead and used."""
     secs = sum(r["stats"]["time"]["draft"] + r["stats"]["time"]["encode"] for r in records)
-    steps = sum(r["stats"]["draft_tokens"] + r["stats"]["draft_ahead"]["tokens_discarded"] for r in records)
+    steps = sum(r["stats"]["draft_tokens"] + r["stats"]["draft_ahead"]["tokens_discarded"]
+                + r["stats"]["draft_ahead"]["rounds_used"] for r in records)
     return secs / steps if steps else None
 
 

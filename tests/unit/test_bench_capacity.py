@@ -262,14 +262,14 @@ def test_goals_pass_and_miss_from_ratios() -> None:
 
 def test_validation_ratio_and_its_explanation_per_n() -> None:
     real = {1: [{"stats": {"tokens_per_second": 20.0, "generated_tokens": 48, "rounds": 10, "draft_tokens": 38,
-                           "draft_ahead": {"tokens_discarded": 2}, "time": {"draft": 1.8, "encode": 0.2, "verify": 2.0}}}]}
+                           "draft_ahead": {"tokens_discarded": 2, "rounds_used": 10}, "time": {"draft": 1.8, "encode": 0.2, "verify": 2.0}}}]}
     replay = {1: [session(0, [(1.0, 12), (2.0, 12)], rounds=8, edge_s=0.8),
                   session(1, [(1.0, 12)], divergence="off the path", rounds=1, edge_s=0.1)]}
     v = analyze.validation(real, replay)["1"]
     assert v["ratio"] == pytest.approx(12.0 / 20.0) and v["replay_sessions"] == 1  # a diverged one is left out
-    assert v["real_draft_ms_per_step"] == pytest.approx(2.0 / 40 * 1e3)
+    assert v["real_draft_ms_per_step"] == pytest.approx(2.0 / 50 * 1e3)
     assert v["real_edge_ms_per_round"] == pytest.approx(200.0) and v["replay_edge_ms_per_round"] == pytest.approx(100.0)
-    assert analyze.real_step_s(real[1]) == pytest.approx(0.05)
+    assert analyze.real_step_s(real[1]) == pytest.approx(0.04)
 
 
 def test_greedy_replay_scales_its_drafting_times() -> None:
