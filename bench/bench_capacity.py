@@ -147,7 +147,7 @@ def measure_cell(edge, cell: plan.Cell, s: plan.Settings, recs: dict) -> dict:
     t0, results = run_clients(edge.address, clients, kind)
     after = analyze.parse_metrics(edge.metrics() or "")
     sessions = [r.to_json(t0) for r in results]
-    stats = analyze.cell_stats(sessions, cell.n)
+    stats = analyze.cell_stats(sessions, cell.n, s.max_new_tokens)
     batch = analyze.batch_stats(before, after)
     return {"name": cell.name, "repeat": cell.repeat, "temperature": cell.temperature, "n": cell.n,
             "mode": cell.mode, "edge": edge.kind, "stats": stats, "batch": batch, "sessions": sessions}
@@ -262,6 +262,8 @@ def print_validation(v: dict) -> None:
 
 
 def finish(data: dict, out: Path) -> None:
+    for c in data["cells"]:  # from the sessions, so that --replot applies today's analysis
+        c["stats"] = analyze.cell_stats(c["sessions"], c["n"], data["settings"]["max_new_tokens"])
     data["summary"] = analyze.summary(data["cells"])
     data["goals"] = analyze.goals(data["summary"])
     from capacity import plots

@@ -66,18 +66,24 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def cell_stats(sessions: list[dict], n: int) -> dict:
+def cell_stats(sessions: list[dict], n: int, full_tokens: int | None = None) -> dict:
     """One cell: ``sessions`` as replay.SessionResult.to_json (times from the cell's start).
 
-    Aggregate tokens/s counts the tokens delivered while all ``n`` clients were still busy (up to
-    the first client's last token), so a cell's straggling tail does not dilute it; the makespan rate
-    (all tokens / last token) is kept beside it. Per-device p95 is the tail: the 95th percentile of
-    seconds per token, as tokens/s (= the 5th percentile of per-session tokens/s)."""
+    Aggregate tokens/s counts the tokens delivered while all ``n`` clients were still busy: up to the
+    first last token of a client whose sessions ran their whole ``full_tokens`` (a prompt whose
+    answer ends early at EOS does not cut everyone's window short), so a cell's straggling tail does
+    not dilute it; the makespan rate (all tokens / last token) is kept beside it. Per-device p95 is
+    the tail: the 95th percentile of seconds per token, as tokens/s (= the 5th percentile of
+    per-session tokens/s)."""
     ok = [s for s in sessions if not s["error"]]
     ends: dict[int, float] = {}
+    short: set[int] = set()
     for s in ok:
         ends[s["client"]] = max(ends.get(s["client"], 0.0), s["t_end"])
-    window = min(ends.values()) if len(ends) == n else None
+        if full_tokens is not None and s["tokens"] < full_tokens:
+            short.add(s["client"])
+    full = [t for c, t in ends.items() if c not in short] or list(ends.values())
+    window = min(full) if len(ends) == n else None
     events = [(t, k) for s in ok for t, k in s["events"]]
     in_window = sum(k for t, k in events if window is not None and t <= window)
     last = max((s["t_end"] for s in ok), default=0.0)

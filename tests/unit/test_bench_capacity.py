@@ -228,6 +228,9 @@ def test_cell_aggregate_counts_tokens_while_every_client_is_busy() -> None:
     assert st["per_device_p50"] == pytest.approx((5.0 + 2.5) / 2)
     assert st["per_device_p95"] < st["per_device_p50"]  # the tail: the slow end of tokens/s
     assert analyze.cell_stats([a], 2)["aggregate_tps"] is None  # a client with no session: no window
+    eos = session(2, [(0.5, 3)])  # its answer ended at EOS after 3 tokens: it does not end the window
+    st = analyze.cell_stats([a, b, eos], 3, full_tokens=10)
+    assert st["window_s"] == 2.0 and st["aggregate_tps"] == pytest.approx(23 / 2.0)
     h = analyze.hint_stats([{**a, "hints": [None, 4, 0]}, {**b, "hints": [2], "hints_not_followed": 1}])
     assert h == {"rounds": 4, "hinted_rounds": 3, "mean_hint": 2.0, "zero_hints": 1, "hints_not_followed": 1}
 
