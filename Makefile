@@ -99,7 +99,7 @@ bench-links: $(PB_OUT) $(BENCH_STAMP)
 # recorded once (cached in $SPECDEC_CACHE_DIR/capacity), replayed by asyncio gRPC clients with their
 # drafting time; batched, --no-batching and edge-only serving interleaved, then real device-clients at
 # N = 1, 2 validate the replay (results/bench_capacity/<timestamp>/, results/bench_capacity/latest).
-# ARGS=--quick (N = 1, 2, 8): ~5 min; the full run ~25 min on 2 shared cores.
+# ARGS=--quick (N = 1, 2, 8): ~2 min; the full run ~15 min on 2 shared cores (+3 min to record the drafts once).
 .PHONY: bench-capacity
 bench-capacity: $(PB_OUT) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_capacity.py $(ARGS)

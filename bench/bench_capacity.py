@@ -1,7 +1,7 @@
 """bench-capacity: N = 1, 2, 4, 8, 16, 32 devices against one edge-server process (issue 19, item 4).
 
-    make bench-capacity                      # full run (~25 min on 2 shared cores)
-    make bench-capacity ARGS=--quick         # N = 1, 2, 8, 48 tokens: a few minutes
+    make bench-capacity                      # full run (~15 min on 2 shared cores, +3 min recording once)
+    make bench-capacity ARGS=--quick         # N = 1, 2, 8, 48 tokens: ~2 min
     .venv/bin/python bench/bench_capacity.py [--quick] [--ns 1,2,4] [--tokens 128] [--prompts 8]
         [--sessions 1] [--temperatures 0,1] [--repeats 2] [--modes batched,unbatched,edge-only]
         [--edge-threads 1] [--no-validate] [--replot DIR]
