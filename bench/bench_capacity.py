@@ -23,8 +23,6 @@ validation), capacity_T*.png, logs/. Prints a table and the goals with PASS / MI
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
 import datetime as dt
 import json
 import os
