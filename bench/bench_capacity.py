@@ -291,9 +291,26 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, help="passes over the grid")
     p.add_argument("--modes", help=f"serving modes, from {','.join(plan.MODES)}")
     p.add_argument("--edge-threads", type=int, help="torch threads per edge-server (default 1)")
+    p.add_argument("--edge-cpus", help="CPUs each edge-server is pinned to, e.g. 1 or 0,1; 'all' = unpinned "
+                   "(default: the last core, so batched and unbatched edges both compute on one core)")
     p.add_argument("--no-validate", action="store_true", help="skip the real device-clients at N = 1, 2")
     p.add_argument("--replot", type=Path, help="recompute tables, goals and plots of a finished run's directory")
     return p, p.parse_args(argv)
+
+
+def _keep_off_edge_cpus(edge_cpus: tuple[int, ...]) -> None:
+    """The load generator and the validation's real drafters run on the cores the edges do not,
+    as devices on their own hosts would."""
+    rest = os.sched_getaffinity(0) - set(edge_cpus)
+    if edge_cpus and rest:
+        os.sched_setaffinity(0, rest)
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--edge-cpus must be a comma-separated list of CPU numbers or 'all', got {text!r}") from None
 
 
 def settings_from(p, a) -> plan.Settings:
@@ -306,6 +323,8 @@ def settings_from(p, a) -> plan.Settings:
             modes=tuple(x for x in a.modes.split(",") if x) if a.modes else None)
         if a.no_validate:
             s = replace(s, validate=False)
+        if a.edge_cpus:
+            s = replace(s, edge_cpus=() if a.edge_cpus == "all" else _cpu_list(a.edge_cpus))
         plan.check(s)
     except ValueError as exc:
         p.error(str(exc))
@@ -335,9 +354,10 @@ def main(argv=None) -> int:
             "prompts": prompts, "machine": _machine(), "git": _git(), "cells": [], "timing": {}}
     t_run = time.perf_counter()
     edges: dict[str, rig.Edge] = {}
+    _keep_off_edge_cpus(s.edge_cpus)
     try:
         for kind in sorted(set(modes_edge.values())):
-            edges[kind] = rig.Edge(kind, out / "logs", s.edge_threads)
+            edges[kind] = rig.Edge(kind, out / "logs", s.edge_threads, s.edge_cpus)
             print(f"edge {kind} ready on {edges[kind].address} (/metrics :{edges[kind].metrics_port})", flush=True)
         first = edges[modes_edge[modes[0]]]
         recs = ensure_recordings(s, prompts, first.address, out / "logs")

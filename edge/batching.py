@@ -6,13 +6,14 @@ and the session's thread waits for its logits. One scheduler thread gathers what
 runs it through :func:`specdec.common.batched.forward_batch`:
 
 - it starts a forward as soon as every session that is working has handed in its forward and no
-  other session is due back (below), or the pending tokens reach ``max_batch_tokens``, or the
-  oldest request has waited long enough: ``wait_s`` for a session still decoding its draft, and up
-  to JOIN_SHARE of the forward's own cost for a session due back. A session is due back when the
-  gap it usually leaves between its forwards (its round trip and drafting; ~1 ms for an edge-only
-  session's next token) is about to end: without that wait two sessions whose gaps are shorter
-  than a forward fall into lockstep, each forward serving one of them while the other waits for it,
-  and batching never happens;
+  other session is worth waiting for (below), or the pending tokens reach ``max_batch_tokens``, or
+  the oldest request has waited ``wait_s`` for a session still decoding its draft. A session not
+  pending is due back when the gap it usually leaves between its forwards (round trip and the
+  drafting not hidden by drafting ahead; ~1 ms for an edge-only session's next token) ends; it is
+  worth waiting for if it is due sooner than what one shared forward saves over two,
+  c(pending) + c(its tokens) - c(both), from the edge's cost curve. Without that wait, sessions
+  whose gaps are shorter than a forward split into groups that take turns: each forward serves
+  one group while the others wait for it, and batches stay small;
 - requests are taken oldest first up to ``max_batch_tokens`` (at least one): no session starves;
 - a prompt longer than ``max_batch_tokens`` is fed in chunks, each its own request, so a long
   prefill shares forwards with the rounds of other sessions instead of stalling them;
@@ -48,9 +49,9 @@ DEFAULT_MAX_BATCH_TOKENS = 256
 DEFAULT_WAIT_S = 0.002
 # A session that ran a forward this recently is load: a round trip plus drafting is ~0.05-0.5 s.
 ACTIVE_WINDOW_S = 1.0
-# A forward waits for a session due back for at most this share of its own predicted cost: the
-# pending sessions lose that much, the one that joins saves a whole forward of waiting.
-JOIN_SHARE = 0.5
+# A session due back is waited for up to this share of its usual gap after it was due (jitter of
+# its round trip and drafting), and no longer: one that does not come is not held for.
+DUE_TOLERANCE = 0.25
 # How fast a session's usual gap between forwards follows a change (a new link, a new draft length).
 GAP_EWMA = 0.3
 # Below this share of time in forwards the edge has room to spare: a longer draft costs the other
@@ -104,6 +105,7 @@ class ForwardScheduler:
         self._busy: deque[tuple[float, float]] = deque()  # (end, seconds) of forwards in the window
         self._done: dict[int, float] = {}   # id(CachedLM) -> when its last forward ended (under _cond)
         self._gap: dict[int, float] = {}    # id(CachedLM) -> its usual gap until the next hand-in
+        self._size: dict[int, int] = {}     # id(CachedLM) -> tokens of its last request
         self._load_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="forward-scheduler", daemon=True)
         self._thread.start()
@@ -150,6 +152,7 @@ class ForwardScheduler:
                 gap = now - self._done[key]
                 old = self._gap.get(key)
                 self._gap[key] = gap if old is None else (1 - GAP_EWMA) * old + GAP_EWMA * gap
+            self._size[key] = request.num_tokens
             self._pending.append(_Pending(request, future, now))
             self._cond.notify_all()
         return future
@@ -157,8 +160,8 @@ class ForwardScheduler:
     def forget(self, lm: CachedLM) -> None:
         """A session ended: it is not due back."""
         with self._cond:
-            self._done.pop(id(lm), None)
-            self._gap.pop(id(lm), None)
+            for table in (self._done, self._gap, self._size):
+                table.pop(id(lm), None)
 
     # -- load-aware speculation -------------------------------------------------------------------------
     def calibrate(self, lm: CachedLM, vocab_size: int, max_context: int) -> None:
@@ -243,31 +246,41 @@ class ForwardScheduler:
                     self._cond.wait()
 
     def _deadline(self, now: float) -> tuple[float, bool]:
-        """(latest start of the next forward, whether it may start now): now if the batch is full or
-        every working session has handed in and none is due back before the deadline."""
+        """(latest start of the next forward, whether it may start now): now if the batch is full, or
+        if every working session has handed in and none is worth waiting for."""
         tokens = sum(p.request.num_tokens for p in self._pending)
         if tokens >= self.settings.max_batch_tokens:
             return now, True
-        oldest = self._pending[0].since
-        join = JOIN_SHARE * self._cost(tokens)
-        due = self._due_back(now, oldest + join)
-        deadline = oldest + max(self.settings.wait_s, join if due else 0.0)
-        return deadline, len(self._pending) >= self._working and not due
+        wait_for = self._worth_waiting_for(now, tokens)
+        deadline = max(self._pending[0].since + self.settings.wait_s, wait_for or 0.0)
+        return deadline, len(self._pending) >= self._working and wait_for is None
 
-    def _due_back(self, now: float, until: float) -> bool:
-        """Whether a session that is not pending is due to hand in a forward before ``until``."""
+    def _worth_waiting_for(self, now: float, tokens: int) -> float | None:
+        """Until when to wait for the sessions due back that are worth it (module docstring), or None."""
         pending = {id(p.request.lm) for p in self._pending}
+        until = None
         for key, done in list(self._done.items()):
-            if now - done > ACTIVE_WINDOW_S:
-                del self._done[key]  # left, or away far longer than a round: not due
-                self._gap.pop(key, None)
-            elif key not in pending and key in self._gap and done + self._gap[key] <= until:
-                return True
-        return False
+            if now - done > ACTIVE_WINDOW_S:  # left, or away far longer than a round
+                for table in (self._done, self._gap, self._size):
+                    table.pop(key, None)
+                continue
+            if key in pending or key not in self._gap:
+                continue
+            due, gap = done + self._gap[key], self._gap[key]
+            latest = due + DUE_TOLERANCE * gap
+            if now <= latest and due - now <= self._saving(tokens, self._size.get(key, 1)):
+                until = latest if until is None else max(until, latest)
+        return until
 
-    def _cost(self, tokens: int) -> float:
+    def _saving(self, pending_tokens: int, joining_tokens: int) -> float:
+        """Seconds one forward over both saves over two: c(a) + c(b) - c(a + b)."""
         with self._load_lock:
-            return self.cost(tokens) if self.cost.seconds else 0.0
+            if not self.cost.seconds:
+                return 0.0
+            c = self.cost
+            return c(pending_tokens) + c(joining_tokens) - c(pending_tokens + joining_tokens)
+
+
 
     def _take(self) -> list[_Pending]:
         """Oldest first, up to max_batch_tokens (at least one request); a cache that cannot be

@@ -2,7 +2,9 @@
 Pure: no I/O."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import os
+
+from dataclasses import asdict, dataclass, field, replace
 
 # Serving modes: which edge process serves the N clients and what the clients send. The edge's extra
 # flags per edge kind are here and nowhere else; ``requires``: the edge-server flag that kind needs
@@ -41,6 +43,11 @@ class Settings:
     validate: bool = True              # real device-clients at VALIDATION_NS, same edge, same prompts
     validation_tokens: int = 96
     edge_threads: int = 1              # torch threads of each edge-server (--threads)
+    # CPUs every edge-server is pinned to (taskset): by default the last core, so that each kind of
+    # edge computes on one core whatever its threading. Unpinned, the --no-batching edge runs its
+    # worker threads' forwards on both cores at once while the batched one runs one forward at a
+    # time, and the comparison measures the core count, not batching. () = no pinning.
+    edge_cpus: tuple[int, ...] = field(default_factory=lambda: default_edge_cpus())
     quick: bool = False
 
     @classmethod
@@ -53,6 +60,12 @@ class Settings:
         return asdict(self)
 
 
+def default_edge_cpus() -> tuple[int, ...]:
+    """The last CPU this process may use, if it has at least two (the load generator keeps the rest)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[-1],) if len(cpus) >= 2 else ()
+
+
 def check(s: Settings) -> None:
     """ValueError with one line for settings no run can honour."""
     if not s.ns or any(n < 1 for n in s.ns):
@@ -61,6 +74,8 @@ def check(s: Settings) -> None:
         raise ValueError(f"--tokens must be >= 2, got {s.max_new_tokens}")
     if s.prompts < 1 or s.sessions_per_client < 1 or s.repeats < 1 or s.edge_threads < 1:
         raise ValueError("--prompts, --sessions, --repeats and --edge-threads must be >= 1")
+    if not set(s.edge_cpus) <= os.sched_getaffinity(0):
+        raise ValueError(f"--edge-cpus {list(s.edge_cpus)} not all usable here (cpus {sorted(os.sched_getaffinity(0))})")
     if any(t < 0 for t in s.temperatures) or not s.temperatures:
         raise ValueError(f"temperatures must be >= 0, got {list(s.temperatures)}")
     unknown = set(s.modes) - set(SERVING)

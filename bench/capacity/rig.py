@@ -53,12 +53,14 @@ def free_port() -> int:
 class Edge(procs.ReadyProcess):
     """One edge-server of a kind (plan.EDGES) on loopback with /metrics on its own port."""
 
-    def __init__(self, kind: str, logs: Path, threads: int = 1):
+    def __init__(self, kind: str, logs: Path, threads: int = 1, cpus: tuple[int, ...] = ()):
         self.kind = kind
         self.metrics_port = free_port()
         self.log_path = logs / f"edge-{kind}.log"
-        super().__init__(procs.edge_server_cmd(*EDGE_COMMON, "--threads", str(threads),
-                                               "--metrics-port", str(self.metrics_port), *plan.EDGES[kind]["args"]),
+        pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []  # plan.Settings.edge_cpus: why
+        super().__init__(pin + procs.edge_server_cmd(*EDGE_COMMON, "--threads", str(threads),
+                                                     "--metrics-port", str(self.metrics_port),
+                                                     *plan.EDGES[kind]["args"]),
                          name=f"edge-server ({kind})", ready_re=procs.EDGE_READY_RE)
 
     def metrics(self) -> str | None:
