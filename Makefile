@@ -99,6 +99,7 @@ bench-links: $(PB_OUT) $(BENCH_STAMP)
 # recorded once (cached in $SPECDEC_CACHE_DIR/capacity), replayed by asyncio gRPC clients with their
 # drafting time; batched, --no-batching and edge-only serving interleaved, then real device-clients at
 # N = 1, 2 validate the replay (results/bench_capacity/<timestamp>/, results/bench_capacity/latest).
+# Every edge is pinned to the last core and the load generator to the others (ARGS="--edge-cpus all": unpinned).
 # ARGS=--quick (N = 1, 2, 8): ~2 min; the full run ~15 min on 2 shared cores (+3 min to record the drafts once).
 .PHONY: bench-capacity
 bench-capacity: $(PB_OUT) $(BENCH_STAMP)
