@@ -71,7 +71,12 @@ class AutoConfig:
     lattice: int = 1000
     draft_lens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
     dense: bool = True
-    dssd: bool = True
+    # DSSD is left out by default: in the links benchmark (docs/bench/links_20261125, 40 cells of
+    # 0.5-100 Mbit/s and 0-150 ms) DSSD-L4 lost to TSLT-256-L4 in every cell (0.45-0.87x, at T = 0
+    # too), yet the model ranked it first in 62 % of the T = 1 rounds: it cannot draft ahead, and a
+    # fallback fetches the whole p_j (8 bytes x vocabulary). Its 20-byte rounds pay only on links far
+    # slower than 0.5 Mbit/s; set True there.
+    dssd: bool = False
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
 

@@ -113,6 +113,20 @@ class EdgeProcess(procs.ReadyProcess):
                          ready_timeout=EDGE_READY_TIMEOUT_S, cwd=cwd, drain=False)
 
 
+def assert_edge_flags_rejected(capsys, bad_argvs) -> None:
+    """Each argv makes `edge-server` exit 2 with one line on stderr, before any model is loaded."""
+    from specdec.edge import __main__ as edge_cli
+
+    for argv in bad_argvs:
+        try:
+            rc = edge_cli.main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2, argv
+        assert len(err.strip().splitlines()) == 1 and err.startswith("edge-server: error:"), (argv, err)
+
+
 def device_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(VENV_BIN / "device-client"), *args], capture_output=True, text=True,
                           timeout=timeout, env=procs.child_env())

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from harness import device_config, edge, load, run, run_sessions, target_greedy
+from harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.codecs import Mode
 from specdec.common.modeling import ModelSpec, encode_prompt, vocab_fingerprint
@@ -344,12 +344,6 @@ def test_flags_derive_from_the_settings_and_bad_values_exit_with_one_line(capsys
     cfg = edge_cli.config_from_args(edge_cli.build_parser().parse_args(
         ["--max-sessions-per-principal", "0", "--admission-queue", "0", "--admission-wait-ms", "250"]))
     assert cfg.admission == AdmissionSettings(max_sessions_per_principal=0, queue=0, wait_s=0.25)
-    for argv in (["--max-sessions-per-principal", "-1"], ["--admission-queue", "x"],
-                 ["--admission-wait-ms", "0"], ["--admission-wait-ms", "nan"], ["--admission-wait-ms", "inf"]):
-        try:
-            rc = edge_cli.main(argv)
-        except SystemExit as exc:
-            rc = exc.code
-        err = capsys.readouterr().err
-        assert rc == 2, argv
-        assert len(err.strip().splitlines()) == 1 and err.startswith("edge-server: error:"), (argv, err)
+    assert_edge_flags_rejected(capsys, (["--max-sessions-per-principal", "-1"], ["--admission-queue", "x"],
+                                        ["--admission-wait-ms", "0"], ["--admission-wait-ms", "nan"],
+                                        ["--admission-wait-ms", "inf"]))

@@ -24,7 +24,7 @@ NUM_SESSIONS = 1500
 CONTROL_SESSIONS = 600
 CONCURRENCY = 4
 # Candidates small enough for the 8-token vocabulary: supports 1-8, K-SQS on a coarse lattice.
-TINY = AutoConfig(top_ks=(1, 3, 8), ksqs_ks=(3,), lattice=8, draft_lens=(1, 2, 3))
+TINY = AutoConfig(top_ks=(1, 3, 8), ksqs_ks=(3,), lattice=8, draft_lens=(1, 2, 3), dssd=True)  # every mode
 
 
 class RandomAuto(AutoPolicy):

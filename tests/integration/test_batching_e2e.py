@@ -11,7 +11,7 @@ import asyncio
 import functools
 from collections import Counter
 
-from harness import device_config, edge, load, run, run_sessions, target_greedy
+from harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common.modeling import encode_prompt
 from specdec.device.drafter import DraftSession
 from specdec.edge.batching import ForwardScheduler
@@ -91,15 +91,9 @@ def test_batching_flags_derive_from_the_settings_and_bad_values_exit_with_one_li
     assert edge_cli.config_from_args(parse([])).batching == BatchSettings()
     cfg = edge_cli.config_from_args(parse(["--no-batching", "--max-batch-tokens", "64", "--batch-wait-ms", "0"]))
     assert cfg.batching == BatchSettings(enabled=False, max_batch_tokens=64, wait_s=0.0)
-    for argv in (["--max-batch-tokens", "0"], ["--batch-wait-ms", "-1"], ["--batch-wait-ms", "nan"],
-                 ["--batch-wait-ms", "inf"], ["--max-batch-tokens", "x"]):
-        try:
-            rc = edge_cli.main(argv)
-        except SystemExit as exc:
-            rc = exc.code
-        err = capsys.readouterr().err
-        assert rc == 2, argv
-        assert len(err.strip().splitlines()) == 1 and err.startswith("edge-server: error:"), (argv, err)
+    assert_edge_flags_rejected(capsys, (["--max-batch-tokens", "0"], ["--batch-wait-ms", "-1"],
+                                        ["--batch-wait-ms", "nan"], ["--batch-wait-ms", "inf"],
+                                        ["--max-batch-tokens", "x"]))
 
 
 # The edge's advice in the order its verdicts give it: shorter than the device's L = 4, edge-only,
