@@ -57,9 +57,12 @@ GAP_EWMA = 0.3
 # Below this share of time in forwards the edge has room to spare: a longer draft costs the other
 # sessions little, and the device (which sees its round trip, the edge does not) decides alone.
 SATURATED_UTILIZATION = 0.7
-# Start-up calibration: cached context of each timed forward, and timings per point (the least is kept).
+# Start-up calibration: cached context of each timed forward, and timings per short point (the least
+# is kept: a 1-token forward is ~50 ms here and one hiccup would double it); forwards of
+# CALIBRATION_STABLE_TOKENS or more take long enough to be timed once (SmolLM2 on a core: ~5 s -> ~3 s).
 CALIBRATION_CONTEXT = 64
 CALIBRATION_REPEATS = 2
+CALIBRATION_STABLE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ class ForwardScheduler:
         for tokens in (p for p in CURVE_POINTS if p <= longest):
             ids = [(7 * i + 3) % vocab_size for i in range(tokens)]
             best = float("inf")
-            for _ in range(CALIBRATION_REPEATS):
+            for _ in range(CALIBRATION_REPEATS if tokens < CALIBRATION_STABLE_TOKENS else 1):
                 start = time.perf_counter()
                 lm.forward(ids, 1)
                 best = min(best, time.perf_counter() - start)
