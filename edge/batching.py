@@ -104,9 +104,9 @@ class ForwardScheduler:
         self._stopped = False
         self._workspace = BatchWorkspace()  # the padded caches' memory, reused by every forward
         self.cost = CostCurve()  # seconds per forward by tokens: calibrated, then refreshed by every forward
-        self._last_forward: dict[int, float] = {}  # id(CachedLM) -> when it last ran (for the load)
         self._busy: deque[tuple[float, float]] = deque()  # (end, seconds) of forwards in the window
-        self._done: dict[int, float] = {}   # id(CachedLM) -> when its last forward ended (under _cond)
+        # id(CachedLM) -> when its last forward ended (under _cond): the load, and who is due back
+        self._done: dict[int, float] = {}
         self._gap: dict[int, float] = {}    # id(CachedLM) -> its usual gap until the next hand-in
         self._size: dict[int, int] = {}     # id(CachedLM) -> tokens of its last request
         self._load_lock = threading.Lock()
@@ -184,12 +184,10 @@ class ForwardScheduler:
                 self.cost.seconds[tokens] = best
 
     def active_sessions(self) -> int:
-        """Sessions that ran a forward within ACTIVE_WINDOW_S: the load the edge shares."""
+        """Open sessions that ran a forward within ACTIVE_WINDOW_S: the load the edge shares."""
         now = time.perf_counter()
-        with self._load_lock:
-            for key in [k for k, t in self._last_forward.items() if now - t > ACTIVE_WINDOW_S]:
-                del self._last_forward[key]
-            return len(self._last_forward)
+        with self._cond:
+            return sum(now - done <= ACTIVE_WINDOW_S for done in self._done.values())
 
     def utilization(self) -> float:
         """Share of the last ACTIVE_WINDOW_S the target spent in forwards."""
@@ -211,13 +209,10 @@ class ForwardScheduler:
                 return None
             return best_draft_len(sessions, alpha, self.cost, max_len)
 
-    def _note_load(self, batch: list[_Pending], tokens: int, seconds: float) -> None:
-        now = time.perf_counter()
+    def _note_load(self, tokens: int, seconds: float) -> None:
         with self._load_lock:
             self.cost.observe(tokens, seconds)
-            self._busy.append((now, seconds))
-            for p in batch:
-                self._last_forward[id(p.request.lm)] = now
+            self._busy.append((time.perf_counter(), seconds))
 
     def stop(self) -> None:
         with self._cond:
@@ -324,7 +319,7 @@ class ForwardScheduler:
         for p, logits in zip(batch, results):
             p.future.set_result(logits)
         tokens = sum(p.request.num_tokens for p in batch)
-        self._note_load(batch, tokens, seconds)
+        self._note_load(tokens, seconds)
         if self._observer is not None:
             self._observer(BatchStats(sessions=len(batch), tokens=tokens,
                                       queue_seconds=tuple(start - p.since for p in batch),

@@ -98,7 +98,7 @@ def test_scheduler_advises_the_longest_draft_until_the_edge_is_saturated(monkeyp
         assert scheduler.draft_len_hint(0.7, 16) == 16  # idle: the device decides
         now = time.perf_counter()
         scheduler._busy.extend([(now, 0.45), (now, 0.45)])  # 90 % of the last second in forwards
-        scheduler._last_forward.update({i: now for i in range(64)})
+        scheduler._done.update({i: now for i in range(64)})  # 64 sessions just ran a forward
         assert scheduler.utilization() == pytest.approx(0.9)
         assert scheduler.draft_len_hint(0.7, 16) == best_draft_len(64, 0.7, CPU, 16) == 0
         monkeypatch.setattr(batching, "ACTIVE_WINDOW_S", 1e-9)  # all of it is old now
