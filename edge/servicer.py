@@ -36,7 +36,7 @@ from specdec.edge.admission import Admission, AdmissionRefused, AdmissionSetting
 from specdec.edge.auth import Authenticator, admission_principal
 from specdec.edge.batching import ForwardScheduler
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
-                                   VerifierSession)
+                                   VerifierSession, forward_alone)
 
 log = logging.getLogger("specdec.edge")
 
@@ -172,9 +172,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         return sid, entry, False
 
     def _new_session(self, hello: P.Hello, sid: str) -> VerifierSession:
-        if self.scheduler is None:
-            return VerifierSession(self.target, self.info, hello, self.limits, sid)
-        return VerifierSession(self.target, self.info, hello, self.limits, sid, forward=self.scheduler.forward)
+        forward = self.scheduler.forward if self.scheduler is not None else forward_alone
+        return VerifierSession(self.target, self.info, hello, self.limits, sid, forward=forward)
 
     def _release(self, state: dict, status: str | None) -> None:
         """End of a stream: free its session, or (stream broke, status None) detach it for a while."""
