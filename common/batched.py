@@ -70,7 +70,7 @@ def forward_batch(requests: list[ForwardRequest], workspace: BatchWorkspace | No
     keep = max(1, max(r.num_logits for r in requests))
     out = model(input_ids=ids, past_key_values=past, position_ids=positions, attention_mask=mask[:, None],
                 use_cache=True, logits_to_keep=keep)
-    _append_new_kv(requests, out.past_key_values, width)
+    _append_new_kv(requests, out.past_key_values)
     logits = out.logits.float()
     return [logits[b, keep - r.num_logits:] for b, r in enumerate(requests)]
 
@@ -193,7 +193,7 @@ def _causal(cached: int, new: int) -> torch.Tensor:
     return torch.ones(new, cached + new, dtype=torch.bool).tril(cached)
 
 
-def _append_new_kv(requests: list[ForwardRequest], past, width: int) -> None:
+def _append_new_kv(requests: list[ForwardRequest], past) -> None:
     """Append each row's new keys/values (the last n_b of the batch's N new columns) to its cache."""
     for layer_idx, layer in enumerate(past.layers):
         for b, r in enumerate(requests):
