@@ -225,7 +225,7 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     result.setup_bytes += await stream.send(wire.prompt_to_pb(P.Prompt(tuple(session.tokens))))
 
     def deliver(new: list[int]) -> None:
-        new = _clip(result.token_ids, new, hello.max_new_tokens, eos_ids)
+        new = clip_round(len(result.token_ids), new, hello.max_new_tokens, eos_ids)
         result.token_ids.extend(new)
         if stream.metrics:  # counted after the cut at EOS / max_new_tokens: what the caller gets
             stream.metrics.tokens_delivered(stream.mode, len(new))
@@ -346,10 +346,10 @@ def _finished(tokens: list[int], max_new: int, eos_ids: tuple[int, ...]) -> bool
     return len(tokens) >= max_new or (bool(tokens) and tokens[-1] in eos_ids)
 
 
-def _clip(done: list[int], new: list[int], max_new: int, eos_ids: tuple[int, ...]) -> list[int]:
-    """Cut the round's tokens at the first EOS (kept) and at max_new_tokens."""
+def clip_round(done: int, new: list[int], max_new: int, eos_ids) -> list[int]:
+    """Cut a round's tokens at the first EOS (kept) and at max_new_tokens, ``done`` already delivered."""
     out = []
-    for t in new[: max_new - len(done)]:
+    for t in new[: max_new - done]:
         out.append(t)
         if t in eos_ids:
             break

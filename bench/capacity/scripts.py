@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from specdec.common import protocol as P
 from specdec.common.codecs import Mode
+from specdec.device.client import clip_round
 
 from capacity.recording import PositionTable, Proposal, SessionLog
 
@@ -36,16 +37,6 @@ class Divergence(Exception):
 class RoundPlan:
     block: P.DraftBlock
     delay_s: float          # device time between the last verdict (or the Prompt) and sending this
-
-
-def clip(done: int, new: list[int], max_new: int, eos_ids) -> list[int]:
-    """The round's tokens cut at the first EOS (kept) and at ``max_new`` (device/client._clip)."""
-    out = []
-    for t in new[: max_new - done]:
-        out.append(t)
-        if t in eos_ids:
-            break
-    return out
 
 
 def chain_limit(draft_len: int, remaining: int) -> int:
@@ -70,7 +61,7 @@ class Script:
         return self.remaining <= 0 or (bool(self.generated) and self.generated[-1] in self.eos_ids)
 
     def _take(self, new: list[int]) -> list[int]:
-        new = clip(len(self.generated), new, self.max_new, self.eos_ids)
+        new = clip_round(len(self.generated), new, self.max_new, self.eos_ids)
         self.generated.extend(new)
         return new
 
@@ -137,7 +128,7 @@ class GreedyScript(Script):
         if v.next_token is None or not 0 <= v.num_accepted <= len(ids):
             raise Divergence(f"verdict {v} does not fit round {plan.block.round_id}")
         start = len(self.generated)
-        new = clip(start, ids[: v.num_accepted] + [int(v.next_token)], self.max_new, self.eos_ids)
+        new = clip_round(start, ids[: v.num_accepted] + [int(v.next_token)], self.max_new, self.eos_ids)
         if new != self.table.path[start:start + len(new)]:  # the path was recorded to max_new_tokens only
             raise Divergence(f"at generated={start} the edge verified {new}, the greedy path has "
                              f"{self.table.path[start:start + len(new)]}")
