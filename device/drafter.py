@@ -131,7 +131,7 @@ class DraftSession:
     def choose_settings(self) -> None:
         """Called before each round: the policy (mode auto) or the session's own settings, drafting
         no longer than the edge advised at its load (0: an edge-only round)."""
-        chosen = self.policy.choose() if self.policy is not None else self.hello.draft
+        chosen = self.policy.choose(self.head_start()) if self.policy is not None else self.hello.draft
         self.settings = S.within_draft_len(chosen, self.edge_hint)
 
     def observe_verdict(self, verdict: Verdict) -> None:
@@ -267,17 +267,34 @@ class DraftSession:
             pass
 
     def _take_ahead(self, limit: int, s: DraftSettings) -> ChainRound | None:
-        """The round drafted ahead, if :meth:`commit` kept it and it fits this round."""
+        """The round drafted ahead, if :meth:`commit` kept it and it was drafted with the same codec.
+        Its draft length may differ: a round's k-th token depends only on its start, its stream and
+        its codec, so a longer round goes on drafting and a shorter one keeps its first ``limit``."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         part = ahead.round
-        if part.start != len(self.tokens) or len(part.steps) > limit or part.settings != s:
-            # settings changed: redraft. Keep the last verified token out of the cache: the first
+        if part.start != len(self.tokens) or replace(part.settings, draft_len=s.draft_len) != s:
+            # codec changed: redraft. Keep the last verified token out of the cache: the first
             # forward of the new round needs an input.
             self.model.truncate(min(self.model.cache_len, len(self.tokens) - 1))
             return None
+        if len(part.steps) > limit:
+            # the cache as a round of `limit` steps leaves it: every draft but the last fed
+            kept = limit / len(part.steps)
+            part.t_draft, part.t_encode = part.t_draft * kept, part.t_encode * kept
+            part.steps = part.steps[:limit]
+            part.bits = sum(step.encoded.theoretical_bits for step in part.steps)
+            self.model.truncate(min(self.model.cache_len, part.start + limit - 1))
+        part.settings = s
         return part
+
+    def head_start(self) -> tuple[DraftSettings, int] | None:
+        """The next round's head start: the settings and the tokens of a round drafted ahead whose
+        guess :meth:`commit` confirmed (None if there is none)."""
+        if self._ahead is None:
+            return None
+        return self._ahead.round.settings, len(self._ahead.round.steps)
 
     # -- token trees ------------------------------------------------------------------------------------
     def _draft_tree(self, s: DraftSettings, depth: int) -> RoundDraft:

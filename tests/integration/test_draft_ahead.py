@@ -108,6 +108,47 @@ def test_same_tokens_with_and_without_drafting_ahead(twin, diverse_pair, name) -
     assert all(s.stats.ahead_rounds_used == 0 for _, _, s in plain)
 
 
+LENGTHS = (3, 1, 5, 2, 6, 4)  # a round's draft length, by the position it starts at
+
+
+class _VaryingLength:
+    """Each round's draft length is a function of where it starts, as mode auto may change it
+    between rounds; records how often a round drafted ahead with one length ran with another."""
+    reshaped = 0
+
+    def choose_settings(self):
+        super().choose_settings()
+        self.settings = replace(self.settings, draft_len=LENGTHS[len(self.tokens) % len(LENGTHS)])
+
+    def _take_ahead(self, limit, s):
+        drafted_with = self._ahead.round.settings.draft_len if self._ahead is not None else None
+        part = super()._take_ahead(limit, s)
+        if part is not None and drafted_with != s.draft_len:
+            self.reshaped += 1
+        return part
+
+
+class PlainVarying(_VaryingLength, DraftSession):
+    pass
+
+
+class AheadVarying(_VaryingLength, AheadToTheEnd):
+    pass
+
+
+def test_round_drafted_ahead_survives_a_change_of_draft_length(diverse_pair) -> None:
+    """A round's first tokens do not depend on its length: a round drafted ahead with L = 3 serves
+    a round of L = 1 (its first token; the cache cut back) or L = 5 (two more drafted), and the
+    tokens equal drafting every round after its verdict."""
+    seeds = SEEDS[:16]
+    plain = _sessions(diverse_pair, PlainVarying, seeds, **MODES["tslt"])
+    ahead = _sessions(diverse_pair, AheadVarying, seeds, **MODES["tslt"])
+    assert [t for t, _, _ in ahead] == [t for t, _, _ in plain]
+    reshaped = sum(s.reshaped for _, _, s in ahead)
+    assert reshaped >= 10, f"only {reshaped} rounds drafted ahead ran with another length"
+    assert sum(s.stats.ahead_rounds_used for _, _, s in ahead) >= reshaped
+
+
 def test_coupled_bonus_is_guessed_at_temperature_one(twin, diverse_pair) -> None:
     """With the coupled bonus the device guesses the edge's T = 1 bonus token from the same noise, so
     far more rounds drafted ahead are kept than with the argmax guess of an uncoupled bonus."""
