@@ -5,7 +5,8 @@ The device's ``mode auto`` controller (device/auto.py) measures the link and the
 per second. Pure: the estimates come in, a ranking comes out; no clock, no model, no socket.
 
 The model is the oracle-call latency model of TSLT (Zheng et al., "Fast Collaborative Inference via
-Distributed Speculative Decoding", §2.3: eq. (5) round time, eq. (8) tokens per round), extended with
+Distributed Speculative Decoding", §2.3: eq. (5) round time, eq. (8) tokens per round, here with the
+acceptance measured per depth: :func:`~specdec.common.latency.expected_tokens_by_depth`), extended with
 what a real link adds: a round trip (propagation, paid once per round), uplink and downlink goodput
 (serialization), the edge's verify time as a function of the tokens in its forward, drafting ahead
 (:func:`~specdec.common.latency.oracle_time_drafting_ahead`), DSSD's fallback round trip, and
@@ -18,11 +19,11 @@ place of sigma_K, which covers K-SQS's lattice error).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from specdec.common.codecs import Mode
-from specdec.common.latency import expected_tokens_per_call, oracle_time_drafting_ahead
+from specdec.common.latency import expected_tokens_by_depth, oracle_time_drafting_ahead
 
 # Modes whose rounds the device can draft ahead (device/chain.py DRAFT_AHEAD_MODES, stated here as
 # data so that this module stays free of device code).
@@ -33,6 +34,13 @@ PROTO_BYTES_PER_TOKEN = 6      # a draft token's id and its packet's length pref
 PROTO_BYTES_PER_ROUND = 24     # round id, settings and framing of a Draft message
 VERDICT_BYTES = 40             # a Verdict (ids, counts, timings): the downlink of a verified round
 EDGE_TOKEN_BYTES = 40          # one streamed Verdict per token of an edge-only round
+# Rounds over which a choice is judged: the next round (which may start from a round drafted ahead
+# with the current settings, or lose it by switching) and HORIZON_ROUNDS - 1 in steady state. One
+# round alone would never leave the settings a round was drafted ahead with; steady state alone
+# switched among near-equal settings and threw the round drafted ahead away (links benchmark at
+# 05a3978: one auto round in seven changed codec, and only 25 % of its T = 1 rounds were drafted
+# ahead).
+HORIZON_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,15 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class HeadStart:
+    """What the next round already has: ``steps`` draft tokens drafted ahead, with the guess confirmed,
+    for settings of codec ``codec_key``. Only a chain round of that codec can use them (any L: a
+    round's first tokens do not depend on its length)."""
+    codec_key: tuple[Mode, int] | None = None
+    steps: int = 0
+
+
+@dataclass(frozen=True)
 class Estimates:
     """What the device currently believes about the link and the two models (seconds, bits/s)."""
     rtt_s: float                            # round trip without serialization or edge time
@@ -65,6 +82,9 @@ class Estimates:
     verify_base_s: float                    # edge time of a forward with one token ...
     verify_per_token_s: float               # ... plus this per further token in the forward
     alpha_base: float                       # per-position acceptance with the exact q
+    # ... and per depth d + 1 given every earlier draft of the round was accepted (exact q as well);
+    # depths past its end take its last entry; empty: alpha_base at every depth (eq. 8's i.i.d. rounds)
+    alpha_depth: tuple[float, ...] = ()
     sigma: Mapping[tuple[Mode, int], float] = field(default_factory=dict)   # TV(q_hat, q) per codec
     packet_bytes: Mapping[tuple[Mode, int], float] = field(default_factory=dict)  # per draft token
     encode_s: Mapping[Mode, float] = field(default_factory=dict)   # device: encode + decode per draft token
@@ -90,6 +110,14 @@ class Estimates:
     def alpha(self, c: Candidate) -> float:
         """Per-position acceptance with c's packets: alpha_base - TV(q_hat, q) (TSLT eq. 22)."""
         return min(1.0, max(0.0, self.alpha_base - self.sigma.get(c.codec_key, 0.0)))
+
+    def depth_alphas(self, c: Candidate) -> list[float]:
+        """Acceptance at each depth of c's round with c's packets: alpha_depth - TV(q_hat, q) (eq. 22
+        per position)."""
+        if not self.alpha_depth:
+            return [self.alpha(c)] * c.draft_len
+        sigma, last = self.sigma.get(c.codec_key, 0.0), len(self.alpha_depth) - 1
+        return [min(1.0, max(0.0, self.alpha_depth[min(d, last)] - sigma)) for d in range(c.draft_len)]
 
 
 @dataclass(frozen=True)
@@ -124,57 +152,97 @@ def uplink_bytes(c: Candidate, e: Estimates) -> float:
     return PROTO_BYTES_PER_ROUND + c.draft_len * (e.packet_bytes.get(c.codec_key, 0.0) + PROTO_BYTES_PER_TOKEN)
 
 
-def predict(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
-    """Expected tokens and seconds of one round run as ``c`` (module docstring: the model), scaled
-    by what rounds of its kind measured against it (``Estimates.time_scale``)."""
+def predict(c: Candidate, e: Estimates, draft_ahead: bool = True, head: HeadStart | None = None) -> Prediction:
+    """Expected tokens and seconds per round run as ``c`` (module docstring: the model), scaled by
+    what rounds of its kind measured against it (``Estimates.time_scale``). With ``head`` the seconds
+    are the mean over :data:`HORIZON_ROUNDS` rounds of which the first starts from ``head``
+    (:func:`first_round`); without, the steady state."""
     p = model_round(c, e, draft_ahead)
+    if head is not None:
+        first = first_round(c, e, head, draft_ahead)
+        p = Prediction(c, p.tokens, ((HORIZON_ROUNDS - 1) * p.seconds + first) / HORIZON_ROUNDS, p.alpha)
     scale = e.time_scale.get(c.codec_key, 1.0)
     return Prediction(c, p.tokens, p.seconds * scale, p.alpha) if scale != 1.0 else p
 
 
+def _round_parts(c: Candidate, e: Estimates) -> tuple[float, float, float]:
+    """(drafter + codec seconds per draft token, network seconds, edge seconds) of a chain round."""
+    L = c.draft_len
+    comm = (e.rtt_s + uplink_s(uplink_bytes(c, e), e)
+            + _serialize_s(VERDICT_BYTES, e.downlink_bps))
+    t_slm = e.draft_s + e.encode_s.get(c.mode, 0.0)
+    verify = e.queue_s + L * e.decode_s.get(c.mode, 0.0) + e.verify_s(L + 1)
+    return t_slm, comm, verify
+
+
 def model_round(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
-    """:func:`predict` before the learned scale."""
+    """:func:`predict` in steady state, before the learned scale."""
     if c.mode is Mode.NONE:
         n = max(1, e.edge_chunk)
         seconds = (e.rtt_s + uplink_s(PROTO_BYTES_PER_ROUND, e)
                    + n * (e.queue_s + e.verify_s(1) + _serialize_s(EDGE_TOKEN_BYTES, e.downlink_bps)))
         return Prediction(c, float(n), seconds, 0.0)
     L = c.draft_len
-    alpha = e.alpha(c)
-    tokens = expected_tokens_per_call(alpha, L)
-    comm = (e.rtt_s + uplink_s(uplink_bytes(c, e), e)
-            + _serialize_s(VERDICT_BYTES, e.downlink_bps))
-    t_slm = e.draft_s + e.encode_s.get(c.mode, 0.0)
-    verify = e.queue_s + L * e.decode_s.get(c.mode, 0.0) + e.verify_s(L + 1)
+    alphas = e.depth_alphas(c)
+    tokens = expected_tokens_by_depth(alphas)
+    t_slm, comm, verify = _round_parts(c, e)
     if draft_ahead and c.mode in AHEAD_MODES:
         # The round drafted ahead is kept when all L are accepted and the bonus was guessed.
-        hit = (alpha ** L) * e.guess_rate
+        hit = math.prod(alphas) * e.guess_rate
         seconds = oracle_time_drafting_ahead(L, t_slm, comm, verify, hit)
     else:
         seconds = L * t_slm + comm + verify
-    if c.mode is Mode.DSSD:
-        rejected = 1.0 - alpha ** L  # a rejection needs the device's resample; rarely the full p_j
-        seconds += rejected * e.dssd_fallback_rate * (e.rtt_s + _serialize_s(e.dssd_fallback_bytes,
-                                                                             e.downlink_bps))
-    return Prediction(c, tokens, seconds, alpha)
+    return Prediction(c, tokens, seconds + _dssd_fallback_s(c, e), e.alpha(c))
 
 
-def rank(candidates: list[Candidate], e: Estimates, draft_ahead: bool = True) -> list[Prediction]:
+def _dssd_fallback_s(c: Candidate, e: Estimates) -> float:
+    if c.mode is not Mode.DSSD:
+        return 0.0
+    rejected = 1.0 - math.prod(e.depth_alphas(c))  # a rejection needs the device's resample; rarely the full p_j
+    return rejected * e.dssd_fallback_rate * (e.rtt_s + _serialize_s(e.dssd_fallback_bytes, e.downlink_bps))
+
+
+def first_round(c: Candidate, e: Estimates, head: HeadStart, draft_ahead: bool = True) -> float:
+    """Seconds of the next round run as ``c`` (before the learned scale), given what it starts from:
+    a chain round of ``head``'s codec drafts only the L - steps tokens not drafted ahead yet; any
+    other chain round drafts all L after the verdict (eq. 5), since the work drafted ahead is lost."""
+    if c.mode is Mode.NONE:
+        return model_round(c, e, draft_ahead).seconds
+    t_slm, comm, verify = _round_parts(c, e)
+    usable = draft_ahead and c.mode in AHEAD_MODES and c.codec_key == head.codec_key
+    to_draft = max(0, c.draft_len - head.steps) if usable else c.draft_len
+    return to_draft * t_slm + comm + verify + _dssd_fallback_s(c, e)
+
+
+def rank(candidates: list[Candidate], e: Estimates, draft_ahead: bool = True,
+         head: HeadStart | None = None) -> list[Prediction]:
     """Every candidate's prediction, best expected tokens per second first."""
-    return sorted((predict(c, e, draft_ahead) for c in candidates), key=lambda p: -p.rate)
+    return sorted((predict(c, e, draft_ahead, head) for c in candidates), key=lambda p: -p.rate)
 
 
 def best(candidates: list[Candidate], e: Estimates, current: Candidate | None = None,
-         hysteresis: float = 0.0, draft_ahead: bool = True) -> tuple[Prediction, list[Prediction]]:
+         hysteresis: float = 0.0, draft_ahead: bool = True,
+         head: HeadStart | None = None) -> tuple[Prediction, list[Prediction]]:
     """The candidate to run next and the full ranking. Keeps ``current`` unless the best beats it by
-    more than ``hysteresis`` (relative): switching settings drops a round drafted ahead."""
-    ranking = rank(candidates, e, draft_ahead)
+    more than ``hysteresis`` (relative). ``head``: what the next round starts from (:func:`predict`)."""
+    ranking = rank(candidates, e, draft_ahead, head)
     top = ranking[0]
     if current is not None and hysteresis > 0:
         kept = next((p for p in ranking if p.candidate == current), None)
         if kept is not None and top.rate <= kept.rate * (1.0 + hysteresis):
             return kept, ranking
     return top, ranking
+
+
+def probe_pays(candidates: list[Candidate], e: Estimates, pick: Candidate, fast_bps: float, min_gain: float,
+               draft_ahead: bool = True) -> bool:
+    """Whether measuring the uplink could pay: on a link of ``fast_bps`` the best candidate would beat
+    ``pick`` by more than ``min_gain`` (relative). A probe round costs a round drafted ahead and a
+    larger packet; where all candidates send a few bytes (T = 0: a greedy q is one token) no
+    goodput changes the choice by more than noise."""
+    fast = replace(e, uplink_bps=fast_bps)
+    top = rank(candidates, fast, draft_ahead)[0]
+    return top.candidate != pick and top.rate > (1.0 + min_gain) * predict(pick, fast, draft_ahead).rate
 
 
 def candidate_grid(top_ks: tuple[int, ...], draft_lens: tuple[int, ...], ksqs_ks: tuple[int, ...],

@@ -65,6 +65,19 @@ def expected_tokens_per_call(alpha: float, L: int) -> float:
     return (1.0 - alpha ** (L + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_by_depth(alphas: Sequence[float]) -> float:
+    """Eq. (8) without its i.i.d. assumption: a round of L = len(alphas) drafts, where alphas[d] is the
+    acceptance at depth d + 1 given every earlier draft was accepted, yields
+    N = 1 + sum_{l=1}^{L} prod_{d<=l} alpha_d tokens (accepted drafts plus the correction or bonus).
+    Constant alphas give eq. (8). Real acceptance is correlated along a round (easy text is easy at
+    every depth), so the conditional acceptance grows with depth and eq. (8) undercounts long rounds."""
+    total, survive = 1.0, 1.0
+    for i, a in enumerate(alphas):
+        survive *= check_unit_interval(a, f"alphas[{i}]")
+        total += survive
+    return total
+
+
 def dsd_throughput(alpha: float, L: int, t_slm: float, t_llm: float, V: int, b_prob: int,
                    rate_bps: float, b_idx: int | None = None) -> float:
     """Eq. (9), erratum fixed: tokens per second = N_oracle / T_oracle with dense uplink."""

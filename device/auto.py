@@ -15,8 +15,9 @@ What is measured, per round (all from what the device already sees):
   * the edge's time per forward, an affine fit in the tokens of the forward (each Verdict reports it);
   * drafter and codec time per drafted token;
   * acceptance: every tested position adds (accepted + TV(q_hat, q) of its packet) to alpha_base, the
-    acceptance the exact q would have (TSLT eq. 22), and every encoded q adds its dropped mass for
-    each candidate K, so a K never sent still gets an estimate;
+    acceptance the exact q would have (TSLT eq. 22), overall and per depth in the round (acceptance
+    is correlated along a round), and every encoded q adds its dropped mass for each candidate K,
+    so a K never sent still gets an estimate;
   * the share of drafted-ahead rounds kept (bonus guessed), DSSD's fallback share.
 Model-side estimates are kept per temperature (acceptance depends on it), link-side ones once.
 
@@ -52,9 +53,17 @@ RATE_WINDOW = 6               # downlink goodput samples (DSSD's full p_j replie
 VERIFY_WINDOW = 24            # (tokens, seconds) points in the verify-time fit
 DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
 ACCEPT_DECAY = 0.98           # per tested position: acceptance moves with the text, slowly
-PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it
+PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it ...
+PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (links benchmark: a stale 0.36 Mbit/s
+                              # kept a 100 Mbit/s, 60 ms link on 0.6 KB rounds of L = 4 for 12 rounds)
+PROBE_MIN_GAIN = 0.1          # ... if a fast link would make rounds this much faster (links benchmark at
+                              # 05a3978: without it, a probe every ~12 rounds at T = 0, ~0.2 s each)
 BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every candidate's packet size
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
+MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
+DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
+DEPTH_DECAY = 0.95            # per round reaching a depth: one sample a round, so a longer memory than
+                              # ACCEPT_DECAY's per position (~20 rounds)
 PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
 PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
 PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
@@ -103,6 +112,11 @@ class _ModelSide:
         self.greedy = greedy
         self.accept_num = PRIOR_ALPHA * PRIOR_WEIGHT   # decayed sum of accepted + TV per tested position
         self.accept_den = PRIOR_WEIGHT
+        # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
+        # round (links benchmark at 05a3978, TSLT-256-L8 at T = 0: 0.94 at depth 1, 1.0 at 3-6), which
+        # eq. (8)'s one rate misses, and with it how often a long round is accepted whole
+        self.depth_num = [0.0] * MAX_DEPTH
+        self.depth_den = [0.0] * MAX_DEPTH
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
         # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
         # whatever K), so per temperature; from sample encodings and from the rounds actually sent
@@ -123,10 +137,20 @@ class _ModelSide:
     def alpha_base(self) -> float:
         return min(1.0, self.accept_num / self.accept_den)
 
+    def alpha_depth(self) -> tuple[float, ...]:
+        """Acceptance per depth given the earlier drafts accepted: each depth's counts shrunk toward
+        alpha_base, so a depth no round reached is predicted at the overall rate."""
+        base = self.alpha_base
+        return tuple(min(1.0, (num + DEPTH_PRIOR_WEIGHT * base) / (den + DEPTH_PRIOR_WEIGHT))
+                     for num, den in zip(self.depth_num, self.depth_den))
+
     def add_acceptance(self, accepted: int, tested: int, tv: float) -> None:
         keep = ACCEPT_DECAY ** tested
         self.accept_num = keep * self.accept_num + accepted + tested * tv
         self.accept_den = keep * self.accept_den + tested
+        for d in range(min(tested, MAX_DEPTH)):  # one sample per depth the round reached
+            self.depth_num[d] = DEPTH_DECAY * self.depth_num[d] + (d < accepted) + tv
+            self.depth_den[d] = DEPTH_DECAY * self.depth_den[d] + 1.0
 
     def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
         self.sigma.setdefault(key, _Ewma()).add(tv)
@@ -189,7 +213,7 @@ class LinkTracker:
             excess = network - 2 * self.rtt_s() - 8 * up_bytes / self.uplink_bps()
             self.down.append((8 * down_bytes, max(MIN_EXCESS_S, excess)))
             return
-        self._check_change(8.0 * up_bytes, network)
+        changed = self._check_change(8.0 * up_bytes, network)
         self.sizes_sent.append(8.0 * up_bytes)
         self.link_samples.append((8.0 * up_bytes, network))
         n = len(self.link_samples)
@@ -197,12 +221,14 @@ class LinkTracker:
         rtt, rate = A.fit_link(list(self.link_samples), weights, self.rtt_s(), self.uplink_bps(),
                                8.0 * MIN_RATE_SAMPLE_BYTES)
         self.rounds_since_rate = 0 if up_bytes >= MIN_RATE_SAMPLE_BYTES else self.rounds_since_rate + 1
+        if changed:  # small rounds cannot tell a new round trip from a new goodput: probe soon
+            self.rounds_since_rate = max(self.rounds_since_rate, PROBE_EVERY - PROBE_AFTER_CHANGE)
         # A slower link shows at once; a faster one at most RATE_GROWTH x per round, so that one
         # noisy window cannot send dense rounds down a slow link (each would take seconds).
         rate = min(rate, self.uplink_bps() * RATE_GROWTH, FAST_LINK_BPS)
         self._link = (rtt, rate)
 
-    def _check_change(self, bits: float, network: float) -> None:
+    def _check_change(self, bits: float, network: float) -> bool:
         """Two rounds in a row far from what the fit predicts (in the same direction): the link changed,
         so the rounds before them describe another link; a single one (a lost segment) does not."""
         expected = self.rtt_s() + bits / self.uplink_bps()
@@ -214,6 +240,7 @@ class LinkTracker:
             last = self.link_samples[-1]
             self.link_samples.clear()
             self.link_samples.append(last)
+        return same_way
 
     def add_verify(self, tokens: int, seconds: float) -> None:
         self.verify.append((max(1, tokens), seconds))
@@ -333,6 +360,7 @@ class LinkTracker:
                 downlink_bps=self.rate(self.down) if self.down else self.uplink_bps(),
                 draft_s=self.draft_s.value if self.draft_s.value is not None else 0.01,
                 verify_base_s=base, verify_per_token_s=slope, alpha_base=side.alpha_base,
+                alpha_depth=side.alpha_depth(),
                 sigma={k: e.value for k, e in side.sigma.items() if e.value is not None},
                 packet_bytes={k: e.value for k, e in side.packet_bytes.items() if e.value is not None},
                 encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
@@ -368,13 +396,18 @@ class AutoPolicy:
         self._chosen_at: float | None = None  # when the current round's settings were chosen
         self._modelled = 0.0                  # and the model's time for it (before the learned scale)
 
-    def choose(self) -> DraftSettings:
+    def choose(self, head: tuple[DraftSettings, int] | None = None) -> DraftSettings:
+        """The next round's settings. ``head``: the settings and tokens of a round already drafted
+        ahead (DraftSession.head_start): kept by settings of its codec, lost by any other."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size)
-        pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
+        start = A.HeadStart(_codec_key(head[0]), head[1]) if head is not None else A.HeadStart()
+        pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead,
+                               start)
         probe = self._probe(pick, e) or self._revisit(pick, ranking)
         chosen = probe or pick
         self.current = chosen.candidate
-        self._modelled = A.model_round(chosen.candidate, e, self.draft_ahead).seconds
+        # what this round should take (its measured time, against this, teaches the time scale)
+        self._modelled = A.first_round(chosen.candidate, e, start, self.draft_ahead)
         self._chosen_at = time.perf_counter()
         self.last = _explain(chosen, e, ranking, probe is not None)
         return self.settings_for(chosen.candidate, e.edge_chunk)
@@ -382,10 +415,8 @@ class AutoPolicy:
     def _probe(self, pick: A.Prediction, e: A.Estimates) -> A.Prediction | None:
         """Goodput is only measured by rounds that carry enough bytes. If none did for a while and a
         fast link would change the choice, run the best-predicted round large enough to measure it."""
-        if self.tracker.rounds_since_rate < PROBE_EVERY:
-            return None
-        fast = replace(e, uplink_bps=FAST_LINK_BPS)
-        if A.rank(self.candidates, fast, self.draft_ahead)[0].candidate == pick.candidate:
+        if self.tracker.rounds_since_rate < PROBE_EVERY or not A.probe_pays(
+                self.candidates, e, pick.candidate, FAST_LINK_BPS, PROBE_MIN_GAIN, self.draft_ahead):
             return None
         informative = [p for p in A.rank(self.candidates, e, self.draft_ahead)
                        if A.uplink_bytes(p.candidate, e) >= MIN_RATE_SAMPLE_BYTES]

@@ -33,7 +33,7 @@ class RandomAuto(AutoPolicy):
     (edge-only <-> drafted, DSSD <-> drafted ahead, K up and down), each a chance to get one wrong.
     Half the rounds keep the last choice, so rounds drafted ahead are also kept and sent."""
 
-    def choose(self):
+    def choose(self, head=None):
         rng = random.Random(self.hello.seed * 1000 + len(self.last_choices))
         if self.current is None or rng.random() < 0.5:  # else keep it: a kept round drafted ahead is used
             self.current = rng.choice(self.candidates)

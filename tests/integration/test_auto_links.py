@@ -31,7 +31,7 @@ class MeasuresWithDense(AutoPolicy):
     """The controller's measurements, with every round drafted dense (1 KB per token here): rounds of
     known, varied size (L = 1-3) for the link fit to read."""
 
-    def choose(self):
+    def choose(self, head=None):
         self.current = Candidate(Mode.DENSE, 1 + len(self.tracker.link_samples) % 3)
         self.last = {"mode": "dense"}
         return self.settings_for(self.current, 0)

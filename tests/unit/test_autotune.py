@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from specdec.common.codecs import Mode
 from specdec.common.protocol import Hello
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
-from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.auto import PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, AutoPolicy, LinkTracker
 
 TSLT_256 = (Mode.TSLT, 256)
 BYTES = {(Mode.TSLT, 16): 80.0, (Mode.TSLT, 64): 320.0, TSLT_256: 1280.0, (Mode.TSLT, 1024): 5120.0,
@@ -95,6 +96,47 @@ def test_drafting_ahead_hides_drafting_behind_the_round_trip() -> None:
     assert A.predict(A.Candidate(Mode.DSSD, 4), e, True).seconds == A.predict(A.Candidate(Mode.DSSD, 4), e, False).seconds
 
 
+def test_the_next_round_drafts_only_what_was_not_drafted_ahead_with_its_codec() -> None:
+    e = estimates(rtt_s=0.06)
+    c = A.Candidate(Mode.TSLT, 6, 256)
+    fresh = A.first_round(c, e, A.HeadStart())
+    assert A.first_round(c, e, A.HeadStart(TSLT_256, 4)) == pytest.approx(fresh - 4 * 0.01)
+    assert A.first_round(c, e, A.HeadStart(TSLT_256, 9)) == pytest.approx(fresh - 6 * 0.01)  # L of the 9 serve
+    assert A.first_round(c, e, A.HeadStart((Mode.TSLT, 64), 4)) == fresh  # another codec: the work is lost
+    assert A.first_round(c, e, A.HeadStart(TSLT_256, 4), draft_ahead=False) == fresh
+    steady = A.predict(c, e).seconds
+    mixed = A.predict(c, e, head=A.HeadStart()).seconds
+    assert mixed == pytest.approx(((A.HORIZON_ROUNDS - 1) * steady + fresh) / A.HORIZON_ROUNDS)
+
+
+def test_a_round_drafted_ahead_keeps_its_codec_unless_another_clearly_pays() -> None:
+    """Switching codec throws the round drafted ahead away: a near-equal codec is not worth it (the
+    controller flipped among them at T = 0, where every K sends the same one-token packet), a codec
+    much faster over the next rounds still is."""
+    equal = {key: 10.0 for key in BYTES}
+    e = estimates(rtt_s=0.06, alpha_base=0.95, sigma={}, packet_bytes=equal,
+                  time_scale={(Mode.TSLT, 64): 0.99})  # TSLT-64 measured a little faster
+    steady, _ = A.best(CANDIDATES, e)
+    assert steady.candidate.codec_key == (Mode.TSLT, 64)
+    kept, _ = A.best(CANDIDATES, e, head=A.HeadStart(TSLT_256, 6))
+    assert kept.candidate.codec_key == TSLT_256
+    slow = replace(e, time_scale={TSLT_256: 1.3})
+    switched, _ = A.best(CANDIDATES, slow, head=A.HeadStart(TSLT_256, 6))
+    assert switched.candidate.codec_key != TSLT_256
+
+
+def test_the_uplink_is_probed_only_where_a_fast_link_would_change_the_rate() -> None:
+    """T = 1 packets differ 64x between K = 16 and K = 1024: on a link believed slow a probe may pay.
+    At T = 0 every packet is a few bytes: no goodput changes the choice by more than noise."""
+    slow = estimates(uplink_bps=0.3e6)
+    pick, _ = A.best(CANDIDATES, slow)
+    assert A.probe_pays(CANDIDATES, slow, pick.candidate, 1e9, 0.1)
+    greedy = estimates(uplink_bps=0.3e6, sigma={}, packet_bytes={**{key: 3.0 for key in BYTES}, (Mode.DENSE, 0): 98304.0})
+    pick, _ = A.best(CANDIDATES, greedy)
+    assert not A.probe_pays(CANDIDATES, greedy, pick.candidate, 1e9, 0.1)
+    assert not A.probe_pays(CANDIDATES, slow, A.best(CANDIDATES, replace(slow, uplink_bps=1e9))[0].candidate, 1e9, 0.1)
+
+
 def test_edge_chunk_bounds_the_round_trip_share() -> None:
     assert A.edge_chunk(0.15, 0.05, 0.1, 8, 64) == 27  # 27 x 50 ms >= 9 x 150 ms
     assert A.edge_chunk(0.0, 0.05, 0.1, 8, 64) == 8
@@ -144,6 +186,19 @@ def test_a_changed_link_shows_within_three_rounds() -> None:
     assert t.rtt_s() == pytest.approx(0.1, rel=0.05) and t.uplink_bps() == pytest.approx(1e6, rel=0.05)
 
 
+def test_a_changed_link_is_probed_soon_when_only_small_rounds_are_sent() -> None:
+    """Rounds below a segment cannot tell a longer round trip from a slower uplink: after the round
+    trip changes the tracker asks for a goodput probe within PROBE_AFTER_CHANGE rounds, not
+    PROBE_EVERY."""
+    t = LinkTracker()
+    for _ in range(6):
+        t.observe_round(record(up=600, network=link_network(0.02, 100e6, 600)), SETTINGS, 1.0, 49152)
+    assert t.rounds_since_rate == 6 < PROBE_EVERY
+    for n in range(2 + PROBE_AFTER_CHANGE):  # two rounds to see the change, then the wait
+        t.observe_round(record(up=600, network=link_network(0.06, 100e6, 600)), SETTINGS, 1.0, 49152)
+    assert t.rounds_since_rate >= PROBE_EVERY
+
+
 def test_goodput_estimate_rises_gradually_and_falls_at_once() -> None:
     t = LinkTracker()
     for up in (300, 5000, 2500):
@@ -186,6 +241,32 @@ def test_acceptance_estimate_adds_back_the_dropped_mass_of_the_packets_sent() ->
     e = t.estimates(1.0, 49152)
     assert e.alpha_base == pytest.approx(7 / 8 + 0.1, abs=0.005)
     assert e.alpha(A.Candidate(Mode.TSLT, 4, 1024)) == pytest.approx(7 / 8 + 0.1 - 0.02, abs=0.005)
+
+
+def test_acceptance_is_estimated_per_depth() -> None:
+    """Rounds of L = 8 accepted whole three times in four and rejected at the first draft otherwise:
+    per tested position that is 24 of 25 (0.96), but depth 1 accepts 0.75 and every later depth 1.0.
+    A round yields 1 + 0.75 x 8 = 7 tokens, and a round of L = 1 1.75; eq. (8) at 0.96 would say 7.6
+    and 1.96."""
+    t = LinkTracker()
+    for i in range(200):
+        accepted = 0 if i % 4 == 3 else 8
+        t.observe_round(record(drafted=8, accepted=accepted, up=300, network=0.01), SETTINGS, 1.0, 49152)
+    e = replace(t.estimates(1.0, 49152), sigma={})
+    assert e.alpha_base == pytest.approx(24 / 25, abs=0.01)
+    assert e.alpha_depth[0] == pytest.approx(0.75, abs=0.05)
+    assert min(e.alpha_depth[1:8]) > 0.98 and e.alpha_depth[8] == pytest.approx(e.alpha_base)  # 9: never reached
+    for L, tokens in ((8, 7.0), (1, 1.75)):
+        c = A.Candidate(Mode.TSLT, L, 256)
+        assert A.predict(c, e).tokens == pytest.approx(tokens, abs=0.3)
+        assert A.predict(c, replace(e, alpha_depth=())).tokens > tokens + 0.15  # i.i.d. at the pooled rate
+    # i.i.d. rounds give one rate at every depth
+    t = LinkTracker()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        accepted = next((d for d in range(8) if torch.rand((), generator=gen) > 0.8), 8)
+        t.observe_round(record(drafted=8, accepted=accepted, up=300, network=0.01), SETTINGS, 1.0, 49152)
+    assert all(abs(a - 0.8) < 0.1 for a in t.estimates(1.0, 49152).alpha_depth[:6])
 
 
 def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> None:

@@ -5,6 +5,7 @@ from specdec.common.latency import (
     comm_time,
     dense_uplink_bits,
     dsd_throughput,
+    expected_tokens_by_depth,
     expected_tokens_per_call,
     oracle_time,
     oracle_time_drafting_ahead,
@@ -40,6 +41,16 @@ def test_oracle_time_and_tokens():
     assert expected_tokens_per_call(0.0, 5) == 1.0
     assert expected_tokens_per_call(1.0, 5) == 6.0
     assert expected_tokens_per_call(1.0 - 1e-12, 5) == pytest.approx(6.0, rel=1e-6)  # continuous at 1
+
+
+def test_tokens_by_depth_is_eq8_for_constant_acceptance_and_counts_survivors_otherwise():
+    assert expected_tokens_by_depth([0.5] * 3) == pytest.approx(expected_tokens_per_call(0.5, 3))
+    assert expected_tokens_by_depth([0.9] * 8) == pytest.approx(expected_tokens_per_call(0.9, 8))
+    assert expected_tokens_by_depth([]) == 1.0
+    # rejected at depth 1 or accepted to the end (mean per-position acceptance ~0.9 as above): more tokens
+    assert expected_tokens_by_depth([0.7] + [1.0] * 7) == pytest.approx(1 + 8 * 0.7)
+    with pytest.raises(ValueError):
+        expected_tokens_by_depth([0.5, 1.2])
 
 
 def test_throughput_and_speedup():
