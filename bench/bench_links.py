@@ -201,13 +201,15 @@ def print_table(data: dict) -> None:
     configs = data["configs"]
     print("\ntokens/s per cell (total tokens / total wall over the cell's sessions)")
     head = f"{'cell':<30}" + "".join(f"{c:>11}" for c in configs) + f"  {'best fixed':<12}{'auto/best':>10}" \
-        f"{'auto/none':>10}{'auto/dflt':>10}{'best/none':>10}"
+        f"{'auto/none':>10}{'auto/dflt':>10}{'best/none':>10}  auto/best 90% over prompts"
     print(head)
     for name, c in data["cells"].items():
         s = c["summary"]
         row = f"{name:<30}" + "".join(f"{fmt(s['tps'].get(k), '.1f'):>11}" for k in configs)
+        iv = s.get("auto_vs_best_fixed_interval")
         row += f"  {s['best_fixed'] or '-':<12}{fmt(s['auto_vs_best_fixed']):>10}{fmt(s['auto_vs_edge_only']):>10}" \
-               f"{fmt(s['auto_vs_default']):>10}{fmt(s['best_fixed_vs_edge_only']):>10}"
+               f"{fmt(s['auto_vs_default']):>10}{fmt(s['best_fixed_vs_edge_only']):>10}" \
+               + (f"  [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
         print(row)
     for label, ch in data["changing"].items():
         sm = ch["summary"]
@@ -226,11 +228,19 @@ def print_goals(goals: dict) -> None:
         verdict = "n/a" if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
         print(f"  [{verdict:>4}] {g['goal']}: measured {fmt(g['value'], '.3g')} "
               f"(threshold {g['threshold']}; {g.get('where')})")
+        if "below_even_at_interval_top" in g:
+            print(f"         below it even at the top of the 90 % interval over prompts: "
+                  f"{', '.join(g['below_even_at_interval_top']) or 'none'}; below it but within the "
+                  f"interval: {', '.join(g['below_but_within_interval']) or 'none'}")
 
 
 def analyze_all(data: dict) -> dict:
-    for c in data["cells"].values():
+    by_cell: dict[str, list[dict]] = {}
+    for sess in data["sessions"]:
+        by_cell.setdefault(sess["cell"], []).append(sess)
+    for name, c in data["cells"].items():
         c["summary"] = analyze.cell_summary(c["stats"])
+        c["summary"]["auto_vs_best_fixed_interval"] = analyze.auto_vs_best_interval(by_cell.get(name, []))
     for ch in data["changing"].values():
         ch["summary"] = analyze.changing_summary(ch["runs"])
     data["goals"] = analyze.goals(data["cells"], {k: v["summary"] for k, v in data["changing"].items()})

@@ -17,6 +17,7 @@ Definitions:
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 
 from .plan import CONFIGS, DEFAULT_CONFIG
@@ -71,6 +72,45 @@ def cell_summary(stats: dict[str, dict]) -> dict:
             "auto_vs_best_fixed": _ratio(auto, fixed.get(best)), "auto_vs_edge_only": _ratio(auto, none),
             "auto_vs_default": _ratio(auto, default), "best_fixed_vs_edge_only": _ratio(fixed.get(best), none),
             "default_vs_best_fixed": _ratio(default, fixed.get(best)), "default_vs_edge_only": _ratio(default, none)}
+
+
+BOOTSTRAP_DRAWS = 2000
+INTERVAL = (0.05, 0.95)   # a 90 % interval
+
+
+def auto_vs_best_interval(sessions: list[dict], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float] | None:
+    """90 % bootstrap interval of a cell's auto / best fixed over its prompts: each draw takes prompts
+    with replacement, the same ones for every config (they ran the same prompts and seeds), and
+    recomputes every config's tokens/s and the best fixed among them, so the interval also holds
+    the upward pull of taking the best of several noisy configs. ``sessions``: {"config", "prompt",
+    "record"} of one cell. None without auto, a fixed config, or two prompts. With few prompts the
+    draws take few distinct values: a rough interval, but one the point estimate alone hides."""
+    by_prompt: dict[int, dict[str, tuple[float, float]]] = defaultdict(dict)
+    for s in sessions:
+        st = s["record"]["stats"]
+        by_prompt[s["prompt"]][s["config"]] = (st["generated_tokens"], st["wall_seconds"])
+    prompts = sorted(p for p, cfgs in by_prompt.items() if "auto" in cfgs)
+    fixed = {c for cfgs in by_prompt.values() for c in cfgs if role(c) == "fixed"}
+    if len(prompts) < 2 or not fixed:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        pick = [rng.choice(prompts) for _ in prompts]
+        tps = {c: _tps([by_prompt[p].get(c) for p in pick]) for c in fixed | {"auto"}}
+        best = max((t for c, t in tps.items() if c != "auto" and t), default=None)
+        if best and tps["auto"]:
+            ratios.append(tps["auto"] / best)
+    if not ratios:
+        return None
+    ratios.sort()
+    return tuple(ratios[min(len(ratios) - 1, int(q * len(ratios)))] for q in INTERVAL)
+
+
+def _tps(runs: list[tuple[float, float] | None]) -> float | None:
+    runs = [r for r in runs if r is not None]
+    wall = sum(w for _, w in runs)
+    return sum(t for t, _ in runs) / wall if runs and wall > 0 else None
 
 
 def geomean(xs: list[float]) -> float | None:
@@ -155,6 +195,13 @@ def goals(cells: dict[str, dict], changing: dict[str, dict]) -> dict[str, dict]:
     best = vals("auto_vs_best_fixed")
     worst = min(best, key=best.get) if best else None
     out["auto_vs_best_fixed"] = {"value": best.get(worst), "where": worst}
+    intervals = {n: cells[n]["summary"].get("auto_vs_best_fixed_interval") for n in best}
+    if any(intervals.values()):
+        threshold = GOALS["auto_vs_best_fixed"][1]
+        out["auto_vs_best_fixed"]["below_even_at_interval_top"] = sorted(
+            n for n, iv in intervals.items() if iv and iv[1] < threshold)
+        out["auto_vs_best_fixed"]["below_but_within_interval"] = sorted(
+            n for n, iv in intervals.items() if iv and best[n] < threshold <= iv[1])
     edge = vals("auto_vs_edge_only")
     worst = min(edge, key=edge.get) if edge else None
     out["auto_vs_edge_only"] = {"value": edge.get(worst), "where": worst}

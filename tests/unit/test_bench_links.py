@@ -123,6 +123,27 @@ def test_changing_summary_phases_best_and_recovery() -> None:
     assert [r["rounds_to_recover"] for r in sm["recover"]] == [4, 4]
 
 
+def test_auto_vs_best_interval_resamples_prompts_for_every_config_at_once() -> None:
+    def sessions(auto_walls, fixed_wall=2.0):
+        out = []
+        for p, wall in enumerate(auto_walls):
+            out += [{**_session("auto", 60, wall), "prompt": p}, {**_session("tslt256-L4", 60, fixed_wall), "prompt": p},
+                    {**_session("none", 60, 4.0), "prompt": p}]
+        return out
+
+    lo, hi = analyze.auto_vs_best_interval(sessions([1.0, 1.0, 1.0]))
+    assert lo == hi == pytest.approx(2.0)  # no spread: the point itself
+    lo, hi = analyze.auto_vs_best_interval(sessions([1.8, 2.2, 2.0, 1.9]))
+    assert lo < 1.0 < hi  # auto as fast as the fixed one, give or take a prompt
+    assert analyze.auto_vs_best_interval(sessions([2.0])) is None  # one prompt: no interval
+    # the best fixed is re-chosen in every draw: a config fast on one prompt only is not always "best"
+    mixed = sessions([2.0, 2.0, 2.0]) + [{**_session("tslt64-L6", 60, w), "prompt": p} for p, w in enumerate((1.0, 3.0, 3.0))]
+    lo, hi = analyze.auto_vs_best_interval(mixed)
+    # draws with prompt 0 twice make tslt64-L6 best (36 tok/s, P = 6/27), with it once or never
+    # tslt256-L4 (30 tok/s, as auto): the 5 % quantile falls on the first, the 95 % on the second
+    assert (lo, hi) == (pytest.approx(30 / 36), pytest.approx(1.0))
+
+
 def test_goals_pass_miss_and_na() -> None:
     def cell(up, rtt, temp, tps, kind="grid"):
         return {"link": {"up_mbit": up, "rtt_ms": rtt, "kind": kind}, "temperature": temp,
@@ -142,6 +163,12 @@ def test_goals_pass_miss_and_na() -> None:
     assert g["rounds_to_recover"]["value"] == 7 and g["rounds_to_recover"]["pass"] is False
     assert g["auto_60ms_vs_0ms_10mbit"]["value"] == pytest.approx(19.5 / 36)
     assert g["auto_60ms_vs_0ms_10mbit"]["pass"] is False
+    cells["a"]["summary"]["auto_vs_best_fixed_interval"] = (1.1, 1.3)
+    cells["b"]["summary"]["auto_vs_best_fixed_interval"] = (0.90, 1.02)
+    cells["c"]["summary"]["auto_vs_best_fixed_interval"] = (0.85, 0.93)
+    g = analyze.goals(cells, changing)
+    assert g["auto_vs_best_fixed"]["below_even_at_interval_top"] == ["c"]
+    assert g["auto_vs_best_fixed"]["below_but_within_interval"] == []  # b's point (1.03) is above
     no_auto = {k: cell(c["link"]["up_mbit"], c["link"]["rtt_ms"], 1.0, {"none": 20, "tslt256-L4": 30})
                for k, c in cells.items()}
     assert all(v["pass"] is None for v in analyze.goals(no_auto, {}).values())
