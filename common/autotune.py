@@ -78,7 +78,7 @@ class Estimates:
     rtt_s: float                            # round trip without serialization or edge time
     uplink_bps: float                       # goodput device -> edge
     downlink_bps: float                     # goodput edge -> device
-    draft_s: float                          # drafter time per drafted token
+    draft_s: float                          # drafter time per forward (one per drafted token, + 1 feed)
     verify_base_s: float                    # edge time of a forward with one token ...
     verify_per_token_s: float               # ... plus this per further token in the forward
     alpha_base: float                       # per-position acceptance with the exact q

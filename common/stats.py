@@ -34,13 +34,14 @@ class RoundRecord:
     ahead_tokens: int = 0           # of its tokens, those sampled ahead
     ahead_discarded: int = 0        # tokens drafted ahead for the next round on a wrong guess
     threshold: float | None = None  # C-SQS threshold beta after the round
+    draft_forwards: int = 0         # drafter forwards its "draft" phase took (0: not counted, trees)
 
     def to_json(self) -> dict:
         """The round's numbers for a JSON round log (settings are the caller's to add)."""
         return {"drafted": self.drafted_tokens, "positions": self.positions, "accepted": self.accepted,
                 "generated": self.generated, "uplink_bytes": self.uplink_bytes,
                 "downlink_bytes": self.downlink_bytes, "phases": dict(self.phases),
-                "drafted_ahead": self.drafted_ahead}
+                "drafted_ahead": self.drafted_ahead, "draft_forwards": self.draft_forwards}
 
     @property
     def tested(self) -> int:

@@ -327,9 +327,12 @@ class LinkTracker:
             self.add_verify(r.drafted_tokens + 1, forward)
             self.queue_s.add(queue)
             if r.drafted_tokens:
-                per_token = {name: r.phases.get(name, 0.0) / r.drafted_tokens for name in ("draft", "encode", "decode")}
+                per_token = {name: r.phases.get(name, 0.0) / r.drafted_tokens for name in ("encode", "decode")}
                 if not catching_up:
-                    self.draft_s.add(per_token["draft"])
+                    # per forward: a round of L drafts takes L + 1 forwards when it feeds the last draft
+                    # and the bonus one at a time (after a full accept, and always when drafted ahead),
+                    # and the model counts that extra forward itself (latency.oracle_time_drafting_ahead)
+                    self.draft_s.add(r.phases.get("draft", 0.0) / (r.draft_forwards or r.drafted_tokens))
                 self.encode_s.setdefault(settings.mode, _Ewma()).add(per_token["encode"])
                 self.decode_s.setdefault(settings.mode, _Ewma()).add(per_token["decode"])
             side = self.model(temperature)

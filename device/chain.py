@@ -47,6 +47,8 @@ class ChainRound:
     bits: int = 0                       # theoretical uplink bits so far
     t_draft: float = 0.0                # drafter forwards + sampling
     t_encode: float = 0.0               # codec encode + decode
+    forwards: int = 0                   # drafter forwards in t_draft (one per token, plus feeding the
+                                        # last draft and the bonus one at a time after a full accept)
     drafted_ahead: bool = False         # its drafting began while the edge verified the last round
 
     @property

@@ -24,6 +24,7 @@ class DraftModel:
         self.lm = CachedLM(drafter.model, drafter.device)
         self.temperature = temperature
         self.vocab_size = drafter.vocab_size
+        self.forwards = 0   # chain forwards so far: the drafter's cost is per forward, not per token
 
     @property
     def cache_len(self) -> int:
@@ -38,11 +39,14 @@ class DraftModel:
         pending = seq[self.lm.cache_len:]
         if one_token_per_forward and len(pending) == 2:
             self.lm.forward(pending[:1], num_logits=1)
+            self.forwards += 1
             pending = pending[1:]
+        self.forwards += 1
         return self.probs(self.lm.forward(pending, num_logits=1)[0])
 
     def feed(self, seq: list[int]) -> torch.Tensor:
         """Feed what ``seq`` has beyond the cache; the last position's logits: [V]."""
+        self.forwards += 1
         return self.lm.forward(seq[self.lm.cache_len:], num_logits=1)[0]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64

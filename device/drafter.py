@@ -49,6 +49,7 @@ class RoundDraft:
     dropped: list[float] = field(default_factory=list)  # C-SQS: dropped mass per encoded q
     drafted_ahead: bool = False     # its drafting began while the edge verified the last round
     ahead_discarded: int = 0        # set at its verdict: tokens drafted ahead for the next round, dropped
+    draft_forwards: int = 0         # drafter forwards in draft_seconds (chains; 0 for trees)
 
     @property
     def positions(self) -> int:
@@ -65,7 +66,7 @@ class RoundDraft:
             accepted=verdict.num_accepted, generated=generated, uplink_bytes=uplink, downlink_bytes=downlink,
             theoretical_bits=self.theoretical_bits, support_sizes=tuple(self.support_sizes), phases=phases,
             drafted_ahead=self.drafted_ahead, ahead_tokens=len(self.block.token_ids) if self.drafted_ahead else 0,
-            ahead_discarded=self.ahead_discarded, threshold=threshold)
+            ahead_discarded=self.ahead_discarded, threshold=threshold, draft_forwards=self.draft_forwards)
 
 
 def round_settings_json(s: DraftSettings) -> dict:
@@ -184,9 +185,10 @@ class DraftSession:
     def _draft_step(self, part: ChainRound, base: list[int]) -> bool:
         """Sample and encode one more draft token after ``base + part.ids``; False if the bit budget
         says the round ends before it."""
-        t0 = time.perf_counter()
+        t0, n0 = time.perf_counter(), self.model.forwards
         q = self.model.q_after(base + part.ids, one_token_per_forward=can_draft_ahead(part.settings))
         t1 = time.perf_counter()
+        part.forwards += self.model.forwards - n0
         step = self.sample(self.encode(q, part.settings), part.generator)
         t2 = time.perf_counter()
         part.t_draft += t1 - t0
@@ -209,7 +211,7 @@ class DraftSession:
         return RoundDraft(block=block, settings=s, q_rows=q_rows, theoretical_bits=bits,
                           support_sizes=[st.encoded.support_size for st in part.steps],
                           draft_seconds=part.t_draft, encode_seconds=part.t_encode, start=part.start,
-                          drafted_ahead=part.drafted_ahead)
+                          drafted_ahead=part.drafted_ahead, draft_forwards=part.forwards)
 
     def _block(self, ids: tuple[int, ...], s: DraftSettings, **payload) -> DraftBlock:
         """The round's message: numbered, carrying any pending DSSD correction, and its settings
@@ -258,6 +260,7 @@ class DraftSession:
         t0 = time.perf_counter()
         logits = self.model.feed(seq)   # feeds the last draft token
         part.t_draft += time.perf_counter() - t0
+        part.forwards += 1
         guess = guess_bonus(logits, len(seq), self.hello.temperature, self.hello.seed,
                             rd.settings.coupled, self.vocab_size)
         self._ahead = Ahead(guess=guess, round=part)
@@ -283,6 +286,7 @@ class DraftSession:
             # the cache as a round of `limit` steps leaves it: every draft but the last fed
             kept = limit / len(part.steps)
             part.t_draft, part.t_encode = part.t_draft * kept, part.t_encode * kept
+            part.forwards -= len(part.steps) - limit  # one forward per dropped step
             part.steps = part.steps[:limit]
             part.bits = sum(step.encoded.theoretical_bits for step in part.steps)
             self.model.truncate(min(self.model.cache_len, part.start + limit - 1))

@@ -149,6 +149,31 @@ def test_round_drafted_ahead_survives_a_change_of_draft_length(diverse_pair) -> 
     assert sum(s.stats.ahead_rounds_used for _, _, s in ahead) >= reshaped
 
 
+class CountingForwards(AheadToTheEnd):
+    """Keeps every round's record: its drafter forwards against its drafts."""
+
+    def observe(self, record, settings):
+        super().observe(record, settings)
+        self.records = getattr(self, "records", []) + [record]
+
+
+def test_rounds_count_their_drafter_forwards(diverse_pair) -> None:
+    """mode auto prices drafting per forward: a round of L drafts takes L forwards after a rejection
+    (the correction is the one token to feed) and L + 1 after a full accept (the last draft and the
+    bonus are fed one forward each), unless a round drafted ahead on a wrong guess already fed the
+    last draft."""
+    results = _sessions(diverse_pair, CountingForwards, SEEDS[:16], **MODES["tslt"])
+    kinds = Counter()
+    for _, _, session in results:
+        records = session.records
+        for before, r in zip(records, records[1:]):
+            full = before.accepted == before.positions
+            fed = full and before.ahead_discarded > 0
+            assert r.draft_forwards == r.drafted_tokens + (full and not fed), (before, r)
+            kinds[(full, fed, r.drafted_ahead)] += 1
+    assert kinds[(True, False, True)] and kinds[(False, False, False)] and kinds[(True, True, False)], kinds
+
+
 def test_coupled_bonus_is_guessed_at_temperature_one(twin, diverse_pair) -> None:
     """With the coupled bonus the device guesses the edge's T = 1 bonus token from the same noise, so
     far more rounds drafted ahead are kept than with the argmax guess of an uncoupled bonus."""

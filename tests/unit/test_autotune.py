@@ -269,6 +269,20 @@ def test_acceptance_is_estimated_per_depth() -> None:
     assert all(abs(a - 0.8) < 0.1 for a in t.estimates(1.0, 49152).alpha_depth[:6])
 
 
+def test_drafter_time_is_per_forward() -> None:
+    """A round of 5 drafts that fed the last draft and the bonus one forward each took 6 forwards:
+    0.09 s of drafting is 15 ms a forward (18 ms 'per token' would count the extra forward twice,
+    once in the rate and once in the model's L + 1 steps of drafting ahead)."""
+    t = LinkTracker()
+    for _ in range(40):
+        t.observe_round(replace(record(drafted=5, accepted=5, draft=0.09), draft_forwards=6), SETTINGS, 1.0, 49152)
+    assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.015)
+    t = LinkTracker()
+    for _ in range(40):  # rounds without a count (trees) fall back to one forward per draft
+        t.observe_round(record(drafted=5, accepted=5, draft=0.09), SETTINGS, 1.0, 49152)
+    assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.018)
+
+
 def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> None:
     t = LinkTracker(AutoConfig(top_ks=(2, 4), ksqs_ks=(4,), lattice=16))
     q = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
