@@ -52,7 +52,11 @@ CHANGE_REL, CHANGE_ABS_S = 0.5, 0.01   # a round this far off the fit (relative 
 RATE_WINDOW = 6               # downlink goodput samples (DSSD's full p_j replies)
 VERIFY_WINDOW = 24            # (tokens, seconds) points in the verify-time fit
 DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
-ACCEPT_DECAY = 0.98           # per tested position: acceptance moves with the text, slowly
+ACCEPT_DECAY = 0.9            # per round: a session's acceptance follows its text within ~10 rounds (per
+                              # tested position, a text the drafter cannot follow, rejected at depth 1
+                              # every round, took ~50 rounds to show: 7.9 tok/s in the links run)
+LONG_ACCEPT_DECAY = 0.995     # per round: the device's long-run acceptance, where each session starts
+                              # (one such session's tail had kept the next nine sessions edge-only)
 PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it ...
 PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (links benchmark: a stale 0.36 Mbit/s
                               # kept a 100 Mbit/s, 60 ms link on 0.6 KB rounds of L = 4 for 12 rounds)
@@ -62,12 +66,12 @@ BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every c
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
 MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
 DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
-DEPTH_DECAY = 0.95            # per round reaching a depth: one sample a round, so a longer memory than
-                              # ACCEPT_DECAY's per position (~20 rounds)
+DEPTH_DECAY = 0.95            # per round reaching a depth (~20 rounds: one sample a round)
 PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
 PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
 PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
-REVISIT_AFTER_EDGE_ROUNDS = 6   # edge-only rounds before one drafted round re-measures drafting
+REVISIT_AFTER_EDGE_TOKENS = 48  # edge-only tokens before one drafted round re-measures drafting (tokens,
+                                # not rounds: at 150 ms an edge-only round asks for 27+ tokens)
 EDGE_CHUNK_OVERHEAD = 0.1     # an edge-only round's round trip may cost at most this share of it
 EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
 
@@ -112,6 +116,7 @@ class _ModelSide:
         self.greedy = greedy
         self.accept_num = PRIOR_ALPHA * PRIOR_WEIGHT   # decayed sum of accepted + TV per tested position
         self.accept_den = PRIOR_WEIGHT
+        self.long_num, self.long_den = self.accept_num, self.accept_den   # the same over many sessions
         # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
         # round (links benchmark at 05a3978, TSLT-256-L8 at T = 0: 0.94 at depth 1, 1.0 at 3-6), which
         # eq. (8)'s one rate misses, and with it how often a long round is accepted whole
@@ -144,10 +149,19 @@ class _ModelSide:
         return tuple(min(1.0, (num + DEPTH_PRIOR_WEIGHT * base) / (den + DEPTH_PRIOR_WEIGHT))
                      for num, den in zip(self.depth_num, self.depth_den))
 
+    def new_session(self) -> None:
+        """A new text: its acceptance starts from the device's long-run rate, PRIOR_WEIGHT positions'
+        worth, and its per-depth counts from nothing (they shrink toward that rate)."""
+        self.accept_num = min(1.0, self.long_num / self.long_den) * PRIOR_WEIGHT
+        self.accept_den = PRIOR_WEIGHT
+        self.depth_num = [0.0] * MAX_DEPTH
+        self.depth_den = [0.0] * MAX_DEPTH
+
     def add_acceptance(self, accepted: int, tested: int, tv: float) -> None:
-        keep = ACCEPT_DECAY ** tested
-        self.accept_num = keep * self.accept_num + accepted + tested * tv
-        self.accept_den = keep * self.accept_den + tested
+        self.accept_num = ACCEPT_DECAY * self.accept_num + accepted + tested * tv
+        self.accept_den = ACCEPT_DECAY * self.accept_den + tested
+        self.long_num = LONG_ACCEPT_DECAY * self.long_num + accepted + tested * tv
+        self.long_den = LONG_ACCEPT_DECAY * self.long_den + tested
         for d in range(min(tested, MAX_DEPTH)):  # one sample per depth the round reached
             self.depth_num[d] = DEPTH_DECAY * self.depth_num[d] + (d < accepted) + tv
             self.depth_den[d] = DEPTH_DECAY * self.depth_den[d] + 1.0
@@ -350,6 +364,10 @@ class LinkTracker:
             with self.lock:
                 self.time_scale.setdefault(key, _Ewma()).add(ratio)
 
+    def new_session(self, temperature: float) -> None:
+        with self.lock:
+            self.model(temperature).new_session()
+
     def observe_guess(self, temperature: float, kept: bool) -> None:
         with self.lock:
             _share(self.model(temperature).guess, kept)
@@ -390,12 +408,15 @@ class AutoPolicy:
         self.vocab_size = vocab_size
         self.draft_ahead = draft_ahead
         self.candidates = tracker.config.candidates(vocab_size)
+        # A new text: acceptance restarts from the device's long-run rate. Sessions running at once
+        # share one estimate (as they share the link's), so this also moves theirs, toward the mean.
+        tracker.new_session(hello.temperature)
         self.current: A.Candidate | None = None
         self.last: dict = {}          # the latest choice and the estimates behind it (JSON-able)
         self._await_guess = False     # the last round was fully accepted with drafting ahead on
         self._last_len = 0
         self._drafted_last = False    # the last round was drafted (False at the start: catch-up)
-        self.edge_only_run = 0        # edge-only rounds in a row
+        self.edge_only_tokens = 0     # tokens of the edge-only rounds since the last drafted one
         self._chosen_at: float | None = None  # when the current round's settings were chosen
         self._modelled = 0.0                  # and the model's time for it (before the learned scale)
 
@@ -429,7 +450,7 @@ class AutoPolicy:
         """After a run of edge-only rounds, draft one round with the best drafting candidate: the
         drafter's speed and the acceptance are measured only by drafting, and a stale estimate must
         not keep the session edge-only for good."""
-        if pick.candidate.mode is not Mode.NONE or self.edge_only_run < REVISIT_AFTER_EDGE_ROUNDS:
+        if pick.candidate.mode is not Mode.NONE or self.edge_only_tokens < REVISIT_AFTER_EDGE_TOKENS:
             return None
         return next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
 
@@ -458,7 +479,7 @@ class AutoPolicy:
                              and r.accepted == r.positions > 0)
         self._last_len = settings.draft_len
         self._drafted_last = drafted
-        self.edge_only_run = 0 if drafted else self.edge_only_run + 1
+        self.edge_only_tokens = 0 if drafted else self.edge_only_tokens + r.generated
 
 
 def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], probe: bool) -> dict:

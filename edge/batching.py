@@ -197,11 +197,11 @@ class ForwardScheduler:
                 self._busy.popleft()
             return min(1.0, sum(seconds for _, seconds in self._busy) / ACTIVE_WINDOW_S)
 
-    def draft_len_hint(self, alpha: float, max_len: int) -> int | None:
+    def draft_len_hint(self, alpha: float, max_len: int, sessions: int | None = None) -> int | None:
         """The longest draft that still pays at the current load: ``max_len`` while the edge has time
         to spare, else the draft length that maximizes the edge's goodput (common/loadaware.py)
-        for the sessions it serves now. None before calibration."""
-        sessions = max(1, self.active_sessions())
+        for the ``sessions`` it serves now (default: :meth:`active_sessions`). None before calibration."""
+        sessions = max(1, self.active_sessions() if sessions is None else sessions)
         if self.utilization() < SATURATED_UTILIZATION:
             return max_len if self.cost.seconds else None
         with self._load_lock:

@@ -251,9 +251,10 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         """Load-aware speculation: how long this device should draft at the edge's load now."""
         if self.scheduler is None:
             return None  # one session per forward: load does not change what a draft costs
-        hint = self.scheduler.draft_len_hint(session.acceptance.alpha, self.limits.max_draft_len)
+        active = self.scheduler.active_sessions()
+        hint = self.scheduler.draft_len_hint(session.acceptance.alpha, self.limits.max_draft_len, active)
         if hint is not None and self.metrics:
-            self.metrics.draft_len_hinted(hint, self.scheduler.active_sessions())
+            self.metrics.draft_len_hinted(hint, active)
         return hint
 
     async def _read(self, context):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from specdec.common import protocol as P
 from specdec.common.codecs import Mode
+from specdec.device.chain import chain_limit
 from specdec.device.client import clip_round
 
 from capacity.recording import PositionTable, Proposal, SessionLog
@@ -26,7 +27,6 @@ except ImportError:  # a tree from before load-aware speculation: no edge sends 
     def within_draft_len(s, limit):
         return s
 
-MIN_DRAFT_LEN = 1  # common/budget.MIN_DRAFT_LEN: a chain round drafts at least one token
 
 
 class Divergence(Exception):
@@ -39,9 +39,10 @@ class RoundPlan:
     delay_s: float          # device time between the last verdict (or the Prompt) and sending this
 
 
-def chain_limit(draft_len: int, remaining: int) -> int:
-    """Positions a round drafts: L, fewer near the end (the last token is the verdict's), at least one."""
-    return max(MIN_DRAFT_LEN, min(draft_len, remaining - 1))
+def round_limit(s: P.DraftSettings, remaining: int) -> int:
+    """Positions a round drafts with ``remaining`` tokens to go: the device's chain limit for the
+    client's call, which leaves the last token to the verdict (client._round)."""
+    return chain_limit(s, max(1, remaining - 1))
 
 
 class Script:
@@ -92,7 +93,7 @@ class GreedyScript(Script):
             return self._edge_round(s)
         i = len(self.generated)
         prop = self._proposal(i)
-        limit = min(chain_limit(s.draft_len, self.remaining), len(prop.tokens))
+        limit = min(round_limit(s, self.remaining), len(prop.tokens))
         kept, self.kept = self.kept, None
         delay = kept[1] if kept is not None and kept[0] == s else self._cost(prop.step_s[:limit])
         self.draft_s += delay
@@ -115,7 +116,7 @@ class GreedyScript(Script):
         guess_at, nxt = self.table.proposals.get(i + limit), self.table.proposals.get(i + limit + 1)
         if after < 1 or guess_at is None or nxt is None:
             return None
-        k = chain_limit(s.draft_len, after)
+        k = round_limit(s, after)
         feed = self._cost([min(nxt.step_s)])  # the ahead round first feeds the last draft: one drafter forward
         cum, t = [feed], feed
         for step in nxt.step_s[:k]:
@@ -153,7 +154,7 @@ class GreedyScript(Script):
         prop = self.table.proposals.get(len(self.generated))
         if prop is None:
             return 0.0
-        return self._cost(prop.step_s[:chain_limit(s.draft_len, self.remaining)])
+        return self._cost(prop.step_s[:round_limit(s, self.remaining)])
 
     def _cost(self, steps: list[float]) -> float:
         return sum(steps) * self.draft_scale

@@ -283,6 +283,26 @@ def test_drafter_time_is_per_forward() -> None:
     assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.018)
 
 
+def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate() -> None:
+    """Links run: one T = 1 text the drafter could not follow (rejected at the first draft round after
+    round) took ~50 rounds to show in the estimate, and its tail then kept the next nine sessions
+    edge-only. Now ten such rounds show, and a new session starts near the device's long-run rate."""
+    hello = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
+                  seed=0, max_new_tokens=64)
+    t = LinkTracker()
+    for _ in range(3):  # three sessions of a text the drafter follows
+        AutoPolicy(t, hello, 49152)
+        for _ in range(10):
+            t.observe_round(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS, 1.0, 49152)
+    assert t.estimates(1.0, 49152).alpha_base > 0.97
+    AutoPolicy(t, hello, 49152)
+    for _ in range(10):  # then one it cannot
+        t.observe_round(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS, 1.0, 49152)
+    assert t.estimates(1.0, 49152).alpha_base < 0.5
+    AutoPolicy(t, hello, 49152)  # the next session
+    assert t.estimates(1.0, 49152).alpha_base > 0.85
+
+
 def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> None:
     t = LinkTracker(AutoConfig(top_ks=(2, 4), ksqs_ks=(4,), lattice=16))
     q = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)

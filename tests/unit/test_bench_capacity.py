@@ -12,7 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))  # bench/capacity as the package ``capacity``
 from capacity import analyze, plan  # noqa: E402
 from capacity import recording as R  # noqa: E402
-from capacity.scripts import Divergence, EdgeOnlyScript, GreedyScript, SessionScript, chain_limit  # noqa: E402
+from capacity.scripts import Divergence, EdgeOnlyScript, GreedyScript, SessionScript, round_limit  # noqa: E402
 from specdec.common import protocol as P  # noqa: E402
 from specdec.common.codecs import Mode  # noqa: E402
 
@@ -76,7 +76,8 @@ def verdict(round_id: int, n: int, nxt: int) -> P.Verdict:
 
 
 def test_chain_limit_near_the_end() -> None:
-    assert chain_limit(4, 10) == 4 and chain_limit(4, 3) == 2 and chain_limit(4, 1) == 1
+    s = P.DraftSettings(draft_len=4)
+    assert round_limit(s, 10) == 4 and round_limit(s, 3) == 2 and round_limit(s, 1) == 1
 
 
 def test_greedy_replay_follows_the_edges_load_advice() -> None:
