@@ -107,7 +107,7 @@ def test_device_drafts_no_longer_than_the_edge_advises(tiny_pair_v512, monkeypat
     0 means edge-only rounds, and the output is still the target's greedy decode."""
     target_dir, drafter_dir = tiny_pair_v512
     given = iter(SCRIPTED_HINTS * 100)
-    monkeypatch.setattr(ForwardScheduler, "draft_len_hint", lambda self, alpha, max_len: next(given))
+    monkeypatch.setattr(ForwardScheduler, "draft_len_hint", lambda self, alpha, max_len, sessions=None: next(given))
     cfg = device_config(temperature=0.0, max_new_tokens=40, mode="tslt", top_k=16, draft_len=4)
 
     async def main():
