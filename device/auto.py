@@ -84,12 +84,11 @@ class AutoConfig:
     lattice: int = 1000
     draft_lens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
     dense: bool = True
-    # DSSD is left out by default: in the links benchmark (docs/bench/links_20261125, 40 cells of
-    # 0.5-100 Mbit/s and 0-150 ms) DSSD-L4 lost to TSLT-256-L4 in every cell (0.45-0.87x, at T = 0
-    # too), yet the model ranked it first in 62 % of the T = 1 rounds: it cannot draft ahead, and a
-    # fallback fetches the whole p_j (8 bytes x vocabulary). Its 20-byte rounds pay only on links far
-    # slower than 0.5 Mbit/s; set True there.
-    dssd: bool = False
+    # DSSD is a candidate: fixed DSSD-L4 lost to TSLT-256-L4 in every cell of the links benchmark, but
+    # at L = 10-16 its 20-byte rounds win on 0.5-2 Mbit/s at T = 1 (7 T = 1 cells, auto / TSLT-256-L8
+    # geomean 0.89 without DSSD, 0.97 with; 0.83 -> 1.01 at 0.5 Mbit/s 20 ms). The model charges it
+    # for what it cannot do: draft ahead, and a fallback fetches the whole p_j.
+    dssd: bool = True
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
 
