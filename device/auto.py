@@ -56,7 +56,7 @@ ACCEPT_DECAY = 0.9            # per round: a session's acceptance follows its te
                               # tested position, a text the drafter cannot follow, rejected at depth 1
                               # every round, took ~50 rounds to show: 7.9 tok/s in the links run)
 LONG_ACCEPT_DECAY = 0.995     # per round: the device's long-run acceptance, where each session starts
-                              # (one such session's tail had kept the next nine sessions edge-only)
+                              # (one such session's tail had kept the next six sessions edge-only)
 PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it ...
 PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (links benchmark: a stale 0.36 Mbit/s
                               # kept a 100 Mbit/s, 60 ms link on 0.6 KB rounds of L = 4 for 12 rounds)
