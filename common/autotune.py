@@ -166,7 +166,8 @@ def predict(c: Candidate, e: Estimates, draft_ahead: bool = True, head: HeadStar
 
 
 def _round_parts(c: Candidate, e: Estimates) -> tuple[float, float, float]:
-    """(drafter + codec seconds per draft token, network seconds, edge seconds) of a chain round."""
+    """(seconds per draft token: one drafter forward and its codec; network seconds; edge seconds)
+    of a chain round."""
     L = c.draft_len
     comm = (e.rtt_s + uplink_s(uplink_bytes(c, e), e)
             + _serialize_s(VERDICT_BYTES, e.downlink_bps))
