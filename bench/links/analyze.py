@@ -81,36 +81,28 @@ INTERVAL = (0.05, 0.95)   # a 90 % interval
 def auto_vs_best_interval(sessions: list[dict], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float] | None:
     """90 % bootstrap interval of a cell's auto / best fixed over its prompts: each draw takes prompts
     with replacement, the same ones for every config (they ran the same prompts and seeds), and
-    recomputes every config's tokens/s and the best fixed among them, so the interval also holds
-    the upward pull of taking the best of several noisy configs. ``sessions``: {"config", "prompt",
-    "record"} of one cell. None without auto, a fixed config, or two prompts. With few prompts the
-    draws take few distinct values: a rough interval, but one the point estimate alone hides."""
-    by_prompt: dict[int, dict[str, tuple[float, float]]] = defaultdict(dict)
+    recomputes the cell's summary (:func:`cell_summary`, so the best fixed is chosen again), so the
+    interval also holds the upward pull of taking the best of several noisy configs. ``sessions``:
+    {"config", "prompt", "record"} of one cell. None without auto, a fixed config, or two prompts.
+    With few prompts the draws take few distinct values: a rough interval, but one the point
+    estimate alone hides."""
+    by_prompt: dict[int, list[dict]] = defaultdict(list)
     for s in sessions:
-        st = s["record"]["stats"]
-        by_prompt[s["prompt"]][s["config"]] = (st["generated_tokens"], st["wall_seconds"])
-    prompts = sorted(p for p, cfgs in by_prompt.items() if "auto" in cfgs)
-    fixed = {c for cfgs in by_prompt.values() for c in cfgs if role(c) == "fixed"}
-    if len(prompts) < 2 or not fixed:
+        by_prompt[s["prompt"]].append(s)
+    prompts = sorted(p for p, group in by_prompt.items() if any(s["config"] == "auto" for s in group))
+    if len(prompts) < 2 or not any(role(s["config"]) == "fixed" for s in sessions):
         return None
     rng = random.Random(seed)
     ratios = []
     for _ in range(draws):
-        pick = [rng.choice(prompts) for _ in prompts]
-        tps = {c: _tps([by_prompt[p].get(c) for p in pick]) for c in fixed | {"auto"}}
-        best = max((t for c, t in tps.items() if c != "auto" and t), default=None)
-        if best and tps["auto"]:
-            ratios.append(tps["auto"] / best)
+        drawn = [s for _ in prompts for s in by_prompt[rng.choice(prompts)]]
+        ratio = cell_summary(config_stats(drawn))["auto_vs_best_fixed"]
+        if ratio:
+            ratios.append(ratio)
     if not ratios:
         return None
     ratios.sort()
     return tuple(ratios[min(len(ratios) - 1, int(q * len(ratios)))] for q in INTERVAL)
-
-
-def _tps(runs: list[tuple[float, float] | None]) -> float | None:
-    runs = [r for r in runs if r is not None]
-    wall = sum(w for _, w in runs)
-    return sum(t for t, _ in runs) / wall if runs and wall > 0 else None
 
 
 def geomean(xs: list[float]) -> float | None:
