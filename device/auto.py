@@ -13,7 +13,7 @@ What is measured, per round (all from what the device already sees):
     round trip (its mean, jitter and loss included: what a round expects to pay), the slope the
     inverse goodput; downlink goodput from DSSD's full-p_j replies;
   * the edge's time per forward, an affine fit in the tokens of the forward (each Verdict reports it);
-  * drafter and codec time per drafted token;
+  * drafter time per forward (a round of L drafts takes L or L + 1) and codec time per drafted token;
   * acceptance: every tested position adds (accepted + TV(q_hat, q) of its packet) to alpha_base, the
     acceptance the exact q would have (TSLT eq. 22), overall and per depth in the round (acceptance
     is correlated along a round), and every encoded q adds its dropped mass for each candidate K,
@@ -108,26 +108,40 @@ class _Ewma:
         self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
 
 
+class _Ratio:
+    """A decayed ratio: each :meth:`add` keeps ``decay`` of the hits and trials before it."""
+
+    def __init__(self, hits: float = 0.0, trials: float = 0.0, decay: float = DECAY):
+        self.hits, self.trials, self.decay = hits, trials, decay
+
+    def add(self, hits: float, trials: float = 1.0) -> None:
+        self.hits = self.decay * self.hits + hits
+        self.trials = self.decay * self.trials + trials
+
+    def shrunk(self, prior: float, weight: float) -> float:
+        """The ratio with ``weight`` trials' worth of ``prior`` added."""
+        return (self.hits + weight * prior) / (self.trials + weight)
+
+
 class _ModelSide:
     """Estimates that depend on the two models and the temperature, not on the link."""
 
     def __init__(self, greedy: bool = False):
         self.greedy = greedy
-        self.accept_num = PRIOR_ALPHA * PRIOR_WEIGHT   # decayed sum of accepted + TV per tested position
-        self.accept_den = PRIOR_WEIGHT
-        self.long_num, self.long_den = self.accept_num, self.accept_den   # the same over many sessions
+        # (accepted + TV) per tested position, this session's text and over many sessions
+        self.accept = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY)
+        self.long = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, LONG_ACCEPT_DECAY)
         # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
         # round (links benchmark at 05a3978, TSLT-256-L8 at T = 0: 0.94 at depth 1, 1.0 at 3-6), which
         # eq. (8)'s one rate misses, and with it how often a long round is accepted whole
-        self.depth_num = [0.0] * MAX_DEPTH
-        self.depth_den = [0.0] * MAX_DEPTH
+        self.depth = [_Ratio(decay=DEPTH_DECAY) for _ in range(MAX_DEPTH)]
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
         # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
         # whatever K), so per temperature; from sample encodings and from the rounds actually sent
         self.packet_bytes: dict[tuple[Mode, int], _Ewma] = {}
         self.encoded = 0                                 # q encoded at this temperature
-        self.guess = [PRIOR_GUESS * 2, 2.0]             # decayed (hits, trials)
-        self.fallback = [0.0, 0.0]                       # decayed (fallbacks, DSSD rejections)
+        self.guess = _Ratio(PRIOR_GUESS * 2, 2.0)       # bonus guessed, of fully accepted rounds drafted ahead
+        self.fallback = _Ratio()                         # fallbacks, of DSSD rejections
 
     def fallback_rate(self, samples: int) -> float:
         """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
@@ -135,35 +149,30 @@ class _ModelSide:
         the better the drafter, the likelier a rejection costs a second round trip. At T = 0 a
         rejection means q_j missed p_j's one token, and that token is always kept."""
         prior = 0.0 if self.greedy else self.alpha_base ** samples  # T = 0: y = argmax p always survives
-        return (self.fallback[0] + PRIOR_FALLBACK_WEIGHT * prior) / (self.fallback[1] + PRIOR_FALLBACK_WEIGHT)
+        return self.fallback.shrunk(prior, PRIOR_FALLBACK_WEIGHT)
 
     @property
     def alpha_base(self) -> float:
-        return min(1.0, self.accept_num / self.accept_den)
+        return min(1.0, self.accept.hits / self.accept.trials)
 
     def alpha_depth(self) -> tuple[float, ...]:
         """Acceptance per depth given the earlier drafts accepted: each depth's counts shrunk toward
         alpha_base, so a depth no round reached is predicted at the overall rate."""
         base = self.alpha_base
-        return tuple(min(1.0, (num + DEPTH_PRIOR_WEIGHT * base) / (den + DEPTH_PRIOR_WEIGHT))
-                     for num, den in zip(self.depth_num, self.depth_den))
+        return tuple(min(1.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT)) for d in self.depth)
 
     def new_session(self) -> None:
         """A new text: its acceptance starts from the device's long-run rate, PRIOR_WEIGHT positions'
         worth, and its per-depth counts from nothing (they shrink toward that rate)."""
-        self.accept_num = min(1.0, self.long_num / self.long_den) * PRIOR_WEIGHT
-        self.accept_den = PRIOR_WEIGHT
-        self.depth_num = [0.0] * MAX_DEPTH
-        self.depth_den = [0.0] * MAX_DEPTH
+        long_run = min(1.0, self.long.hits / self.long.trials)
+        self.accept = _Ratio(long_run * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY)
+        self.depth = [_Ratio(decay=DEPTH_DECAY) for _ in range(MAX_DEPTH)]
 
     def add_acceptance(self, accepted: int, tested: int, tv: float) -> None:
-        self.accept_num = ACCEPT_DECAY * self.accept_num + accepted + tested * tv
-        self.accept_den = ACCEPT_DECAY * self.accept_den + tested
-        self.long_num = LONG_ACCEPT_DECAY * self.long_num + accepted + tested * tv
-        self.long_den = LONG_ACCEPT_DECAY * self.long_den + tested
+        self.accept.add(accepted + tested * tv, tested)
+        self.long.add(accepted + tested * tv, tested)
         for d in range(min(tested, MAX_DEPTH)):  # one sample per depth the round reached
-            self.depth_num[d] = DEPTH_DECAY * self.depth_num[d] + (d < accepted) + tv
-            self.depth_den[d] = DEPTH_DECAY * self.depth_den[d] + 1.0
+            self.depth[d].add((d < accepted) + tv)
 
     def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
         self.sigma.setdefault(key, _Ewma()).add(tv)
@@ -174,11 +183,6 @@ class _ModelSide:
     def tv(self, key: tuple[Mode, int]) -> float:
         e = self.sigma.get(key)
         return e.value if e is not None and e.value is not None else 0.0
-
-
-def _share(counts: list[float], hit: bool) -> None:
-    counts[0] = DECAY * counts[0] + hit
-    counts[1] = DECAY * counts[1] + 1
 
 
 class LinkTracker:
@@ -354,7 +358,7 @@ class LinkTracker:
                 sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
                 side.add_bytes(_codec_key(settings), max(0.0, sent))
             if settings.mode is Mode.DSSD and r.accepted < r.positions:
-                _share(side.fallback, dssd_full)
+                side.fallback.add(dssd_full)
 
     def add_round_time(self, key: tuple[Mode, int], measured_s: float, modelled_s: float) -> None:
         """A round took ``measured_s`` where the model said ``modelled_s`` (before any scale)."""
@@ -369,7 +373,7 @@ class LinkTracker:
 
     def observe_guess(self, temperature: float, kept: bool) -> None:
         with self.lock:
-            _share(self.model(temperature).guess, kept)
+            self.model(temperature).guess.add(kept)
 
     def estimates(self, temperature: float, vocab_size: int) -> A.Estimates:
         with self.lock:
@@ -386,7 +390,7 @@ class LinkTracker:
                 encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
                 decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
                 queue_s=self.queue_s.value or 0.0,
-                guess_rate=side.guess[0] / side.guess[1],
+                guess_rate=side.guess.hits / side.guess.trials,
                 dssd_fallback_rate=side.fallback_rate(self.dssd_samples),
                 dssd_fallback_bytes=8.0 * vocab_size,
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
