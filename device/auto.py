@@ -16,8 +16,9 @@ What is measured, per round (all from what the device already sees):
   * drafter time per forward (a round of L drafts takes L or L + 1) and codec time per drafted token;
   * acceptance: every tested position adds (accepted + TV(q_hat, q) of its packet) to alpha_base, the
     acceptance the exact q would have (TSLT eq. 22), overall and per depth in the round (acceptance
-    is correlated along a round), and every encoded q adds its dropped mass for each candidate K,
-    so a K never sent still gets an estimate;
+    is correlated along a round), per session (:class:`SessionAcceptance`: sessions at once draft
+    different texts) and over the device's sessions (where a new one starts), and every encoded q
+    adds its dropped mass for each candidate K, so a K never sent still gets an estimate;
   * the share of drafted-ahead rounds kept (bonus guessed), DSSD's fallback share.
 Model-side estimates are kept per temperature (acceptance depends on it), link-side ones once.
 
@@ -123,33 +124,22 @@ class _Ratio:
         return (self.hits + weight * prior) / (self.trials + weight)
 
 
-class _ModelSide:
-    """Estimates that depend on the two models and the temperature, not on the link."""
+class SessionAcceptance:
+    """One session's acceptance: (accepted + TV) per tested position, overall and per depth, decayed per
+    round so that it follows the session's text. Each session has its own (sessions running at once
+    draft different texts); it starts from the device's long-run rate (``start``)."""
 
-    def __init__(self, greedy: bool = False):
-        self.greedy = greedy
-        # (accepted + TV) per tested position, this session's text and over many sessions
-        self.accept = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY)
-        self.long = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, LONG_ACCEPT_DECAY)
+    def __init__(self, start: float = PRIOR_ALPHA):
+        self.accept = _Ratio(start * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY)
         # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
         # round (links benchmark at 05a3978, TSLT-256-L8 at T = 0: 0.94 at depth 1, 1.0 at 3-6), which
         # eq. (8)'s one rate misses, and with it how often a long round is accepted whole
         self.depth = [_Ratio(decay=DEPTH_DECAY) for _ in range(MAX_DEPTH)]
-        self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
-        # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
-        # whatever K), so per temperature; from sample encodings and from the rounds actually sent
-        self.packet_bytes: dict[tuple[Mode, int], _Ewma] = {}
-        self.encoded = 0                                 # q encoded at this temperature
-        self.guess = _Ratio(PRIOR_GUESS * 2, 2.0)       # bonus guessed, of fully accepted rounds drafted ahead
-        self.fallback = _Ratio()                         # fallbacks, of DSSD rejections
 
-    def fallback_rate(self, samples: int) -> float:
-        """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
-        kept with probability TV(p_j, q_j) ~ 1 - alpha, so all m fail with probability ~alpha^m:
-        the better the drafter, the likelier a rejection costs a second round trip. At T = 0 a
-        rejection means q_j missed p_j's one token, and that token is always kept."""
-        prior = 0.0 if self.greedy else self.alpha_base ** samples  # T = 0: y = argmax p always survives
-        return self.fallback.shrunk(prior, PRIOR_FALLBACK_WEIGHT)
+    def add(self, accepted: int, tested: int, tv: float) -> None:
+        self.accept.add(accepted + tested * tv, tested)
+        for d in range(min(tested, MAX_DEPTH)):  # one sample per depth the round reached
+            self.depth[d].add((d < accepted) + tv)
 
     @property
     def alpha_base(self) -> float:
@@ -161,18 +151,34 @@ class _ModelSide:
         base = self.alpha_base
         return tuple(min(1.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT)) for d in self.depth)
 
-    def new_session(self) -> None:
-        """A new text: its acceptance starts from the device's long-run rate, PRIOR_WEIGHT positions'
-        worth, and its per-depth counts from nothing (they shrink toward that rate)."""
-        long_run = min(1.0, self.long.hits / self.long.trials)
-        self.accept = _Ratio(long_run * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY)
-        self.depth = [_Ratio(decay=DEPTH_DECAY) for _ in range(MAX_DEPTH)]
 
-    def add_acceptance(self, accepted: int, tested: int, tv: float) -> None:
-        self.accept.add(accepted + tested * tv, tested)
-        self.long.add(accepted + tested * tv, tested)
-        for d in range(min(tested, MAX_DEPTH)):  # one sample per depth the round reached
-            self.depth[d].add((d < accepted) + tv)
+class _ModelSide:
+    """Estimates that depend on the two models and the temperature, not on the link or the text."""
+
+    def __init__(self, greedy: bool = False):
+        self.greedy = greedy
+        # (accepted + TV) per tested position over many sessions: where each new session starts
+        self.long = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, LONG_ACCEPT_DECAY)
+        self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
+        # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
+        # whatever K), so per temperature; from sample encodings and from the rounds actually sent
+        self.packet_bytes: dict[tuple[Mode, int], _Ewma] = {}
+        self.encoded = 0                                 # q encoded at this temperature
+        self.guess = _Ratio(PRIOR_GUESS * 2, 2.0)       # bonus guessed, of fully accepted rounds drafted ahead
+        self.fallback = _Ratio()                         # fallbacks, of DSSD rejections
+
+    def fallback_rate(self, samples: int, alpha: float) -> float:
+        """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
+        kept with probability TV(p_j, q_j) ~ 1 - alpha, so all m fail with probability ~alpha^m:
+        the better the drafter, the likelier a rejection costs a second round trip. At T = 0 a
+        rejection means q_j missed p_j's one token, and that token is always kept."""
+        prior = 0.0 if self.greedy else alpha ** samples  # T = 0: y = argmax p always survives
+        return self.fallback.shrunk(prior, PRIOR_FALLBACK_WEIGHT)
+
+    def session(self) -> SessionAcceptance:
+        """A new text's acceptance, starting from the device's long-run rate (PRIOR_WEIGHT positions'
+        worth; its per-depth counts start from nothing and shrink toward that rate)."""
+        return SessionAcceptance(min(1.0, self.long.hits / self.long.trials))
 
     def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
         self.sigma.setdefault(key, _Ewma()).add(tv)
@@ -324,10 +330,11 @@ class LinkTracker:
 
     # -- rounds ------------------------------------------------------------------------------------------
     def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,
-                      catching_up: bool = False) -> None:
-        """One round's record. ``catching_up``: the session's first drafted round, or the first after
-        edge-only rounds: its drafting includes feeding the drafter the tokens it has not seen, and its
-        network time the edge's prefill, so neither says anything about a round in steady state."""
+                      acceptance: SessionAcceptance | None = None, catching_up: bool = False) -> None:
+        """One round's record; its acceptance also goes to ``acceptance``, its session's. ``catching_up``:
+        the session's first drafted round, or the first after edge-only rounds: its drafting includes
+        feeding the drafter the tokens it has not seen, and its network time the edge's prefill, so
+        neither says anything about a round in steady state."""
         forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
         dssd_full = settings.mode is Mode.DSSD and r.downlink_bytes >= 8 * vocab_size
         with self.lock:
@@ -353,7 +360,10 @@ class LinkTracker:
                 self.encode_s.setdefault(settings.mode, _Ewma()).add(per_token["encode"])
                 self.decode_s.setdefault(settings.mode, _Ewma()).add(per_token["decode"])
             side = self.model(temperature)
-            side.add_acceptance(r.accepted, r.tested, side.tv(_codec_key(settings)))
+            tv = side.tv(_codec_key(settings))
+            side.long.add(r.accepted + r.tested * tv, r.tested)
+            if acceptance is not None:
+                acceptance.add(r.accepted, r.tested, tv)
             if r.drafted_tokens and settings.mode is not Mode.DSSD:
                 sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
                 side.add_bytes(_codec_key(settings), max(0.0, sent))
@@ -367,31 +377,35 @@ class LinkTracker:
             with self.lock:
                 self.time_scale.setdefault(key, _Ewma()).add(ratio)
 
-    def new_session(self, temperature: float) -> None:
+    def session_acceptance(self, temperature: float) -> SessionAcceptance:
+        """A new session's acceptance estimate, starting from this device's long-run rate."""
         with self.lock:
-            self.model(temperature).new_session()
+            return self.model(temperature).session()
 
     def observe_guess(self, temperature: float, kept: bool) -> None:
         with self.lock:
             self.model(temperature).guess.add(kept)
 
-    def estimates(self, temperature: float, vocab_size: int) -> A.Estimates:
+    def estimates(self, temperature: float, vocab_size: int,
+                  acceptance: SessionAcceptance | None = None) -> A.Estimates:
+        """What the choice needs, with ``acceptance`` a session's (by default: a new session's)."""
         with self.lock:
             side = self.model(temperature)
+            acceptance = acceptance or side.session()
             base, slope = self.verify_fit()
             return A.Estimates(
                 rtt_s=self.rtt_s(), uplink_bps=self.uplink_bps(),
                 downlink_bps=self.rate(self.down) if self.down else self.uplink_bps(),
                 draft_s=self.draft_s.value if self.draft_s.value is not None else 0.01,
-                verify_base_s=base, verify_per_token_s=slope, alpha_base=side.alpha_base,
-                alpha_depth=side.alpha_depth(),
+                verify_base_s=base, verify_per_token_s=slope, alpha_base=acceptance.alpha_base,
+                alpha_depth=acceptance.alpha_depth(),
                 sigma={k: e.value for k, e in side.sigma.items() if e.value is not None},
                 packet_bytes={k: e.value for k, e in side.packet_bytes.items() if e.value is not None},
                 encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
                 decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
                 queue_s=self.queue_s.value or 0.0,
                 guess_rate=side.guess.hits / side.guess.trials,
-                dssd_fallback_rate=side.fallback_rate(self.dssd_samples),
+                dssd_fallback_rate=side.fallback_rate(self.dssd_samples, acceptance.alpha_base),
                 dssd_fallback_bytes=8.0 * vocab_size,
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
                 measured_up_bits=max(self.sizes_sent, default=8.0 * MIN_RATE_SAMPLE_BYTES),
@@ -411,9 +425,8 @@ class AutoPolicy:
         self.vocab_size = vocab_size
         self.draft_ahead = draft_ahead
         self.candidates = tracker.config.candidates(vocab_size)
-        # A new text: acceptance restarts from the device's long-run rate. Sessions running at once
-        # share one estimate (as they share the link's), so this also moves theirs, toward the mean.
-        tracker.new_session(hello.temperature)
+        # its own text's acceptance (sessions running at once share the link, not the text)
+        self.acceptance = tracker.session_acceptance(hello.temperature)
         self.current: A.Candidate | None = None
         self.last: dict = {}          # the latest choice and the estimates behind it (JSON-able)
         self._await_guess = False     # the last round was fully accepted with drafting ahead on
@@ -426,7 +439,7 @@ class AutoPolicy:
     def choose(self, head: tuple[DraftSettings, int] | None = None) -> DraftSettings:
         """The next round's settings. ``head``: the settings and tokens of a round already drafted
         ahead (DraftSession.head_start): kept by settings of its codec, lost by any other."""
-        e = self.tracker.estimates(self.hello.temperature, self.vocab_size)
+        e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance)
         start = A.HeadStart(_codec_key(head[0]), head[1]) if head is not None else A.HeadStart()
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead,
                                start)
@@ -477,7 +490,8 @@ class AutoPolicy:
         if self._await_guess and settings.mode in A.AHEAD_MODES and settings.draft_len == self._last_len:
             self.tracker.observe_guess(t, r.drafted_ahead)
         drafted = settings.mode is not Mode.NONE
-        self.tracker.observe_round(r, settings, t, self.vocab_size, catching_up=drafted and not self._drafted_last)
+        self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
+                                   catching_up=drafted and not self._drafted_last)
         self._await_guess = (self.draft_ahead and settings.mode in A.AHEAD_MODES
                              and r.accepted == r.positions > 0)
         self._last_len = settings.draft_len

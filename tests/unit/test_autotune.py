@@ -158,6 +158,8 @@ def link_network(rtt: float, rate: float, up: int, down: int = 40) -> float:
 
 
 SETTINGS = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
+HELLO = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
+              seed=0, max_new_tokens=64)
 
 
 def test_round_trip_and_goodput_are_recovered_from_round_records() -> None:
@@ -236,9 +238,10 @@ def test_acceptance_estimate_adds_back_the_dropped_mass_of_the_packets_sent() ->
     for _ in range(50):
         side.add_sigma(TSLT_256, 0.1)
         side.add_sigma((Mode.TSLT, 1024), 0.02)
+    acc = t.session_acceptance(1.0)
     for _ in range(300):
-        t.observe_round(record(drafted=10, accepted=7, up=300, network=0.01), SETTINGS, 1.0, 49152)
-    e = t.estimates(1.0, 49152)
+        t.observe_round(record(drafted=10, accepted=7, up=300, network=0.01), SETTINGS, 1.0, 49152, acc)
+    e = t.estimates(1.0, 49152, acc)
     assert e.alpha_base == pytest.approx(7 / 8 + 0.1, abs=0.005)
     assert e.alpha(A.Candidate(Mode.TSLT, 4, 1024)) == pytest.approx(7 / 8 + 0.1 - 0.02, abs=0.005)
 
@@ -249,10 +252,11 @@ def test_acceptance_is_estimated_per_depth() -> None:
     A round yields 1 + 0.75 x 8 = 7 tokens, and a round of L = 1 1.75; eq. (8) at 0.96 would say 7.6
     and 1.96."""
     t = LinkTracker()
+    acc = t.session_acceptance(1.0)
     for i in range(200):
         accepted = 0 if i % 4 == 3 else 8
-        t.observe_round(record(drafted=8, accepted=accepted, up=300, network=0.01), SETTINGS, 1.0, 49152)
-    e = replace(t.estimates(1.0, 49152), sigma={})
+        t.observe_round(record(drafted=8, accepted=accepted, up=300, network=0.01), SETTINGS, 1.0, 49152, acc)
+    e = replace(t.estimates(1.0, 49152, acc), sigma={})
     assert e.alpha_base == pytest.approx(24 / 25, abs=0.01)
     assert e.alpha_depth[0] == pytest.approx(0.75, abs=0.05)
     assert min(e.alpha_depth[1:8]) > 0.98 and e.alpha_depth[8] == pytest.approx(e.alpha_base)  # 9: never reached
@@ -262,11 +266,12 @@ def test_acceptance_is_estimated_per_depth() -> None:
         assert A.predict(c, replace(e, alpha_depth=())).tokens > tokens + 0.15  # i.i.d. at the pooled rate
     # i.i.d. rounds give one rate at every depth
     t = LinkTracker()
+    acc = t.session_acceptance(1.0)
     gen = torch.Generator().manual_seed(0)
     for _ in range(400):
         accepted = next((d for d in range(8) if torch.rand((), generator=gen) > 0.8), 8)
-        t.observe_round(record(drafted=8, accepted=accepted, up=300, network=0.01), SETTINGS, 1.0, 49152)
-    assert all(abs(a - 0.8) < 0.1 for a in t.estimates(1.0, 49152).alpha_depth[:6])
+        t.observe_round(record(drafted=8, accepted=accepted, up=300, network=0.01), SETTINGS, 1.0, 49152, acc)
+    assert all(abs(a - 0.8) < 0.1 for a in acc.alpha_depth()[:6])
 
 
 def test_drafter_time_is_per_forward() -> None:
@@ -285,22 +290,36 @@ def test_drafter_time_is_per_forward() -> None:
 
 def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate() -> None:
     """Links run: one T = 1 text the drafter could not follow (rejected at the first draft round after
-    round) took ~50 rounds to show in the estimate, and its tail then kept the next nine sessions
+    round) took ~50 rounds to show in the estimate, and its tail then kept the next six sessions
     edge-only. Now ten such rounds show, and a new session starts near the device's long-run rate."""
-    hello = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
-                  seed=0, max_new_tokens=64)
     t = LinkTracker()
     for _ in range(3):  # three sessions of a text the drafter follows
-        AutoPolicy(t, hello, 49152)
+        policy = AutoPolicy(t, HELLO, 49152)
         for _ in range(10):
-            t.observe_round(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS, 1.0, 49152)
-    assert t.estimates(1.0, 49152).alpha_base > 0.97
-    AutoPolicy(t, hello, 49152)
+            policy.observe(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS)
+    assert t.estimates(1.0, 49152, policy.acceptance).alpha_base > 0.97
+    policy = AutoPolicy(t, HELLO, 49152)
     for _ in range(10):  # then one it cannot
-        t.observe_round(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS, 1.0, 49152)
-    assert t.estimates(1.0, 49152).alpha_base < 0.5
-    AutoPolicy(t, hello, 49152)  # the next session
-    assert t.estimates(1.0, 49152).alpha_base > 0.85
+        policy.observe(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS)
+    assert t.estimates(1.0, 49152, policy.acceptance).alpha_base < 0.5
+    assert AutoPolicy(t, HELLO, 49152).acceptance.alpha_base > 0.85  # the next session
+
+
+def test_sessions_at_once_keep_their_own_acceptance() -> None:
+    """A daemon serves sessions at once over one link: each drafts its own text, so one the drafter
+    cannot follow must not pull another's estimate down (nor a new session reset theirs)."""
+    t = LinkTracker()
+    easy, hard = AutoPolicy(t, HELLO, 49152), AutoPolicy(t, HELLO, 49152)
+    for _ in range(20):
+        easy.observe(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS)
+        hard.observe(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS)
+        AutoPolicy(t, HELLO, 49152)  # sessions starting meanwhile
+    assert t.estimates(1.0, 49152, easy.acceptance).alpha_base > 0.95
+    assert t.estimates(1.0, 49152, hard.acceptance).alpha_base < 0.2
+    assert t.estimates(1.0, 49152, easy.acceptance).alpha_depth[3] > 0.95  # per depth as well
+    newcomer = t.estimates(1.0, 49152).alpha_base  # the long-run mean of what was tested
+    assert t.estimates(1.0, 49152, hard.acceptance).alpha_base + 0.3 < newcomer \
+        < t.estimates(1.0, 49152, easy.acceptance).alpha_base - 0.05
 
 
 def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> None:
@@ -321,9 +340,7 @@ def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> 
 
 def test_every_choice_is_a_valid_round() -> None:
     """Whatever the controller picks passes the edge's own checks (settings.validate)."""
-    hello = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
-                  seed=0, max_new_tokens=64)
-    policy = AutoPolicy(LinkTracker(), hello, 49152)
+    policy = AutoPolicy(LinkTracker(), HELLO, 49152)
     for c in policy.candidates:
         s = policy.settings_for(c, 16)
         validate(s)
