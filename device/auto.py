@@ -64,6 +64,9 @@ PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (links b
 PROBE_MIN_GAIN = 0.1          # ... if a fast link would make rounds this much faster (links benchmark at
                               # 05a3978: without it, a probe every ~12 rounds at T = 0, ~0.2 s each)
 BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every candidate's packet size
+OBSERVE_Q_EVERY = 4           # encoded q per one whose dropped masses are measured: a top-1024 over the
+                              # vocabulary takes ~0.5 ms, 3-4 % of a drafter forward (links benchmark,
+                              # 0 ms round trip: auto's encode phase 0.11 s per 64 tokens, fixed K 0.07 s)
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
 MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
 DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
@@ -286,7 +289,15 @@ class LinkTracker:
 
     # -- encoded distributions ---------------------------------------------------------------------------
     def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings, temperature: float) -> None:
-        """Every encoded q: the dropped mass of each candidate K, the used packet's TV, packet sizes."""
+        """One in OBSERVE_Q_EVERY encoded q: the dropped mass of each candidate K, the used packet's TV;
+        one in BYTES_REFRESH_EVERY: every candidate's packet size. The estimates are averages over many
+        positions, which a regular subsample keeps."""
+        with self.lock:
+            side = self.model(temperature)
+            side.encoded += 1
+            if (side.encoded - 1) % OBSERVE_Q_EVERY:
+                return
+            refresh = side.encoded % BYTES_REFRESH_EVERY == 1
         cfg = self.config
         ks = sorted({min(k, q.numel()) for k in (*cfg.top_ks, *cfg.ksqs_ks)})  # as the candidates clamp them
         top = q.topk(max(ks)).values.cumsum(0)  # [max K]
@@ -297,8 +308,6 @@ class LinkTracker:
                 side.add_sigma((Mode.TSLT, k), max(0.0, 1.0 - float(top[k - 1])))
             if settings.mode is Mode.KSQS:
                 side.add_sigma((Mode.KSQS, settings.top_k), used_tv)
-            side.encoded += 1
-            refresh = side.encoded % BYTES_REFRESH_EVERY == 1
         if refresh:
             self._measure_packets(q, settings, temperature)
 
