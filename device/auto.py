@@ -65,8 +65,9 @@ PROBE_MIN_GAIN = 0.1          # ... if a fast link would make rounds this much f
                               # 05a3978: without it, a probe every ~12 rounds at T = 0, ~0.2 s each)
 BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every candidate's packet size
 OBSERVE_Q_EVERY = 4           # encoded q per one whose dropped masses are measured: a top-1024 over the
-                              # vocabulary takes ~0.5 ms, 3-4 % of a drafter forward (links benchmark,
-                              # 0 ms round trip: auto's encode phase 0.11 s per 64 tokens, fixed K 0.07 s)
+                              # vocabulary took ~0.5 ms, 3-4 % of a drafter forward (links benchmark,
+                              # 0 ms round trip: auto's encode phase 0.11 s per 64 tokens, fixed K 0.07 s);
+                              # top-256 is cheaper, still inline with drafting
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
 MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
 DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
@@ -83,7 +84,15 @@ EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
 @dataclass(frozen=True)
 class AutoConfig:
     """The candidates ``mode auto`` chooses among, and how eagerly it switches."""
-    top_ks: tuple[int, ...] = (16, 64, 256, 1024)      # TSLT supports
+    # TSLT supports. Not 1024: its packet is 4x K = 256's at T = 1 (~4 KB per draft token) and its
+    # measured acceptance no higher (links run at e57c86f, auto's T = 1 rounds: 0.966 over 1568 tested
+    # positions at K = 1024, 0.965 over 1302 at K = 256; fixed TSLT-256-L4 0.987 against dense's exact
+    # q 0.968), while eq. (22)'s first-order estimate alpha_base - sigma_K credited it ~+0.03 per
+    # position, which at L = 12-16 predicted far more surviving tokens than came. A T = 1 subset A/B
+    # (12 cells, bench_links --only-cells 100mbit-20ms,100mbit-60ms,10mbit-0ms,10mbit-20ms,10mbit-60ms,
+    # 10mbit-150ms,2mbit-0ms,2mbit-20ms --configs tslt256-L8,auto --temperatures 1 --prompts 3
+    # --max-new-tokens 64 --no-changing): auto / TSLT-256-L8 geomean 0.85 with 1024, 0.92 without.
+    top_ks: tuple[int, ...] = (16, 64, 256)
     ksqs_ks: tuple[int, ...] = (64,)                   # K-SQS supports (lattice below)
     lattice: int = 1000
     draft_lens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
