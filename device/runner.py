@@ -26,6 +26,14 @@ from specdec.device.metrics import DeviceMetrics
 INTERIM_DRAFT_LAYERS = 12
 
 
+# ``mode auto`` is the default where it beats the fixed default (the drafter's recorded K and L): at
+# T = 0. Links benchmark at e57c86f (docs/bench/links_20261125_r3, README "Links"): auto made 1.22x the
+# fixed default's tokens/s in geometric mean over the 16 T = 0 grid cells (1.19x over the 4 jitter and
+# loss cells), 0.97x at worst (10 Mbit/s, 0 ms), 1.3-1.6x at 60-150 ms; at T = 1 1.01x over the grid
+# and 0.88x over the jitter and loss cells, so sampling keeps the fixed default.
+AUTO_WHEN_GREEDY = True
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     edge: str = "127.0.0.1:50051"       # edge HOST:PORT
@@ -73,8 +81,10 @@ class DeviceConfig:
 
     @property
     def auto(self) -> bool:
-        """``mode auto``: the device's controller picks every round's settings (device/auto.py)."""
-        return S.wants_auto(self.draft)
+        """``mode auto``: the device's controller picks every round's settings (device/auto.py). Asked
+        for with ``mode auto``; the default of a greedy session given no draft setting (any draft
+        setting pins the fixed settings: the user chose them)."""
+        return S.wants_auto(self.draft) or (AUTO_WHEN_GREEDY and not self.draft and self.temperature == 0)
 
     def with_draft(self, **settings) -> "DeviceConfig":
         """The same config with these draft settings given as well (checked: ValueError)."""
