@@ -36,7 +36,7 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group(
         "draft settings", "one table, common/settings.py; a flag not given takes the drafter's recorded "
         "operating point (the default drafter records L and K), else the default shown. With no draft "
-        "flag at all, a greedy session (temperature 0) runs --mode auto")
+        "flag at all, the device runs --mode auto")
     for name in setting_names():
         info = setting_info(name)
         flags = [_flag(name), *(_flag(a) for a in info.aliases)]

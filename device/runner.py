@@ -26,12 +26,12 @@ from specdec.device.metrics import DeviceMetrics
 INTERIM_DRAFT_LAYERS = 12
 
 
-# ``mode auto`` is the default where it beats the fixed default (the drafter's recorded K and L): at
-# T = 0. Links benchmark at e57c86f (docs/bench/links_20261125_r3, README "Links"): auto made 1.22x the
-# fixed default's tokens/s in geometric mean over the 16 T = 0 grid cells (1.19x over the 4 jitter and
-# loss cells), 0.97x at worst (10 Mbit/s, 0 ms), 1.3-1.6x at 60-150 ms; at T = 1 1.01x over the grid
-# and 0.88x over the jitter and loss cells, so sampling keeps the fixed default.
-AUTO_WHEN_GREEDY = True
+# ``mode auto`` is the default of a session given no draft setting: it beats the fixed default (the
+# drafter's recorded K and L) in the links benchmark (README "Links"). T = 0, full grid at e57c86f
+# (docs/bench/links_20261125_r3): 1.22x the fixed default's tokens/s in geometric mean over the 16 grid
+# cells (1.19x over the 4 jitter and loss cells), 0.97x at worst. T = 1, full grid at 120e601
+# (docs/bench/links_20261125_r4_T1): 1.10x over the grid (0.82x at worst), 1.16x over jitter and loss.
+AUTO_BY_DEFAULT = True
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,9 @@ class DeviceConfig:
     @property
     def auto(self) -> bool:
         """``mode auto``: the device's controller picks every round's settings (device/auto.py). Asked
-        for with ``mode auto``; the default of a greedy session given no draft setting (any draft
-        setting pins the fixed settings: the user chose them)."""
-        return S.wants_auto(self.draft) or (AUTO_WHEN_GREEDY and not self.draft and self.temperature == 0)
+        for with ``mode auto``; the default of a session given no draft setting (any draft setting
+        pins the fixed settings: the user chose them)."""
+        return S.wants_auto(self.draft) or (AUTO_BY_DEFAULT and not self.draft)
 
     def with_draft(self, **settings) -> "DeviceConfig":
         """The same config with these draft settings given as well (checked: ValueError)."""

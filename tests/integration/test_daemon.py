@@ -431,7 +431,7 @@ def test_serve_command_answers_exports_metrics_and_stops_on_sigterm(stack, chat_
         r = cli.completions.create(model="m1", prompt=PROMPT, max_tokens=4, temperature=0)
         assert r.choices[0].text
         status, body = _get(f"http://127.0.0.1:{metrics_port}", "/metrics")
-        # a greedy request without draft settings runs mode auto (runner.AUTO_WHEN_GREEDY)
+        # a request without draft settings runs mode auto (runner.AUTO_BY_DEFAULT)
         assert status == 200 and 'specdec_device_sessions_started_total{mode="auto"} 1.0' in body
         assert 'specdec_device_http_requests_total{route="/v1/completions",status="200"} 1.0' in body
     finally:
