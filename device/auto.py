@@ -131,6 +131,10 @@ class _Ratio:
         self.hits = self.decay * self.hits + hits
         self.trials = self.decay * self.trials + trials
 
+    @property
+    def rate(self) -> float:
+        return self.hits / self.trials
+
     def shrunk(self, prior: float, weight: float) -> float:
         """The ratio with ``weight`` trials' worth of ``prior`` added."""
         return (self.hits + weight * prior) / (self.trials + weight)
@@ -155,7 +159,7 @@ class SessionAcceptance:
 
     @property
     def alpha_base(self) -> float:
-        return min(1.0, self.accept.hits / self.accept.trials)
+        return min(1.0, self.accept.rate)
 
     def alpha_depth(self) -> tuple[float, ...]:
         """Acceptance per depth given the earlier drafts accepted: each depth's counts shrunk toward
@@ -190,7 +194,7 @@ class _ModelSide:
     def session(self) -> SessionAcceptance:
         """A new text's acceptance, starting from the device's long-run rate (PRIOR_WEIGHT positions'
         worth; its per-depth counts start from nothing and shrink toward that rate)."""
-        return SessionAcceptance(min(1.0, self.long.hits / self.long.trials))
+        return SessionAcceptance(min(1.0, self.long.rate))
 
     def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
         self.sigma.setdefault(key, _Ewma()).add(tv)
@@ -422,7 +426,7 @@ class LinkTracker:
                 encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
                 decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
                 queue_s=self.queue_s.value or 0.0,
-                guess_rate=side.guess.hits / side.guess.trials,
+                guess_rate=side.guess.rate,
                 dssd_fallback_rate=side.fallback_rate(self.dssd_samples, acceptance.alpha_base),
                 dssd_fallback_bytes=8.0 * vocab_size,
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
