@@ -102,6 +102,12 @@ class AutoConfig:
     # geomean 0.89 without DSSD, 0.97 with; 0.83 -> 1.01 at 0.5 Mbit/s 20 ms). The model charges it
     # for what it cannot do: draft ahead, and a fallback fetches the whole p_j.
     dssd: bool = True
+    # m of auto's DSSD rounds. A rejection needs the whole p_j (8 bytes x V: 393 KB for SmolLM2, 0.4 s
+    # down a 2 Mbit/s link in the links run at 120e601) when all m samples y ~ p_j fail, which each
+    # does with probability 1 - TV(p_j, q_j): with a drafter this close (T = 1 acceptance ~0.97), m = 8
+    # fails on most rejections; m = 32 costs 12 bytes a sample and stays within the edge's default cap
+    # (EdgeLimits.dssd_max_samples = 64).
+    dssd_samples: int = 32
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
 
@@ -225,7 +231,7 @@ class LinkTracker:
         self.queue_s = _Ewma(0.0)               # edge: wait for its worker per round
         self.models: dict[float, _ModelSide] = {}
         self.rounds_since_rate = 0
-        self.dssd_samples = DraftSettings().dssd_samples  # m of the DSSD rounds this device sends
+        self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
 
     def model(self, temperature: float) -> _ModelSide:
@@ -268,18 +274,26 @@ class LinkTracker:
         self._link = (rtt, rate)
 
     def _check_change(self, bits: float, network: float) -> bool:
-        """Two rounds in a row far from what the fit predicts (in the same direction): the link changed,
-        so the rounds before them describe another link; a single one (a lost segment) does not."""
+        """Two rounds in a row far from what the fit predicts (in the same direction), or one far faster:
+        the link changed, so the rounds before them describe another link; a single slow one (a lost
+        segment) does not."""
         expected = self.rtt_s() + bits / self.uplink_bps()
         off = network - expected
         outlier = abs(off) > max(CHANGE_REL * expected, CHANGE_ABS_S) and len(self.link_samples) >= 2
         same_way = outlier and self._last_off * off > 0
+        # Loss and queues only slow a round down, and no round beats the round trip: one far faster than
+        # the round-trip estimate alone is a faster link, at once (token-bucket bursts can beat the
+        # goodput fit, not the round trip; at 0 ms the links run at 120e601 kept a 150 ms estimate
+        # for three rounds of L = 16, chosen for 150 ms).
+        rtt = self.rtt_s()
+        faster = bool(self.link_samples) and network < rtt - max(CHANGE_REL * rtt, CHANGE_ABS_S)
         self._last_off = off if outlier else 0.0
-        if same_way:
-            last = self.link_samples[-1]
+        if same_way or faster:
+            last = [self.link_samples[-1]] if same_way else []
             self.link_samples.clear()
-            self.link_samples.append(last)
-        return same_way
+            self.link_samples.extend(last)
+            self.down.clear()  # downlink goodput measured on the link before
+        return same_way or faster
 
     def add_verify(self, tokens: int, seconds: float) -> None:
         self.verify.append((max(1, tokens), seconds))
@@ -498,6 +512,7 @@ class AutoPolicy:
             return replace(base, mode=Mode.NONE, edge_tokens=edge_chunk, coupled_bonus=False)
         return replace(base, mode=c.mode, draft_len=c.draft_len, top_k=c.top_k or base.top_k,
                        lattice=self.tracker.config.lattice, dense_dtype="fp16",
+                       dssd_samples=self.tracker.config.dssd_samples,
                        coupled_bonus=self.hello.draft.coupled_bonus and c.mode is not Mode.DSSD)
 
     def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> None:

@@ -12,7 +12,7 @@ from specdec.common.codecs import Mode
 from specdec.common.protocol import Hello
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
-from specdec.device.auto import OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.auto import LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, AutoPolicy, LinkTracker
 
 TSLT_256 = (Mode.TSLT, 256)
 BYTES = {(Mode.TSLT, 16): 80.0, (Mode.TSLT, 64): 320.0, TSLT_256: 1280.0, (Mode.TSLT, 1024): 5120.0,
@@ -186,6 +186,33 @@ def test_a_changed_link_shows_within_three_rounds() -> None:
     for up in sizes:
         t.observe_round(record(up=up, network=link_network(0.1, 1e6, up)), SETTINGS, 1.0, 49152)
     assert t.rtt_s() == pytest.approx(0.1, rel=0.05) and t.uplink_bps() == pytest.approx(1e6, rel=0.05)
+
+
+def test_one_round_faster_than_the_round_trip_estimate_resets_it_and_one_slow_round_does_not() -> None:
+    """No round beats the round trip, while loss and queues make single rounds slow: 150 ms -> 0 ms
+    shows after one round (it took three, each of L = 16 chosen for 150 ms), a lost segment is not
+    taken for a change, and the downlink goodput measured before the change is dropped with it."""
+    t = LinkTracker()
+    for up in (600, 5000, 600, 9000, 2500, 600):
+        t.observe_round(record(up=up, network=link_network(0.15, 10e6, up)), SETTINGS, 1.0, 49152)
+    t.down.append((8 * 393216, 0.3))
+    t.observe_round(record(up=600, network=0.15 + 0.2), SETTINGS, 1.0, 49152)  # one lost segment
+    assert t.rtt_s() >= 0.15 and t.down and len(t.link_samples) == LINK_WINDOW  # in the fit, not a change
+    t.observe_round(record(up=600, network=link_network(0.002, 10e6, 600)), SETTINGS, 1.0, 49152)
+    assert t.rtt_s() < 0.005 and not t.down, t.rtt_s()
+
+
+def test_auto_dssd_rounds_send_enough_samples_to_spare_the_full_p() -> None:
+    """A rejection ships the whole p_j when all m samples fail, each with probability ~alpha: auto's
+    DSSD rounds ask for AutoConfig.dssd_samples (within the edge's default cap), and the fallback
+    share the model charges shrinks with it."""
+    from specdec.edge.verifier import EdgeLimits
+    policy = AutoPolicy(LinkTracker(), HELLO, 49152)
+    s = policy.settings_for(A.Candidate(Mode.DSSD, 8), 16)
+    assert s.dssd_samples == AutoConfig().dssd_samples > DraftSettings().dssd_samples
+    assert s.dssd_samples <= EdgeLimits().dssd_max_samples
+    validate(s)
+    assert policy.tracker.estimates(1.0, 49152).dssd_fallback_rate < 0.8 ** 8
 
 
 def test_a_changed_link_is_probed_soon_when_only_small_rounds_are_sent() -> None:
