@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint clean
+.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml setup.py
@@ -75,6 +75,11 @@ bench-defaults: $(PB_OUT)
 # on a warm cache and its peak RSS, with the breakdown (results/bench_footprint.json; ~1 min).
 footprint: $(PB_OUT)
 	$(PY) bench/bench_footprint.py $(ARGS)
+
+# What truncating q costs in acceptance against eq. (22)'s sigma_K, exactly (sum_x min(p, q_hat) per
+# position on texts the target samples): results/bench_truncation_T<T>.json, ~1 min at the defaults.
+bench-truncation: $(PB_OUT)
+	$(PY) bench/bench_truncation.py $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.

@@ -1,0 +1,106 @@
+"""Benchmark: what truncating the draft distribution costs in acceptance, against eq. (22)'s estimate.
+
+mode auto predicts the acceptance of a codec it has not tried with TSLT eq. (22) as a first-order
+estimate: alpha_K = alpha_dense - sigma_K, sigma_K = TV(q_hat_K, q) (the drafter's mass outside the
+K tokens sent). The bound |alpha_K - alpha_dense| <= sigma_K is tight when p = q; how close it is for
+the real pair decides whether auto ranks K right. This measures it exactly, without sampling noise:
+on texts the target samples at ``--temperature`` from the bench prompts, at every generated position
+it computes the expected acceptance sum_x min(p, q_hat) for the drafter's dense q and for each codec
+(the packet the device would send, decoded as the edge decodes it), and sigma_K.
+
+    .venv/bin/python bench/bench_truncation.py [--temperature 1] [--prompts 6] [--max-new-tokens 64]
+
+Writes results/bench_truncation_T<temperature>.json (``--out``) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.common.codecs import CodecConfig, Mode
+from specdec.common.modeling import ModelSpec, encode_prompt, load_model
+from specdec.common.sampling import model_probs
+from specdec.device.default_drafter import default_drafter_spec
+from specdec.device.draft_model import DraftModel, encode_q
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ROOT / "bench" / "prompts.jsonl"
+# the codecs mode auto chooses among (device/auto.py AutoConfig) and K = 1024, which it dropped
+CODECS = {**{f"tslt-{k}": (Mode.TSLT, k) for k in (16, 64, 256, 1024)}, "ksqs-64": (Mode.KSQS, 64)}
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--prompts", type=int, default=6, help="first N prompts of bench/prompts.jsonl")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if a.temperature <= 0 or a.prompts < 1 or a.max_new_tokens < 1:
+        ap.error("--temperature must be > 0, --prompts and --max-new-tokens >= 1")
+    return a
+
+
+def acceptance(p: torch.Tensor, q_hat: torch.Tensor) -> float:  # [V], [V] -> P(a draft from q_hat is kept)
+    return float(torch.minimum(p, q_hat).sum())
+
+
+def measure(a: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    target, drafter = load_model(ModelSpec()), load_model(default_drafter_spec())
+    V = drafter.vocab_size
+    codecs = {name: CodecConfig(mode=mode, vocab_size=V, top_k=k, lattice=1000) for name, (mode, k) in CODECS.items()}
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    sums = {name: [0.0, 0.0] for name in ("dense", *codecs)}  # [sum acceptance, sum sigma]
+    n = 0
+    for text in prompts[:a.prompts]:
+        ids = encode_prompt(target.tokenizer, text, raw=False)
+        with torch.no_grad():
+            out = target.model.generate(torch.tensor([ids]), do_sample=True, temperature=a.temperature, top_k=0,
+                                        top_p=1.0, max_new_tokens=a.max_new_tokens)
+            logits = target.model(out).logits[0]  # [len, V]
+        seq, draft = out[0].tolist(), DraftModel(drafter, a.temperature)
+        for i in range(len(ids), len(seq)):
+            p = model_probs(logits[i - 1], a.temperature)  # [V]
+            q = draft.probs(draft.feed(seq[:i]))           # [V]
+            sums["dense"][0] += acceptance(p, q)
+            for name, codec in codecs.items():
+                q_hat = encode_q(q, codec).q_hat
+                sums[name][0] += acceptance(p, q_hat)
+                sums[name][1] += 0.5 * float((q_hat - q).abs().sum())
+            n += 1
+    dense = sums["dense"][0] / n
+    rows = {name: {"acceptance": s / n, "sigma": g / n, "loss": dense - s / n,
+                   "loss_over_sigma": (dense - s / n) / (g / n) if g else None}
+            for name, (s, g) in sums.items() if name != "dense"}
+    return {"temperature": a.temperature, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
+            "positions": n, "dense_acceptance": dense, "codecs": rows, "drafter": drafter.name,
+            "target": target.name, "machine": platform.platform(), "torch": torch.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    t0 = time.perf_counter()
+    res = measure(a)
+    res["seconds"] = time.perf_counter() - t0
+    out = a.out or ROOT / "results" / f"bench_truncation_T{a.temperature:g}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"T = {a.temperature:g}: {res['positions']} positions, dense q acceptance {res['dense_acceptance']:.4f}")
+    for name, r in res["codecs"].items():
+        print(f"  {name:10s} sigma {r['sigma']:.4f}  acceptance {r['acceptance']:.4f}  loss {r['loss']:.4f}"
+              f"  loss / sigma {r['loss_over_sigma']:.2f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
