@@ -27,7 +27,7 @@ from specdec.common.latency import expected_tokens_by_depth, oracle_time_draftin
 
 # Modes whose rounds the device can draft ahead (device/chain.py DRAFT_AHEAD_MODES, stated here as
 # data so that this module stays free of device code).
-AHEAD_MODES = frozenset({Mode.DENSE, Mode.TSLT, Mode.KSQS})
+AHEAD_MODES = frozenset({Mode.DENSE, Mode.TSLT, Mode.KSQS, Mode.DSSD})
 TRUST_FACTOR = 4.0             # rounds up to this x the largest measured one are predicted at the estimate
 UNTRUSTED_BPS = 1e6            # ... and the bits beyond it at most this fast
 PROTO_BYTES_PER_TOKEN = 6      # a draft token's id and its packet's length prefix on the wire

@@ -81,10 +81,10 @@ class DraftSettings:
                                 modes=frozenset({Mode.DSSD}))
     tree: tuple[int, ...] = setting((), "token tree expansion configuration <k1..kL>, e.g. 2,2,2; "
                                         "() = a chain of draft_len", modes=DRAFTING_MODES - {Mode.DSSD})
-    coupled_bonus: bool = setting(True, "chain rounds outside dssd: the edge draws the bonus token with "
-                                        "noise both sides derive from the seed and its position, so the "
-                                        "device can guess it and draft ahead at T > 0 (lossless either way)",
-                                  modes=DRAFTING_MODES - {Mode.DSSD})
+    coupled_bonus: bool = setting(True, "chain rounds: the edge draws the bonus token with noise both "
+                                        "sides derive from the seed and its position, so the device can "
+                                        "guess it and draft ahead at T > 0 (lossless either way)",
+                                  modes=DRAFTING_MODES)
     edge_tokens: int = setting(0, "mode none: tokens the edge generates and streams per round; 0 = all "
                                   "that remain", low=1, high=UINT32_MAX, zero_is_off=True,
                                modes=frozenset({Mode.NONE}))
@@ -108,7 +108,7 @@ class DraftSettings:
     @property
     def coupled(self) -> bool:
         """Whether this round's bonus token is the coupled Gumbel-max draw."""
-        return self.coupled_bonus and not self.tree and self.mode not in (Mode.DSSD, Mode.NONE)
+        return self.coupled_bonus and not self.tree and self.mode is not Mode.NONE
 
 
 def setting_info(name: str) -> SettingInfo:
@@ -217,7 +217,7 @@ def parse_settings(given: Mapping[str, Any]) -> dict[str, Any]:
 def resolve(given: Mapping[str, Any], operating_point: Mapping[str, Any] = (), vocab_size: int = 0) -> DraftSettings:
     """The session's settings: what the user gave, else the drafter's recorded operating point (the
     default drafter records its best L and K), else the table's defaults. K is capped at the
-    vocabulary, the coupled bonus is off where it does not apply (DSSD, trees)."""
+    vocabulary, the coupled bonus is off where it does not apply (trees)."""
     recorded = {k: v for k, v in dict(operating_point).items() if k in _INFO}
     chosen = parse_settings({**recorded, **given})
     if chosen.get("mode") == AUTO:  # the controller starts from the defaults and re-plans every round
@@ -256,6 +256,6 @@ def validate(s: DraftSettings) -> None:
         if s.mode in info.modes:
             check_value(name, getattr(s, name))
     if s.coupled_bonus and not s.coupled:
-        raise ValueError("coupled_bonus applies to chain rounds outside DSSD only")
+        raise ValueError("coupled_bonus applies to chain rounds only")
     if s.tree and s.mode in (Mode.DSSD, Mode.NONE):
         raise ValueError(f"token trees need draft distributions; {s.mode.value} sends none")

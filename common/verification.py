@@ -302,6 +302,7 @@ def dssd_edge_verify(
     p: torch.Tensor,  # [L+1, V] float64, row i: target after prefix + draft_ids[:i]
     generator: torch.Generator,
     num_samples: int,
+    bonus_noise: torch.Tensor | None = None,  # [V] float64 Gumbel noise for the bonus token, or None
 ) -> DssdEdgeResult:
     """Edge half of DSSD: the accept tests of chain verification, using only the scalars q_i(x_i).
 
@@ -312,7 +313,9 @@ def dssd_edge_verify(
 
     Random draws, in order: one uniform per accept test exactly as ``chain_verify`` (so for the same
     generator state ``num_accepted`` agrees with it), then either one uniform for the bonus token
-    (all accepted) or ``m`` uniforms for ``y_1..y_m`` (a rejection).
+    (all accepted) or ``m`` uniforms for ``y_1..y_m`` (a rejection). With ``bonus_noise`` (the
+    coupled bonus, :func:`bonus_noise`) the bonus is the Gumbel-max draw instead, as in
+    ``chain_verify``, so that the device can guess it and draft the next round ahead.
     """
     check_generator(generator)
     check_int(num_samples, "num_samples", 0)
@@ -335,9 +338,10 @@ def dssd_edge_verify(
                 reject_sample_probs=p[j][samples].clone(),
                 reject_p=p[j].clone(),
             )
+    bonus = sample_token_gumbel(p[L], bonus_noise) if bonus_noise is not None else sample_token(p[L], generator)
     return DssdEdgeResult(
         num_accepted=L,
-        bonus_token=sample_token(p[L], generator),
+        bonus_token=bonus,
         reject_samples=torch.empty(0, dtype=torch.int64),
         reject_sample_probs=torch.empty(0, dtype=torch.float64),
         reject_p=None,

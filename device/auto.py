@@ -99,8 +99,8 @@ class AutoConfig:
     dense: bool = True
     # DSSD is a candidate: fixed DSSD-L4 lost to TSLT-256-L4 in every cell of the links benchmark, but
     # at L = 10-16 its 20-byte rounds win on 0.5-2 Mbit/s at T = 1 (7 T = 1 cells, auto / TSLT-256-L8
-    # geomean 0.89 without DSSD, 0.97 with; 0.83 -> 1.01 at 0.5 Mbit/s 20 ms). The model charges it
-    # for what it cannot do: draft ahead, and a fallback fetches the whole p_j.
+    # geomean 0.89 without DSSD, 0.97 with; 0.83 -> 1.01 at 0.5 Mbit/s 20 ms). Its rounds draft ahead
+    # like the other chains (coupled bonus); the model charges it for its fallback, the whole p_j.
     dssd: bool = True
     # m of auto's DSSD rounds. A rejection needs the whole p_j (8 bytes x V: 393 KB for SmolLM2, 0.4 s
     # down a 2 Mbit/s link in the links run at 120e601) when all m samples y ~ p_j fail, which each
@@ -513,7 +513,7 @@ class AutoPolicy:
         return replace(base, mode=c.mode, draft_len=c.draft_len, top_k=c.top_k or base.top_k,
                        lattice=self.tracker.config.lattice, dense_dtype="fp16",
                        dssd_samples=self.tracker.config.dssd_samples,
-                       coupled_bonus=self.hello.draft.coupled_bonus and c.mode is not Mode.DSSD)
+                       coupled_bonus=self.hello.draft.coupled_bonus)
 
     def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> None:
         self.tracker.observe_q(q, q_hat, settings, self.hello.temperature)

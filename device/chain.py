@@ -21,9 +21,10 @@ from specdec.common.sampling import model_probs
 from specdec.device.draft_model import DraftStep
 
 # Modes whose chain rounds carry no state but the cache and the tokens: their rounds can be drafted
-# ahead (C-SQS updates its threshold while drafting, DSSD resolves on the device, trees and bit
-# budgets shape the round: those draft after each verdict).
-DRAFT_AHEAD_MODES = (Mode.DENSE, Mode.TSLT, Mode.KSQS)
+# ahead (C-SQS updates its threshold while drafting, trees and bit budgets shape the round: those
+# draft after each verdict). DSSD too: a round drafted ahead guesses a full accept, where DSSD needs
+# nothing of the device but the bonus, drawn coupled as in the other chains.
+DRAFT_AHEAD_MODES = (Mode.DENSE, Mode.TSLT, Mode.KSQS, Mode.DSSD)
 
 
 def can_draft_ahead(s: DraftSettings) -> bool:

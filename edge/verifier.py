@@ -342,7 +342,8 @@ class VerifierSession:
 
     def _finish_dssd(self, draft: DraftBlock, settings: DraftSettings, ids, q_of_draft, p,
                      generator: torch.Generator) -> Verdict:
-        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, settings.dssd_samples)
+        noise = self._bonus_noise(len(ids)) if settings.coupled_bonus else None
+        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, settings.dssd_samples, noise)
         n = res.num_accepted
         self._commit(list(draft.token_ids[:n]), n, res.bonus_token)
         if res.bonus_token is not None:

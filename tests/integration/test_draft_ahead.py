@@ -33,7 +33,7 @@ from unit.toy_models import P_VALUE_CUT, goodness_of_fit
 SEEDS = range(40)
 MAX_NEW = 30  # long enough that rounds drafted ahead are usually full
 MODES = {"tslt": dict(mode=Mode.TSLT, top_k=8), "dense": dict(mode=Mode.DENSE, dense_dtype="fp16"),
-         "ksqs": dict(mode=Mode.KSQS, top_k=8, lattice=16)}
+         "ksqs": dict(mode=Mode.KSQS, top_k=8, lattice=16), "dssd": dict(mode=Mode.DSSD)}
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_client_drafts_ahead_by_default_for_chain_modes_only(twin, diverse_pair,
     assert [t for t, _, _ in results] == [t for t, _, _ in plain]
     drafter = load(str(tiny_pair_v8[1]))
     for kw, eligible in ((dict(mode=Mode.TSLT), True), (dict(mode=Mode.CSQS), False),
-                         (dict(mode=Mode.DSSD), False), (dict(mode=Mode.TSLT, tree=(2, 2)), False),
+                         (dict(mode=Mode.DSSD), True), (dict(mode=Mode.TSLT, tree=(2, 2)), False),
                          (dict(mode=Mode.TSLT, bit_budget=4000), False)):
         hello = device_config(**kw).hello("fp", drafter.vocab_size, seed=0)
         assert DraftSession(drafter, hello, draft_ahead=True).draft_ahead_enabled is eligible, kw

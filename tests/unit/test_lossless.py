@@ -178,19 +178,24 @@ def tree_round(pair, config, g: torch.Generator, with_replacement: bool = True):
 
 
 def dssd_round(pair, L: int, m: int, g: torch.Generator, stats: dict, residual_fallback=dssd_device_residual,
-               scalar_wire=None):
+               scalar_wire=None, coupled: bool = False):
     """Device drafts and sends ids + q_i(x_i) (through ``scalar_wire`` if given); edge verifies and
-    samples m y ~ p_j; device resolves."""
+    samples m y ~ p_j; device resolves. ``coupled``: the bonus is the coupled Gumbel-max draw (a new
+    session seed per sequence), as DSSD rounds that draft ahead use."""
     g_edge = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=g)))
+    session = {"seed": 0}
 
     def round_fn(seq: list[int]) -> list[int]:
+        if coupled and len(seq) == len(PROMPT):  # a new sequence: a new session
+            session["seed"] = int(torch.randint(2**62, (1,), generator=g))
         draft, q_rows = draft_chain(pair, seq, L, g)
         ids = torch.tensor(draft)
         q_of_draft = torch.stack(q_rows).gather(1, ids.unsqueeze(1)).squeeze(1)  # [L], the uplink scalars
         if scalar_wire is not None:
             q_of_draft = scalar_wire(q_of_draft)
         p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])
-        edge = dssd_edge_verify(ids, q_of_draft, p, g_edge, num_samples=m)
+        noise = bonus_noise(session["seed"], len(seq) + L, VOCAB) if coupled else None
+        edge = dssd_edge_verify(ids, q_of_draft, p, g_edge, num_samples=m, bonus_noise=noise)
         if edge.bonus_token is not None:
             return draft + [edge.bonus_token]
         j = edge.num_accepted
@@ -305,6 +310,7 @@ def build_mode(name: str, pair, g: torch.Generator):
         "tree <2,2> distinct": lambda: tree_round(pair, (2, 2), g, with_replacement=False),
         "dssd L=3 m=4": lambda: dssd_round(pair, 3, 4, g, stats),
         "dssd wire scalars L=2 m=1": lambda: dssd_round(pair, 2, 1, g, stats, scalar_wire=wire_scalars),
+        "dssd L=2 m=2 coupled bonus": lambda: dssd_round(pair, 2, 2, g, stats, coupled=True),
         "dense fp16": lambda: codec_round(pair, codec_config("dense"), 2, g),
         "tslt top-2": lambda: codec_round(pair, codec_config("tslt"), 2, g),
         "ksqs top-2": lambda: codec_round(pair, codec_config("ksqs"), 2, g),
@@ -313,13 +319,14 @@ def build_mode(name: str, pair, g: torch.Generator):
             ConformalController(alpha=CSQS_ALPHA, eta=CSQS_ETA, beta0=CSQS_BETA0), supports=supports),
     }
     checks = {"dssd L=3 m=4": both_dssd_paths_used, "dssd wire scalars L=2 m=1": both_dssd_paths_used,
-              "csqs conformal": support_moved}
+              "dssd L=2 m=2 coupled bonus": both_dssd_paths_used, "csqs conformal": support_moved}
     return builders[name](), checks.get(name, lambda num_seqs: None)
 
 
 MODES = [
     "chain L=1", "chain L=2", "chain L=4", "chain L=2 coupled bonus", "mc k=2 iid", "mc k=3 distinct",
-    "tree <2,2>", "tree <3,1>", "tree <2,2> distinct", "dssd L=3 m=4", "dssd wire scalars L=2 m=1", "dense fp16", "tslt top-2",
+    "tree <2,2>", "tree <3,1>", "tree <2,2> distinct", "dssd L=3 m=4", "dssd wire scalars L=2 m=1",
+    "dssd L=2 m=2 coupled bonus", "dense fp16", "tslt top-2",
     "ksqs top-2", "csqs conformal",
 ]
 

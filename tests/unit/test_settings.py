@@ -85,15 +85,17 @@ def test_resolve_order_given_then_operating_point_then_table() -> None:
     s = S.resolve({"top_k": 8}, {"top_k": 256, "draft_len": 6, "name": "not a setting"}, vocab_size=100)
     assert (s.top_k, s.draft_len, s.lattice) == (8, 6, S.DraftSettings().lattice)
     assert S.resolve({}, {"top_k": 256}, vocab_size=100).top_k == 100  # capped at the vocabulary
-    assert S.resolve({"mode": "dssd"}).coupled_bonus is False          # does not apply there
+    assert S.resolve({"mode": "dssd"}).coupled_bonus is True           # DSSD chains draft ahead too
+    assert S.resolve({"tree": [2, 2]}).coupled_bonus is False           # does not apply to trees
 
 
 def test_validate_reads_only_what_the_mode_reads() -> None:
     S.validate(dataclasses.replace(S.DraftSettings(mode=Mode.DSSD, coupled_bonus=False), lattice=0, top_k=0))
     with pytest.raises(ValueError, match="lattice"):
         S.validate(dataclasses.replace(S.DraftSettings(mode=Mode.KSQS), lattice=0))
+    S.validate(S.DraftSettings(mode=Mode.DSSD, coupled_bonus=True))
     with pytest.raises(ValueError, match="coupled_bonus"):
-        S.validate(S.DraftSettings(mode=Mode.DSSD, coupled_bonus=True))
+        S.validate(S.DraftSettings(mode=Mode.TSLT, tree=(2, 2), coupled_bonus=True))
 
 
 def test_hello_round_trip_keeps_the_session_settings() -> None:
