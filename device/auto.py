@@ -104,10 +104,12 @@ class AutoConfig:
     dssd: bool = True
     # m of auto's DSSD rounds. A rejection needs the whole p_j (8 bytes x V: 393 KB for SmolLM2, 0.4 s
     # down a 2 Mbit/s link in the links run at 120e601) when all m samples y ~ p_j fail, which each
-    # does with probability 1 - TV(p_j, q_j): with a drafter this close (T = 1 acceptance ~0.97), m = 8
-    # fails on most rejections; m = 32 costs 12 bytes a sample and stays within the edge's default cap
-    # (EdgeLimits.dssd_max_samples = 64).
-    dssd_samples: int = 32
+    # does with probability 1 - TV(p_j, q_j): with a drafter this close (T = 1 acceptance ~0.98), m = 8
+    # fails on most rejections, m = 32 still on 27 of 85 in the links run at e6e333f (3 of 12 in a
+    # 0.5 Mbit/s A/B, bench_links --only-cells 0.5mbit,2mbit-0ms --configs dssd-L4,auto --temperatures 1
+    # --prompts 3 --no-changing; m = 64 2 of 16 there, auto / DSSD-L4 geomean 0.94 -> 1.01 over its 5
+    # cells). 12 bytes a sample; 64 is the edge's cap (EdgeLimits.dssd_max_samples).
+    dssd_samples: int = 64
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
 
