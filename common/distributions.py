@@ -321,6 +321,23 @@ def sample_token(probs: torch.Tensor | SparseDist, generator: torch.Generator) -
     return sample_token_from_uniform(probs, u)
 
 
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator, n: int) -> torch.Tensor:  # [n] int64
+    """``n`` i.i.d. tokens from ``probs`` [V], token for token what ``n`` calls of :func:`sample_token`
+    return (the same ``n`` float64 uniforms in the same order, the same float64 inverse CDF and its
+    rounding fallback), with one cumulative sum instead of ``n``: DSSD's m samples of p_j after a
+    rejection took ~8 ms at m = 64 and V = 49152 one by one."""
+    check_generator(generator)
+    check_int(n, "n", 0)
+    check_probs(probs, "probs")
+    u = torch.rand(n, dtype=torch.float64, generator=generator)  # [n], the stream n scalar draws read
+    cum = torch.cumsum(probs.to(torch.float64), dim=0)  # [V]
+    idx = torch.searchsorted(cum, u * float(cum[-1]), right=True)  # [n]
+    past_end = idx >= probs.numel()
+    if bool(past_end.any()):
+        idx[past_end] = int((probs > 0).nonzero()[-1])
+    return idx
+
+
 def gumbel_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:  # [V] float64
     """``vocab_size`` i.i.d. standard Gumbel draws ``-log(-log u)`` from float64 uniforms of ``generator``
     (a uniform of exactly 0 gives -inf: that token cannot win a Gumbel-max draw)."""

@@ -43,7 +43,7 @@ import torch
 # Inverse-CDF sampling with one float64 uniform, shared with the device's drafting code so both
 # sides sample identically (re-exported here for callers of the verification API).
 from specdec.common.distributions import (gumbel_noise, sample_token, sample_token_from_uniform,
-                                          sample_token_gumbel)
+                                          sample_token_gumbel, sample_tokens)
 from specdec.common.streams import Purpose, stream
 from specdec.common.validation import (check_drafts_sampleable, check_generator, check_int, check_prob_rows,
                                        check_prob_scalars, check_prob_vector, check_token_ids)
@@ -330,7 +330,7 @@ def dssd_edge_verify(
 
     for j in range(L):
         if not _accepts(draw_uniform(generator), p_of_draft[j], q_list[j]):
-            samples = torch.tensor([sample_token(p[j], generator) for _ in range(num_samples)], dtype=torch.int64)
+            samples = sample_tokens(p[j], generator, num_samples)  # [m], as m calls of sample_token
             return DssdEdgeResult(
                 num_accepted=j,
                 bonus_token=None,

@@ -18,6 +18,7 @@ from specdec.common.distributions import (
     sample_token,
     sample_token_from_uniform,
     sample_token_gumbel,
+    sample_tokens,
     sparsify,
     support,
     top_k_ids,
@@ -456,3 +457,19 @@ def test_gumbel_max_rejects_bad_input():
         sample_token_gumbel(torch.tensor([0.5, 0.6], dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="generator"):
         gumbel_noise(None, 4)
+
+
+@pytest.mark.parametrize("probs", [
+    torch.softmax(torch.randn(4096, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3, 0),
+    torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0], dtype=torch.float64),          # zeros are never drawn
+    torch.tensor([0.1, 0.2, 0.3, 0.4 + 1e-9], dtype=torch.float64),           # total a hair above 1
+])
+def test_sample_tokens_is_n_calls_of_sample_token(probs) -> None:
+    """Token for token and uniform for uniform: a vectorised draw must not change what a seed gives
+    (DSSD's samples after a rejection are redrawn bit for bit on a retry)."""
+    for n in (0, 1, 7, 64):
+        one, many = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        expected = [sample_token(probs, one) for _ in range(n)]
+        assert sample_tokens(probs, many, n).tolist() == expected
+        assert torch.equal(one.get_state(), many.get_state())
+    assert int(probs[sample_tokens(probs, torch.Generator().manual_seed(0), 500)].min() > 0)
