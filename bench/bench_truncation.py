@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdec.common.codecs import CodecConfig, Mode
+from specdec.common.distributions import tv_distance
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
 from specdec.common.sampling import model_probs
 from specdec.device.default_drafter import default_drafter_spec
@@ -75,7 +76,7 @@ def measure(a: argparse.Namespace) -> dict:
             for name, codec in codecs.items():
                 q_hat = encode_q(q, codec).q_hat
                 sums[name][0] += acceptance(p, q_hat)
-                sums[name][1] += 0.5 * float((q_hat - q).abs().sum())
+                sums[name][1] += tv_distance(q_hat, q)
             n += 1
     dense = sums["dense"][0] / n
     rows = {name: {"acceptance": s / n, "sigma": g / n, "loss": dense - s / n,

@@ -298,11 +298,17 @@ def sample_token_from_uniform(probs: torch.Tensor | SparseDist, u: float) -> int
 
 
 def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    return int(_inverse_cdf_many(probs, torch.tensor([u], dtype=torch.float64))[0])
+
+
+def _inverse_cdf_many(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [V], [n] -> [n] int64
+    """The first token whose float64 cumulative probability exceeds ``u * total``, for each uniform,
+    over one cumulative sum; past the end by rounding: the last token with non-zero probability."""
     cum = torch.cumsum(probs.to(torch.float64), dim=0)  # [V]
-    x = torch.tensor([u * float(cum[-1])], dtype=torch.float64)
-    idx = int(torch.searchsorted(cum, x, right=True)[0])
-    if idx >= probs.numel():
-        idx = int((probs > 0).nonzero()[-1])
+    idx = torch.searchsorted(cum, u * float(cum[-1]), right=True)  # [n]
+    past_end = idx >= probs.numel()
+    if bool(past_end.any()):
+        idx[past_end] = int((probs > 0).nonzero()[-1])
     return idx
 
 
@@ -330,12 +336,7 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator, n: int) -> to
     check_int(n, "n", 0)
     check_probs(probs, "probs")
     u = torch.rand(n, dtype=torch.float64, generator=generator)  # [n], the stream n scalar draws read
-    cum = torch.cumsum(probs.to(torch.float64), dim=0)  # [V]
-    idx = torch.searchsorted(cum, u * float(cum[-1]), right=True)  # [n]
-    past_end = idx >= probs.numel()
-    if bool(past_end.any()):
-        idx[past_end] = int((probs > 0).nonzero()[-1])
-    return idx
+    return _inverse_cdf_many(probs, u)
 
 
 def gumbel_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:  # [V] float64

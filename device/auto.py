@@ -97,10 +97,9 @@ class AutoConfig:
     lattice: int = 1000
     draft_lens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
     dense: bool = True
-    # DSSD is a candidate: fixed DSSD-L4 lost to TSLT-256-L4 in every cell of the links benchmark, but
-    # at L = 10-16 its 20-byte rounds win on 0.5-2 Mbit/s at T = 1 (7 T = 1 cells, auto / TSLT-256-L8
-    # geomean 0.89 without DSSD, 0.97 with; 0.83 -> 1.01 at 0.5 Mbit/s 20 ms). Its rounds draft ahead
-    # like the other chains (coupled bonus); the model charges it for its fallback, the whole p_j.
+    # DSSD is a candidate: its rounds draft ahead like the other chains (coupled bonus) and send the
+    # exact q's acceptance in a few bytes; fixed DSSD-L4 is the best fixed setting in 8 of the 16 T = 1
+    # grid cells of the links run at e6e333f. The model charges it for its fallback, the whole p_j.
     dssd: bool = True
     # m of auto's DSSD rounds. A rejection needs the whole p_j (8 bytes x V: 393 KB for SmolLM2, 0.4 s
     # down a 2 Mbit/s link in the links run at 120e601) when all m samples y ~ p_j fail, which each
@@ -279,7 +278,8 @@ class LinkTracker:
         """Two rounds in a row far from what the fit predicts (in the same direction), or one far faster:
         the link changed, so the rounds before them describe another link; a single slow one (a lost
         segment) does not."""
-        expected = self.rtt_s() + bits / self.uplink_bps()
+        rtt = self.rtt_s()
+        expected = rtt + bits / self.uplink_bps()
         off = network - expected
         outlier = abs(off) > max(CHANGE_REL * expected, CHANGE_ABS_S) and len(self.link_samples) >= 2
         same_way = outlier and self._last_off * off > 0
@@ -287,7 +287,6 @@ class LinkTracker:
         # the round-trip estimate alone is a faster link, at once (token-bucket bursts can beat the
         # goodput fit, not the round trip; at 0 ms the links run at 120e601 kept a 150 ms estimate
         # for three rounds of L = 16, chosen for 150 ms).
-        rtt = self.rtt_s()
         faster = bool(self.link_samples) and network < rtt - max(CHANGE_REL * rtt, CHANGE_ABS_S)
         self._last_off = off if outlier else 0.0
         if same_way or faster:

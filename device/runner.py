@@ -27,10 +27,9 @@ INTERIM_DRAFT_LAYERS = 12
 
 
 # ``mode auto`` is the default of a session given no draft setting: it beats the fixed default (the
-# drafter's recorded K and L) in the links benchmark (README "Links"). T = 0, full grid at e57c86f
-# (docs/bench/links_20261125_r3): 1.22x the fixed default's tokens/s in geometric mean over the 16 grid
-# cells (1.19x over the 4 jitter and loss cells), 0.97x at worst. T = 1, full grid at 120e601
-# (docs/bench/links_20261125_r4_T1): 1.10x over the grid (0.82x at worst), 1.16x over jitter and loss.
+# drafter's recorded K and L) in the links benchmark (README "Links"). Full run at e6e333f, both
+# temperatures (docs/bench/links_20261125_r5): 1.20x the fixed default's tokens/s in geometric mean
+# over the 32 grid cells (T = 0 1.27, 0.92x at worst; T = 1 1.13, 0.78x at worst).
 AUTO_BY_DEFAULT = True
 
 
