@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation clean
+.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation bench-dssd-fallback clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml setup.py
@@ -80,6 +80,11 @@ footprint: $(PB_OUT)
 # position on texts the target samples): results/bench_truncation_T<T>.json, ~1 min at the defaults.
 bench-truncation: $(PB_OUT)
 	$(PY) bench/bench_truncation.py $(ARGS)
+
+# What a DSSD fallback costs downlink: the whole p_j against its head and tail samples, per K and n
+# (exact expectations on texts the target samples): results/bench_dssd_fallback_T<T>.json, ~1 min.
+bench-dssd-fallback: $(PB_OUT)
+	$(PY) bench/bench_dssd_fallback.py $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.

@@ -53,31 +53,42 @@ def acceptance(p: torch.Tensor, q_hat: torch.Tensor) -> float:  # [V], [V] -> P(
     return float(torch.minimum(p, q_hat).sum())
 
 
-def measure(a: argparse.Namespace) -> dict:
+def positions(target, drafter, prompts: list[str], temperature: float, max_new_tokens: int):
+    """(p, q) [V], [V] at every position of texts the target samples at ``temperature`` from
+    ``prompts``: the target's and the drafter's distributions given the same prefix."""
+    for text in prompts:
+        ids = encode_prompt(target.tokenizer, text, raw=False)
+        with torch.no_grad():
+            out = target.model.generate(torch.tensor([ids]), do_sample=True, temperature=temperature, top_k=0,
+                                        top_p=1.0, max_new_tokens=max_new_tokens)
+            logits = target.model(out).logits[0]  # [len, V]
+        seq, draft = out[0].tolist(), DraftModel(drafter, temperature)
+        for i in range(len(ids), len(seq)):
+            yield model_probs(logits[i - 1], temperature), draft.probs(draft.feed(seq[:i]))
+
+
+def load_pair_and_prompts(a: argparse.Namespace):
+    """The embedded target and drafter, and the first ``a.prompts`` bench prompts."""
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     target, drafter = load_model(ModelSpec()), load_model(default_drafter_spec())
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    return target, drafter, prompts[:a.prompts]
+
+
+def measure(a: argparse.Namespace) -> dict:
+    target, drafter, prompts = load_pair_and_prompts(a)
     V = drafter.vocab_size
     codecs = {name: CodecConfig(mode=mode, vocab_size=V, top_k=k, lattice=1000) for name, (mode, k) in CODECS.items()}
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     sums = {name: [0.0, 0.0] for name in ("dense", *codecs)}  # [sum acceptance, sum sigma]
     n = 0
-    for text in prompts[:a.prompts]:
-        ids = encode_prompt(target.tokenizer, text, raw=False)
-        with torch.no_grad():
-            out = target.model.generate(torch.tensor([ids]), do_sample=True, temperature=a.temperature, top_k=0,
-                                        top_p=1.0, max_new_tokens=a.max_new_tokens)
-            logits = target.model(out).logits[0]  # [len, V]
-        seq, draft = out[0].tolist(), DraftModel(drafter, a.temperature)
-        for i in range(len(ids), len(seq)):
-            p = model_probs(logits[i - 1], a.temperature)  # [V]
-            q = draft.probs(draft.feed(seq[:i]))           # [V]
-            sums["dense"][0] += acceptance(p, q)
-            for name, codec in codecs.items():
-                q_hat = encode_q(q, codec).q_hat
-                sums[name][0] += acceptance(p, q_hat)
-                sums[name][1] += tv_distance(q_hat, q)
-            n += 1
+    for p, q in positions(target, drafter, prompts, a.temperature, a.max_new_tokens):
+        sums["dense"][0] += acceptance(p, q)
+        for name, codec in codecs.items():
+            q_hat = encode_q(q, codec).q_hat
+            sums[name][0] += acceptance(p, q_hat)
+            sums[name][1] += tv_distance(q_hat, q)
+        n += 1
     dense = sums["dense"][0] / n
     rows = {name: {"acceptance": s / n, "sigma": g / n, "loss": dense - s / n,
                    "loss_over_sigma": (dense - s / n) / (g / n) if g else None}

@@ -82,13 +82,24 @@ class Verdict:
 
 @dataclass(frozen=True)
 class ResidualReply:
+    """DSSD fallback: the whole p_j (``target_probs``), or its head (verification.DssdHead's fields)."""
     round_id: int
-    target_probs: bytes                        # DSSD fallback: p_j over V, float64 little-endian
+    target_probs: bytes = b""                  # whole: p_j over V, float64 little-endian
+    head_ids: tuple[int, ...] = ()             # head: p_j's K largest entries ...
+    head_probs: tuple[float, ...] = ()         # ... their p_j, float64
+    tail_mass: float = 0.0                     # ... the mass of the rest
+    tail_samples: tuple[int, ...] = ()         # ... y ~ p_j restricted to the rest
+    tail_sample_probs: tuple[float, ...] = ()  # ... p_j(y)
+
+    @property
+    def is_head(self) -> bool:
+        return bool(self.head_ids)
 
 
 @dataclass(frozen=True)
 class ResidualRequest:
     round_id: int
+    whole: bool = False                        # the whole p_j, whatever the round's dssd_fallback_top_k
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,10 @@ class DraftSettings:
     max_k: int = setting(4096, "C-SQS support cap", low=1, modes=frozenset({Mode.CSQS}))
     dssd_samples: int = setting(8, "DSSD: target samples sent downlink after a rejection", low=1,
                                 modes=frozenset({Mode.DSSD}))
+    dssd_fallback_top_k: int = setting(
+        64, "DSSD: when every target sample fails, the edge sends p_j's K largest entries, the mass of the "
+            "rest and samples of it (about 11 bytes per entry) instead of the whole p_j (8 bytes per "
+            "vocabulary entry); 0 = the whole p_j", low=1, zero_is_off=True, modes=frozenset({Mode.DSSD}))
     tree: tuple[int, ...] = setting((), "token tree expansion configuration <k1..kL>, e.g. 2,2,2; "
                                         "() = a chain of draft_len", modes=DRAFTING_MODES - {Mode.DSSD})
     coupled_bonus: bool = setting(True, "chain rounds: the edge draws the bonus token with noise both "

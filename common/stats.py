@@ -35,13 +35,16 @@ class RoundRecord:
     ahead_discarded: int = 0        # tokens drafted ahead for the next round on a wrong guess
     threshold: float | None = None  # C-SQS threshold beta after the round
     draft_forwards: int = 0         # drafter forwards its "draft" phase took (0: not counted, trees)
+    residual_trips: int = 0         # DSSD fallback round trips (1: p_j's head or whole; 2: head, then whole)
+    residual_bytes: int = 0         # of downlink_bytes: the fallback's ResidualReplies
 
     def to_json(self) -> dict:
         """The round's numbers for a JSON round log (settings are the caller's to add)."""
         return {"drafted": self.drafted_tokens, "positions": self.positions, "accepted": self.accepted,
                 "generated": self.generated, "uplink_bytes": self.uplink_bytes,
                 "downlink_bytes": self.downlink_bytes, "phases": dict(self.phases),
-                "drafted_ahead": self.drafted_ahead, "draft_forwards": self.draft_forwards}
+                "drafted_ahead": self.drafted_ahead, "draft_forwards": self.draft_forwards,
+                "residual_trips": self.residual_trips, "residual_bytes": self.residual_bytes}
 
     @property
     def tested(self) -> int:

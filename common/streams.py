@@ -22,7 +22,11 @@ VERIFY        edge    round start          accept uniforms, then the correction 
                                            accepts then the m downlink samples of p_j
 DSSD_RESOLVE  device  round start          one uniform per downlink sample y ~ p_j tried
 DSSD_RESIDUAL device  round start          the one draw from norm(max(0, p_j - q_j)) after a
-                                           full-p_j fallback
+                                           whole-p_j fallback
+DSSD_HEAD     device  round start          a head fallback's rejection sampling: per trial
+                                           head-or-tail, then the head token or the tail
+                                           sample's accept test
+DSSD_TAIL     edge    round start          a head fallback's samples of p_j's tail
 BONUS_NOISE   both    the bonus's position Gumbel noise [V] of the coupled bonus token
 EDGE_TOKEN    edge    the token's position one uniform: the token of an edge-only round (mode
                                            none), inverse CDF of p
@@ -72,6 +76,8 @@ class Purpose(enum.IntEnum):
     DSSD_RESIDUAL = 4
     BONUS_NOISE = 5
     EDGE_TOKEN = 6
+    DSSD_HEAD = 7
+    DSSD_TAIL = 8
 
 
 def stream_key(seed: int, purpose: Purpose, position: int) -> bytes:

@@ -23,7 +23,10 @@ References
   ``p_j`` downlink; here (a smaller form, equally lossless) the edge sends ``m`` samples
   ``y ~ p_j`` with ``p_j(y)``, and the device accepts ``y`` with probability
   ``max(0, p_j(y) - q_j(y)) / p_j(y)`` (first success wins), which is exactly a sample of
-  ``norm(max(0, p_j - q_j))``; only if all ``m`` fail does it fall back to the full ``p_j``.
+  ``norm(max(0, p_j - q_j))``; only if all ``m`` fail does it fall back, and even then not to the
+  whole ``p_j``: the edge sends its K largest entries, the mass of the rest and a few samples of the
+  rest, and the device rejection-samples the residual from those (``dssd_edge_head`` /
+  ``dssd_device_resolve_head``); the whole ``p_j`` only if that runs out of tail samples too.
 
 Randomness: every function takes a CPU ``torch.Generator`` and draws float64 uniforms in ``[0, 1)``
 with ``torch.rand(..., generator=g, dtype=torch.float64)``: one per accept test, and one per
@@ -36,6 +39,8 @@ invariants.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,18 +50,22 @@ import torch
 from specdec.common.distributions import (gumbel_noise, sample_token, sample_token_from_uniform,
                                           sample_token_gumbel, sample_tokens)
 from specdec.common.streams import Purpose, stream
-from specdec.common.validation import (check_drafts_sampleable, check_generator, check_int, check_prob_rows,
+from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_generator, check_int, check_prob_rows,
                                        check_prob_scalars, check_prob_vector, check_token_ids)
 
 __all__ = [
     "ChainResult",
     "DssdEdgeResult",
+    "DssdHead",
     "bonus_noise",
     "chain_verify",
     "draw_uniform",
     "dssd_device_residual",
     "dssd_device_resolve",
+    "dssd_device_resolve_head",
+    "dssd_edge_head",
     "dssd_edge_verify",
+    "dssd_fallback_bytes",
     "mc_verify",
     "mc_verify_unchecked",
     "residual_distribution",
@@ -389,3 +398,140 @@ def dssd_device_residual(
     """DSSD fallback: sample ``norm(max(0, p_j - q_j))`` on the device. Draws exactly one uniform."""
     check_generator(generator)
     return sample_token(residual_distribution(p_j, q_j), generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# DSSD fallback without the whole p_j: its head, its tail mass and samples of its tail
+# ---------------------------------------------------------------------------------------------
+
+
+# Samples of p_j's tail in a DSSD head fallback (11 bytes each on the wire). With the default K = 64,
+# bench/bench_dssd_fallback.py (T = 1, the SmolLM2 pair, m = 64): n = 8 runs out of tail samples on 17%
+# of fallbacks (each then costs the whole p_j, 393 KB, and a trip), n = 32 on 1%, n = 64 on 0.05%, for
+# a 1.3 KB reply (1.5 KB per fallback counting run-outs; n = 128: 2.0 KB).
+DSSD_TAIL_SAMPLES = 64
+# A head entry or tail sample on the wire: its id as a varint (2-3 bytes) and its float64 p_j.
+DSSD_HEAD_ENTRY_BYTES = 11
+
+
+def dssd_fallback_bytes(top_k: int, vocab_size: int) -> int:
+    """About what a DSSD fallback's reply carries down: p_j's head and tail samples (``top_k`` > 0, the
+    round's dssd_fallback_top_k), or the whole p_j (0)."""
+    if not top_k:
+        return 8 * vocab_size
+    return DSSD_HEAD_ENTRY_BYTES * (min(top_k, vocab_size) + DSSD_TAIL_SAMPLES)
+
+
+@dataclass(frozen=True)
+class DssdHead:
+    """What the edge sends after a DSSD rejection whose ``m`` samples all failed: ``p_j`` on the head
+    H (its ``K`` largest entries, bit for bit), the mass ``T`` of the rest, and ``n`` i.i.d. samples
+    of ``p_j`` restricted to the rest with their ``p_j(y)``."""
+
+    head_ids: torch.Tensor  # [K] int64, distinct
+    head_probs: torch.Tensor  # [K] float64, p_j on head_ids (each > 0)
+    tail_mass: float  # T = sum of p_j off the head (float64)
+    tail_samples: torch.Tensor  # [n] int64, y ~ p_j restricted to the tail, none in the head
+    tail_sample_probs: torch.Tensor  # [n] float64, p_j(y)
+
+    def __post_init__(self):
+        k, n = self.head_ids.numel(), self.tail_samples.numel()
+        assert self.head_ids.shape == self.head_probs.shape == (k,)
+        assert self.tail_samples.shape == self.tail_sample_probs.shape == (n,)
+
+
+def dssd_edge_head(
+    p_j: torch.Tensor,  # [V] float64, the target distribution at the rejected position
+    top_k: int,
+    num_tail: int,
+    generator: torch.Generator,
+) -> DssdHead:
+    """Edge side of the small DSSD fallback: p_j's ``top_k`` largest non-zero entries, the mass of
+    the rest, and ``num_tail`` samples of the rest (see :func:`dssd_device_resolve_head`).
+
+    Random draws: ``num_tail`` uniforms (inverse CDF of p_j off the head), none if the tail is empty.
+    """
+    check_prob_vector(p_j, "p_j")
+    check_int(top_k, "top_k", 1)
+    check_int(num_tail, "num_tail", 0)
+    check_generator(generator)
+    k = min(top_k, int((p_j > 0).sum()))
+    head_probs, head_ids = torch.topk(p_j, k)  # [K], [K]
+    tail = p_j.clone()  # [V]
+    tail[head_ids] = 0.0
+    tail_mass = float(tail.sum())
+    if tail_mass > 0 and num_tail > 0:
+        samples = sample_tokens(tail / tail_mass, generator, num_tail)  # [n]
+    else:
+        samples = torch.empty(0, dtype=torch.int64)
+    return DssdHead(head_ids=head_ids, head_probs=head_probs, tail_mass=tail_mass,
+                    tail_samples=samples, tail_sample_probs=p_j[samples].clone())
+
+
+def dssd_device_resolve_head(
+    head: DssdHead,
+    q_j: torch.Tensor,  # [V] float64, the device's draft distribution at the rejected position
+    generator: torch.Generator,
+) -> int | None:
+    """One sample of ``r = norm(max(0, p_j - q_j))`` from p_j's head and tail samples, or None when
+    the tail samples run out (then the whole p_j: :func:`dssd_device_residual`, also lossless).
+
+    Rejection sampling (von Neumann) under the envelope ``g = max(0, p_j - q_j)`` on the head H and
+    ``g = p_j`` off it, of mass ``G = R_H + T`` with ``R_H = sum_H max(0, p_j - q_j)``; ``g >= r`` up to
+    normalisation everywhere, and the device knows ``g`` on H exactly and can sample it off H from the
+    edge's tail samples. Each trial: with probability ``R_H / G`` a head token ``y ~ max(0, p_j - q_j)``
+    on H, always kept; else the next tail sample ``y ~ p_j / T`` off H, kept with probability
+    ``max(0, p_j(y) - q_j(y)) / p_j(y)``. A trial keeps ``y`` with probability
+    ``max(0, p_j(y) - q_j(y)) / G`` for every ``y``, so the first kept token is distributed as ``r``,
+    whatever trials failed before it. A rejection on a position where ``r`` is 0 (rounding: p_j <= q_j
+    everywhere) has ``G = T``, and with no tail ``G = 0``: then ``r`` is taken as ``p_j`` as in
+    :func:`residual_distribution`, a head token ``y ~ p_j``.
+
+    Running out must not depend on the token a trial would keep: it comes right after the last tail
+    sample fails (so every trial that ran could keep any token), never at a later trial, which could
+    still keep a head token but no tail one and would bias the kept token toward the head. Then the
+    tail samples all failed, with probability ((T - R_T) / G)^n (``R_T`` the residual's mass off H).
+
+    Random draws, per trial: one uniform (head or tail), then one uniform (the head token by inverse
+    CDF, or the tail sample's accept test); stops at the first kept token or after the last tail
+    sample's failed test (none at all when the tail has mass but no samples).
+    """
+    check_generator(generator)
+    check_prob_vector(q_j, "q_j")
+    _check_head(head, q_j.shape[0])
+    excess = torch.clamp(head.head_probs - q_j[head.head_ids], min=0.0)  # [K]
+    r_head = float(excess.sum())
+    if r_head + head.tail_mass <= 0:
+        probs = head.head_probs / head.head_probs.sum()
+        return int(head.head_ids[sample_token_from_uniform(probs, draw_uniform(generator))])
+    envelope = r_head + head.tail_mass
+    tail = list(zip(head.tail_samples.tolist(), head.tail_sample_probs.tolist()))
+    if head.tail_mass > 0 and not tail:
+        return None
+    for trial in itertools.count():
+        if draw_uniform(generator) * envelope < r_head:
+            return int(head.head_ids[sample_token_from_uniform(excess / r_head, draw_uniform(generator))])
+        y, p_y = tail[trial]  # a tail trial: the tail has mass (else every trial is a head's) and samples
+        if draw_uniform(generator) * p_y < p_y - float(q_j[y]):
+            return y
+        if trial + 1 == len(tail):
+            return None
+
+
+def _check_head(head: DssdHead, vocab_size: int) -> None:
+    """Raise unless ``head`` is a well-formed fallback for a vocabulary of ``vocab_size`` (it comes
+    from the wire: a wrong one would bias the token drawn, never only fail)."""
+    check_token_ids(head.head_ids, "head_ids", vocab_size)
+    if head.tail_samples.numel():
+        check_token_ids(head.tail_samples, "tail_samples", vocab_size)
+    check_prob_scalars(head.head_probs, "head_probs", head.head_ids.numel(), wire=True)
+    check_prob_scalars(head.tail_sample_probs, "tail_sample_probs", head.tail_samples.numel(), wire=True)
+    if head.head_ids.numel() == 0 or torch.unique(head.head_ids).numel() != head.head_ids.numel():
+        raise ValueError("head_ids must be non-empty and distinct")
+    if bool(torch.isin(head.tail_samples, head.head_ids).any()):
+        raise ValueError("a tail sample lies in the head")
+    total = float(head.head_probs.sum()) + head.tail_mass
+    if not math.isfinite(head.tail_mass) or head.tail_mass < 0 or abs(total - 1.0) > VERIFY_SUM_ATOL:
+        raise ValueError(f"head mass + tail mass is {total}, not 1")
+    if head.tail_samples.numel() and head.tail_mass <= 0:
+        raise ValueError("tail samples of an empty tail")

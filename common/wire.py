@@ -127,7 +127,7 @@ def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
 
 
 def residual_request_to_pb(r: P.ResidualRequest) -> pb.DeviceMessage:
-    return pb.DeviceMessage(residual_request=pb.ResidualRequest(round_id=r.round_id))
+    return pb.DeviceMessage(residual_request=pb.ResidualRequest(round_id=r.round_id, whole=r.whole))
 
 
 def close_to_pb() -> pb.DeviceMessage:
@@ -160,12 +160,18 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
     )
 
 
+_HEAD_FIELDS = ("head_ids", "head_probs", "tail_samples", "tail_sample_probs")
+
+
 def residual_to_pb(r: P.ResidualReply) -> pb.EdgeMessage:
-    return pb.EdgeMessage(residual=pb.ResidualReply(round_id=r.round_id, target_probs=r.target_probs))
+    heads = {name: list(getattr(r, name)) for name in _HEAD_FIELDS}
+    return pb.EdgeMessage(residual=pb.ResidualReply(round_id=r.round_id, target_probs=r.target_probs,
+                                                    tail_mass=r.tail_mass, **heads))
 
 
 def residual_from_pb(m: pb.ResidualReply) -> P.ResidualReply:
-    return P.ResidualReply(round_id=m.round_id, target_probs=m.target_probs)
+    heads = {name: tuple(getattr(m, name)) for name in _HEAD_FIELDS}
+    return P.ResidualReply(round_id=m.round_id, target_probs=m.target_probs, tail_mass=m.tail_mass, **heads)
 
 
 def device_message_from_pb(m: pb.DeviceMessage):
@@ -175,7 +181,8 @@ def device_message_from_pb(m: pb.DeviceMessage):
         "hello": lambda: hello_from_pb(m.hello),
         "prompt": lambda: prompt_from_pb(m.prompt),
         "draft": lambda: draft_from_pb(m.draft),
-        "residual_request": lambda: P.ResidualRequest(round_id=m.residual_request.round_id),
+        "residual_request": lambda: P.ResidualRequest(round_id=m.residual_request.round_id,
+                                                      whole=m.residual_request.whole),
         "close": lambda: P.Close(),
     }
     if kind is None:

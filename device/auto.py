@@ -38,6 +38,7 @@ from specdec.common import autotune as A
 from specdec.common.codecs import Mode
 from specdec.common.protocol import DraftSettings, Hello
 from specdec.common.stats import RoundRecord
+from specdec.common.verification import dssd_fallback_bytes
 
 FAST_LINK_BPS = 1e9           # the most goodput the device believes in (and what a probe asks about)
 PRIOR_UPLINK_BPS = 10e6       # before any measurement: a middling link, so the first rounds carry tens
@@ -99,12 +100,14 @@ class AutoConfig:
     dense: bool = True
     # DSSD is a candidate: its rounds draft ahead like the other chains (coupled bonus) and send the
     # exact q's acceptance in a few bytes; fixed DSSD-L4 is the best fixed setting in 8 of the 16 T = 1
-    # grid cells of the links run at e6e333f. The model charges it for its fallback, the whole p_j.
+    # grid cells of the links run at e6e333f. The model charges it for its fallback: a trip and p_j's
+    # head (measured; before that verification.dssd_fallback_bytes).
     dssd: bool = True
-    # m of auto's DSSD rounds. A rejection needs the whole p_j (8 bytes x V: 393 KB for SmolLM2, 0.4 s
-    # down a 2 Mbit/s link in the links run at 120e601) when all m samples y ~ p_j fail, which each
-    # does with probability 1 - TV(p_j, q_j): with a drafter this close (T = 1 acceptance ~0.98), m = 8
-    # fails on most rejections, m = 32 still on 27 of 85 in the links run at e6e333f (3 of 12 in a
+    # m of auto's DSSD rounds. A rejection needs a second trip for more of p_j when all m samples
+    # y ~ p_j fail (before the head fallback: the whole p_j, 8 bytes x V = 393 KB for SmolLM2, 0.4 s
+    # down a 2 Mbit/s link in the links run at 120e601), which each does with probability
+    # 1 - TV(p_j, q_j): with a drafter this close (T = 1 acceptance ~0.98), m = 8 fails on most
+    # rejections (74% in bench_dssd_fallback), m = 32 still on 27 of 85 in the links run at e6e333f (3 of 12 in a
     # 0.5 Mbit/s A/B, bench_links --only-cells 0.5mbit,2mbit-0ms --configs dssd-L4,auto --temperatures 1
     # --prompts 3 --no-changing; m = 64 2 of 16 there, auto / DSSD-L4 geomean 0.94 -> 1.01 over its 5
     # cells). 12 bytes a sample; 64 is the edge's cap (EdgeLimits.dssd_max_samples).
@@ -225,6 +228,7 @@ class LinkTracker:
         self._link = (0.0, PRIOR_UPLINK_BPS)                       # fitted (round trip s, uplink bits/s)
         self._last_off = 0.0                                       # the last round's miss, if an outlier
         self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
+        self.fallback_bytes = _Ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
         self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
         self.draft_s = _Ewma()
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
@@ -251,12 +255,12 @@ class LinkTracker:
     def uplink_bps(self) -> float:
         return self._link[1]
 
-    def add_network(self, network: float, up_bytes: int, down_bytes: int, dssd_full: bool) -> None:
+    def add_network(self, network: float, up_bytes: int, down_bytes: int, residual_trips: int = 0) -> None:
         """One round's network time. Round trip and uplink goodput are fitted jointly over recent rounds
         (:func:`~specdec.common.autotune.fit_link`): a round's time cannot say by itself how much of it
         was propagation and how much serialization, rounds of different sizes can."""
-        if dssd_full:  # two round trips and a full p_j down: a downlink goodput sample
-            excess = network - 2 * self.rtt_s() - 8 * up_bytes / self.uplink_bps()
+        if residual_trips:  # a DSSD fallback's round trips and p_j (head or whole) down: a downlink sample
+            excess = network - (1 + residual_trips) * self.rtt_s() - 8 * up_bytes / self.uplink_bps()
             self.down.append((8 * down_bytes, max(MIN_EXCESS_S, excess)))
             return
         changed = self._check_change(8.0 * up_bytes, network)
@@ -373,13 +377,12 @@ class LinkTracker:
         feeding the drafter the tokens it has not seen, and its network time the edge's prefill, so
         neither says anything about a round in steady state."""
         forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
-        dssd_full = settings.mode is Mode.DSSD and r.downlink_bytes >= 8 * vocab_size
         with self.lock:
             # An edge-only round's network time also holds every streamed token's per-message costs
             # (their sum grows with the round): not a round-trip sample. Its kind's learned time
             # scale covers those costs instead.
             if not catching_up and settings.mode is not Mode.NONE:
-                self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes, dssd_full)
+                self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes, r.residual_trips)
             if settings.mode is Mode.NONE:
                 if r.generated:
                     self.add_verify(1, forward / r.generated)
@@ -405,7 +408,9 @@ class LinkTracker:
                 sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
                 side.add_bytes(_codec_key(settings), max(0.0, sent))
             if settings.mode is Mode.DSSD and r.accepted < r.positions:
-                side.fallback.add(dssd_full)
+                side.fallback.add(r.residual_trips > 0)
+            if r.residual_trips:
+                self.fallback_bytes.add(r.residual_bytes)
 
     def add_round_time(self, key: tuple[Mode, int], measured_s: float, modelled_s: float) -> None:
         """A round took ``measured_s`` where the model said ``modelled_s`` (before any scale)."""
@@ -423,8 +428,8 @@ class LinkTracker:
         with self.lock:
             self.model(temperature).guess.add(kept)
 
-    def estimates(self, temperature: float, vocab_size: int,
-                  acceptance: SessionAcceptance | None = None) -> A.Estimates:
+    def estimates(self, temperature: float, vocab_size: int, acceptance: SessionAcceptance | None = None,
+                  fallback_top_k: int = DraftSettings().dssd_fallback_top_k) -> A.Estimates:
         """What the choice needs, with ``acceptance`` a session's (by default: a new session's)."""
         with self.lock:
             side = self.model(temperature)
@@ -443,7 +448,8 @@ class LinkTracker:
                 queue_s=self.queue_s.value or 0.0,
                 guess_rate=side.guess.rate,
                 dssd_fallback_rate=side.fallback_rate(self.dssd_samples, acceptance.alpha_base),
-                dssd_fallback_bytes=8.0 * vocab_size,
+                dssd_fallback_bytes=(self.fallback_bytes.value if self.fallback_bytes.value is not None
+                                     else float(dssd_fallback_bytes(fallback_top_k, vocab_size))),
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
                 measured_up_bits=max(self.sizes_sent, default=8.0 * MIN_RATE_SAMPLE_BYTES),
                 edge_chunk=A.edge_chunk(self.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
@@ -476,7 +482,8 @@ class AutoPolicy:
     def choose(self, head: tuple[DraftSettings, int] | None = None) -> DraftSettings:
         """The next round's settings. ``head``: the settings and tokens of a round already drafted
         ahead (DraftSession.head_start): kept by settings of its codec, lost by any other."""
-        e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance)
+        e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
+                                   self.hello.draft.dssd_fallback_top_k)
         start = A.HeadStart(_codec_key(head[0]), head[1]) if head is not None else A.HeadStart()
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead,
                                start)

@@ -18,7 +18,7 @@ import grpc
 
 from specdec.common import protocol as P
 from specdec.common import wire
-from specdec.common.codecs import Mode, decode_target_probs
+from specdec.common.codecs import Mode
 from specdec.common.stats import RoundRecord
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.device.drafter import DraftSession, RoundDraft
@@ -52,7 +52,8 @@ class GenerationResult:
     wall_seconds: float = 0.0      # from sending the prompt to the last token
     network_seconds: float = 0.0   # round trips minus the edge's reported verify/queue time
     verify_seconds: float = 0.0    # edge-reported
-    dssd_fallbacks: int = 0
+    dssd_fallbacks: int = 0        # DSSD rejections whose m samples all failed ...
+    dssd_residual_trips: int = 0   # ... and the round trips they took (one more per head that ran out)
     round_uplink_bytes: list[int] = field(default_factory=list)
     reconnects: int = 0            # broken streams resumed
     t_start: float | None = None
@@ -264,17 +265,21 @@ async def _round(stream: _Stream, session: DraftSession, result: GenerationResul
     session.observe_verdict(verdict)
     received = reply.ByteSize()
     network = max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
+    trips = down = 0  # a DSSD fallback's round trips and bytes down
     if verdict.next_token is not None:
         new = await asyncio.to_thread(session.commit, rd, verdict, verdict.next_token, dssd_correction=False)
     else:
         token = await asyncio.to_thread(session.resolve_dssd, rd, verdict)
         if token is None:
             t1 = time.perf_counter()
-            token, up, down = await _dssd_fallback(stream, session, rd, verdict)
+            token, up, down, trips = await _dssd_fallback(stream, session, rd, verdict)
             sent, received, network = sent + up, received + down, network + time.perf_counter() - t1
             result.dssd_fallbacks += 1
+            result.dssd_residual_trips += trips
         new = await asyncio.to_thread(session.commit, rd, verdict, token, dssd_correction=True)
-    _observe(stream, session, result, rd, rd.record(verdict, len(new), sent, received, network, session.threshold))
+    record = rd.record(verdict, len(new), sent, received, network, session.threshold, residual_trips=trips,
+                       residual_bytes=down)
+    _observe(stream, session, result, rd, record)
     return new
 
 
@@ -329,17 +334,30 @@ async def _stop_draft_ahead(ahead) -> None:
         await task
 
 
-async def _dssd_fallback(stream, session, rd, verdict) -> tuple[int, int, int]:
-    """All sampled candidates failed: fetch the full p_j and sample the residual locally.
-    Returns (token, uplink bytes, downlink bytes)."""
-    up = await stream.send(wire.residual_request_to_pb(P.ResidualRequest(verdict.round_id)))
-    reply = await stream.recv()
-    residual = wire.edge_message_from_pb(reply)
-    if not isinstance(residual, P.ResidualReply) or residual.round_id != verdict.round_id:
-        raise EdgeError(grpc.StatusCode.INTERNAL, "expected ResidualReply for the rejected round")
-    p_j = decode_target_probs(residual.target_probs, session.vocab_size)
-    token = await asyncio.to_thread(session.residual_from_full, rd, verdict, p_j)
-    return token, up, reply.ByteSize()
+async def _dssd_fallback(stream, session, rd, verdict) -> tuple[int, int, int, int]:
+    """All sampled candidates failed: fetch p_j's head and tail samples (the round's
+    dssd_fallback_top_k) and rejection-sample the residual locally; if the tail samples run out (or
+    the round asked for it), fetch the whole p_j. Returns (token, uplink bytes, downlink bytes,
+    round trips)."""
+    up = down = trips = 0
+    whole = False
+    while True:
+        request = P.ResidualRequest(verdict.round_id, whole=whole)
+        up += await stream.send(wire.residual_request_to_pb(request))
+        reply = await stream.recv()
+        residual = wire.edge_message_from_pb(reply)
+        down, trips = down + reply.ByteSize(), trips + 1
+        if not isinstance(residual, P.ResidualReply) or residual.round_id != verdict.round_id:
+            raise EdgeError(grpc.StatusCode.INTERNAL, "expected ResidualReply for the rejected round")
+        if whole and residual.is_head:
+            raise EdgeError(grpc.StatusCode.INTERNAL, "asked for the whole p_j, got its head")
+        try:
+            token = await asyncio.to_thread(session.resolve_residual, rd, verdict, residual)
+        except ValueError as e:
+            raise EdgeError(grpc.StatusCode.INTERNAL, f"malformed ResidualReply: {e}") from None
+        if token is not None:
+            return token, up, down, trips
+        whole = True  # the head's tail samples ran out: one more trip, for the whole p_j
 
 
 def _finished(tokens: list[int], max_new: int, eos_ids: tuple[int, ...]) -> bool:

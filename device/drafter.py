@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec.common import settings as S
-from specdec.common.codecs import CodecConfig, Mode, dssd_theoretical_bits
+from specdec.common.codecs import CodecConfig, Mode, decode_target_probs, dssd_theoretical_bits
 from specdec.common.conformal import ConformalController
 from specdec.common.modeling import LoadedModel
-from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Verdict
+from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict
 from specdec.common.stats import RoundRecord, SpecStats, edge_phases
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec
@@ -57,7 +57,7 @@ class RoundDraft:
         return self.tree.depth if self.tree is not None else len(self.block.token_ids)
 
     def record(self, verdict: Verdict, generated: int, uplink: int, downlink: int, network: float,
-               threshold: float | None) -> RoundRecord:
+               threshold: float | None, residual_trips: int = 0, residual_bytes: int = 0) -> RoundRecord:
         """The round's :class:`RoundRecord` once its verdict (and any DSSD fallback) is in."""
         phases = {"draft": self.draft_seconds, "encode": self.encode_seconds, "network": network,
                   **edge_phases(verdict)}
@@ -66,7 +66,8 @@ class RoundDraft:
             accepted=verdict.num_accepted, generated=generated, uplink_bytes=uplink, downlink_bytes=downlink,
             theoretical_bits=self.theoretical_bits, support_sizes=tuple(self.support_sizes), phases=phases,
             drafted_ahead=self.drafted_ahead, ahead_tokens=len(self.block.token_ids) if self.drafted_ahead else 0,
-            ahead_discarded=self.ahead_discarded, threshold=threshold, draft_forwards=self.draft_forwards)
+            ahead_discarded=self.ahead_discarded, threshold=threshold, draft_forwards=self.draft_forwards,
+            residual_trips=residual_trips, residual_bytes=residual_bytes)
 
 
 def round_settings_json(s: DraftSettings) -> dict:
@@ -323,9 +324,14 @@ class DraftSession:
         generator = stream(self.hello.seed, Purpose.DSSD_RESOLVE, rd.start)
         return dssd.resolve(rd.q_rows[verdict.num_accepted], verdict, generator)
 
-    def residual_from_full(self, rd: RoundDraft, verdict: Verdict, p_j: torch.Tensor) -> int:
-        generator = stream(self.hello.seed, Purpose.DSSD_RESIDUAL, rd.start)
-        return dssd.residual(p_j, rd.q_rows[verdict.num_accepted], generator)
+    def resolve_residual(self, rd: RoundDraft, verdict: Verdict, reply: ResidualReply) -> int | None:
+        """A DSSD fallback's reply: from p_j's head and tail samples (None when those run out: ask for
+        the whole p_j), or from the whole p_j. ValueError on a malformed reply."""
+        q_j = rd.q_rows[verdict.num_accepted]
+        if reply.is_head:
+            return dssd.resolve_head(q_j, reply, stream(self.hello.seed, Purpose.DSSD_HEAD, rd.start))
+        p_j = decode_target_probs(reply.target_probs, self.vocab_size)
+        return dssd.residual(p_j, q_j, stream(self.hello.seed, Purpose.DSSD_RESIDUAL, rd.start))
 
     def commit(self, rd: RoundDraft, verdict: Verdict, next_token: int, *, dssd_correction: bool) -> list[int]:
         """Apply a verdict: keep the accepted prefix, roll the draft cache back, return new tokens."""

@@ -1,5 +1,6 @@
 """The device's half of split verification (DSSD): the uplink scalars q_i(x_i), and finishing a
-rejection from the edge's samples of p_j (or, when all of them fail, from the full p_j).
+rejection from the edge's samples of p_j (or, when all of them fail, from p_j's head and samples of
+its tail, and when those run out too, from the whole p_j).
 
 After a rejection at position j the edge sends m samples y_k ~ p_j with p_j(y_k); accepting y_k with
 probability max(0, p_j(y_k) - q_j(y_k)) / p_j(y_k) (first success wins) draws exactly from the
@@ -11,7 +12,7 @@ import torch
 
 from specdec.common import verification as V
 from specdec.common.codecs import encode_dssd_scalars
-from specdec.common.protocol import Verdict
+from specdec.common.protocol import ResidualReply, Verdict
 
 
 def draft_scalars(q_rows: list[torch.Tensor], ids: list[int]) -> bytes:
@@ -24,6 +25,18 @@ def resolve(q_j: torch.Tensor, verdict: Verdict, generator: torch.Generator) -> 
     samples = torch.tensor(verdict.reject_samples, dtype=torch.long)
     probs = torch.tensor(verdict.reject_sample_probs, dtype=torch.float64)
     return V.dssd_device_resolve(samples, probs, q_j, generator)
+
+
+def resolve_head(q_j: torch.Tensor, reply: ResidualReply, generator: torch.Generator) -> int | None:
+    """Rejection-sample the residual from p_j's head and tail samples, or None (then the whole p_j).
+    ValueError on a malformed reply."""
+    head = V.DssdHead(
+        head_ids=torch.tensor(reply.head_ids, dtype=torch.long),
+        head_probs=torch.tensor(reply.head_probs, dtype=torch.float64),
+        tail_mass=float(reply.tail_mass),
+        tail_samples=torch.tensor(reply.tail_samples, dtype=torch.long),
+        tail_sample_probs=torch.tensor(reply.tail_sample_probs, dtype=torch.float64))
+    return V.dssd_device_resolve_head(head, q_j, generator)
 
 
 def residual(p_j: torch.Tensor, q_j: torch.Tensor, generator: torch.Generator) -> int:

@@ -218,6 +218,7 @@ def result_json(settings: DraftSettings, drafter: LoadedModel, session: DraftSes
             "uplink_bytes_per_token": r.uplink_bytes / n if n else 0.0,
             "theoretical_uplink_bits": s.theoretical_uplink_bits,
             "dssd_fallbacks": r.dssd_fallbacks,
+            "dssd_residual_trips": r.dssd_residual_trips,
             "wall_seconds": r.wall_seconds,
             "tokens_per_second": n / r.wall_seconds if r.wall_seconds > 0 else 0.0,
             "time": {"draft": s.seconds["draft"], "encode": s.seconds["encode"],

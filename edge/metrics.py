@@ -25,6 +25,10 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
 - load-aware speculation: the draft length the edge advises, p50, and the load it sees:
   ``histogram_quantile(0.5, sum by (le) (rate(specdec_edge_draft_len_hint_bucket[$__rate_interval])))``,
   ``specdec_edge_batch_active_sessions``
+- DSSD fallbacks per second, by the reply (``head``: p_j's top-K and tail samples; ``whole``: all of
+  p_j, asked for when a head's tail samples ran out or by a device without head fallbacks), and the
+  bytes they sent down: ``sum by (reply) (rate(specdec_edge_dssd_fallbacks_total[$__rate_interval]))``,
+  ``rate(specdec_edge_dssd_fallback_bytes_total[$__rate_interval])``
 - share of admitted sessions that had to wait (longer than 1 ms):
   ``1 - rate(specdec_edge_admission_wait_seconds_bucket{le="0.001"}[$__rate_interval])
   / rate(specdec_edge_admission_wait_seconds_count[$__rate_interval])``
@@ -49,6 +53,7 @@ BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # A request waits ~0 (alone), the scheduler's 2 ms window, or a whole forward in progress (10-500 ms).
 # Advised draft lengths: 0 (edge-only) up to the edge's --max-draft-len (32).
 HINT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+FALLBACK_REPLIES = ("head", "whole")
 BATCH_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -77,6 +82,11 @@ class EdgeMetrics(SpecMetrics):
                                            "within the last second (the load draft advice is for)", **self.kw)
         self.batch_forward = Histogram("batch_forward_seconds", "Duration of one (batched) target forward",
                                        buckets=PHASE_BUCKETS, **self.kw)
+        self.fallbacks = Counter("dssd_fallbacks", "DSSD fallback replies (every target sample failed), by "
+                                 "reply: head (top-K of p_j and tail samples) or whole p_j", ["reply"], **self.kw)
+        self.fallback_bytes = Counter("dssd_fallback_bytes", "Serialized DSSD fallback replies sent", **self.kw)
+        for reply in FALLBACK_REPLIES:
+            self.fallbacks.labels(reply)
 
     def set_model(self, name: str, vocab_size: int) -> None:
         self.model.info({"name": name, "vocab_size": str(vocab_size)})
@@ -92,6 +102,10 @@ class EdgeMetrics(SpecMetrics):
 
     def admission_waited(self, seconds: float) -> None:
         self.admission_wait.observe(seconds)
+
+    def dssd_fallback(self, head: bool, size: int) -> None:
+        self.fallbacks.labels(FALLBACK_REPLIES[0] if head else FALLBACK_REPLIES[1]).inc()
+        self.fallback_bytes.inc(size)
 
     def draft_len_hinted(self, hint: int, active_sessions: int) -> None:
         self.hint.observe(hint)

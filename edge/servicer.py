@@ -223,7 +223,10 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 self.metrics.observe_round(edge_record(msg, verdict, settings.mode.value, size, reply.ByteSize()))
             await context.write(reply)
         elif isinstance(msg, P.ResidualRequest):
-            reply = wire.residual_to_pb(await self._call(session.residual, msg))
+            residual = await self._call(session.residual, msg)
+            reply = wire.residual_to_pb(residual)
+            if self.metrics:
+                self.metrics.dssd_fallback(residual.is_head, reply.ByteSize())
             await context.write(reply)
         else:
             raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {type(msg).__name__} mid-session")

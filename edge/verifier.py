@@ -33,6 +33,15 @@ from specdec.common.protocol import (CONTEXT_FULL, PROTOCOL_VERSION, DraftBlock,
                                      ResidualReply, ResidualRequest, Verdict, Welcome)
 
 
+@dataclass(frozen=True)
+class _PendingReject:
+    """A DSSD rejection whose correction token the device has not sent yet."""
+    round_id: int
+    p_j: torch.Tensor   # [V] float64, the target distribution at the rejected position
+    start: int          # the round's start: keys the streams of its fallback
+    top_k: int          # the round's dssd_fallback_top_k (0: the whole p_j)
+
+
 class RefusedError(ValueError):
     """A Hello the edge will not serve (version, vocabulary or limits); maps to FAILED_PRECONDITION."""
 
@@ -95,7 +104,7 @@ class VerifierSession:
         self.eos_token_ids = frozenset(target.eos_token_ids)  # an edge-only round ends at one
         self.tokens: list[int] = []
         self.round_id = 0
-        self._pending_reject: tuple[int, torch.Tensor] | None = None  # DSSD: (round, p_j)
+        self._pending_reject: _PendingReject | None = None  # DSSD: a rejection the device still resolves
         # Per-round settings already checked, with their codec: a device that changes settings
         # between rounds usually alternates among a few.
         self._codecs: dict[DraftSettings, CodecConfig | None] = {hello.draft: hello.draft.codec(info.vocab_size)}
@@ -271,11 +280,20 @@ class VerifierSession:
         return self._specs[config]
 
     def residual(self, request: ResidualRequest) -> ResidualReply:
-        """DSSD fallback: the full p_j of the pending rejection (float64, exactly what was verified)."""
-        if self._pending_reject is None or request.round_id != self._pending_reject[0]:
+        """DSSD fallback: p_j of the pending rejection (float64, exactly what was verified), as its head
+        and tail samples when the round set ``dssd_fallback_top_k`` (unless the device asks for the
+        whole of it), else whole."""
+        pending = self._pending_reject
+        if pending is None or request.round_id != pending.round_id:
             raise ValueError(f"no pending DSSD rejection for round {request.round_id}")
-        p_j = self._pending_reject[1]
-        return ResidualReply(round_id=request.round_id, target_probs=encode_target_probs(p_j))
+        if request.whole or not pending.top_k:
+            return ResidualReply(round_id=request.round_id, target_probs=encode_target_probs(pending.p_j))
+        generator = stream(self.hello.seed, Purpose.DSSD_TAIL, pending.start)
+        head = V.dssd_edge_head(pending.p_j, pending.top_k, V.DSSD_TAIL_SAMPLES, generator)
+        return ResidualReply(round_id=request.round_id, head_ids=tuple(head.head_ids.tolist()),
+                             head_probs=tuple(head.head_probs.tolist()), tail_mass=head.tail_mass,
+                             tail_samples=tuple(head.tail_samples.tolist()),
+                             tail_sample_probs=tuple(head.tail_sample_probs.tolist()))
 
     # -- internals -------------------------------------------------------------------------------
     def _check_ids(self, ids, what: str) -> None:
@@ -348,7 +366,8 @@ class VerifierSession:
         self._commit(list(draft.token_ids[:n]), n, res.bonus_token)
         if res.bonus_token is not None:
             return Verdict(round_id=draft.round_id, num_accepted=n, next_token=res.bonus_token)
-        self._pending_reject = (draft.round_id, res.reject_p)
+        self._pending_reject = _PendingReject(draft.round_id, res.reject_p, len(self.tokens) - n,
+                                              settings.dssd_fallback_top_k)
         return Verdict(round_id=draft.round_id, num_accepted=n, next_token=None,
                        reject_samples=tuple(int(y) for y in res.reject_samples),
                        reject_sample_probs=tuple(float(v) for v in res.reject_sample_probs))

@@ -125,9 +125,13 @@ class _Edge:
     def log_tail(self, n: int = 60) -> str:
         return "".join(list(self.log)[-n:])
 
-    def sessions_active(self) -> float:
+    def metric(self, series: str) -> float:
+        """The value of one series (name and labels as exposed) on the edge's /metrics."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        return float(re.search(r"^specdec_edge_sessions_active (\S+)$", text, re.M).group(1))
+        return float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.M).group(1))
+
+    def sessions_active(self) -> float:
+        return self.metric("specdec_edge_sessions_active")
 
 
 def _free_port() -> int:
@@ -287,6 +291,9 @@ def _record_corpus(ctx: Fuzz) -> None:
     asyncio.run(main())
     kinds = collections.Counter(_kind(pb.DeviceMessage.FromString(m)) for s in ctx.corpus for m in s)
     assert kinds["residual_request"] >= 1, f"no DSSD fallback in the corpus: {kinds}"
+    # the default fallback is p_j's head: counted as such, with its bytes
+    assert ctx.edge.metric('specdec_edge_dssd_fallbacks_total{reply="head"}') >= 1
+    assert ctx.edge.metric("specdec_edge_dssd_fallback_bytes_total") > 0
     for session in ctx.corpus:
         out = ctx.send(session)
         assert out.code == grpc.StatusCode.OK, (out.code, out.details)
@@ -342,6 +349,13 @@ def _check_well_formed(ctx: Fuzz, msgs: list, replies: list) -> None:
         else:
             r = rep.residual
             assert rep.HasField("residual") and r.round_id == req.residual_request.round_id, (req, rep)
+            if r.head_ids:  # p_j's head, its tail's mass and samples of the tail (ids outside the head)
+                assert not r.target_probs and len(r.head_probs) == len(r.head_ids), rep
+                assert len(set(r.head_ids)) == len(r.head_ids) and not set(r.tail_samples) & set(r.head_ids), rep
+                assert all(t < ctx.vocab_size for t in (*r.head_ids, *r.tail_samples)), rep
+                assert all(0.0 < p <= 1.0 for p in (*r.head_probs, *r.tail_sample_probs)), rep
+                assert math.isclose(sum(r.head_probs) + r.tail_mass, 1.0, abs_tol=1e-6), rep
+                continue
             assert len(r.target_probs) == 8 * ctx.vocab_size
             probs = struct.unpack(f"<{ctx.vocab_size}d", r.target_probs)
             assert all(p >= 0 for p in probs) and math.isclose(sum(probs), 1.0, abs_tol=1e-6)

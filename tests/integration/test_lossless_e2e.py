@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from harness import SwitchesEveryRound, device_config, load, load_spec, split_sessions
+from specdec.common import verification
 from specdec.common.codecs import Mode
 from specdec.common.distributions import filter_target_logits, sample_token
 from specdec.common.sampling import model_probs
@@ -39,7 +40,9 @@ MODES = {
     "tslt uncoupled bonus": dict(mode=Mode.TSLT, top_k=3, coupled_bonus=False),
     "ksqs": dict(mode=Mode.KSQS, top_k=3, lattice=8),
     "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.05, csqs_alpha=0.05, csqs_eta=0.05, lattice=8, max_k=8),
-    "dssd": dict(mode=Mode.DSSD, dssd_samples=1),
+    # a fallback sends p_j's top-1 and (patched below) one tail sample: the head resolves some, the
+    # rest run out and fetch the whole p_j, so both fallback replies cross the wire
+    "dssd": dict(mode=Mode.DSSD, dssd_samples=1, dssd_fallback_top_k=1),
     "none": dict(mode=Mode.NONE),  # the edge alone, streaming: the baseline every link benchmark uses
 }
 
@@ -82,12 +85,25 @@ def _counts(twin, target_dir, drafter, session_factory=DraftSession, temperature
     return Counter(tuple(tokens) for tokens, _, _ in results), law
 
 
+PATCHES = {"dssd": [(verification, "DSSD_TAIL_SAMPLES", 1)]}
+
+
 @pytest.mark.parametrize("name", list(MODES))
 def test_mode_is_lossless_end_to_end(twin, tiny_pair_v8, name) -> None:
-    counts, law = _counts(twin, *tiny_pair_v8, **MODES[name])
+    counts, law = _counts(twin, *tiny_pair_v8, patches=PATCHES.get(name, ()), **MODES[name])
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     assert fit.p_value > P_VALUE_CUT, f"{name}: {fit}"
+
+
+def test_dssd_fallbacks_cross_the_wire_as_heads_and_whole(tiny_pair_v8) -> None:
+    """The "dssd" mode above over gRPC: some fallbacks are resolved from p_j's head (one trip), others
+    run out of tail samples and fetch the whole p_j (two trips)."""
+    results = split_sessions(None, range(40), *tiny_pair_v8, dict(temperature=TEMPERATURE, max_new_tokens=8,
+                             draft_len=2, **MODES["dssd"]), PROMPT, patches=PATCHES["dssd"])
+    fallbacks = sum(r.dssd_fallbacks for _, r, _ in results)
+    trips = sum(r.dssd_residual_trips for _, r, _ in results)
+    assert 0 < fallbacks < trips < 2 * fallbacks, (fallbacks, trips)
 
 
 def test_settings_changed_every_round_stay_lossless(twin, tiny_pair_v8) -> None:

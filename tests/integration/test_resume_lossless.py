@@ -31,7 +31,6 @@ import torch
 from harness import device_config, edge, load, patched, run
 from linkcut import CuttableLink
 from specdec.common.codecs import Mode
-from specdec.common.codecs import decode_target_probs
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.protocol import Prompt, ResidualRequest
 from specdec.device.client import ConnectionPolicy, generate
@@ -52,7 +51,7 @@ POLICY = ConnectionPolicy(round_timeout_s=30.0, reconnect_timeout_s=30.0, backof
 MIN_CUT_FRACTION = 0.9  # sessions whose first round left work to do (EOS can end one earlier)
 
 CHAIN = dict(mode=Mode.TSLT, top_k=3)
-DSSD = dict(mode=Mode.DSSD, dssd_samples=1)
+DSSD = dict(mode=Mode.DSSD, dssd_samples=1, dssd_fallback_top_k=2)  # fallbacks: p_j's top-2 and tail samples
 TREE = dict(mode=Mode.TSLT, top_k=3, tree=(2,))
 
 
@@ -254,8 +253,8 @@ def _same_verdict(a, b) -> bool:
 def _in_process(pair, mode_kw: dict, seed: int, max_new: int, draft_len: int, verifier_cls=VerifierSession,
                 on_round=None) -> list[int]:
     """One session with the real DraftSession and VerifierSession in this process (no transport):
-    the client's round loop, DSSD fallback included. ``on_round(hello, prefix, rd, verdict)`` sees each
-    round with the verified prefix it started from. Returns the generated tokens (may pass max_new)."""
+    the client's round loop, DSSD fallback included. ``on_round(hello, prefix, rd, verdict, edge)`` sees
+    each round with the verified prefix it started from. Returns the generated tokens (may pass max_new)."""
     target_dir, drafter_dir = pair
     target, drafter = load(str(target_dir)), load(str(drafter_dir))
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=max_new, draft_len=draft_len, **mode_kw)
@@ -271,14 +270,14 @@ def _in_process(pair, mode_kw: dict, seed: int, max_new: int, draft_len: int, ve
         rd = device.draft(max(1, max_new - len(out) - 1))  # as the client: the last token is the bonus
         verdict = edge_session.verify(rd.block)
         if on_round:
-            on_round(hello, prefix, rd, verdict)
+            on_round(hello, prefix, rd, verdict, edge_session)
         token = verdict.next_token
         if token is None:
             token = device.resolve_dssd(rd, verdict)
-            if token is None:
-                reply = edge_session.residual(ResidualRequest(verdict.round_id))
-                token = device.residual_from_full(rd, verdict,
-                                                  decode_target_probs(reply.target_probs, drafter.vocab_size))
+            whole = False
+            while token is None:  # p_j's head and tail samples, then (if those run out) the whole p_j
+                reply = edge_session.residual(ResidualRequest(verdict.round_id, whole=whole))
+                token, whole = device.resolve_residual(rd, verdict, reply), True
         out += device.commit(rd, verdict, token, dssd_correction=verdict.next_token is None)
     return out
 
@@ -288,16 +287,29 @@ def _replays(pair, mode_kw: dict, verifier_cls) -> tuple[int, int]:
     target = load(str(pair[0]))
     tally = {"rounds": 0, "same": 0}
 
-    def replay(hello, prefix, rd, verdict):
+    def replay(hello, prefix, rd, verdict, edge):
         fresh = verifier_cls(target, target_info(target), hello, EdgeLimits(), "b")
         fresh.prefill(Prompt(prefix))
         replayed = fresh.verify(replace(rd.block, round_id=1, correction_token=None))
         tally["rounds"] += 1
-        tally["same"] += _same_verdict(replayed, verdict)
+        same = _same_verdict(replayed, verdict)
+        if same and verdict.next_token is None:  # and a fallback's tail samples, should it need one
+            tally["fallbacks"] = tally.get("fallbacks", 0) + 1
+            same = _same_residual(fresh.residual(ResidualRequest(1)), edge.residual(ResidualRequest(verdict.round_id)))
+        tally["same"] += same
 
     for seed in REPLAY_SEEDS:
         _in_process(pair, mode_kw, seed, REPLAY_TOKENS, 2, verifier_cls, replay)
+    if mode_kw.get("mode") is Mode.DSSD:
+        assert tally.get("fallbacks", 0) >= len(REPLAY_SEEDS), tally  # rejections whose fallback was replayed
     return tally["rounds"], tally["same"]
+
+
+def _same_residual(a, b) -> bool:
+    assert a.is_head and b.is_head and a.tail_samples, (a, b)  # the top-2 leaves a tail to sample
+    return a.head_ids == b.head_ids and a.tail_samples == b.tail_samples and torch.allclose(
+        torch.tensor(a.head_probs + a.tail_sample_probs), torch.tensor(b.head_probs + b.tail_sample_probs),
+        rtol=PROB_RTOL)
 
 
 @pytest.mark.parametrize("mode_kw", [CHAIN, DSSD, dict(TREE, tree=(2, 2))], ids=["tslt", "dssd", "tree"])

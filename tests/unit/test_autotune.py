@@ -12,6 +12,7 @@ from specdec.common.codecs import Mode
 from specdec.common.protocol import Hello
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
+from specdec.common.verification import dssd_fallback_bytes
 from specdec.device.auto import LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, AutoPolicy, LinkTracker
 
 TSLT_256 = (Mode.TSLT, 256)
@@ -445,3 +446,26 @@ def test_rounds_far_larger_than_any_measured_are_not_trusted_to_the_estimate() -
     assert A.uplink_s(400_000, e) == pytest.approx(8 * 40_000 / 100e6 + 8 * 360_000 / 1e6)
     pick, _ = A.best(CANDIDATES, e)
     assert A.uplink_bytes(pick.candidate, e) <= 40_000
+
+
+def test_dssd_fallbacks_are_charged_what_their_replies_measured_and_sample_the_downlink() -> None:
+    """Before any fallback the model charges the head reply's size for the session's
+    dssd_fallback_top_k (the whole p_j at 0); after fallbacks, what their replies measured. A
+    fallback round's extra trips come off its time before it samples the downlink goodput."""
+    t = LinkTracker()
+    assert t.estimates(1.0, 49152).dssd_fallback_bytes == dssd_fallback_bytes(64, 49152) < 2000
+    assert t.estimates(1.0, 49152, fallback_top_k=0).dssd_fallback_bytes == 8 * 49152
+    rtt, rate = 0.05, 2e6
+    for up in (300, 5000, 300, 9000, 2500, 300, 7000):
+        t.observe_round(record(up=up, network=link_network(rtt, rate, up)), SETTINGS, 1.0, 49152)
+    dssd = DraftSettings(mode=Mode.DSSD, draft_len=4)
+    reply = 1400  # one head reply, and one that ran out: head and whole p_j in two trips
+    for trips, down in ((1, reply), (2, reply + 8 * 49152 + 10)):
+        fallback = replace(record(mode=Mode.DSSD, accepted=2, up=200, down=down,
+                                  network=(1 + trips) * rtt + 8 * (200 + down) / 1e6),
+                           residual_trips=trips, residual_bytes=down)
+        t.observe_round(fallback, dssd, 1.0, 49152)
+    e = t.estimates(1.0, 49152)
+    assert reply < e.dssd_fallback_bytes < reply + 8 * 49152  # the run-out's whole p_j counts too
+    assert len(t.down) == 2 and e.downlink_bps == pytest.approx(1e6, rel=0.1)
+    assert t.model(1.0).fallback.hits > 0

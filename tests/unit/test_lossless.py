@@ -38,6 +38,8 @@ from specdec.common.verification import (
     chain_verify,
     dssd_device_residual,
     dssd_device_resolve,
+    dssd_device_resolve_head,
+    dssd_edge_head,
     dssd_edge_verify,
     mc_verify,
     residual_distribution,
@@ -210,6 +212,18 @@ def dssd_round(pair, L: int, m: int, g: torch.Generator, stats: dict, residual_f
     return round_fn
 
 
+def head_fallback(top_k: int, tail: int, stats: dict, resolve=dssd_device_resolve_head):
+    """A DSSD fallback as the client runs it: p_j's head and ``tail`` samples of its tail (the edge's
+    draws from their own generator), and the whole p_j when those run out."""
+    def fallback(p_j, q_j, g) -> int:
+        g_edge = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=g)))
+        y = resolve(dssd_edge_head(p_j, top_k, tail, g_edge), q_j, g)
+        path = "head resolved" if y is not None else "ran out"
+        stats[path] = stats.get(path, 0) + 1
+        return y if y is not None else dssd_device_residual(p_j, q_j, g)
+    return fallback
+
+
 # --- null tests: every real mode is lossless -----------------------------------------------------
 
 
@@ -295,6 +309,11 @@ def build_mode(name: str, pair, g: torch.Generator):
         # the device resolved from the samples and also fell back to the full p_j
         assert stats["fallbacks"] > num_seqs // 100 and stats["resolved"] > num_seqs // 100, stats
 
+    def every_head_path_used(num_seqs: int) -> None:
+        # the head fallback kept a token, and also ran out and fetched the whole p_j
+        both_dssd_paths_used(num_seqs)
+        assert stats["head resolved"] > num_seqs // 100 and stats["ran out"] > num_seqs // 100, stats
+
     def support_moved(num_seqs: int) -> None:
         assert len(supports) >= 3, supports  # the conformal threshold really changed the support
 
@@ -311,6 +330,8 @@ def build_mode(name: str, pair, g: torch.Generator):
         "dssd L=3 m=4": lambda: dssd_round(pair, 3, 4, g, stats),
         "dssd wire scalars L=2 m=1": lambda: dssd_round(pair, 2, 1, g, stats, scalar_wire=wire_scalars),
         "dssd L=2 m=2 coupled bonus": lambda: dssd_round(pair, 2, 2, g, stats, coupled=True),
+        "dssd L=2 m=1 head fallback K=1 n=1": lambda: dssd_round(pair, 2, 1, g, stats,
+                                                                  residual_fallback=head_fallback(1, 1, stats)),
         "dense fp16": lambda: codec_round(pair, codec_config("dense"), 2, g),
         "tslt top-2": lambda: codec_round(pair, codec_config("tslt"), 2, g),
         "ksqs top-2": lambda: codec_round(pair, codec_config("ksqs"), 2, g),
@@ -319,14 +340,15 @@ def build_mode(name: str, pair, g: torch.Generator):
             ConformalController(alpha=CSQS_ALPHA, eta=CSQS_ETA, beta0=CSQS_BETA0), supports=supports),
     }
     checks = {"dssd L=3 m=4": both_dssd_paths_used, "dssd wire scalars L=2 m=1": both_dssd_paths_used,
-              "dssd L=2 m=2 coupled bonus": both_dssd_paths_used, "csqs conformal": support_moved}
+              "dssd L=2 m=2 coupled bonus": both_dssd_paths_used,
+              "dssd L=2 m=1 head fallback K=1 n=1": every_head_path_used, "csqs conformal": support_moved}
     return builders[name](), checks.get(name, lambda num_seqs: None)
 
 
 MODES = [
     "chain L=1", "chain L=2", "chain L=4", "chain L=2 coupled bonus", "mc k=2 iid", "mc k=3 distinct",
     "tree <2,2>", "tree <3,1>", "tree <2,2> distinct", "dssd L=3 m=4", "dssd wire scalars L=2 m=1",
-    "dssd L=2 m=2 coupled bonus", "dense fp16", "tslt top-2",
+    "dssd L=2 m=2 coupled bonus", "dssd L=2 m=1 head fallback K=1 n=1", "dense fp16", "tslt top-2",
     "ksqs top-2", "csqs conformal",
 ]
 
@@ -533,6 +555,24 @@ def test_control_sampled_from_uncompressed_q_is_refused(pair) -> None:
     round_fn = codec_round(pair, codec_config("tslt"), 2, g, draft_law=lambda q, q_hat: q)
     with pytest.raises(ValueError, match="cannot have been sampled"):
         tm.generate_counts(round_fn, PROMPT, N_TOKENS, CONTROL_SEQS)
+
+
+def resolve_head_tail_untested(head, q_j, g):
+    """BROKEN head fallback: keeps a tail sample without its accept test (as if p_j were q_j's residual
+    off the head)."""
+    excess = torch.clamp(head.head_probs - q_j[head.head_ids], min=0.0)
+    r_head = float(excess.sum())
+    if float(torch.rand((), dtype=torch.float64, generator=g)) * (r_head + head.tail_mass) < r_head:
+        return int(head.head_ids[sample_token(excess / r_head, g)])
+    return int(head.tail_samples[0]) if head.tail_samples.numel() else None
+
+
+def test_control_dssd_head_fallback_keeping_tail_samples_untested_is_rejected(pair, exact) -> None:
+    """(Running out one trial late biases far less: test_verification's exact-law check catches it.)"""
+    stats: dict = {}
+    g = torch.Generator().manual_seed(810)
+    round_fn = dssd_round(pair, 2, 1, g, stats, residual_fallback=head_fallback(1, 1, stats, resolve_head_tail_untested))
+    assert_rejected(fit(round_fn, exact, num_seqs=2_000))  # only the fallback path is broken
 
 
 def test_control_dssd_fallback_to_p_is_rejected(pair, exact) -> None:

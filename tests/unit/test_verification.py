@@ -4,6 +4,7 @@ The statistical losslessness tests live in test_lossless.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,11 +16,15 @@ from specdec.common.verification import (
     chain_verify,
     dssd_device_residual,
     dssd_device_resolve,
+    dssd_device_resolve_head,
+    dssd_edge_head,
     dssd_edge_verify,
+    dssd_fallback_bytes,
     mc_verify,
     residual_distribution,
     sample_candidates,
     sample_token,
+    sample_tokens,
 )
 
 V = 5
@@ -372,3 +377,104 @@ def test_coupled_bonus_uses_the_noise_and_no_uniform() -> None:
     reference = torch.Generator().manual_seed(1)
     torch.rand((), generator=reference, dtype=torch.float64)           # the one accept test
     assert torch.equal(g.get_state(), reference.get_state())
+
+
+# --- DSSD head fallback --------------------------------------------------------------------------
+
+
+def test_dssd_edge_head_is_the_top_k_and_samples_only_the_tail() -> None:
+    p_j = dist(5, 0, 3, 1, 1)
+    head = dssd_edge_head(p_j, 2, 200, gen(3))
+    assert head.head_ids.tolist() == [0, 2]
+    torch.testing.assert_close(head.head_probs, p_j[[0, 2]], rtol=0, atol=0)  # bit for bit
+    assert head.tail_mass == pytest.approx(0.2)
+    assert set(head.tail_samples.tolist()) == {3, 4}  # never the head, never p = 0
+    torch.testing.assert_close(head.tail_sample_probs, p_j[head.tail_samples], rtol=0, atol=0)
+    whole = dssd_edge_head(p_j, 10, 200, gen(3))  # K past p's support: the head is all of it
+    assert sorted(whole.head_ids.tolist()) == [0, 2, 3, 4] and whole.tail_mass == 0 and whole.tail_samples.numel() == 0
+    # draws: exactly the tail samples' uniforms, as sample_tokens of the renormalised tail
+    g = gen(9)
+    dssd_edge_head(p_j, 2, 7, g)
+    g2 = gen(9)
+    sample_tokens(dist(0, 0, 0, 1, 1), g2, 7)
+    assert torch.equal(g.get_state(), g2.get_state())
+
+
+HEAD_P, HEAD_Q = dist(4, 1, 2, 2, 1), dist(1, 3, 1, 3, 2)
+
+
+def _head_fallback_tv(top_k: int, tail: int, resolve=dssd_device_resolve_head) -> tuple[float, int]:
+    """(TV from norm(max(0, p_j - q_j)) of 10000 head fallbacks' tokens, how many ran out)."""
+    p_j, q_j = HEAD_P, HEAD_Q
+    r = residual_distribution(p_j, q_j)
+    g, n, counts, ran_out = gen(11), 10_000, torch.zeros(V, dtype=torch.float64), 0
+    for _ in range(n):
+        y = resolve(dssd_edge_head(p_j, top_k, tail, g), q_j, g)
+        if y is None:
+            ran_out += 1
+            y = dssd_device_residual(p_j, q_j, g)
+        counts[y] += 1
+    return 0.5 * float((counts / n - r).abs().sum()), ran_out
+
+
+# sampling noise ~0.004 at 10000 draws; running out one trial late (below) is 0.046 off at K = 1, n = 1
+HEAD_TV_BOUND = 0.015
+
+
+@pytest.mark.parametrize("top_k, tail", [(1, 1), (2, 2), (5, 0)])
+def test_dssd_head_fallback_samples_the_residual_exactly(top_k: int, tail: int) -> None:
+    """Edge head + device rejection sampling, with the whole-p_j fallback when the tail samples run
+    out: the token's law is norm(max(0, p_j - q_j))."""
+    tv, ran_out = _head_fallback_tv(top_k, tail)
+    assert tv < HEAD_TV_BOUND
+    assert (ran_out > 0) == (top_k < V)  # K = V covers p_j's support: nothing left to run out of
+
+
+def resolve_head_late_run_out(head, q_j, g):
+    """BROKEN head fallback: runs out only when a trial picks the tail and finds no sample left, so
+    that last trial could still keep a head token but never a tail one."""
+    excess = torch.clamp(head.head_probs - q_j[head.head_ids], min=0.0)
+    r_head = float(excess.sum())
+    tail = iter(zip(head.tail_samples.tolist(), head.tail_sample_probs.tolist()))
+    while True:
+        if float(torch.rand((), dtype=torch.float64, generator=g)) * (r_head + head.tail_mass) < r_head:
+            return int(head.head_ids[sample_token(excess / r_head, g)])
+        y, p_y = next(tail, (None, 0.0))
+        if y is None:
+            return None
+        if float(torch.rand((), dtype=torch.float64, generator=g)) * p_y < p_y - float(q_j[y]):
+            return y
+
+
+def test_control_dssd_head_fallback_running_out_late_is_rejected() -> None:
+    tv, _ = _head_fallback_tv(1, 1, resolve_head_late_run_out)
+    assert tv > HEAD_TV_BOUND
+
+
+def test_dssd_head_fallback_where_the_residual_is_zero_samples_p() -> None:
+    """Rounding can reject where p_j <= q_j everywhere: then r is p_j, as residual_distribution says."""
+    p_j = dist(1, 1, 1, 1, 1)
+    head = dssd_edge_head(p_j, 5, 4, gen())
+    hits = {dssd_device_resolve_head(head, p_j, gen(s)) for s in range(100)}
+    assert hits == set(range(V))
+
+
+def test_dssd_device_resolve_head_refuses_a_malformed_head() -> None:
+    p_j, q_j = dist(4, 1, 2, 2, 1), dist(1, 3, 1, 3, 2)
+    good = dssd_edge_head(p_j, 2, 3, gen())
+    bad = {
+        "in the head": dataclasses.replace(good, tail_samples=good.head_ids[:1].clone(),
+                                           tail_sample_probs=good.head_probs[:1].clone()),
+        "distinct": dataclasses.replace(good, head_ids=torch.tensor([0, 0]), head_probs=p_j[[0, 0]]),
+        "not 1": dataclasses.replace(good, tail_mass=0.5),
+        r"\(0, 1\]": dataclasses.replace(good, head_probs=torch.tensor([0.4, -0.2], dtype=torch.float64)),
+        "out of range": dataclasses.replace(good, head_ids=torch.tensor([0, 9])),
+    }
+    for message, head in bad.items():
+        with pytest.raises(ValueError, match=message):
+            dssd_device_resolve_head(head, q_j, gen())
+
+
+def test_dssd_fallback_bytes_prior() -> None:
+    assert dssd_fallback_bytes(0, 49152) == 8 * 49152
+    assert dssd_fallback_bytes(64, 49152) < dssd_fallback_bytes(0, 49152) / 100

@@ -1,0 +1,37 @@
+"""Wire conversions of the DSSD fallback messages (settings' round trips: test_settings.py)."""
+from __future__ import annotations
+
+import torch
+
+from specdec.common import protocol as P
+from specdec.common import wire
+from specdec.common.codecs import encode_target_probs
+from specdec.common.pb import speculative_pb2 as pb
+from specdec.common.verification import dssd_edge_head
+
+
+def _through_wire(reply: P.ResidualReply) -> P.ResidualReply:
+    raw = wire.residual_to_pb(reply).SerializeToString()
+    return wire.edge_message_from_pb(pb.EdgeMessage.FromString(raw))
+
+
+def test_residual_request_round_trip_keeps_whole() -> None:
+    for whole in (False, True):
+        raw = wire.residual_request_to_pb(P.ResidualRequest(7, whole=whole)).SerializeToString()
+        assert wire.device_message_from_pb(pb.DeviceMessage.FromString(raw)) == P.ResidualRequest(7, whole=whole)
+
+
+def test_head_reply_round_trip_is_bit_exact() -> None:
+    p = torch.softmax(torch.randn(300, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3, 0)
+    h = dssd_edge_head(p, 16, 8, torch.Generator().manual_seed(1))
+    reply = P.ResidualReply(3, head_ids=tuple(h.head_ids.tolist()), head_probs=tuple(h.head_probs.tolist()),
+                            tail_mass=h.tail_mass, tail_samples=tuple(h.tail_samples.tolist()),
+                            tail_sample_probs=tuple(h.tail_sample_probs.tolist()))
+    back = _through_wire(reply)
+    assert back == reply and back.is_head  # float64 and ids exactly: the device's law depends on them
+
+
+def test_whole_reply_of_an_old_edge_reads_as_whole() -> None:
+    p = torch.full((10,), 0.1, dtype=torch.float64)
+    back = _through_wire(P.ResidualReply(2, target_probs=encode_target_probs(p)))
+    assert not back.is_head and back.target_probs == encode_target_probs(p) and back.tail_mass == 0.0
