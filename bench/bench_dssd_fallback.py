@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,19 +36,6 @@ _spec.loader.exec_module(bt)
 SAMPLES = (8, 64)                 # m: DSSD's default, and mode auto's (device/auto.py AutoConfig)
 TOP_KS = (16, 64, 256, 1024)    # dssd_fallback_top_k
 TAIL_SAMPLES = (8, 32, 64, 128)  # n
-
-
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--prompts", type=int, default=6, help="first N prompts of bench/prompts.jsonl")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args(argv)
-    if a.temperature <= 0 or a.prompts < 1 or a.max_new_tokens < 1:
-        ap.error("--temperature must be > 0, --prompts and --max-new-tokens >= 1")
-    return a
 
 
 def run_out(p: torch.Tensor, q: torch.Tensor, head_ids: torch.Tensor, n: int) -> float:
@@ -108,21 +92,14 @@ def measure(a: argparse.Namespace) -> dict:
                      "run_out_share": run_out_share,
                      "bytes_per_fallback": head_bytes + run_out_share * whole,
                      "trips_per_fallback": 1 + run_out_share})
-    return {"temperature": a.temperature, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
-            "positions": positions, "rejection_rate": rejections / positions,
+    return {"positions": positions, "rejection_rate": rejections / positions,
             "fallback_share": {str(m): fallbacks[m] / rejections for m in SAMPLES},
-            "whole_reply_bytes": whole, "rows": rows, "drafter": drafter.name, "target": target.name,
-            "machine": platform.platform(), "torch": torch.__version__}
+            "whole_reply_bytes": whole, "rows": rows, "drafter": drafter.name, "target": target.name}
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _args(argv)
-    t0 = time.perf_counter()
-    res = measure(a)
-    res["seconds"] = time.perf_counter() - t0
-    out = a.out or ROOT / "results" / f"bench_dssd_fallback_T{a.temperature:g}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    a = bt._args(argv, __doc__)
+    res, out = bt.run(a, measure, "bench_dssd_fallback")
     print(f"T = {a.temperature:g}: {res['positions']} positions, rejection rate {res['rejection_rate']:.4f}, "
           f"whole p_j {res['whole_reply_bytes']} bytes")
     for m, share in res["fallback_share"].items():

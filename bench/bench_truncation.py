@@ -36,8 +36,9 @@ PROMPTS = ROOT / "bench" / "prompts.jsonl"
 CODECS = {**{f"tslt-{k}": (Mode.TSLT, k) for k in (16, 64, 256, 1024)}, "ksqs-64": (Mode.KSQS, 64)}
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def _args(argv: list[str] | None, doc: str = __doc__) -> argparse.Namespace:
+    """The flags of this bench and of those reading the same sampled texts (bench_dssd_fallback)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--prompts", type=int, default=6, help="first N prompts of bench/prompts.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -47,6 +48,18 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if a.temperature <= 0 or a.prompts < 1 or a.max_new_tokens < 1:
         ap.error("--temperature must be > 0, --prompts and --max-new-tokens >= 1")
     return a
+
+
+def run(a: argparse.Namespace, measure_fn, name: str) -> tuple[dict, Path]:
+    """``measure_fn(a)`` timed, with the run's settings, written to results/<name>_T<T>.json (``--out``)."""
+    t0 = time.perf_counter()
+    res = measure_fn(a)
+    res.update(temperature=a.temperature, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
+               machine=platform.platform(), torch=torch.__version__, seconds=time.perf_counter() - t0)
+    out = a.out or ROOT / "results" / f"{name}_T{a.temperature:g}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    return res, out
 
 
 def acceptance(p: torch.Tensor, q_hat: torch.Tensor) -> float:  # [V], [V] -> P(a draft from q_hat is kept)
@@ -93,19 +106,13 @@ def measure(a: argparse.Namespace) -> dict:
     rows = {name: {"acceptance": s / n, "sigma": g / n, "loss": dense - s / n,
                    "loss_over_sigma": (dense - s / n) / (g / n) if g else None}
             for name, (s, g) in sums.items() if name != "dense"}
-    return {"temperature": a.temperature, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
-            "positions": n, "dense_acceptance": dense, "codecs": rows, "drafter": drafter.name,
-            "target": target.name, "machine": platform.platform(), "torch": torch.__version__}
+    return {"positions": n, "dense_acceptance": dense, "codecs": rows, "drafter": drafter.name,
+            "target": target.name}
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
-    t0 = time.perf_counter()
-    res = measure(a)
-    res["seconds"] = time.perf_counter() - t0
-    out = a.out or ROOT / "results" / f"bench_truncation_T{a.temperature:g}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    res, out = run(a, measure, "bench_truncation")
     print(f"T = {a.temperature:g}: {res['positions']} positions, dense q acceptance {res['dense_acceptance']:.4f}")
     for name, r in res["codecs"].items():
         print(f"  {name:10s} sigma {r['sigma']:.4f}  acceptance {r['acceptance']:.4f}  loss {r['loss']:.4f}"

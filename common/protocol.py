@@ -52,6 +52,7 @@ class Welcome:
     protocol_version: int = PROTOCOL_VERSION
     resume_token: bytes = b""     # needed, with the same credentials, to resume this session
     resumed: bool = False         # the edge still had the session (its KV cache is reused)
+    dssd_max_samples: int = 0     # the most dssd_samples a round may ask for (0: an edge that does not say)
 
 
 @dataclass(frozen=True)

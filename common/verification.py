@@ -434,10 +434,12 @@ class DssdHead:
     tail_samples: torch.Tensor  # [n] int64, y ~ p_j restricted to the tail, none in the head
     tail_sample_probs: torch.Tensor  # [n] float64, p_j(y)
 
-    def __post_init__(self):
+    def __post_init__(self):  # a reply off the wire may pair lists of different lengths
         k, n = self.head_ids.numel(), self.tail_samples.numel()
-        assert self.head_ids.shape == self.head_probs.shape == (k,)
-        assert self.tail_samples.shape == self.tail_sample_probs.shape == (n,)
+        if not self.head_ids.shape == self.head_probs.shape == (k,):
+            raise ValueError("head_ids and head_probs must be vectors of one length")
+        if not self.tail_samples.shape == self.tail_sample_probs.shape == (n,):
+            raise ValueError("tail_samples and tail_sample_probs must be vectors of one length")
 
 
 def dssd_edge_head(

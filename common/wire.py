@@ -85,7 +85,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
     return pb.EdgeMessage(welcome=pb.Welcome(
         session_id=w.session_id, protocol_version=w.protocol_version, model_name=w.model_name,
         vocab_size=w.vocab_size, max_context=w.max_context, max_draft_len=w.max_draft_len,
-        max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed,
+        max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed, dssd_max_samples=w.dssd_max_samples,
     ))
 
 
@@ -93,7 +93,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
     return P.Welcome(
         session_id=m.session_id, protocol_version=m.protocol_version, model_name=m.model_name,
         vocab_size=m.vocab_size, max_context=m.max_context, max_draft_len=m.max_draft_len,
-        max_k=m.max_k, resume_token=m.resume_token, resumed=m.resumed,
+        max_k=m.max_k, resume_token=m.resume_token, resumed=m.resumed, dssd_max_samples=m.dssd_max_samples,
     )
 
 

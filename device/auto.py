@@ -36,7 +36,7 @@ import torch
 
 from specdec.common import autotune as A
 from specdec.common.codecs import Mode
-from specdec.common.protocol import DraftSettings, Hello
+from specdec.common.protocol import DraftSettings, Hello, Welcome
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
 
@@ -74,6 +74,8 @@ MAX_DEPTH = 32                # depths with their own acceptance estimate (deepe
 DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
 DEPTH_DECAY = 0.95            # per round reaching a depth (~20 rounds: one sample a round)
 PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
+OLD_EDGE_DSSD_MAX_SAMPLES = 64  # EdgeLimits.dssd_max_samples of edges whose Welcome does not state it
+MAX_DRAFT_LEN = 32              # ... and the draft length the candidates stop at when it is not stated
 PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
 PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
 REVISIT_AFTER_EDGE_TOKENS = 48  # edge-only tokens before one drafted round re-measures drafting (tokens,
@@ -115,7 +117,7 @@ class AutoConfig:
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
 
-    def candidates(self, vocab_size: int, max_draft_len: int = 32, max_k: int = 8192) -> list[A.Candidate]:
+    def candidates(self, vocab_size: int, max_draft_len: int = MAX_DRAFT_LEN, max_k: int = 8192) -> list[A.Candidate]:
         cap = min(vocab_size, max_k)
         ks = tuple(sorted({min(k, cap) for k in self.top_ks}))
         lens = tuple(L for L in self.draft_lens if L <= max_draft_len)
@@ -429,7 +431,8 @@ class LinkTracker:
             self.model(temperature).guess.add(kept)
 
     def estimates(self, temperature: float, vocab_size: int, acceptance: SessionAcceptance | None = None,
-                  fallback_top_k: int = DraftSettings().dssd_fallback_top_k) -> A.Estimates:
+                  fallback_top_k: int = DraftSettings().dssd_fallback_top_k,
+                  dssd_samples: int | None = None) -> A.Estimates:
         """What the choice needs, with ``acceptance`` a session's (by default: a new session's)."""
         with self.lock:
             side = self.model(temperature)
@@ -447,7 +450,7 @@ class LinkTracker:
                 decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
                 queue_s=self.queue_s.value or 0.0,
                 guess_rate=side.guess.rate,
-                dssd_fallback_rate=side.fallback_rate(self.dssd_samples, acceptance.alpha_base),
+                dssd_fallback_rate=side.fallback_rate(dssd_samples or self.dssd_samples, acceptance.alpha_base),
                 dssd_fallback_bytes=(self.fallback_bytes.value if self.fallback_bytes.value is not None
                                      else float(dssd_fallback_bytes(fallback_top_k, vocab_size))),
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
@@ -468,6 +471,7 @@ class AutoPolicy:
         self.vocab_size = vocab_size
         self.draft_ahead = draft_ahead
         self.candidates = tracker.config.candidates(vocab_size)
+        self.dssd_samples = tracker.config.dssd_samples  # within the edge's cap once its Welcome says it
         # its own text's acceptance (sessions running at once share the link, not the text)
         self.acceptance = tracker.session_acceptance(hello.temperature)
         self.current: A.Candidate | None = None
@@ -483,7 +487,7 @@ class AutoPolicy:
         """The next round's settings. ``head``: the settings and tokens of a round already drafted
         ahead (DraftSession.head_start): kept by settings of its codec, lost by any other."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
-                                   self.hello.draft.dssd_fallback_top_k)
+                                   self.hello.draft.dssd_fallback_top_k, self.dssd_samples)
         start = A.HeadStart(_codec_key(head[0]), head[1]) if head is not None else A.HeadStart()
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead,
                                start)
@@ -520,8 +524,18 @@ class AutoPolicy:
             return replace(base, mode=Mode.NONE, edge_tokens=edge_chunk, coupled_bonus=False)
         return replace(base, mode=c.mode, draft_len=c.draft_len, top_k=c.top_k or base.top_k,
                        lattice=self.tracker.config.lattice, dense_dtype="fp16",
-                       dssd_samples=self.tracker.config.dssd_samples,
+                       dssd_samples=self.dssd_samples,
                        coupled_bonus=self.hello.draft.coupled_bonus)
+
+    def observe_welcome(self, welcome: Welcome) -> None:
+        """Choose within the edge's limits: a round past its longest draft, largest K or most DSSD
+        samples would fail the session (an edge that does not state its sample cap had 64)."""
+        self.candidates = self.tracker.config.candidates(self.vocab_size, welcome.max_draft_len or MAX_DRAFT_LEN,
+                                                         welcome.max_k or self.vocab_size)
+        cap = welcome.dssd_max_samples or OLD_EDGE_DSSD_MAX_SAMPLES
+        self.dssd_samples = max(1, min(self.tracker.config.dssd_samples, cap))
+        if self.current not in self.candidates:
+            self.current = None
 
     def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> None:
         self.tracker.observe_q(q, q_hat, settings, self.hello.temperature)

@@ -220,6 +220,7 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     if not isinstance(welcome, P.Welcome):
         raise EdgeError(grpc.StatusCode.INTERNAL, "expected Welcome")
     result.welcome = welcome
+    session.observe_welcome(welcome)
     result.setup_bytes += setup + msg.ByteSize()
     if result.t_start is None:
         result.t_start = time.perf_counter()

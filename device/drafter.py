@@ -23,7 +23,7 @@ from specdec.common import settings as S
 from specdec.common.codecs import CodecConfig, Mode, decode_target_probs, dssd_theoretical_bits
 from specdec.common.conformal import ConformalController
 from specdec.common.modeling import LoadedModel
-from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict
+from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict, Welcome
 from specdec.common.stats import RoundRecord, SpecStats, edge_phases
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec
@@ -135,6 +135,11 @@ class DraftSession:
         no longer than the edge advised at its load (0: an edge-only round)."""
         chosen = self.policy.choose(self.head_start()) if self.policy is not None else self.hello.draft
         self.settings = S.within_draft_len(chosen, self.edge_hint)
+
+    def observe_welcome(self, welcome: Welcome) -> None:
+        """The edge's limits: mode auto chooses within them (a round beyond one fails the session)."""
+        if self.policy is not None:
+            self.policy.observe_welcome(welcome)
 
     def observe_verdict(self, verdict: Verdict) -> None:
         """Every verdict may carry the edge's draft-length advice; the newest counts."""

@@ -126,7 +126,8 @@ class VerifierSession:
     def welcome(self) -> Welcome:
         return Welcome(session_id=self.session_id, model_name=self.info.name,
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
-                       max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k)
+                       max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
+                       dssd_max_samples=self.limits.dssd_max_samples)
 
     # -- prompt ----------------------------------------------------------------------------------
     def prefill(self, prompt: Prompt) -> None:

@@ -17,6 +17,7 @@ from specdec.device.draft_model import DraftStep
 from specdec.device.drafter import DraftSession
 from specdec.device.openai_schema import parse_overrides
 from specdec.device.runner import DeviceConfig
+from specdec.edge.verifier import EdgeLimits
 from test_lossless_e2e import N_TOKENS, PROMPT, exact_law
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit
 
@@ -115,6 +116,25 @@ def test_random_auto_covers_every_kind_of_round(tiny_pair_v8) -> None:
 
     kinds = Counter(key.split("/")[0] for _, _, s in run(main()) for key in s.policy.last_choices)
     assert {"none", "dssd", "dense"} <= set(kinds) and len(kinds) >= 6, kinds
+
+
+def test_auto_stays_within_the_limits_of_a_smaller_edge(tiny_pair_v8) -> None:
+    """An edge with a shorter longest draft, a smaller K cap and fewer DSSD samples than auto's
+    candidates: every session completes (a round past a limit would fail it), every choice within."""
+    target_dir, drafter_dir = tiny_pair_v8
+    # the Hello's own settings within the limits too (the edge checks them when the session starts)
+    cfg = device_config(temperature=1.0, max_new_tokens=N_TOKENS + 3, mode="auto", draft_len=2, top_k=3)
+    limits = EdgeLimits(max_draft_len=2, max_k=3, dssd_max_samples=2)
+
+    async def main():
+        async with edge(target_dir, limits=limits) as address:
+            return await run_sessions(address, load(str(drafter_dir)), cfg, PROMPT, range(30), random_auto_session)
+
+    results = run(main())
+    assert all(len(tokens) >= N_TOKENS for tokens, _, _ in results)
+    chosen = {c for _, _, s in results for c in s.policy.candidates}
+    assert chosen and all(c.draft_len <= 2 and (c.top_k or 0) <= 3 for c in chosen), chosen
+    assert all(s.policy.dssd_samples == 2 for _, _, s in results)
 
 
 def test_auto_switching_every_round_is_lossless(twin, tiny_pair_v8) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from specdec.common import autotune as A
 from specdec.common.codecs import Mode
-from specdec.common.protocol import Hello
+from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
@@ -469,3 +469,21 @@ def test_dssd_fallbacks_are_charged_what_their_replies_measured_and_sample_the_d
     assert reply < e.dssd_fallback_bytes < reply + 8 * 49152  # the run-out's whole p_j counts too
     assert len(t.down) == 2 and e.downlink_bps == pytest.approx(1e6, rel=0.1)
     assert t.model(1.0).fallback.hits > 0
+
+
+def test_auto_chooses_within_the_edge_limits_its_welcome_states() -> None:
+    """An edge refuses rounds past its longest draft, largest K or most DSSD samples (the session
+    fails): after the Welcome, auto's candidates and DSSD rounds stay within them; an edge that does
+    not state its sample cap had 64."""
+    policy = AutoPolicy(LinkTracker(), HELLO, 49152)
+    assert max(c.draft_len for c in policy.candidates) > 8 and max(c.top_k for c in policy.candidates) > 64
+    policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,
+                                   max_draft_len=8, max_k=64, dssd_max_samples=16))
+    assert max(c.draft_len for c in policy.candidates) == 8 and max(c.top_k for c in policy.candidates) == 64
+    for _ in range(3):
+        s = policy.choose()
+        assert s.mode is Mode.NONE or (s.draft_len <= 8 and (s.mode not in (Mode.TSLT, Mode.KSQS) or s.top_k <= 64))
+    assert policy.settings_for(A.Candidate(Mode.DSSD, 8), 16).dssd_samples == 16
+    policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,
+                                   max_draft_len=32, max_k=8192))
+    assert policy.settings_for(A.Candidate(Mode.DSSD, 8), 16).dssd_samples == AutoConfig().dssd_samples == 64

@@ -38,5 +38,5 @@ def test_reply_sizes() -> None:
 @pytest.mark.parametrize("flags", [["--temperature", "0"], ["--prompts", "0"]])
 def test_bad_flags_exit_nonzero(flags: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        bd._args(flags)
+        bd.bt._args(flags, bd.__doc__)
     assert e.value.code != 0

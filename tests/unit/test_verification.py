@@ -473,6 +473,8 @@ def test_dssd_device_resolve_head_refuses_a_malformed_head() -> None:
     for message, head in bad.items():
         with pytest.raises(ValueError, match=message):
             dssd_device_resolve_head(head, q_j, gen())
+    with pytest.raises(ValueError, match="one length"):
+        dataclasses.replace(good, head_probs=good.head_probs[:1])
 
 
 def test_dssd_fallback_bytes_prior() -> None:
