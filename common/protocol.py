@@ -11,6 +11,9 @@ from specdec.common.settings import DraftSettings
 
 # Version 1 still: per-round settings (Draft.settings) and DraftSettings.mode are additions that a
 # device which never sends them does not notice, and an edge which ignores them is never sent them.
+# So is the DSSD head fallback: an older device leaves dssd_fallback_top_k at 0 and gets the whole
+# p_j; an older edge ignores it (and ResidualRequest.whole) and sends the whole p_j, which a newer
+# device reads as such; an older edge's Welcome has no dssd_max_samples (0: its cap was 64).
 PROTOCOL_VERSION = 1
 
 __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
