@@ -7,6 +7,7 @@ merged cells, p > 1e-4); a device that samples from a different q than the one i
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
@@ -104,6 +105,21 @@ def test_dssd_fallbacks_cross_the_wire_as_heads_and_whole(tiny_pair_v8) -> None:
     fallbacks = sum(r.dssd_fallbacks for _, r, _ in results)
     trips = sum(r.dssd_residual_trips for _, r, _ in results)
     assert 0 < fallbacks < trips < 2 * fallbacks, (fallbacks, trips)
+
+
+class EdgeBeforeHeadFallbacks(VerifierSession):
+    """An edge from before the head fallback: whatever the request, the whole p_j."""
+
+    def residual(self, request):
+        return super().residual(replace(request, whole=True))
+
+
+def test_an_edge_before_head_fallbacks_still_serves_the_fallback(tiny_pair_v8) -> None:
+    results = split_sessions(None, range(40), *tiny_pair_v8, dict(temperature=TEMPERATURE, max_new_tokens=8,
+                             draft_len=2, **MODES["dssd"]), PROMPT,
+                             patches=[(servicer, "VerifierSession", EdgeBeforeHeadFallbacks)])
+    fallbacks = sum(r.dssd_fallbacks for _, r, _ in results)
+    assert 0 < fallbacks == sum(r.dssd_residual_trips for _, r, _ in results)  # one trip each, whole
 
 
 def test_settings_changed_every_round_stay_lossless(twin, tiny_pair_v8) -> None:
