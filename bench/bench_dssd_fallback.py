@@ -50,14 +50,11 @@ def run_out(p: torch.Tensor, q: torch.Tensor, head_ids: torch.Tensor, n: int) ->
     return ((tail - r_tail) / (r_head + tail)) ** n
 
 
-def reply_bytes(p: torch.Tensor, top_k: int | None, n: int, generator: torch.Generator) -> int:
-    """Serialized EdgeMessage of a fallback: the head reply (top_k) or the whole p_j (None)."""
-    if top_k is None:
-        return wire.residual_to_pb(P.ResidualReply(1, target_probs=encode_target_probs(p))).ByteSize()
-    h = V.dssd_edge_head(p, top_k, n, generator)
-    return wire.residual_to_pb(P.ResidualReply(
-        1, head_ids=tuple(h.head_ids.tolist()), head_probs=tuple(h.head_probs.tolist()), tail_mass=h.tail_mass,
-        tail_samples=tuple(h.tail_samples.tolist()), tail_sample_probs=tuple(h.tail_sample_probs.tolist()))).ByteSize()
+def reply_bytes(p: torch.Tensor, head: V.DssdHead | None = None) -> int:
+    """Serialized EdgeMessage of a fallback: the head reply (``head``) or the whole p_j (None)."""
+    whole = head is None
+    reply = P.ResidualReply(1, target_probs=encode_target_probs(p)) if whole else P.ResidualReply(1, **head.to_values())
+    return wire.residual_to_pb(reply).ByteSize()
 
 
 def measure(a: argparse.Namespace) -> dict:
@@ -73,11 +70,11 @@ def measure(a: argparse.Namespace) -> dict:
         p, q = p.double(), q.double()
         r = float(torch.clamp(p - q, min=0.0).sum())  # P(a draft from q is rejected here) = TV(p, q)
         rejections += r
-        whole = whole or reply_bytes(p, None, 0, g)
+        whole = whole or reply_bytes(p)
         for k in TOP_KS:
-            head_ids = torch.topk(p, min(k, int((p > 0).sum()))).indices
             for n in TAIL_SAMPLES:
-                size, out = reply_bytes(p, k, n, g), run_out(p, q, head_ids, n)
+                head = V.dssd_edge_head(p, k, n, g)  # what the edge would send
+                size, out = reply_bytes(p, head), run_out(p, q, head.head_ids, n)
                 for m in SAMPLES:
                     w = r * (1 - r) ** m
                     acc[(m, k, n)][0] += w * size

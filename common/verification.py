@@ -50,8 +50,8 @@ import torch
 from specdec.common.distributions import (gumbel_noise, sample_token, sample_token_from_uniform,
                                           sample_token_gumbel, sample_tokens)
 from specdec.common.streams import Purpose, stream
-from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_generator, check_int, check_prob_rows,
-                                       check_prob_scalars, check_prob_vector, check_token_ids)
+from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_generator, check_int,
+                                       check_prob_rows, check_prob_scalars, check_prob_vector, check_token_ids)
 
 __all__ = [
     "ChainResult",
@@ -440,6 +440,22 @@ class DssdHead:
             raise ValueError("head_ids and head_probs must be vectors of one length")
         if not self.tail_samples.shape == self.tail_sample_probs.shape == (n,):
             raise ValueError("tail_samples and tail_sample_probs must be vectors of one length")
+
+    def to_values(self) -> dict:
+        """The fields as plain ints and floats (protocol.ResidualReply's head fields, same names)."""
+        return {"head_ids": tuple(self.head_ids.tolist()), "head_probs": tuple(self.head_probs.tolist()),
+                "tail_mass": float(self.tail_mass), "tail_samples": tuple(self.tail_samples.tolist()),
+                "tail_sample_probs": tuple(self.tail_sample_probs.tolist())}
+
+    @classmethod
+    def from_values(cls, source) -> "DssdHead":
+        """Inverse of :meth:`to_values`, from anything with those attributes (a ResidualReply);
+        float64 values come back bit for bit. ValueError if the lengths do not pair up."""
+        return cls(head_ids=torch.tensor(source.head_ids, dtype=torch.int64),
+                   head_probs=torch.tensor(source.head_probs, dtype=torch.float64),
+                   tail_mass=float(source.tail_mass),
+                   tail_samples=torch.tensor(source.tail_samples, dtype=torch.int64),
+                   tail_sample_probs=torch.tensor(source.tail_sample_probs, dtype=torch.float64))
 
 
 def dssd_edge_head(

@@ -30,13 +30,7 @@ def resolve(q_j: torch.Tensor, verdict: Verdict, generator: torch.Generator) -> 
 def resolve_head(q_j: torch.Tensor, reply: ResidualReply, generator: torch.Generator) -> int | None:
     """Rejection-sample the residual from p_j's head and tail samples, or None (then the whole p_j).
     ValueError on a malformed reply."""
-    head = V.DssdHead(
-        head_ids=torch.tensor(reply.head_ids, dtype=torch.long),
-        head_probs=torch.tensor(reply.head_probs, dtype=torch.float64),
-        tail_mass=float(reply.tail_mass),
-        tail_samples=torch.tensor(reply.tail_samples, dtype=torch.long),
-        tail_sample_probs=torch.tensor(reply.tail_sample_probs, dtype=torch.float64))
-    return V.dssd_device_resolve_head(head, q_j, generator)
+    return V.dssd_device_resolve_head(V.DssdHead.from_values(reply), q_j, generator)
 
 
 def residual(p_j: torch.Tensor, q_j: torch.Tensor, generator: torch.Generator) -> int:

@@ -291,10 +291,7 @@ class VerifierSession:
             return ResidualReply(round_id=request.round_id, target_probs=encode_target_probs(pending.p_j))
         generator = stream(self.hello.seed, Purpose.DSSD_TAIL, pending.start)
         head = V.dssd_edge_head(pending.p_j, pending.top_k, V.DSSD_TAIL_SAMPLES, generator)
-        return ResidualReply(round_id=request.round_id, head_ids=tuple(head.head_ids.tolist()),
-                             head_probs=tuple(head.head_probs.tolist()), tail_mass=head.tail_mass,
-                             tail_samples=tuple(head.tail_samples.tolist()),
-                             tail_sample_probs=tuple(head.tail_sample_probs.tolist()))
+        return ResidualReply(round_id=request.round_id, **head.to_values())
 
     # -- internals -------------------------------------------------------------------------------
     def _check_ids(self, ids, what: str) -> None:

@@ -7,7 +7,7 @@ from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.codecs import encode_target_probs
 from specdec.common.pb import speculative_pb2 as pb
-from specdec.common.verification import dssd_edge_head
+from specdec.common.verification import DssdHead, dssd_edge_head
 
 
 def _through_wire(reply: P.ResidualReply) -> P.ResidualReply:
@@ -24,11 +24,13 @@ def test_residual_request_round_trip_keeps_whole() -> None:
 def test_head_reply_round_trip_is_bit_exact() -> None:
     p = torch.softmax(torch.randn(300, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3, 0)
     h = dssd_edge_head(p, 16, 8, torch.Generator().manual_seed(1))
-    reply = P.ResidualReply(3, head_ids=tuple(h.head_ids.tolist()), head_probs=tuple(h.head_probs.tolist()),
-                            tail_mass=h.tail_mass, tail_samples=tuple(h.tail_samples.tolist()),
-                            tail_sample_probs=tuple(h.tail_sample_probs.tolist()))
+    reply = P.ResidualReply(3, **h.to_values())
     back = _through_wire(reply)
     assert back == reply and back.is_head  # float64 and ids exactly: the device's law depends on them
+    again = DssdHead.from_values(back)
+    for name in ("head_ids", "head_probs", "tail_samples", "tail_sample_probs"):
+        assert torch.equal(getattr(again, name), getattr(h, name)), name
+    assert again.tail_mass == h.tail_mass
 
 
 def test_whole_reply_of_an_old_edge_reads_as_whole() -> None:
