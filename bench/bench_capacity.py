@@ -54,7 +54,7 @@ def cache_dir() -> Path:
 
 def drafter_id() -> tuple[str, dict]:
     """The default drafter's name and recorded operating point (its draft settings)."""
-    from specdec.device.default_drafter import drafter_meta
+    from specdec.device.lean_drafter import drafter_meta
     meta = drafter_meta()
     return meta["name"], {"draft_len": meta.get("draft_len"), "top_k": meta.get("top_k")}
 

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
-from specdec.common.codecs import CodecConfig, Mode
+from specdec.common.codecs import CodecConfig
+from specdec.common.settings import Mode
 from specdec.common.distributions import tv_distance
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
 from specdec.common.sampling import model_probs
-from specdec.device.default_drafter import default_drafter_spec
+from specdec.device.lean_drafter import default_drafter_spec
 from specdec.device.draft_model import DraftModel, encode_q
 
 ROOT = Path(__file__).resolve().parent.parent

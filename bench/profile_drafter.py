@@ -97,7 +97,7 @@ def compare_heads(drafter, prompt: list[int], tokens: int, repeats: int) -> dict
     """Median ms per forward over ``tokens`` greedy steps after the prompt with the drafter's head
     and with a float32 copy of it (the previous default), interleaved (A B A B) ``repeats`` times."""
     from specdec.common.modeling import CachedLM
-    from specdec.device.default_drafter import HalfHead
+    from specdec.device.lean_drafter import HalfHead
 
     model = drafter.model
     built = model.head
@@ -129,7 +129,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from specdec.common.modeling import CachedLM, encode_prompt, load_model
-    from specdec.device.drafter import DraftSession
+    from specdec.device.session import DraftSession
     from specdec.device.runner import DeviceConfig, choose_drafter
 
     cfg = DeviceConfig(temperature=args.temperature)

@@ -1,7 +1,7 @@
 """Soak benchmark: 32 concurrent device sessions against an edge-server subprocess for minutes.
 
 Each of ``--sessions`` slots runs sessions back to back (a new one starts when one ends) on its own
-channel, with the real device client (``device.client.generate`` + ``device.drafter.DraftSession``)
+channel, with the real device client (``device.client.generate`` + ``device.session.DraftSession``)
 on one event loop; drafter forwards run in threads and share one drafter model. Modes rotate over
 all five codecs, sampled at temperature 1 with a fresh seed and prompt per session. The default
 models are tiny (tests/tiny_models.py): a 4-layer target and a drafter close to it (DRAFT_NOISE).
@@ -44,10 +44,10 @@ from pathlib import Path
 import grpc
 import torch
 
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.device.client import EdgeError, generate
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.runner import DeviceConfig, open_channel
 
 REPO = Path(__file__).resolve().parents[1]

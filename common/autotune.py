@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.latency import expected_tokens_by_depth, oracle_time_drafting_ahead
 
 # Modes whose rounds the device can draft ahead (device/chain.py DRAFT_AHEAD_MODES, stated here as

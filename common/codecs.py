@@ -30,7 +30,6 @@ Bit counts of a whole number of bits use exact integer arithmetic (``int.bit_len
 """
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 from . import lattice
+from .settings import Mode
 from .distributions import (
     SparseDist,
     dropped_mass_unchecked,
@@ -48,15 +48,6 @@ from .distributions import (
 )
 from .validation import (DENSE_PACKET_SUM_ATOL, VERIFY_SUM_ATOL, check_int, check_lattice, check_prob_scalars,
                          check_probs, check_unit_interval)
-
-
-class Mode(str, enum.Enum):
-    DENSE = "dense"  # full distribution, TSLT eq. (2)-(3) baseline
-    TSLT = "tslt"  # truncated sparse logits, TSLT section 3.2
-    KSQS = "ksqs"  # top-K + lattice, SQS section 2
-    CSQS = "csqs"  # conformal threshold + lattice, SQS section 3
-    DSSD = "dssd"  # split verification, uplink scalars only (DSSD, Method; see verification.py)
-    NONE = "none"  # no speculation: the edge generates the round's tokens alone and streams them
 
 
 # dense_dtype -> (torch dtype, bits per probability b_prob).

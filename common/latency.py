@@ -42,7 +42,7 @@ def oracle_time(L: int, t_slm: float, t_comm: float, t_llm: float) -> float:
 
 def oracle_time_drafting_ahead(L: int, t_slm: float, t_comm: float, t_llm: float, hit_rate: float) -> float:
     """Eq. (5) when the device drafts round r + 1 while round r is verified (our extension, not in
-    the papers; device/drafter.py ``draft_ahead``).
+    the papers; device/session.py ``draft_ahead``).
 
     Drafting ahead starts when round r is sent, on a guess of its verdict (all accepted, a guessed
     bonus token); it needs L + 1 drafter steps (it first feeds the last draft token). With

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class DeltaBuilder:
     """How a delta's drafter is made, handed in by the code that owns that drafter (the device): this
     module imports no drafter code, so the import graph shows who depends on whom."""
-    name: str                       # what delta.json's "builder" records, e.g. "specdec.device.default_drafter:build"
+    name: str                       # what delta.json's "builder" records, e.g. "specdec.device.lean_drafter:build"
     build: Callable                 # (target, extra tensors, delta meta, device) -> the module to run
     load_prebuilt: Callable | None = None  # (config, state, info, device) -> the built module; None = no cache
     version: int = 0                # of build()'s output: part of the prebuilt cache key

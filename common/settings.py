@@ -16,11 +16,24 @@ means off. Pure: no I/O, no torch.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from specdec.common.codecs import CodecConfig, Mode
+if TYPE_CHECKING:
+    from specdec.common.codecs import CodecConfig
+
+
+class Mode(str, enum.Enum):
+    """How a round is drafted and what its uplink carries."""
+    DENSE = "dense"  # full distribution, TSLT eq. (2)-(3) baseline
+    TSLT = "tslt"  # truncated sparse logits, TSLT section 3.2
+    KSQS = "ksqs"  # top-K + lattice, SQS section 2
+    CSQS = "csqs"  # conformal threshold + lattice, SQS section 3
+    DSSD = "dssd"  # split verification, uplink scalars only (DSSD, Method; see verification.py)
+    NONE = "none"  # no speculation: the edge generates the round's tokens alone and streams them
+
 
 ALL_MODES = frozenset(Mode)
 DRAFTING_MODES = ALL_MODES - {Mode.NONE}  # modes whose rounds carry drafts (none: the edge generates alone)
@@ -95,6 +108,7 @@ class DraftSettings:
 
     def codec(self, vocab_size: int) -> CodecConfig | None:
         """The codec both sides build for this round's payloads (None in DSSD and none: they send none)."""
+        from specdec.common.codecs import CodecConfig  # the codecs depend on this table, not it on them
         if self.mode in (Mode.DSSD, Mode.NONE):
             return None
         # Settings this mode does not read may arrive as 0 from a device: the codec gets the defaults.

@@ -6,9 +6,8 @@ with a message that the servicer turns into ``INVALID_ARGUMENT``.
 from __future__ import annotations
 
 from specdec.common import protocol as P
-from specdec.common.codecs import Mode
 from specdec.common.pb import speculative_pb2 as pb
-from specdec.common.settings import setting_names
+from specdec.common.settings import Mode, setting_names
 
 _MODE_TO_PB = {
     Mode.DENSE: pb.MODE_DENSE,

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import DTYPES
 from specdec.common.settings import ALL_MODES, DraftSettings, check_value, setting_info, setting_names
 from specdec.common.runtime import OneLineParser, apply_threads, is_local_address, run_async

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.common import autotune as A
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.protocol import DraftSettings, Hello, Welcome
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes

@@ -14,7 +14,7 @@ import torch
 
 from specdec.common import verification as V
 from specdec.common.budget import MIN_DRAFT_LEN, fits_budget
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.distributions import sample_token_gumbel
 from specdec.common.protocol import DraftSettings
 from specdec.common.sampling import model_probs

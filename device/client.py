@@ -1,7 +1,7 @@
 """gRPC client side of one generation session: moves drafts up and verdicts down, nothing more.
 
 Converts between protobuf and :mod:`specdec.common.protocol` with :mod:`specdec.common.wire`, and
-calls the blocking :class:`~specdec.device.drafter.DraftSession` off the event loop.
+calls the blocking :class:`~specdec.device.session.DraftSession` off the event loop.
 Byte counts are the serialized sizes of the messages actually written and read.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ import grpc
 
 from specdec.common import protocol as P
 from specdec.common import wire
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.stats import RoundRecord
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.device.drafter import DraftSession, RoundDraft
+from specdec.device.session import DraftSession, RoundDraft
 from specdec.device.metrics import DeviceMetrics
 
 log = logging.getLogger("specdec.device")

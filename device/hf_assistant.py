@@ -1,6 +1,6 @@
 """The default drafter as a transformers model, for ``generate(assistant_model=...)`` in one process.
 
-:class:`~specdec.device.default_drafter.LeanDrafter` (int4 layers, reduced head) is a plain torch
+:class:`~specdec.device.lean_drafter.LeanDrafter` (int4 layers, reduced head) is a plain torch
 module with the call signature :class:`~specdec.common.modeling.CachedLM` uses. transformers'
 assisted generation (``AssistedCandidateGenerator``, transformers 5.x) needs more of its assistant:
 a ``PreTrainedModel`` with ``GenerationMixin`` (it calls ``assistant.generate`` for each round of
@@ -9,7 +9,7 @@ so the same-tokenizer path is taken) and a ``forward`` taking ``past_key_values`
 cropped by transformers after each verification) and ``logits_to_keep``.
 :class:`LeanAssistant` is that shell around the same module: the same weights, the same logits.
 
-Kept apart from default_drafter.py because ``PreTrainedModel`` imports transformers' whole model
+Kept apart from lean_drafter.py because ``PreTrainedModel`` imports transformers' whole model
 stack (~1.5 s, ~90 MB), which device-client does not need.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specdec.common.modeling import LoadedModel
-from specdec.device.default_drafter import LeanDrafter
+from specdec.device.lean_drafter import LeanDrafter
 
 
 class LeanAssistant(PreTrainedModel, GenerationMixin):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.metrics import SpecMetrics
 from specdec.common.stats import PHASES, RoundRecord
 

@@ -16,11 +16,11 @@ from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_
 from specdec.common.protocol import DraftSettings, Hello
 from specdec.device.auto import AutoPolicy, LinkTracker
 from specdec.device.client import ConnectionPolicy, GenerationResult, generate
-from specdec.device.default_drafter import default_drafter_spec, drafter_meta, has_default_drafter
-from specdec.device.drafter import DraftSession
+from specdec.device.lean_drafter import default_drafter_spec, drafter_meta, has_default_drafter
+from specdec.device.session import DraftSession
 from specdec.device.metrics import DeviceMetrics
 
-# The default drafter for the embedded target ships in device/drafter_weights (default_drafter.py).
+# The default drafter for the embedded target ships in device/drafter_weights (lean_drafter.py).
 # Without those files, or with --draft-layers N, the drafter is the target's own first N layers with
 # its final norm and head (early exit): acceptance ~0.1 at 12 layers, self-contained but not fast.
 INTERIM_DRAFT_LAYERS = 12

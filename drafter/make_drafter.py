@@ -1,7 +1,7 @@
 """`make drafter`: build the default drafter's files from the target and print what it achieves.
 
 The default drafter is the target's own 4-bit weights run by torch's int4 CPU kernel with bfloat16
-activations, and a reduced head (device/default_drafter.py). Its files hold only what differs from
+activations, and a reduced head (device/lean_drafter.py). Its files hold only what differs from
 the target: the head's token ids. Steps (fixed seed; ~10 min on one idle core, 6 of them generating
 data):
   1. gen_data: the target answers templated prompts (half greedy, half sampled at T = 1);
@@ -35,7 +35,7 @@ from train_prompts import load_bench_prompts, training_prompts  # noqa: E402
 from specdec.common.sampling import model_probs  # noqa: E402
 from specdec.common.latency import expected_tokens_per_call, oracle_time  # noqa: E402
 from specdec.common.modeling import CachedLM, ModelSpec, load_model  # noqa: E402
-from specdec.device import default_drafter as D  # noqa: E402
+from specdec.device import lean_drafter as D  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "build" / "drafter" / "data.pt"
@@ -172,7 +172,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     p.add_argument("--head-size", type=int, default=HEAD_SIZE)
     p.add_argument("--head-dtype", default=HEAD_DTYPE, choices=["float16", "float32"],
-                   help="the head's weights and arithmetic (default_drafter.HalfHead for float16)")
+                   help="the head's weights and arithmetic (lean_drafter.HalfHead for float16)")
     p.add_argument("--out", type=Path, default=D.WEIGHTS_DIR)
     a = p.parse_args()
     torch.set_num_threads(1)

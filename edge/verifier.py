@@ -20,8 +20,8 @@ import torch
 from specdec.common import verification as V
 from specdec.common import settings as S
 from specdec.common.batched import ForwardRequest, forward_batch
-from specdec.common.codecs import (CodecConfig, Mode, decode_distribution, decode_dssd_scalars,
-                                   encode_target_probs)
+from specdec.common.codecs import CodecConfig, decode_distribution, decode_dssd_scalars, encode_target_probs
+from specdec.common.settings import Mode
 from specdec.common.distributions import densify, sample_token
 from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel

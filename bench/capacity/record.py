@@ -28,7 +28,7 @@ from specdec.common import wire  # noqa: E402
 from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint  # noqa: E402
 from specdec.common.runtime import run_async  # noqa: E402
 from specdec.device.client import generate  # noqa: E402
-from specdec.device.drafter import DraftSession  # noqa: E402
+from specdec.device.session import DraftSession  # noqa: E402
 from specdec.device.runner import choose_drafter, connection_policy, edge_channel  # noqa: E402
 from suite.driver import device_config, emit  # noqa: E402
 

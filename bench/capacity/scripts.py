@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from specdec.common import protocol as P
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.device.chain import chain_limit
 from specdec.device.client import clip_round
 

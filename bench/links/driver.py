@@ -28,7 +28,7 @@ from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async  # noqa: E402
 from specdec.device import runner  # noqa: E402
 from specdec.device.client import generate  # noqa: E402
-from specdec.device.drafter import DraftSession  # noqa: E402
+from specdec.device.session import DraftSession  # noqa: E402
 from suite.driver import WARMUP_TOKENS, device_config, emit, run_job, serve_batches  # noqa: E402
 
 

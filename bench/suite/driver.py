@@ -30,12 +30,12 @@ from dataclasses import fields
 
 import torch
 
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
 from specdec.common.settings import setting_names
 from specdec.device.client import generate
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_channel, result_json
 
 WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the channel warm up

@@ -13,7 +13,7 @@ import pytest
 
 from harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import ModelSpec, encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.protocol import DraftSettings, Hello, Prompt, Welcome

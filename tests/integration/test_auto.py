@@ -10,11 +10,11 @@ import torch
 
 from harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, split_sessions,
                      target_greedy)
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.draft_model import DraftStep
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.openai_schema import parse_overrides
 from specdec.device.runner import DeviceConfig
 from specdec.edge.verifier import EdgeLimits

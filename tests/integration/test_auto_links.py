@@ -12,11 +12,11 @@ from dataclasses import replace
 
 from harness import device_config, edge, import_testbed, load
 from specdec.common.autotune import Candidate
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.auto import AutoPolicy, LinkTracker
 from specdec.device.client import generate
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.runner import connection_policy, edge_channel
 
 import_testbed()

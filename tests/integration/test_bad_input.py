@@ -10,7 +10,8 @@ import pytest
 
 from harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
-from specdec.common.codecs import CodecConfig, Mode, encode_distribution
+from specdec.common.codecs import CodecConfig, encode_distribution
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc

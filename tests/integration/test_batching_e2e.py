@@ -13,7 +13,7 @@ from collections import Counter
 
 from harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common.modeling import encode_prompt
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.edge.batching import ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
 from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law

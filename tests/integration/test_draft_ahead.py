@@ -23,9 +23,9 @@ import torch
 from tiny_models import make_close_drafter, make_model
 from harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
 from specdec.common import verification as V
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.runner import edge_channel
 from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit

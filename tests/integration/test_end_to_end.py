@@ -7,7 +7,7 @@ import pytest
 
 from harness import (ALL_MODES, SwitchesEveryRound, device_config, edge, load, run, run_sessions,
                      target_greedy)
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.edge.metrics import EdgeMetrics
 

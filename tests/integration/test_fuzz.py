@@ -48,11 +48,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from harness import EdgeProcess, device_config, load, target_greedy
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.device.client import ConnectionPolicy, generate
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.runner import open_channel
 
 METHOD = "/specdec.v1.SpeculativeDecoding/Generate"

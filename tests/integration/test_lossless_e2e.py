@@ -15,14 +15,14 @@ import torch
 
 from harness import SwitchesEveryRound, device_config, load, load_spec, split_sessions
 from specdec.common import verification
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.distributions import filter_target_logits, sample_token
 from specdec.common.sampling import model_probs
 from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.common.streams import Purpose, stream
-from specdec.device import default_drafter
+from specdec.device import lean_drafter
 from specdec.device.draft_model import DraftStep
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.edge import servicer
 from specdec.edge.verifier import VerifierSession
 from unit.toy_models import P_VALUE_CUT, goodness_of_fit
@@ -207,9 +207,9 @@ def int4_reduced_head_drafter(tiny_pair_v8, tmp_path_factory) -> ModelSpec:
     """The drafter's ModelSpec (each process of the test loads it from there)."""
     target_dir, _ = tiny_pair_v8
     delta = tmp_path_factory.mktemp("int4_drafter")
-    default_drafter.save_drafter(delta, torch.tensor(HEAD_IDS), {"name": "tiny-int4", "num_layers": 2, "int4": True})
-    spec = ModelSpec(model=str(target_dir), delta=str(delta), builder=default_drafter.DELTA_BUILDER)
-    assert isinstance(load_spec(spec).model.layers[0].qkv, default_drafter.Int4Linear)  # int4 really runs
+    lean_drafter.save_drafter(delta, torch.tensor(HEAD_IDS), {"name": "tiny-int4", "num_layers": 2, "int4": True})
+    spec = ModelSpec(model=str(target_dir), delta=str(delta), builder=lean_drafter.DELTA_BUILDER)
+    assert isinstance(load_spec(spec).model.layers[0].qkv, lean_drafter.Int4Linear)  # int4 really runs
     return spec
 
 

@@ -78,7 +78,7 @@ def test_build_requirements_match_the_test_venv() -> None:
 
 
 def test_wheel_has_generated_code_and_default_drafter(installed, tmp_path) -> None:
-    probe = ("import json, specdec.common.pb.speculative_pb2_grpc as g, specdec.device.default_drafter as d; "
+    probe = ("import json, specdec.common.pb.speculative_pb2_grpc as g, specdec.device.lean_drafter as d; "
              "print(json.dumps([g.__file__, d.has_default_drafter()]))")
     out = subprocess.run([str(installed / "bin" / "python"), "-c", probe], capture_output=True, text=True,
                          cwd=tmp_path, check=True)

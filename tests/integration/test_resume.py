@@ -6,10 +6,10 @@ import asyncio
 
 from harness import EdgeProcess, device_config, edge, load, run, target_greedy
 from linkcut import CuttableLink
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.runner import open_channel
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.verifier import EdgeLimits

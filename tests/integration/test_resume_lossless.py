@@ -30,11 +30,11 @@ import torch
 
 from harness import device_config, edge, load, patched, run
 from linkcut import CuttableLink
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.protocol import Prompt, ResidualRequest
 from specdec.device.client import ConnectionPolicy, generate
-from specdec.device.drafter import DraftSession
+from specdec.device.session import DraftSession
 from specdec.device.runner import open_channel
 from specdec.edge import servicer
 from specdec.edge.metrics import EdgeMetrics

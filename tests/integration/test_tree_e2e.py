@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.modeling import CachedLM, encode_prompt
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.common import autotune as A
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord

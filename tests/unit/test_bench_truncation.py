@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.common.codecs import CodecConfig, Mode
+from specdec.common.codecs import CodecConfig
+from specdec.common.settings import Mode
 from specdec.device.draft_model import encode_q
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_truncation.py"

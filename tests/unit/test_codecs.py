@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from specdec.common.codecs import (
     CodecConfig,
     EncodedDist,
-    Mode,
     decode_distribution,
     decode_dssd_scalars,
     dssd_theoretical_bits,
     encode_distribution,
     encode_dssd_scalars,
 )
+from specdec.common.settings import Mode
 from specdec.common.distributions import (
     check_sparse_dist,
     densify,

@@ -14,7 +14,7 @@ import torch
 from specdec.common.sampling import model_probs
 from specdec.common.modeling import (DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, embedded_gguf_path,
                                      load_model, vocab_fingerprint)
-from specdec.device.default_drafter import (BUILDER, WEIGHTS_DIR, default_drafter_spec, drafter_meta,
+from specdec.device.lean_drafter import (BUILDER, WEIGHTS_DIR, default_drafter_spec, drafter_meta,
                                             has_default_drafter)
 
 try:

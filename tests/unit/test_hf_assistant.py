@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
-from specdec.device import default_drafter as D
+from specdec.device import lean_drafter as D
 from specdec.device.hf_assistant import LeanAssistant, as_assistant
 from tiny_models import make_model
 

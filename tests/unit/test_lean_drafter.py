@@ -1,4 +1,4 @@
-"""The default drafter's module (device/default_drafter.py) on tiny random Llamas, loaded through the
+"""The default drafter's module (device/lean_drafter.py) on tiny random Llamas, loaded through the
 same delta path (ModelSpec.delta -> builder) as the committed drafter, so these run anywhere.
 
 - The float LeanDrafter with a full head is the transformers Llama: same logits
@@ -19,7 +19,7 @@ import torch
 
 from specdec.common.sampling import model_probs
 from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, load_model
-from specdec.device import default_drafter as D
+from specdec.device import lean_drafter as D
 from tiny_models import make_model
 
 VOCAB = 64

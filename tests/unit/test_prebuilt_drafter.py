@@ -1,7 +1,7 @@
 """The prebuilt-drafter cache (common/modeling.py, issue 20): a drafter whose delta.json asks for it is
 built once, kept in ``$SPECDEC_CACHE_DIR``, and later loads read it back without building the float
 model. On a tiny random Llama through the same code path as the default drafter (ModelSpec.delta,
-built by ModelSpec.builder = default_drafter.DELTA_BUILDER):
+built by ModelSpec.builder = lean_drafter.DELTA_BUILDER):
 
 - the cached drafter's logits are bit-identical to the freshly built one's (full and token by token);
 - a warm load never calls ``from_pretrained`` for the model (the float target is not materialised);
@@ -16,7 +16,7 @@ import torch
 
 from specdec.common import modeling
 from specdec.common.modeling import PREBUILT_MANIFEST, PREBUILT_WEIGHTS, CachedLM, ModelSpec, load_model
-from specdec.device import default_drafter as D
+from specdec.device import lean_drafter as D
 from tiny_models import make_model
 
 VOCAB = 64

@@ -8,7 +8,7 @@ import pytest
 
 from specdec.common import settings as S
 from specdec.common import wire
-from specdec.common.codecs import Mode
+from specdec.common.settings import Mode
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.protocol import DraftBlock, Hello
 from specdec.device import openai_schema

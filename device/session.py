@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec.common import settings as S
-from specdec.common.codecs import CodecConfig, Mode, decode_target_probs, dssd_theoretical_bits
+from specdec.common.codecs import CodecConfig, decode_target_probs, dssd_theoretical_bits
+from specdec.common.settings import Mode
 from specdec.common.conformal import ConformalController
 from specdec.common.modeling import LoadedModel
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict, Welcome

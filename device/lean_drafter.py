@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, DeltaBuilder, ModelSpec
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "drafter_weights"
-BUILDER = "specdec.device.default_drafter:build"  # delta.json's record of who builds it (DELTA_BUILDER)
+BUILDER = "specdec.device.lean_drafter:build"  # delta.json's record of who builds it (DELTA_BUILDER)
 HEAD_IDS = "head.keep_ids"          # [N] int64: vocabulary ids the head covers, sorted
 # Logit of the tokens the head leaves out: finite (the codecs refuse inf), and exp() of it minus any
 # real logit is exactly 0 in float32 at every temperature <= 1e4, so q = 0 there.
