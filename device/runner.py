@@ -27,9 +27,9 @@ INTERIM_DRAFT_LAYERS = 12
 
 
 # ``mode auto`` is the default of a session given no draft setting: it beats the fixed default (the
-# drafter's recorded K and L) in the links benchmark (README "Links"). Full run at e6e333f, both
-# temperatures (docs/bench/links_20261125_r5): 1.20x the fixed default's tokens/s in geometric mean
-# over the 32 grid cells (T = 0 1.27, 0.92x at worst; T = 1 1.13, 0.78x at worst).
+# drafter's recorded K and L) in the links benchmark (docs/benchmarks.md "Links", docs/bench/links):
+# 1.30x the fixed default's tokens/s in geometric mean over the 32 grid cells of both temperatures
+# (T = 0 1.34, T = 1 1.26; 1.05x at worst in any cell).
 AUTO_BY_DEFAULT = True
 
 
