@@ -46,45 +46,45 @@ demo: $(PB_OUT)
 # Edge and device in two network namespaces over a shaped veth link (root). Example:
 #   make testbed ARGS="--up-rate 1mbit --up-delay 20ms --down-rate 10mbit --down-delay 20ms"
 testbed: $(PB_OUT)
-	$(PY) -m testbed $(ARGS)
+	$(PY) -m specdec.testbed $(ARGS)
 
 bench-lattice: $(PB_OUT)
-	$(PY) bench/bench_lattice.py
+	$(PY) -m specdec.bench.bench_lattice
 
 # 32 concurrent device sessions against an edge-server subprocess for 180 s (ARGS="--duration 60"):
 # throughput, round latency and the edge's RSS into results/soak.json and results/soak.csv.
 soak: $(PB_OUT)
-	$(PY) bench/soak.py $(ARGS)
+	$(PY) -m specdec.bench.soak $(ARGS)
 
 # Rebuild the default drafter's files (device/drafter_weights/) from the target: ~10 min on one core
 # (ARGS=--reuse-data: ~3 min); prints held-out acceptance, cost ratio and the oracle-predicted speedup.
 drafter: $(STAMP)
-	$(PY) drafter/make_drafter.py $(ARGS)
+	$(PY) -m specdec.drafter_build.make_drafter $(ARGS)
 
 # The default pair against the target alone on bench/prompts.jsonl at T = 0 and T = 1 (results/).
 bench-drafter: $(PB_OUT)
-	$(PY) bench/bench_drafter.py $(ARGS)
+	$(PY) -m specdec.bench.bench_drafter $(ARGS)
 
 # edge-server + device-client with no tuning flags (OMP_NUM_THREADS unset) against transformers
 # generate on every core, greedy, 4 prompts (one per category) x 64 tokens x 3 repeats interleaved:
 # results/bench_defaults.json.
 bench-defaults: $(PB_OUT)
-	env -u OMP_NUM_THREADS $(PY) bench/bench_defaults.py $(ARGS)
+	env -u OMP_NUM_THREADS $(PY) -m specdec.bench.bench_defaults $(ARGS)
 
 # The device's footprint with the default drafter: device-client's seconds from start to first token
 # on a warm cache and its peak RSS, with the breakdown (results/bench_footprint.json; ~1 min).
 footprint: $(PB_OUT)
-	$(PY) bench/bench_footprint.py $(ARGS)
+	$(PY) -m specdec.bench.bench_footprint $(ARGS)
 
 # What truncating q costs in acceptance against eq. (22)'s sigma_K, exactly (sum_x min(p, q_hat) per
 # position on texts the target samples): results/bench_truncation_T<T>.json, ~1 min at the defaults.
 bench-truncation: $(PB_OUT)
-	$(PY) bench/bench_truncation.py $(ARGS)
+	$(PY) -m specdec.bench.bench_truncation $(ARGS)
 
 # What a DSSD fallback costs downlink: the whole p_j against its head and tail samples, per K and n
 # (exact expectations on texts the target samples): results/bench_dssd_fallback_T<T>.json, ~1 min.
 bench-dssd-fallback: $(PB_OUT)
-	$(PY) bench/bench_dssd_fallback.py $(ARGS)
+	$(PY) -m specdec.bench.bench_dssd_fallback $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.
@@ -95,7 +95,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: $(PB_OUT) $(BENCH_STAMP)
-	OMP_NUM_THREADS=1 $(PY) bench/run_bench.py $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.run_bench $(ARGS)
 
 # The pair over emulated real links (issue 18): uplink {100, 10, 2, 0.5} Mbit/s x RTT {0, 20, 60, 150} ms
 # plus jitter / loss variants and a link that changes mid-session, at T = 0 and 1; edge-only, fixed
@@ -103,7 +103,7 @@ bench: $(PB_OUT) $(BENCH_STAMP)
 # Needs root (namespaces, tc). ARGS=--quick: ~5 min; the full run ~90 min on 2 shared cores.
 .PHONY: bench-links
 bench-links: $(PB_OUT) $(BENCH_STAMP)
-	OMP_NUM_THREADS=1 $(PY) bench/bench_links.py $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_links $(ARGS)
 
 # N = 1, 2, 4, 8, 16, 32 devices against one edge-server (issue 19): the default drafter's real drafts,
 # recorded once (cached in $SPECDEC_CACHE_DIR/capacity), replayed by asyncio gRPC clients with their
@@ -113,7 +113,7 @@ bench-links: $(PB_OUT) $(BENCH_STAMP)
 # ARGS=--quick (N = 1, 2, 8): ~2 min; the full run ~15 min on 2 shared cores (+3 min to record the drafts once).
 .PHONY: bench-capacity
 bench-capacity: $(PB_OUT) $(BENCH_STAMP)
-	OMP_NUM_THREADS=1 $(PY) bench/bench_capacity.py $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_capacity $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(PB_DIR)/*_pb2*.py $(PB_DIR)/*_pb2*.pyi

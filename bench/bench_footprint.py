@@ -10,7 +10,7 @@ Two measurements, both of real ``device-client`` processes against an ``edge-ser
     own RSS after each: imports (torch, transformers, grpc and the device code), loading the drafter,
     prefill + ``--max-new-tokens`` decode steps (the KV cache; its bytes are also counted exactly).
 
-    .venv/bin/python bench/bench_footprint.py [--runs 5] [--max-new-tokens 128] [--out FILE]
+    .venv/bin/python -m specdec.bench.bench_footprint [--runs 5] [--max-new-tokens 128] [--out FILE]
 
 Writes results/bench_footprint.json and prints a summary. Which cache is used is
 ``$SPECDEC_CACHE_DIR`` (default ``~/.cache/specdec``), as for device-client itself.
@@ -105,7 +105,8 @@ def _clear_drafter_cache() -> str:
 
 
 def _probe_subprocess(max_new_tokens: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--probe", "--max-new-tokens", str(max_new_tokens)],
+    out = subprocess.run([sys.executable, "-m", "specdec.bench.bench_footprint", "--probe",
+                          "--max-new-tokens", str(max_new_tokens)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -120,8 +121,7 @@ def main() -> None:
     if args.probe:
         print(json.dumps(probe(args.max_new_tokens)))
         return
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_drafter import free_port, start_edge  # the same edge start as bench-drafter (imports torch)
+    from specdec.bench.bench_drafter import free_port, start_edge  # the same edge start as bench-drafter (imports torch)
 
     bindir = Path(sys.executable).parent
     port = free_port()

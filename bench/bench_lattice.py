@@ -4,7 +4,7 @@ Prints the median encode and decode times (wall clock and thread CPU time) of th
 counts (composition index) for a few (K, ell, V) cases, plus the whole ksqs packet codec, and
 writes them to results/bench_lattice.json.
 
-    .venv/bin/python bench/bench_lattice.py [--runs 300]
+    .venv/bin/python -m specdec.bench.bench_lattice [--runs 300]
 """
 from __future__ import annotations
 

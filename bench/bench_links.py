@@ -3,7 +3,7 @@
 
     make bench-links                       # full run (~90 min on 2 shared cores; prints its estimate)
     make bench-links ARGS=--quick          # a few minutes: 2 rates x 2 RTTs + 1 loss cell, T = 1, 32 tokens
-    .venv/bin/python bench/bench_links.py [--quick] [--only-cells 10mbit,2mbit-20ms] [--configs none,auto,...]
+    .venv/bin/python -m specdec.bench.bench_links [--quick] [--only-cells 10mbit,2mbit-20ms] [--configs none,auto,...]
         [--prompts N] [--max-new-tokens N] [--temperatures 0,1] [--no-changing] [--replot DIR]
 
 Needs root (network namespaces, tc). One edge-server and one device driver for the whole run, in two
@@ -38,14 +38,10 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))   # links, suite
-sys.path.insert(0, str(ROOT))    # testbed
+from specdec.bench.links import analyze, plan  # noqa: E402
+from specdec.bench.papers import plan as suite_plan  # noqa: E402
 
-from links import analyze, plan  # noqa: E402
-from suite import plan as suite_plan  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "bench_links"
 STARTUP_S = 150.0        # namespaces, edge-server (dequantizes the GGUF target), driver load + warm-up
 CHANGE_TAIL_S = 6.0      # a changing-link run's last session goes on past its window to its end
@@ -248,7 +244,7 @@ def analyze_all(data: dict) -> dict:
 
 
 def make_plots(data: dict, out: Path) -> list[str]:
-    from links import plots
+    from specdec.bench.links import plots
     note = (f"bench-links {data['started']}, {data['settings']['prompts']} prompt(s) x "
             f"{data['settings']['max_new_tokens']} tokens per config and cell; rev {data['git']['revision'][:10]}")
     paths = []
@@ -348,7 +344,7 @@ def main(argv=None) -> int:
         data = json.loads((a.replot / "bench_links.json").read_text())
         finish(data, a.replot)
         return 0
-    from suite.links import shaping_available
+    from specdec.bench.harness.rig import shaping_available
     why = shaping_available()
     if why:
         print(f"bench-links needs the shaped testbed: {why}", file=sys.stderr)
@@ -383,7 +379,7 @@ def main(argv=None) -> int:
             "machine": machine(), "git": git_revision(), "cells": run.cells, "changing": run.changing,
             "sessions": run.sessions, "errors": run.errors, "timing": run.timing,
             "rate_via": {"grid": "tbf (both veth egresses)", "changing": "linkemu (rate and delay, tbf off)"}}
-    from links.rig import LinksRig
+    from specdec.bench.links.rig import LinksRig
     t0 = time.perf_counter()
     try:
         with LinksRig(out / "logs") as rig:

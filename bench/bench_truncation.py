@@ -8,7 +8,7 @@ on texts the target samples at ``--temperature`` from the bench prompts, at ever
 it computes the expected acceptance sum_x min(p, q_hat) for the drafter's dense q and for each codec
 (the packet the device would send, decoded as the edge decodes it), and sigma_K.
 
-    .venv/bin/python bench/bench_truncation.py [--temperature 1] [--prompts 6] [--max-new-tokens 64]
+    .venv/bin/python -m specdec.bench.bench_truncation [--temperature 1] [--prompts 6] [--max-new-tokens 64]
 
 Writes results/bench_truncation_T<temperature>.json (``--out``) and prints a table.
 """

@@ -13,7 +13,7 @@ The profiler inflates small operators: it charges ``aten::cat`` (the KV-cache up
 token, which a cache written in place did not save in wall time (git history: the KVBuffer
 experiment). Trust the unprofiled medians and the interleaved comparisons over the group split.
 
-    .venv/bin/python bench/profile_drafter.py [--tokens 64] [--temperature 1] [--compare-heads N] [--out FILE]
+    .venv/bin/python -m specdec.bench.profile_drafter [--tokens 64] [--temperature 1] [--compare-heads N] [--out FILE]
 
 Writes results/profile_drafter.json and prints the table.
 """

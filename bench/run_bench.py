@@ -2,7 +2,7 @@
 
     make bench                  # full run (~30 min on 2 shared cores)
     make bench ARGS=--quick     # < 3 min: fewer links, prompts and tokens
-    .venv/bin/python bench/run_bench.py [--quick] [--max-new-tokens N] [--rates 1,10] [--replot DIR]
+    .venv/bin/python -m specdec.bench.run_bench [--quick] [--max-new-tokens N] [--rates 1,10] [--replot DIR]
 
 One run on the embedded target (SmolLM2-135M-Instruct, edge-server's default) and the default drafter
 (device-client's default), one torch thread per process, measures and writes under
@@ -38,13 +38,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: the two cores are shared
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench/suite
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # testbed/
-
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from suite import analyze, ceilings, links, plan, plots, tables  # noqa: E402
+from specdec.bench.harness import rig as links  # noqa: E402
+from specdec.bench.papers import analyze, ceilings, plan, plots, tables  # noqa: E402
 
 RESULTS = plan.ROOT / "results"
 

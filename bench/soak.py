@@ -19,7 +19,7 @@ Memory is "back to baseline" when the median RSS over the last RSS_WINDOW_S seco
 cooldown is at most the warmed baseline plus RSS_TOLERANCE (the larger of RSS_TOLERANCE_MIB and
 RSS_TOLERANCE_FRACTION of the warmed baseline); the edge must also report zero open sessions.
 
-    .venv/bin/python bench/soak.py [--duration 180] [--sessions 32] [--target DIR --draft DIR]
+    .venv/bin/python -m specdec.bench.soak [--duration 180] [--sessions 32] [--target DIR --draft DIR]
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ from specdec.device.client import EdgeError, generate
 from specdec.device.session import DraftSession
 from specdec.device.runner import DeviceConfig, open_channel
 
+from specdec.testbed import procs
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # testbed/, as run_bench.py imports it: its launcher starts the edge
-from testbed import procs  # noqa: E402
 
 VOCAB_SIZE = 512                  # word-level vocabulary of tests/tiny_models.py
 # Tiny models, but a target whose KV cache is big enough to see in RSS: 4 layers x 2 KV heads x
@@ -246,8 +246,7 @@ async def slot(address: str, drafter, fingerprint: str, cfg: SoakConfig, records
 
 
 def build_models(root: Path) -> tuple[str, str]:
-    sys.path.insert(0, str(REPO / "tests"))
-    import tiny_models
+    from tests.support import tiny_models
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     target = tiny_models.make_model(root / "target", VOCAB_SIZE, seed=1, logit_scale=2.0, **TARGET_SHAPE)

@@ -128,9 +128,7 @@ def coverage(records: list[dict], keep: torch.Tensor, vocab_size: int) -> float:
 
 
 def main() -> None:
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent))
-    from train_prompts import load_bench_prompts, training_prompts
+    from specdec.drafter_build.train_prompts import load_bench_prompts, training_prompts
 
     p = argparse.ArgumentParser(description="generate the drafter's teacher data with the target")
     p.add_argument("--num-prompts", type=int, default=GenConfig.num_prompts)

@@ -13,7 +13,7 @@ data):
      token (one torch thread, interleaved timings); the oracle model's predicted speedup per draft
      length L with the verify call timed as a forward over L + 1 tokens.
 
-    .venv/bin/python drafter/make_drafter.py [--reuse-data] [--num-prompts N] [--head-size N] [--out DIR]
+    .venv/bin/python -m specdec.drafter_build.make_drafter [--reuse-data] [--num-prompts N] [--head-size N] [--out DIR]
 """
 from __future__ import annotations
 
@@ -27,15 +27,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from specdec.drafter_build.gen_data import GenConfig, choose_head, coverage, generate_dataset, split
+from specdec.drafter_build.train_prompts import load_bench_prompts, training_prompts
 
-from gen_data import GenConfig, choose_head, coverage, generate_dataset, split  # noqa: E402
-from train_prompts import load_bench_prompts, training_prompts  # noqa: E402
-
-from specdec.common.sampling import model_probs  # noqa: E402
-from specdec.common.latency import expected_tokens_per_call, oracle_time  # noqa: E402
-from specdec.common.modeling import CachedLM, ModelSpec, load_model  # noqa: E402
-from specdec.device import lean_drafter as D  # noqa: E402
+from specdec.common.sampling import model_probs
+from specdec.common.latency import expected_tokens_per_call, oracle_time
+from specdec.common.modeling import CachedLM, ModelSpec, load_model
+from specdec.device import lean_drafter as D
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "build" / "drafter" / "data.pt"

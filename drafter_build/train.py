@@ -4,7 +4,7 @@ Kept to reproduce the numbers in device/drafter_weights/README.md ("what was tri
 steps of 2048 labelled positions (4-7 min of one core) these students reach only ~0.30 acceptance
 at T = 0 on held-out answers, below a trigram table built from the same data (0.36), far below the
 quantized target that became the default drafter (int8 + SmoothQuant: 0.91; int4 on the target's own
-Q4_1 codes: 0.98). Run: ``python drafter/train.py --data build/drafter/data.pt``.
+Q4_1 codes: 0.98). Run: ``python -m specdec.drafter_build.train --data build/drafter/data.pt``.
 
 Student: the target's token embeddings (frozen, shared at load time), ``len(init_layers)`` decoder
 layers initialised from the target's layers ``init_layers``, the final norm, and a reduced head over
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gen_data import choose_head, coverage, split
+from specdec.drafter_build.gen_data import choose_head, coverage, split
 from specdec.common.modeling import ModelSpec, load_model
 
 @dataclass(frozen=True)

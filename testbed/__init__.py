@@ -5,7 +5,7 @@
 - :mod:`testbed.linkemu`: a userspace link emulator (asyncio TCP proxy) for delay, jitter and loss
   where ``netem`` is missing; it also limits the rate, so it works without root on loopback.
 - :mod:`testbed.probe`: measures what a link actually does (rate per direction, one-way delays).
-- ``python -m testbed`` (``make testbed``): edge-server in one namespace, device-client in the other.
+- ``python -m specdec.testbed`` (``make testbed``): edge-server in one namespace, device-client in the other.
 
 Traffic stays on loopback or inside the namespaces created here (198.18.0.0/15 is reserved for
 benchmarking, RFC 2544; the namespaces have no route anywhere else).

@@ -1,6 +1,6 @@
 """`make testbed`: edge-server and device-client in two namespaces joined by a shaped veth link.
 
-    python -m testbed --up-rate 1mbit --up-delay 20ms --down-rate 10mbit --down-delay 20ms \\
+    python -m specdec.testbed --up-rate 1mbit --up-delay 20ms --down-rate 10mbit --down-delay 20ms \\
         [--edge-arg=--model --edge-arg=DIR ...] [-- DEVICE-CLIENT ARGS]
 
 Needs root (namespaces, tc). Prints which shaper carries what, the device-client's output, and the
@@ -15,10 +15,10 @@ import shutil
 import sys
 
 from specdec.common.runtime import OneLineParser
-from testbed import procs
-from testbed.linkemu import LinkSpec
-from testbed.netns import testbed
-from testbed.units import argtype, parse_percent, parse_rate, parse_time
+from specdec.testbed import procs
+from specdec.testbed.linkemu import LinkSpec
+from specdec.testbed.netns import testbed
+from specdec.testbed.units import argtype, parse_percent, parse_rate, parse_time
 
 DEFAULT_DEVICE_ARGS = ["--prompt", "What is the capital of France? Answer in one sentence.",
                        "--max-new-tokens", "32", "--json"]
@@ -34,7 +34,7 @@ SHAPERS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m testbed", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m specdec.testbed", description=__doc__.split("\n\n")[0])
     for side, name in (("up", "uplink (device -> edge)"), ("down", "downlink (edge -> device)")):
         p.add_argument(f"--{side}-rate", type=argtype(parse_rate), default=0.0, help=f"{name} rate, e.g. 1mbit")
         p.add_argument(f"--{side}-delay", type=argtype(parse_time), default=0.0, help=f"{name} one-way delay")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if os.geteuid() != 0:
         sys.stderr.write("testbed: error: needs root (network namespaces and tc); "
-                         "without root use python -m testbed.linkemu on loopback\n")
+                         "without root use python -m specdec.testbed.linkemu on loopback\n")
         return 2
     if not (shutil.which("ip") and shutil.which("tc")):
         sys.stderr.write("testbed: error: needs iproute2 (ip, tc)\n")

@@ -13,7 +13,7 @@ everything behind it, by one retransmission timeout ``rto`` (Linux's minimum RTO
 default: short request/response rounds rarely carry enough segments behind a loss for fast
 retransmit). That models head-of-line blocking, not congestion control's reaction to loss.
 
-Usage (no root): ``python -m testbed.linkemu --listen 127.0.0.1:7000 --connect 127.0.0.1:50051
+Usage (no root): ``python -m specdec.testbed.linkemu --listen 127.0.0.1:7000 --connect 127.0.0.1:50051
 --up-rate 1mbit --up-delay 20ms --down-delay 20ms`` and point the device at 127.0.0.1:7000.
 
 Live changes: with ``--control HOST:PORT`` (or ``--control unix:PATH``, which a process in another
@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from specdec.common.runtime import OneLineParser
-from testbed.units import argtype, parse_address, parse_percent, parse_rate, parse_time
+from specdec.testbed.units import argtype, parse_address, parse_percent, parse_rate, parse_time
 
 MSS_BYTES = 1448            # TCP payload per Ethernet frame (1500 MTU - 40 IP/TCP - 12 timestamps)
 LINUX_MIN_RTO_S = 0.2       # TCP_RTO_MIN: the least a timeout retransmission costs on Linux
@@ -267,7 +267,7 @@ def send_control(address: str, message: dict, timeout: float = CONNECT_TIMEOUT_S
 # -- command line ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m testbed.linkemu", description="userspace link emulator (TCP proxy)")
+    p = OneLineParser(prog="python -m specdec.testbed.linkemu", description="userspace link emulator (TCP proxy)")
     p.add_argument("--listen", type=argtype(parse_address), default=("127.0.0.1", 0),
                    help="HOST:PORT (port 0 = any)")
     p.add_argument("--connect", type=argtype(parse_address), required=True, help="upstream HOST:PORT (the edge)")

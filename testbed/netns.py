@@ -23,8 +23,8 @@ import signal
 import subprocess
 from dataclasses import dataclass
 
-from testbed.linkemu import LinkSpec
-from testbed.units import tc_rate, tc_time
+from specdec.testbed.linkemu import LinkSpec
+from specdec.testbed.units import tc_rate, tc_time
 
 EDGE_IP = "198.18.0.1"   # RFC 2544 benchmarking range; only ever inside the two namespaces
 DEVICE_IP = "198.18.0.2"

@@ -1,7 +1,7 @@
 """Measures what a link does: goodput per direction and one-way delays, over plain TCP.
 
-``python -m testbed.probe serve --listen HOST:PORT`` on one side (prints its ready line), and
-``python -m testbed.probe measure --connect HOST:PORT`` on the other (prints one JSON object).
+``python -m specdec.testbed.probe serve --listen HOST:PORT`` on one side (prints its ready line), and
+``python -m specdec.testbed.probe measure --connect HOST:PORT`` on the other (prints one JSON object).
 Both sides run on one machine (two namespaces of one kernel), so they share CLOCK_MONOTONIC and a
 one-way delay is simply receive time minus the send time stamped into the message.
 
@@ -20,7 +20,7 @@ import sys
 import time
 
 from specdec.common.runtime import OneLineParser
-from testbed.units import argtype, parse_address
+from specdec.testbed.units import argtype, parse_address
 
 STAMP = struct.Struct("<d")  # a CLOCK_MONOTONIC send time, in each delay probe
 PROBE_BYTES = 64             # small: serialization adds < 0.5 ms even at 1 Mbit/s
@@ -157,7 +157,7 @@ def measure(address: tuple[str, int], up_bytes: int, down_bytes: int, probes: in
 # -- command line ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m testbed.probe", description="measure a link's rate and delay")
+    p = OneLineParser(prog="python -m specdec.testbed.probe", description="measure a link's rate and delay")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     serve = sub.add_parser("serve")
     serve.add_argument("--listen", type=argtype(parse_address), default=("127.0.0.1", 0))

@@ -1,6 +1,6 @@
 """Long-running child processes (edge-server, the link emulator, the probe): started, awaited until
 their ready line gives the port, stopped. :class:`ReadyProcess` is the one launcher the testbed,
-the integration tests (tests/integration/harness.py) and bench/soak.py use; :class:`NsProcess` runs
+the integration tests (tests/support/harness.py) and bench/soak.py use; :class:`NsProcess` runs
 one inside a testbed namespace (``ip netns exec``)."""
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import threading
 import time
 from pathlib import Path
 
-from testbed.linkemu import LinkSpec
-from testbed.netns import DEVICE_IP, EDGE_IP, Testbed, in_ns
-from testbed.units import tc_time
+from specdec.testbed.linkemu import LinkSpec
+from specdec.testbed.netns import DEVICE_IP, EDGE_IP, Testbed, in_ns
+from specdec.testbed.units import tc_time
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent   # edge-server / device-client of this environment
 READY_TIMEOUT_S = 300.0             # the embedded GGUF target dequantizes for ~20-30 s at first load
 STOP_TIMEOUT_S = 30.0               # edge-server gives in-flight rounds 5 s on SIGTERM; slack for busy cores
@@ -26,13 +25,10 @@ PORT_RE = re.compile(r"(?:listening|ready) on [\w.:\[\]-]*?:(\d+)")
 EDGE_READY_RE = re.compile(r"ready on \S*:(\d+)")
 
 
-def child_env(testbed_module: bool = False, extra: dict[str, str | None] | None = None) -> dict[str, str]:
-    """One torch thread per process: the two ends share the cores of one machine. Only the
-    testbed's own modules get the repo root on their path (the product imports ``specdec.*``).
-    ``extra`` overrides variables; a None value unsets one."""
+def child_env(extra: dict[str, str | None] | None = None) -> dict[str, str]:
+    """One torch thread per process: the two ends share the cores of one machine. ``extra``
+    overrides variables; a None value unsets one."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if testbed_module:
-        env["PYTHONPATH"] = str(REPO_ROOT)
     env.update(extra or {})
     return {k: v for k, v in env.items() if v is not None}
 
@@ -92,8 +88,8 @@ class ReadyProcess:
 class NsProcess(ReadyProcess):
     """A :class:`ReadyProcess` inside a testbed namespace."""
 
-    def __init__(self, ns: str, *cmd: str, name: str, testbed_module: bool = False):
-        super().__init__(in_ns(ns, *cmd), name=name, env=child_env(testbed_module))
+    def __init__(self, ns: str, *cmd: str, name: str):
+        super().__init__(in_ns(ns, *cmd), name=name, env=child_env())
 
 
 def edge_server_cmd(*args: str, bindir: Path = BIN) -> list[str]:
@@ -119,15 +115,15 @@ def device_side_address(tb: Testbed, edge_port: int, started: list[NsProcess]) -
     if not tb.needs_emulator:
         return f"{EDGE_IP}:{edge_port}"
     emu = NsProcess(tb.pair.device_ns, *python_module(
-        "testbed.linkemu", "--listen", "127.0.0.1:0", "--connect", f"{EDGE_IP}:{edge_port}",
-        *linkemu_args(tb.uplink, tb.downlink)), name="linkemu", testbed_module=True)
+        "specdec.testbed.linkemu", "--listen", "127.0.0.1:0", "--connect", f"{EDGE_IP}:{edge_port}",
+        *linkemu_args(tb.uplink, tb.downlink)), name="linkemu")
     started.append(emu)
     return f"127.0.0.1:{emu.port}"
 
 
 def start_probe_server(tb: Testbed, started: list[NsProcess]) -> int:
-    probe = NsProcess(tb.pair.edge_ns, *python_module("testbed.probe", "serve", "--listen", f"{EDGE_IP}:0"),
-                      name="probe", testbed_module=True)
+    probe = NsProcess(tb.pair.edge_ns, *python_module("specdec.testbed.probe", "serve", "--listen", f"{EDGE_IP}:0"),
+                      name="probe")
     started.append(probe)
     return probe.port
 

@@ -2,22 +2,16 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parent
-for _helpers in (TESTS_DIR, TESTS_DIR / "integration"):  # helper modules (tiny_models, harness) by name
-    if str(_helpers) not in sys.path:
-        sys.path.insert(0, str(_helpers))
+from tests.support import tiny_models
 
 # Tiny models are dominated by thread hand-off: one intra-op thread is ~20x faster on 2 cores.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import tiny_models  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +36,7 @@ def twin(tmp_path_factory):
     if os.environ.get("SPECDEC_TEST_TWIN", "1") == "0":
         yield None
         return
-    from harness import Twin
+    from tests.support.harness import Twin
     helper = Twin(tmp_path_factory.mktemp("twin"))
     yield helper
     helper.close()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from suite import plots as suite_plots  # Agg backend, the provenance note, small PNGs
+from specdec.bench.papers import plots as suite_plots  # Agg backend, the provenance note, small PNGs
 
 plt = suite_plots.plt
 COLOURS = {"batched": "tab:blue", "unbatched": "tab:orange", "edge-only": "tab:green"}

@@ -1,6 +1,6 @@
 """Recorder: the default drafter's real drafts, against a real edge-server, into the recording cache.
 
-    python bench/capacity/record.py --edge HOST:PORT --jobs JOBS.json
+    python -m specdec.bench.capacity.record --edge HOST:PORT --jobs JOBS.json
 
 Loads the drafter once (as device-client would: runner.choose_drafter), then for each job
 ``{"prompt", "temperature", "seed", "max_new_tokens", "out"}``:
@@ -22,17 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: suite, capacity
+from specdec.common import wire
+from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
+from specdec.common.runtime import run_async
+from specdec.device.client import generate
+from specdec.device.session import DraftSession
+from specdec.device.runner import choose_drafter, connection_policy, edge_channel
+from specdec.bench.harness.driver import device_config, emit
 
-from specdec.common import wire  # noqa: E402
-from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint  # noqa: E402
-from specdec.common.runtime import run_async  # noqa: E402
-from specdec.device.client import generate  # noqa: E402
-from specdec.device.session import DraftSession  # noqa: E402
-from specdec.device.runner import choose_drafter, connection_policy, edge_channel  # noqa: E402
-from suite.driver import device_config, emit  # noqa: E402
-
-from capacity.recording import LoggedRound, PositionTable, Proposal, SessionLog, save  # noqa: E402
+from specdec.bench.capacity.recording import LoggedRound, PositionTable, Proposal, SessionLog, save
 
 
 class LoggingSession(DraftSession):

@@ -18,7 +18,7 @@ from specdec.common import wire
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.device.runner import DeviceConfig, open_channel
 
-from capacity.scripts import Divergence
+from specdec.bench.capacity.scripts import Divergence
 
 SESSION_TIMEOUT_S = 600.0   # one session longer than this is a failure of the run, not a data point
 CLOSE_GRACE_S = 5.0

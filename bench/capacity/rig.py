@@ -17,12 +17,12 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from suite import links as suite_links
-from testbed import procs
+from specdec.bench.harness import rig as harness_rig
+from specdec.testbed import procs
 
-from capacity import plan
+from specdec.bench.capacity import plan
 
-RECORD = Path(__file__).resolve().parent / "record.py"
+RECORD = "specdec.bench.capacity.record"
 EDGE_COMMON = ("--port", "0", "--max-sessions-per-principal", "0")
 METRICS_TIMEOUT_S = 10.0
 RECORD_TIMEOUT_S = 3600.0
@@ -46,7 +46,7 @@ def edge_flags() -> set[str]:
 
 
 def free_port() -> int:
-    from soak import _free_port  # bench/soak.py's helper
+    from specdec.bench.soak import _free_port
     return _free_port()
 
 
@@ -83,8 +83,8 @@ def record(address: str, jobs: list[dict], log: Path, on_line) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(jobs, f)
     with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, str(RECORD), "--edge", address, "--jobs", f.name],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=suite_links._env())
+        proc = subprocess.Popen([sys.executable, "-m", RECORD, "--edge", address, "--jobs", f.name],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=harness_rig._env())
         for line in proc.stdout:
             with contextlib.suppress(json.JSONDecodeError):
                 on_line(json.loads(line))
@@ -98,7 +98,7 @@ class Drivers:
     against one edge; :meth:`run` runs one job on each of the first ``k`` at once."""
 
     def __init__(self, address: str, n: int, logs: Path):
-        self.drivers: list[suite_links.Driver] = []
+        self.drivers: list[harness_rig.Driver] = []
         starters = [threading.Thread(target=self._start, args=(address, logs / f"driver-{i}.log"))
                     for i in range(n)]
         for t in starters:
@@ -111,7 +111,7 @@ class Drivers:
 
     def _start(self, address: str, log: Path) -> None:
         with contextlib.suppress(Exception):
-            self.drivers.append(suite_links.Driver([], address, log))
+            self.drivers.append(harness_rig.Driver([], address, log))
 
     def run(self, jobs: list[dict]) -> list[dict]:
         """jobs[i] on driver i, all at once; every session line of every driver."""

@@ -19,7 +19,7 @@ from specdec.common.settings import Mode
 from specdec.device.chain import chain_limit
 from specdec.device.client import clip_round
 
-from capacity.recording import PositionTable, Proposal, SessionLog
+from specdec.bench.capacity.recording import PositionTable, Proposal, SessionLog
 
 try:  # the edge's load-aware advice applied to the device's settings, as the device applies it
     from specdec.common.settings import within_draft_len

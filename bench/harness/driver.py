@@ -6,7 +6,7 @@ Runs where the device runs (inside the testbed's device namespace, or on loopbac
 point would spend ~15-40 s importing torch and loading the drafter on these shared cores; this loads
 it once per run and keeps one channel to the edge.
 
-    python bench/suite/driver.py --edge HOST:PORT < batches
+    python -m specdec.bench.harness.driver --edge HOST:PORT < batches
 
 It loads the drafter, warms up with one short session, prints ``{"ready": ...}``, then reads one
 batch per stdin line, ``{"jobs": [...]}``, runs it and prints ``{"batch_done": true}``; the

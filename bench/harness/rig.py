@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from testbed import procs
-from testbed.linkemu import LinkSpec
-from testbed.netns import in_ns, sent_bytes, shape, testbed
+from specdec.testbed import procs
+from specdec.testbed.linkemu import LinkSpec
+from specdec.testbed.netns import in_ns, sent_bytes, shape, testbed
 
-DRIVER = Path(__file__).resolve().parent / "driver.py"
+DRIVER = "specdec.bench.harness.driver"
 READY_TIMEOUT_S = 600.0   # first load of the GGUF target dequantizes it; drafter load on busy cores
 STOP_TIMEOUT_S = 15.0
 TC_TIMEOUT_S = 10.0
@@ -81,7 +81,7 @@ class Driver:
 
     def __init__(self, cmd_prefix: list[str], address: str, log: Path):
         self.err = log.open("w")
-        self.proc = subprocess.Popen([*cmd_prefix, sys.executable, str(DRIVER), "--edge", address],
+        self.proc = subprocess.Popen([*cmd_prefix, sys.executable, "-m", DRIVER, "--edge", address],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
                                      env=_env())
         ready = self._next()

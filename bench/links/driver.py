@@ -1,6 +1,6 @@
 """Device side of bench-links: bench/suite/driver.py's process, with each round's wall-clock end time.
 
-    python bench/links/driver.py --edge HOST:PORT < batches
+    python -m specdec.bench.links.driver --edge HOST:PORT < batches
 
 Same protocol as bench/suite/driver.py (one ``{"jobs": [...]}`` batch per stdin line, one JSON line
 per session, ``{"batch_done": true}`` after a batch). Each session line's ``extra`` carries
@@ -18,18 +18,15 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the suite package
-
-from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint  # noqa: E402
-from specdec.common.runtime import run_async  # noqa: E402
-from specdec.device import runner  # noqa: E402
-from specdec.device.client import generate  # noqa: E402
-from specdec.device.session import DraftSession  # noqa: E402
-from suite.driver import WARMUP_TOKENS, device_config, emit, run_job, serve_batches  # noqa: E402
+from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
+from specdec.common.runtime import run_async
+from specdec.device import runner
+from specdec.device.client import generate
+from specdec.device.session import DraftSession
+from specdec.bench.harness.driver import WARMUP_TOKENS, device_config, emit, run_job, serve_batches
 
 
 try:  # mode auto's memory of the link and the models: one per device, shared by its sessions (as

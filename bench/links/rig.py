@@ -19,31 +19,31 @@ import sys
 import tempfile
 from pathlib import Path
 
-from suite import links as suite_links
-from testbed import procs
-from testbed.linkemu import LinkSpec, send_control
-from testbed.netns import EDGE_IP, in_ns, testbed
+from specdec.bench.harness import rig as harness_rig
+from specdec.testbed import procs
+from specdec.testbed.linkemu import LinkSpec, send_control
+from specdec.testbed.netns import EDGE_IP, in_ns, testbed
 
-DRIVER = Path(__file__).resolve().parent / "driver.py"
+DRIVER = "specdec.bench.links.driver"
 
 
-class Driver(suite_links.Driver):
+class Driver(harness_rig.Driver):
     """bench/suite/links.py's Driver running bench/links/driver.py (round end times in each record)."""
 
     def __init__(self, cmd_prefix: list[str], address: str, log: Path):
         import subprocess
 
         self.err = log.open("w")
-        self.proc = subprocess.Popen([*cmd_prefix, sys.executable, str(DRIVER), "--edge", address],
+        self.proc = subprocess.Popen([*cmd_prefix, sys.executable, "-m", DRIVER, "--edge", address],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
-                                     env=suite_links._env())
+                                     env=harness_rig._env())
         ready = self._next()
         if not ready or not ready.get("ready"):
             raise RuntimeError(f"device driver did not start; see {log}")
         self.draft_model = ready.get("draft_model", "")
 
 
-class LinksRig(suite_links.Rig):
+class LinksRig(harness_rig.Rig):
     """Edge + emulator + driver; :meth:`set_link` reshapes tbf and the emulator without restarts."""
 
     def __init__(self, logs: Path):
@@ -62,8 +62,8 @@ class LinksRig(suite_links.Rig):
             self._stack.callback(shutil.rmtree, sock_dir, True)
             self.control = f"unix:{sock_dir / 'ctl.sock'}"
             emu = procs.NsProcess(self.tb.pair.device_ns, *procs.python_module(
-                "testbed.linkemu", "--listen", "127.0.0.1:0", "--connect", f"{EDGE_IP}:{port}",
-                "--control", self.control), name="linkemu", testbed_module=True)
+                "specdec.testbed.linkemu", "--listen", "127.0.0.1:0", "--connect", f"{EDGE_IP}:{port}",
+                "--control", self.control), name="linkemu")
             started.append(emu)
             self.driver = Driver(in_ns(self.tb.pair.device_ns), f"127.0.0.1:{emu.port}", self.logs / "driver.log")
             self._stack.callback(self.driver.stop)

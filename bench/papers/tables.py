@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from suite import analyze, plan
+from specdec.bench.papers import analyze, plan
 
 MODE_ORDER = ["dense", "tslt", "ksqs", "csqs", "dssd"]
 

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
+from tests.support.harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.settings import Mode
 from specdec.common.modeling import ModelSpec, encode_prompt, vocab_fingerprint

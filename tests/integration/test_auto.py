@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, split_sessions,
+from tests.support.harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, split_sessions,
                      target_greedy)
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
@@ -18,8 +18,8 @@ from specdec.device.session import DraftSession
 from specdec.device.openai_schema import parse_overrides
 from specdec.device.runner import DeviceConfig
 from specdec.edge.verifier import EdgeLimits
-from test_lossless_e2e import N_TOKENS, PROMPT, exact_law
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, exact_law
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 NUM_SESSIONS = 1500
 CONTROL_SESSIONS = 600

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from harness import device_config, edge, import_testbed, load
+from tests.support.harness import device_config, edge, load
 from specdec.common.autotune import Candidate
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
@@ -19,8 +19,7 @@ from specdec.device.client import generate
 from specdec.device.session import DraftSession
 from specdec.device.runner import connection_policy, edge_channel
 
-import_testbed()
-from testbed.linkemu import LinkEmulator, LinkSpec  # noqa: E402
+from specdec.testbed.linkemu import LinkEmulator, LinkSpec
 
 PROMPTS = ("w1 w2 w3", "w4 w5", "w9 w2 w7 w1")
 SLOW_UP = LinkSpec(rate_bps=200e3, delay_s=0.05)   # 0.2 Mbit/s up, 100 ms round trip

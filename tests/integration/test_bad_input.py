@@ -8,7 +8,7 @@ import struct
 import grpc
 import pytest
 
-from harness import device_config, edge, load, run, run_sessions, target_greedy
+from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.codecs import CodecConfig, encode_distribution
 from specdec.common.settings import Mode

@@ -11,13 +11,13 @@ import asyncio
 import functools
 from collections import Counter
 
-from harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
+from tests.support.harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common.modeling import encode_prompt
 from specdec.device.session import DraftSession
 from specdec.edge.batching import ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
-from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 PROMPTS = ["w1 w2 w3", "w40 w7", "w300 w301 w302 w303 w9"]
 MAX_NEW = 12

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from harness import EdgeProcess, device_cli, load, target_greedy
+from tests.support.harness import EdgeProcess, device_cli, load, target_greedy
 from specdec.common.modeling import encode_prompt
 
 
@@ -65,7 +65,7 @@ def test_unreachable_edge_exits_nonzero_with_one_line(tiny_pair_v512) -> None:
 
 
 def test_vocabulary_mismatch_is_refused_with_a_reason(edge_proc, tmp_path) -> None:
-    import tiny_models
+    from tests.support import tiny_models
     other = tiny_models.make_model(tmp_path / "other", 256, seed=5)
     r = device_cli("--edge", edge_proc.address, "--draft-model", str(other), "--prompt", "w1", "--raw")
     assert r.returncode != 0
@@ -74,7 +74,7 @@ def test_vocabulary_mismatch_is_refused_with_a_reason(edge_proc, tmp_path) -> No
 
 def test_edge_server_bad_flag_exits_nonzero(tmp_path) -> None:
     import subprocess
-    from harness import VENV_BIN
+    from tests.support.harness import VENV_BIN
     r = subprocess.run([str(VENV_BIN / "edge-server"), "--max-sessions", "0"], capture_output=True, text=True)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
     r = subprocess.run([str(VENV_BIN / "edge-server"), "--model", str(tmp_path / "missing"), "--port", "0"],

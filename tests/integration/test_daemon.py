@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-import tiny_models
-from harness import VENV_BIN, edge, load, target_greedy
+from tests.support import tiny_models
+from tests.support.harness import VENV_BIN, edge, load, target_greedy
 from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.device import openai_schema as S
 from specdec.device.daemon import DaemonConfig, start_daemon

@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 
-from harness import VENV_BIN
+from tests.support.harness import VENV_BIN
 
 
 def _demo(tiny_pair, *extra: str) -> subprocess.CompletedProcess:

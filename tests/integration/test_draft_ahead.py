@@ -10,7 +10,6 @@ client stops at the verdict, which only cuts the work shorter.
 """
 from __future__ import annotations
 
-import sys
 import threading
 from collections import Counter
 from dataclasses import replace
@@ -20,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import make_close_drafter, make_model
-from harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
+from tests.support.tiny_models import make_close_drafter, make_model
+from tests.support.harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
 from specdec.common import verification as V
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.session import DraftSession
 from specdec.device.runner import edge_channel
-from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 SEEDS = range(40)
 MAX_NEW = 30  # long enough that rounds drafted ahead are usually full
@@ -269,11 +268,8 @@ def test_client_drafts_ahead_by_default_for_chain_modes_only(twin, diverse_pair,
 
 
 def _bench_driver():
-    """bench/suite/driver.py, the benchmark's device process (a script, not an installed module)."""
-    bench = Path(__file__).resolve().parents[2] / "bench"
-    if str(bench) not in sys.path:
-        sys.path.insert(0, str(bench))
-    from suite import driver
+    """The benchmarks' device process (specdec.bench.harness.driver)."""
+    from specdec.bench.harness import driver
     return driver
 
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from harness import EdgeProcess, device_cli
+from tests.support.harness import EdgeProcess, device_cli
 from specdec.common.modeling import ModelSpec, embedded_gguf_path, encode_prompt, load_model, vocab_fingerprint
 
 PROMPT = "What is the capital of France?"

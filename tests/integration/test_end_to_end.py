@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness import (ALL_MODES, SwitchesEveryRound, device_config, edge, load, run, run_sessions,
+from tests.support.harness import (ALL_MODES, SwitchesEveryRound, device_config, edge, load, run, run_sessions,
                      target_greedy)
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt

@@ -47,7 +47,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from harness import EdgeProcess, device_config, load, target_greedy
+from tests.support.harness import EdgeProcess, device_config, load, target_greedy
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb

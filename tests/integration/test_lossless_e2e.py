@@ -13,7 +13,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from harness import SwitchesEveryRound, device_config, load, load_spec, split_sessions
+from tests.support.harness import SwitchesEveryRound, device_config, load, load_spec, split_sessions
 from specdec.common import verification
 from specdec.common.settings import Mode
 from specdec.common.distributions import filter_target_logits, sample_token
@@ -25,7 +25,7 @@ from specdec.device.draft_model import DraftStep
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
 from specdec.edge.verifier import VerifierSession
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 PROMPT = "w1 w2"
 N_TOKENS = 3

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import VENV_BIN, EdgeProcess
+from tests.support.harness import VENV_BIN, EdgeProcess
 from specdec.common import protocol as P
 from specdec.common.stats import RoundRecord, edge_record
 from specdec.device.metrics import DeviceMetrics

@@ -9,7 +9,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from harness import EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, target_greedy
+from tests.support.harness import EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint

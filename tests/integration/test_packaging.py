@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import VENV_BIN, EdgeProcess, load, target_greedy
+from tests.support.harness import VENV_BIN, EdgeProcess, load, target_greedy
 from specdec.common.modeling import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[2]

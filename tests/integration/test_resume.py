@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from harness import EdgeProcess, device_config, edge, load, run, target_greedy
-from linkcut import CuttableLink
+from tests.support.harness import EdgeProcess, device_config, edge, load, run, target_greedy
+from tests.support.linkcut import CuttableLink
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate

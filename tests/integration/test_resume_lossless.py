@@ -28,8 +28,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness import device_config, edge, load, patched, run
-from linkcut import CuttableLink
+from tests.support.harness import device_config, edge, load, patched, run
+from tests.support.linkcut import CuttableLink
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.protocol import Prompt, ResidualRequest
@@ -40,8 +40,8 @@ from specdec.edge import servicer
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import target_info
 from specdec.edge.verifier import EdgeLimits, VerifierSession
-from test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.integration.test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 NUM_SESSIONS = 1200  # the control falls far below the cut at this size (p ~ 1e-10 expected)
 DRAFT_LEN = 1  # round 1 yields at most 2 of the N_TOKENS = 3 tokens: a cut after it always matters

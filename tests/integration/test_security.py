@@ -8,8 +8,8 @@ import logging
 import grpc
 import pytest
 
-from certs import TestCA
-from harness import device_config, edge, load, run, run_sessions, target_greedy
+from tests.support.certs import TestCA
+from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from harness import VENV_BIN, EdgeProcess
+from tests.support.harness import VENV_BIN, EdgeProcess
 from specdec.common.runtime import choose_threads, usable_cores
 
 THREAD_LINE = "torch thread(s):"

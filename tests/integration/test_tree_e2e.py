@@ -6,13 +6,13 @@ from collections import Counter
 import pytest
 import torch
 
-from harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
+from tests.support.harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
 from specdec.common.settings import Mode
 from specdec.common.modeling import CachedLM, encode_prompt
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.integration.test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 PROMPTS = ["w1 w2 w3", "w300 w301 w302 w303 w9"]
 MAX_NEW = 12

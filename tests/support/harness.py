@@ -19,23 +19,9 @@ from specdec.device.runner import DeviceConfig, connection_policy, edge_channel,
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 from specdec.edge.verifier import EdgeLimits
+from specdec.testbed import procs
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def import_testbed() -> None:
-    """Import the repo's top-level ``testbed`` package without putting the repo root on sys.path
-    (which would let a stray ``import common`` succeed)."""
-    if "testbed" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("testbed", ROOT / "testbed" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "testbed")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["testbed"] = module
-        spec.loader.exec_module(module)
-
-
-import_testbed()
-from testbed import procs  # noqa: E402
 
 VENV_BIN = procs.BIN
 EDGE_READY_TIMEOUT_S = 120.0   # a test's edge loads a tiny model: two minutes means it is stuck
@@ -260,15 +246,14 @@ class Twin:
     halves of ``seeds``, one here and one there, at the same time, and returns both results."""
 
     def __init__(self, log_dir: Path):
-        import json
         import os
         import socket
         from multiprocessing.connection import Connection
         here, there = socket.socketpair()
         self.log = Path(log_dir) / "twin.log"
-        code = (f"import json, os, sys; sys.path[:0] = json.loads(os.environ['SPECDEC_TWIN_PATH']); "
-                f"import harness; harness._twin_main({there.fileno()})")
-        env = {**os.environ, "SPECDEC_TWIN_PATH": json.dumps([p for p in sys.path if p]), "OMP_NUM_THREADS": "1"}
+        # ``python -c`` in the repository root imports the tests package from there, as pytest does
+        code = f"from tests.support import harness; harness._twin_main({there.fileno()})"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(there.fileno(),), env=env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -3,18 +3,14 @@ divergence, round limits), the recordings' storage, the analysis and goals. The 
 (make bench-capacity) is never run here."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # bench/capacity as the package ``capacity``
-from capacity import analyze, plan  # noqa: E402
-from capacity import recording as R  # noqa: E402
-from capacity.scripts import Divergence, EdgeOnlyScript, GreedyScript, SessionScript, round_limit  # noqa: E402
-from specdec.common import protocol as P  # noqa: E402
-from specdec.common.codecs import Mode  # noqa: E402
+from specdec.bench.capacity import analyze, plan
+from specdec.bench.capacity import recording as R
+from specdec.bench.capacity.scripts import Divergence, EdgeOnlyScript, GreedyScript, SessionScript, round_limit
+from specdec.common import protocol as P
+from specdec.common.codecs import Mode
 
 EOS = 99
 

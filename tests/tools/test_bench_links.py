@@ -3,14 +3,10 @@ rounds. The benchmark itself (make bench-links) is never run here."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # bench/links as the package ``links`` (the repo root stays off sys.path)
-from links import analyze, plan  # noqa: E402
+from specdec.bench.links import analyze, plan
 
 
 def test_full_grid_and_quick_preset() -> None:

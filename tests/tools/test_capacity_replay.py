@@ -5,20 +5,18 @@ the recorded verdicts (the edge draws from the same seed) and so the recorded to
 clients must deliver the greedy tokens too."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness import edge, load, run, target_greedy
+from tests.support.harness import edge, load, run, target_greedy
 from specdec.common import wire
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.device.runner import DeviceConfig, edge_channel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from capacity import recording as R  # noqa: E402
-from capacity.record import record_job  # noqa: E402
-from capacity.replay import edge_only_hello, run_cell  # noqa: E402
-from capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript  # noqa: E402
+from specdec.bench.capacity import recording as R
+from specdec.bench.capacity.record import record_job
+from specdec.bench.capacity.replay import edge_only_hello, run_cell
+from specdec.bench.capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript
 
 PROMPT = "w1 w2 w3 w4"
 MAX_NEW = 20

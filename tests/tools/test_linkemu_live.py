@@ -12,11 +12,9 @@ import subprocess
 import time
 
 import pytest
-from harness import import_testbed
 
-import_testbed()  # the repo's testbed package, without the repo root on sys.path
-from testbed import procs  # noqa: E402
-from testbed.linkemu import LinkEmulator, LinkSpec, send_control  # noqa: E402
+from specdec.testbed import procs
+from specdec.testbed.linkemu import LinkEmulator, LinkSpec, send_control
 
 PING_BYTES = 32
 PINGS = 6
@@ -112,20 +110,20 @@ def test_control_message_validation() -> None:
 def test_command_line_control_on_a_unix_socket(tmp_path) -> None:
     """The process the benchmark starts: the control line comes before the ready line, and a unix
     socket (reachable from another network namespace) changes the link of the running emulator."""
-    server = procs.ReadyProcess(procs.python_module("testbed.probe", "serve", "--listen", "127.0.0.1:0"),
-                                name="probe", env=procs.child_env(testbed_module=True))
+    server = procs.ReadyProcess(procs.python_module("specdec.testbed.probe", "serve", "--listen", "127.0.0.1:0"),
+                                name="probe", env=procs.child_env())
     path = tmp_path / "ctl.sock"
     emu = None
     try:
         emu = procs.ReadyProcess(procs.python_module(
-            "testbed.linkemu", "--connect", f"127.0.0.1:{server.port}", "--up-delay", "10ms",
-            "--control", f"unix:{path}"), name="linkemu", env=procs.child_env(testbed_module=True))
+            "specdec.testbed.linkemu", "--connect", f"127.0.0.1:{server.port}", "--up-delay", "10ms",
+            "--control", f"unix:{path}"), name="linkemu", env=procs.child_env())
         assert any(line.startswith(f"linkemu control on unix:{path}") for line in emu.lines), emu.lines
         reply = send_control(f"unix:{path}", {"uplink": {"delay_s": 0.04}})
         assert reply["ok"] and reply["uplink"]["delay_s"] == 0.04 and reply["downlink"]["delay_s"] == 0.0
-        r = subprocess.run(procs.python_module("testbed.probe", "measure", "--connect", emu.address,
+        r = subprocess.run(procs.python_module("specdec.testbed.probe", "measure", "--connect", emu.address,
                                                "--up-bytes", "20000", "--down-bytes", "20000", "--probes", "6"),
-                           capture_output=True, text=True, timeout=60, env=procs.child_env(testbed_module=True))
+                           capture_output=True, text=True, timeout=60, env=procs.child_env())
         assert r.returncode == 0, r.stderr
         up_delay = json.loads(r.stdout)["up_delay_s"]
         assert 0.04 <= up_delay <= 0.04 + DELAY_SLACK_S, up_delay

@@ -15,12 +15,11 @@ import subprocess
 import time
 
 import pytest
-from harness import ROOT, import_testbed
+from tests.support.harness import ROOT
 
-import_testbed()  # the repo's testbed package, without the repo root on sys.path
-from testbed import netns, procs  # noqa: E402
-from testbed.linkemu import LinkClock, LinkSpec  # noqa: E402
-from testbed.units import parse_percent, parse_rate, parse_time  # noqa: E402
+from specdec.testbed import netns, procs
+from specdec.testbed.linkemu import LinkClock, LinkSpec
+from specdec.testbed.units import parse_percent, parse_rate, parse_time
 
 RATE_TOLERANCE = 0.10
 DELAY_TOLERANCE = 0.10  # on the least one-way delay of the probes (see testbed.probe.measure)
@@ -79,14 +78,14 @@ def test_tc_stats_parse() -> None:
 
 def _loopback_process(*cmd: str) -> procs.ReadyProcess:
     """A testbed module (probe, linkemu) on loopback, started as the testbed starts it."""
-    return procs.ReadyProcess(list(cmd), name=cmd[2], env=procs.child_env(testbed_module=True))
+    return procs.ReadyProcess(list(cmd), name=cmd[2], env=procs.child_env())
 
 
 def _measure(address: str, up_bytes: int, down_bytes: int, probes: int, ns: str | None = None) -> dict:
-    cmd = procs.python_module("testbed.probe", "measure", "--connect", address, "--up-bytes", str(up_bytes),
+    cmd = procs.python_module("specdec.testbed.probe", "measure", "--connect", address, "--up-bytes", str(up_bytes),
                               "--down-bytes", str(down_bytes), "--probes", str(probes))
     cmd = netns.in_ns(ns, *cmd) if ns else cmd
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=procs.child_env(testbed_module=True))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=procs.child_env())
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -96,11 +95,11 @@ def _assert_within(measured: float, expected: float, tolerance: float, what: str
 
 
 def test_userspace_emulator_rate_and_delay_without_root() -> None:
-    server = _loopback_process(*procs.python_module("testbed.probe", "serve", "--listen", "127.0.0.1:0"))
+    server = _loopback_process(*procs.python_module("specdec.testbed.probe", "serve", "--listen", "127.0.0.1:0"))
     emu = None
     try:
         emu = _loopback_process(*procs.python_module(
-            "testbed.linkemu", "--connect", f"127.0.0.1:{server.port}", "--up-rate", "2mbit",
+            "specdec.testbed.linkemu", "--connect", f"127.0.0.1:{server.port}", "--up-rate", "2mbit",
             "--up-delay", "60ms", "--down-rate", "4mbit", "--down-delay", "40ms"))
         m = _measure(f"127.0.0.1:{emu.port}", 400_000, 800_000, probes=12)
     finally:
@@ -262,12 +261,12 @@ def test_netem_scripts_on_a_namespace_interface_then_undo() -> None:
 
 
 @pytest.mark.parametrize("module, args", [
-    ("testbed.linkemu", ["--connect", "nowhere"]),
-    ("testbed.linkemu", ["--connect", "127.0.0.1:1", "--up-delay", "soon"]),
-    ("testbed", ["--up-rate", "fast"]),
-    ("testbed.probe", ["measure"]),
+    ("specdec.testbed.linkemu", ["--connect", "nowhere"]),
+    ("specdec.testbed.linkemu", ["--connect", "127.0.0.1:1", "--up-delay", "soon"]),
+    ("specdec.testbed", ["--up-rate", "fast"]),
+    ("specdec.testbed.probe", ["measure"]),
 ])
 def test_command_lines_reject_bad_flags_in_one_line(module, args) -> None:
     r = subprocess.run(procs.python_module(module, *args), capture_output=True, text=True, timeout=30,
-                       env=procs.child_env(testbed_module=True))
+                       env=procs.child_env())
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -14,9 +14,6 @@ Sizes: NUM_SEQS sequences per mode in the default run (keeps this file near a mi
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -47,19 +44,9 @@ from specdec.common.verification import (
     sample_token,
 )
 
-
-def _load_toy_models():
-    # --import-mode=importlib puts no test directory on sys.path; load the sibling helper by path.
-    name = "specdec_tests_toy_models"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("toy_models.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from tests.support import toy_models as tm
 
 
-tm = _load_toy_models()
 
 VOCAB = 4
 PROMPT = [0, 1]
