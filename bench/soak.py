@@ -4,7 +4,7 @@ Each of ``--sessions`` slots runs sessions back to back (a new one starts when o
 channel, with the real device client (``device.client.generate`` + ``device.session.DraftSession``)
 on one event loop; drafter forwards run in threads and share one drafter model. Modes rotate over
 all five codecs, sampled at temperature 1 with a fresh seed and prompt per session. The default
-models are tiny (tests/tiny_models.py): a 4-layer target and a drafter close to it (DRAFT_NOISE).
+models are tiny (testbed/tiny_models.py): a 4-layer target and a drafter close to it (DRAFT_NOISE).
 
 Recorded into ``results/soak.json`` (+ ``results/soak.csv``, one row per second):
   * throughput: generated tokens per second over time, and its mean over the steady window
@@ -54,12 +54,12 @@ from specdec.testbed import procs
 
 REPO = Path(__file__).resolve().parents[1]
 
-VOCAB_SIZE = 512                  # word-level vocabulary of tests/tiny_models.py
+VOCAB_SIZE = 512                  # word-level vocabulary of testbed/tiny_models.py
 # Tiny models, but a target whose KV cache is big enough to see in RSS: 4 layers x 2 KV heads x
 # 64 dims x (K, V) x fp32 = 4 KiB per token, ~0.4 MiB per 100-token session, ~13 MiB for 32.
 TARGET_SHAPE = dict(hidden=256, layers=4, max_positions=512)
 # The drafter: the target with every weight perturbed by DRAFT_NOISE x its std
-# (tests/tiny_models.make_close_drafter). Drafts are then accepted in part (sum min(p, q) ~ 0.6 per
+# (testbed/tiny_models.make_close_drafter). Drafts are then accepted in part (sum min(p, q) ~ 0.6 per
 # token), so rounds commit several tokens and roll both KV caches back, as with a real distilled
 # drafter; an unrelated random drafter (or this one at noise 0.2, or cut to 2 layers) is almost
 # never right and every round would commit one token.
@@ -246,7 +246,7 @@ async def slot(address: str, drafter, fingerprint: str, cfg: SoakConfig, records
 
 
 def build_models(root: Path) -> tuple[str, str]:
-    from tests.support import tiny_models
+    from specdec.testbed import tiny_models
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     target = tiny_models.make_model(root / "target", VOCAB_SIZE, seed=1, logit_scale=2.0, **TARGET_SHAPE)

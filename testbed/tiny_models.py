@@ -1,4 +1,4 @@
-"""Tiny random causal LMs (Llama architecture) saved as real HF checkpoints for tests.
+"""Tiny random causal LMs (Llama architecture) saved as real HF checkpoints for tests and benches.
 
 Target and drafter are different models sharing one word-level vocabulary, written to a directory
 with ``save_pretrained`` and loaded back through the same loading code as real checkpoints.

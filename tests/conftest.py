@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import tiny_models
+from specdec.testbed import tiny_models
 
 # Tiny models are dominated by thread hand-off: one intra-op thread is ~20x faster on 2 cores.
 torch.set_num_threads(1)

@@ -65,7 +65,7 @@ def test_unreachable_edge_exits_nonzero_with_one_line(tiny_pair_v512) -> None:
 
 
 def test_vocabulary_mismatch_is_refused_with_a_reason(edge_proc, tmp_path) -> None:
-    from tests.support import tiny_models
+    from specdec.testbed import tiny_models
     other = tiny_models.make_model(tmp_path / "other", 256, seed=5)
     r = device_cli("--edge", edge_proc.address, "--draft-model", str(other), "--prompt", "w1", "--raw")
     assert r.returncode != 0

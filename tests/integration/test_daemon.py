@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from tests.support import tiny_models
+from specdec.testbed import tiny_models
 from tests.support.harness import VENV_BIN, edge, load, target_greedy
 from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.device import openai_schema as S

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.tiny_models import make_close_drafter, make_model
+from specdec.testbed.tiny_models import make_close_drafter, make_model
 from tests.support.harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
 from specdec.common import verification as V
 from specdec.common.settings import Mode

@@ -17,7 +17,7 @@ from specdec.common.modeling import CachedLM, ModelSpec, load_model
 from specdec.common.treeplan import edge_tree_inputs
 from specdec.common.tree import TreeSpec
 from specdec.edge.batching import BatchSettings, ForwardScheduler
-from tests.support.tiny_models import make_model
+from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
 # Padded batches reorder float sums: logits agree to ~1e-5 here (logit scale 4); a wrong mask or

@@ -18,7 +18,7 @@ import torch
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
 from specdec.device import lean_drafter as D
 from specdec.device.hf_assistant import LeanAssistant, as_assistant
-from tests.support.tiny_models import make_model
+from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
 PROMPT = [5, 9, 2, 33, 17, 8]

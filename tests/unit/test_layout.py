@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"common": "specdec.common", "device": "specdec.device", "edge": "specdec.edge"}  # pyproject's package-dir
+TOOLS = {"bench": "specdec.bench", "testbed": "specdec.testbed", "drafter_build": "specdec.drafter_build"}
 MATH_MODULES = ["distributions", "lattice", "codecs", "verification", "tree", "treeplan", "conformal", "budget",
                 "latency", "sampling", "settings", "stats", "streams", "validation"]
 MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typing", "collections",
@@ -23,7 +24,7 @@ MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typi
 def _package(path: Path) -> str:
     """The installed package a source file belongs to: common/pb/x.py -> specdec.common.pb."""
     top, *sub = path.relative_to(ROOT).parent.parts
-    return ".".join([PACKAGES[top], *sub])
+    return ".".join([{**PACKAGES, **TOOLS}[top], *sub])
 
 
 def _imports(path: Path, package: str | None = None) -> set[str]:
@@ -99,17 +100,55 @@ def test_transport_code_never_imports_transformers(path) -> None:
 
 
 def test_installed_under_one_namespace(tmp_path) -> None:
-    for name in ("specdec.common", "specdec.device", "specdec.edge", "specdec.common.pb.speculative_pb2"):
+    for name in ("specdec.common", "specdec.device", "specdec.edge", "specdec.common.pb.speculative_pb2",
+                 *TOOLS.values()):
         importlib.import_module(name)
     # Outside the checkout (cwd elsewhere, no PYTHONPATH) the install provides specdec.* and nothing
-    # else: a top-level ``common`` there means the source folders leaked onto sys.path.
+    # else: a top-level ``common`` or ``bench`` there means the source folders leaked onto sys.path.
+    names = [*PACKAGES, *TOOLS, "tests", "specdec.common", "specdec.bench"]
     code = ("import importlib.util, json; print(json.dumps({n: importlib.util.find_spec(n) is not None "
-            f"for n in {[*PACKAGES, 'specdec.common']!r}}}))")
+            f"for n in {names!r}}}))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          check=True)
     found = json.loads(out.stdout)
-    assert found == {"common": False, "device": False, "edge": False, "specdec.common": True}, found
+    assert found == {n: n.startswith("specdec.") for n in names}, found
+
+
+def _python_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return [ROOT / p for p in out.stdout.split() if (ROOT / p).is_file()]
+
+
+def _edits_sys_path(node: ast.AST) -> bool:
+    """``sys.path.insert(...)``, ``sys.path.append(...)``, ``sys.path[:0] = ...``, ``sys.path = ...``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return ast.unparse(node.func.value) == "sys.path" and node.func.attr in ("insert", "append", "extend")
+    if isinstance(node, (ast.Assign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(ast.unparse(t).startswith("sys.path") for t in targets)
+    return False
+
+
+def test_nothing_edits_sys_path() -> None:
+    """Product, tools and tests import each other as installed packages (specdec.*, tests.*)."""
+    edits = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _python_files()
+             for node in ast.walk(ast.parse(path.read_text())) if _edits_sys_path(node)]
+    assert not edits, edits
+
+
+def test_product_never_imports_its_tools_or_tests_and_tools_never_import_tests() -> None:
+    tools = tuple(f"{name}." for name in TOOLS.values())
+    for path in _python_files():
+        top = path.relative_to(ROOT).parts[0]
+        if top not in PACKAGES and top not in TOOLS:
+            continue
+        names = _imports(path)
+        assert not [n for n in names if n == "tests" or n.startswith("tests.")], f"{path} imports a test helper"
+        if top in PACKAGES:
+            assert not [n for n in names if n.startswith(tools)], f"{path} imports a tool"
 
 
 def test_generated_protobuf_is_not_committed() -> None:

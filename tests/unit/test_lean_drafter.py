@@ -20,7 +20,7 @@ import torch
 from specdec.common.sampling import model_probs
 from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, load_model
 from specdec.device import lean_drafter as D
-from tests.support.tiny_models import make_model
+from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
 FLOAT_ATOL = 1e-4   # the same float32 math in another order (fused projections, cached attention)

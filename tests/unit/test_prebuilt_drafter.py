@@ -17,7 +17,7 @@ import torch
 from specdec.common import modeling
 from specdec.common.modeling import PREBUILT_MANIFEST, PREBUILT_WEIGHTS, CachedLM, ModelSpec, load_model
 from specdec.device import lean_drafter as D
-from tests.support.tiny_models import make_model
+from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
 IDS = [5, 9, 2, 33, 17, 8, 41, 12, 60, 3, 22, 7]
