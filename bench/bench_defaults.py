@@ -22,12 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specdec.bench.harness.plan import RESULTS, first_per_category, load_prompts
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
 from specdec.common.runtime import usable_cores
 from specdec.device.demo import start_edge, time_generate
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = ROOT / "bench" / "prompts.jsonl"
 BINDIR = Path(sys.executable).parent
 
 
@@ -36,13 +35,7 @@ def _untuned_env() -> dict:
 
 
 def _prompts() -> list[str]:
-    seen, out = set(), []
-    for line in PROMPTS.read_text().splitlines():
-        item = json.loads(line)
-        if item["category"] not in seen:
-            seen.add(item["category"])
-            out.append(item["prompt"])
-    return out
+    return [row["prompt"] for row in first_per_category(load_prompts(), 1)]
 
 
 def _tps(run: dict) -> float:
@@ -65,7 +58,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--out", default=str(ROOT / "results" / "bench_defaults.json"))
+    p.add_argument("--out", default=str(RESULTS / "bench_defaults.json"))
     a = p.parse_args()
     prompts = _prompts()
     target = load_model(ModelSpec())

@@ -27,50 +27,22 @@ import argparse
 import json
 import os
 import platform
-import re
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from specdec.bench.harness.plan import PROMPTS, RESULTS, first_per_category, load_prompts
+from specdec.bench.harness.rig import Edge
 from specdec.common.latency import (expected_tokens_per_call, oracle_time, oracle_time_drafting_ahead,
                                     predicted_speedup)
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
 from specdec.device.runner import DeviceConfig, choose_drafter
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = ROOT / "bench" / "prompts.jsonl"
-READY = re.compile(r"ready on ")
-STARTUP_TIMEOUT_S = 300      # first load dequantizes the GGUF (~20-30 s on 2 cores)
 THREADS = 1                  # one torch thread per process: the cores are shared with the other side
 WARMUP_TOKENS = 8            # one short untimed generation per side warms caches and allocators
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_edge(bindir: Path, port: int, threads: int) -> subprocess.Popen:
-    """Start the edge (its INFO log carries the ready line) and keep draining its output."""
-    edge = subprocess.Popen([str(bindir / "edge-server"), "--port", str(port), "--threads", str(threads)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = edge.stdout.readline()
-        if not line:
-            raise RuntimeError("edge-server exited before it was ready")
-        if READY.search(line):
-            # A full pipe would block the edge's logging, and with it the edge.
-            threading.Thread(target=lambda: [None for _ in edge.stdout], daemon=True).start()
-            return edge
-    edge.terminate()
-    raise TimeoutError("edge-server did not become ready")
 
 
 def run_pair(bindir: Path, port: int, prompt: str, temperature: float, max_new: int, seed: int,
@@ -97,17 +69,6 @@ def run_target(target, prompt_ids: list[int], temperature: float, max_new: int, 
     wall = time.perf_counter() - t0
     new = [int(t) for t in out[0, len(prompt_ids):]]
     return {"token_ids": new, "wall_seconds": wall}
-
-
-def first_per_category(prompts: list[dict], n: int) -> list[dict]:
-    """The first ``n`` prompts of each category, in file order."""
-    taken: dict[str, int] = {}
-    out = []
-    for item in prompts:
-        if taken.get(item["category"], 0) < n:
-            taken[item["category"]] = taken.get(item["category"], 0) + 1
-            out.append(item)
-    return out
 
 
 def summarize(temperature: float, L: int, pairs: list[dict], alone: list[dict],
@@ -184,17 +145,17 @@ def main() -> int:
     p.add_argument("--edge-threads", type=int, default=THREADS,
                    help="torch threads of the pair's edge-server (default 1; 2 lets a verify use both cores "
                         "while it competes with the drafter for them)")
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_drafter.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_drafter.json")
     p.add_argument("device_args", nargs="*", help="extra device-client flags (after --)")
     a = p.parse_args()
     torch.set_num_threads(a.target_threads)
-    prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
+    prompts = load_prompts(a.prompts)
     prompts = first_per_category(prompts, a.per_category) if a.per_category else prompts
     prompts = prompts[:a.limit] if a.limit else prompts
     bindir = Path(sys.executable).parent
     target = load_model(ModelSpec())
-    port = free_port()
-    edge = start_edge(bindir, port, a.edge_threads)
+    edge = Edge(threads=a.edge_threads)
+    port = edge.port
     device_args = ["--draft-len", str(a.draft_len), *a.device_args]
     results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": THREADS,
                            "target_alone_threads": a.target_threads,
@@ -231,8 +192,7 @@ def main() -> int:
             summary["per_prompt"] = rows
             results["per_temperature"].append(summary)
     finally:
-        edge.terminate()
-        edge.wait(timeout=30)
+        edge.stop()
     results["machine"]["loadavg_at_end"] = os.getloadavg()  # the cores are shared: how busy they were
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=2) + "\n")

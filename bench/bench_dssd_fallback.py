@@ -17,21 +17,16 @@ Writes results/bench_dssd_fallback_T<temperature>.json (``--out``) and prints a 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 
+from specdec.bench import bench_truncation as bt
 from specdec.common import protocol as P
 from specdec.common import verification as V
 from specdec.common import wire
 from specdec.common.codecs import encode_target_probs
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_truncation", ROOT / "bench" / "bench_truncation.py")
-bt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bt)
 
 SAMPLES = (8, 64)                 # m: DSSD's default, and mode auto's (device/auto.py AutoConfig)
 TOP_KS = (16, 64, 256, 1024)    # dssd_fallback_top_k

@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from specdec.bench.harness.plan import RESULTS
+
 
 PROMPT = "Write a short story about a robot learning to paint."
 FIRST_TOKEN_TIMEOUT_S = 300   # the first (cold) run may dequantize the GGUF and build the drafter
@@ -116,23 +117,22 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5, help="warm-cache device-client runs after the first")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench_footprint.json"))
+    ap.add_argument("--out", default=str(RESULTS / "bench_footprint.json"))
     args = ap.parse_args()
     if args.probe:
         print(json.dumps(probe(args.max_new_tokens)))
         return
-    from specdec.bench.bench_drafter import free_port, start_edge  # the same edge start as bench-drafter (imports torch)
+    from specdec.bench.harness.rig import Edge
 
     bindir = Path(sys.executable).parent
-    port = free_port()
-    edge = start_edge(bindir, port, threads=1)
+    edge = Edge(threads=1)
+    port = edge.port
     try:
         cleared = _clear_drafter_cache()
         first = run_client(bindir, port, args.max_new_tokens)
         warm = [run_client(bindir, port, args.max_new_tokens) for _ in range(args.runs)]
     finally:
-        edge.terminate()
-        edge.wait()
+        edge.stop()
     breakdown = _probe_subprocess(args.max_new_tokens)
     result = {
         "first_run_drafter_cache_cold": first, "drafter_cache": cleared, "warm_runs": warm,

@@ -7,7 +7,7 @@
         [--prompts N] [--max-new-tokens N] [--temperatures 0,1] [--no-changing] [--replot DIR]
 
 Needs root (network namespaces, tc). One edge-server and one device driver for the whole run, in two
-namespaces; the link between them (bench/links/rig.py): tbf for the rate on both veth egresses
+namespaces (the harness rig's "emulated" link, bench/harness/rig.py): tbf for the rate on both veth egresses
 (downlink = plan.DOWN_FACTOR x uplink), the userspace emulator (testbed/linkemu.py) for the round
 trip (one-way delay RTT / 2 each way), jitter and loss in both directions. Cells: uplink rate x RTT,
 plus jitter / loss variants, at each temperature; per cell edge-only (mode none), the fixed
@@ -26,10 +26,8 @@ choices), logs/. Prints a summary table and the goals with PASS / MISS.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -38,11 +36,12 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from specdec.bench.harness import plan as harness_plan  # noqa: E402
+from specdec.bench.harness.analyze import fmt, print_goals  # noqa: E402
+from specdec.bench.harness.rig import Rig, shaping_available  # noqa: E402
 from specdec.bench.links import analyze, plan  # noqa: E402
-from specdec.bench.papers import plan as suite_plan  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results" / "bench_links"
+RESULTS = harness_plan.RESULTS / "bench_links"
 STARTUP_S = 150.0        # namespaces, edge-server (dequantizes the GGUF target), driver load + warm-up
 CHANGE_TAIL_S = 6.0      # a changing-link run's last session goes on past its window to its end
 # Full-run estimate before any timing: ~14 tokens/s averaged over the grid's configs and cells (the
@@ -68,17 +67,13 @@ def auto_support() -> dict:
     return out
 
 
-def git_revision() -> dict:
-    def git(*a):
-        r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-    return {"revision": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-
-
-def machine() -> dict:
-    return {"logical_cores": os.cpu_count(), "loadavg_start": list(os.getloadavg()),
-            "affinity_cores": len(os.sched_getaffinity(0))}
+def set_link(rig: Rig, link: plan.Link, emulator_rate: bool = False) -> None:
+    """tbf at the link's rates (or none, when the emulator carries the rate), then the emulator."""
+    if emulator_rate:
+        rig.set_rates(0.0, 0.0)
+    else:
+        rig.set_rates(link.up_bps, link.down_bps)
+    rig.set_emulator(link.emulator(with_rate=emulator_rate))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -86,7 +81,7 @@ class Run:
     def __init__(self, s: plan.Settings, configs: list[str], extra: dict[str, dict], out: Path):
         self.s, self.configs, self.extra, self.out = s, configs, extra, out
         n = max(s.prompts, s.change_prompts)
-        self.prompts = [r["prompt"] for r in suite_plan.prompt_sample(suite_plan.load_prompts(), n)]
+        self.prompts = harness_plan.sample_texts(n)
         self.sessions: list[dict] = []
         self.errors: list[dict] = []
         self.cells: dict[str, dict] = {}
@@ -124,7 +119,7 @@ class Run:
         edge_tps: dict[float, float] = {}
         for link in plan.links(self.s):
             t_link = time.perf_counter()
-            rig.set_link(link)
+            set_link(rig, link)
             for temp in self.s.temperatures:
                 cell = plan.cell_name(link.name, temp)
                 configs, pruned = plan.prune(self.configs, link.up_bps, bytes_per_token.get(temp, {}),
@@ -151,7 +146,7 @@ class Run:
         for temp in self.s.temperatures:
             runs = {}
             for i, name in enumerate(self.configs):
-                rig.set_link(phases[0].link, emulator_rate=True)
+                set_link(rig, phases[0].link, emulator_rate=True)
                 job = plan.Job(f"changing@T{temp:g}|{name}", f"changing@T{temp:g}", name, 0, temp,
                                self.s.change_max_new_tokens, plan.config_device(name, self.extra.get(name)))
                 changes: list[float] = []
@@ -185,14 +180,10 @@ class Run:
                               "record_rounds": auto_rounds}
             self.changing[f"T{temp:g}"] = {"temperature": temp, "runs": runs,
                                            "summary": analyze.changing_summary(runs)}
-        rig.set_link(phases[0].link, emulator_rate=True)
+        set_link(rig, phases[0].link, emulator_rate=True)
 
 
 # ----------------------------------------------------------------------------- reporting
-def fmt(x, spec=".2f") -> str:
-    return format(x, spec) if isinstance(x, (int, float)) else "n/a"
-
-
 def print_table(data: dict) -> None:
     configs = data["configs"]
     print("\ntokens/s per cell (total tokens / total wall over the cell's sessions)")
@@ -218,16 +209,13 @@ def print_table(data: dict) -> None:
                   f"(target {fmt(r['target_tps'], '.1f')} tok/s, auto {fmt(r['auto_tps'], '.1f')} tok/s over the phase)")
 
 
-def print_goals(goals: dict) -> None:
-    print("\nissue 18 goals")
-    for key, g in goals.items():
-        verdict = "n/a" if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
-        print(f"  [{verdict:>4}] {g['goal']}: measured {fmt(g['value'], '.3g')} "
-              f"(threshold {g['threshold']}; {g.get('where')})")
-        if "below_even_at_interval_top" in g:
-            print(f"         below it even at the top of the 90 % interval over prompts: "
-                  f"{', '.join(g['below_even_at_interval_top']) or 'none'}; below it but within the "
-                  f"interval: {', '.join(g['below_but_within_interval']) or 'none'}")
+def goal_detail(g: dict) -> str | None:
+    """The line under the every-cell goal: which cells miss it even at the top of their interval."""
+    if "below_even_at_interval_top" not in g:
+        return None
+    return (f"below it even at the top of the 90 % interval over prompts: "
+            f"{', '.join(g['below_even_at_interval_top']) or 'none'}; below it but within the "
+            f"interval: {', '.join(g['below_but_within_interval']) or 'none'}")
 
 
 def analyze_all(data: dict) -> dict:
@@ -328,7 +316,7 @@ def finish(data: dict, out: Path) -> None:
     data["plots"] = make_plots(data, out)
     write(data, out)
     print_table(data)
-    print_goals(data["goals"])
+    print_goals("issue 18 goals", data["goals"], detail=goal_detail)
     if data.get("estimate_full"):
         e = data["estimate_full"]
         print(f"\nfull-run estimate from this run ({e['s_per_token'] * 1e3:.0f} ms per generated token): "
@@ -344,7 +332,6 @@ def main(argv=None) -> int:
         data = json.loads((a.replot / "bench_links.json").read_text())
         finish(data, a.replot)
         return 0
-    from specdec.bench.harness.rig import shaping_available
     why = shaping_available()
     if why:
         print(f"bench-links needs the shaped testbed: {why}", file=sys.stderr)
@@ -357,13 +344,8 @@ def main(argv=None) -> int:
         configs.remove("auto")
         skipped["auto"] = "--no-auto" if a.no_auto else "the device has no mode auto yet (common/settings.AUTO)"
     extra = {"auto": {"round_log": True}} if support["round_log"] else {}
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = RESULTS / (stamp + ("-quick" if s.quick else ""))
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    latest = RESULTS / "latest"
-    if latest.is_symlink() or latest.exists():
-        latest.unlink()
-    latest.symlink_to(out.name)
+    stamp = harness_plan.stamp()
+    out = harness_plan.run_dir(RESULTS, stamp + ("-quick" if s.quick else ""))
 
     p = plan.planned_sessions(replace(s, configs=tuple(configs)))
     print(f"bench-links {'quick' if s.quick else 'full'}: {p['cells']} cells x {len(configs)} configs x "
@@ -376,18 +358,17 @@ def main(argv=None) -> int:
     run = Run(s, configs, extra, out)
     data = {"started": stamp, "settings": s.to_json(), "configs": configs, "skipped": skipped,
             "auto_support": support, "device_extra": extra, "down_factor": plan.DOWN_FACTOR,
-            "machine": machine(), "git": git_revision(), "cells": run.cells, "changing": run.changing,
+            "machine": harness_plan.machine_info(), "git": harness_plan.git_info(), "cells": run.cells, "changing": run.changing,
             "sessions": run.sessions, "errors": run.errors, "timing": run.timing,
             "rate_via": {"grid": "tbf (both veth egresses)", "changing": "linkemu (rate and delay, tbf off)"}}
-    from specdec.bench.links.rig import LinksRig
     t0 = time.perf_counter()
     try:
-        with LinksRig(out / "logs") as rig:
+        with Rig(out / "logs", link="emulated") as rig:
             setup_s = time.perf_counter() - t0
             run.timing["setup"] = setup_s
             data["draft_model"] = rig.draft_model
             print(f"rig up in {setup_s:.0f} s (drafter {rig.draft_model})", flush=True)
-            rig.set_link(plan.links(s)[0] if plan.links(s) else plan.changing_phases(s)[0].link)
+            set_link(rig, plan.links(s)[0] if plan.links(s) else plan.changing_phases(s)[0].link)
             run.warm_up(rig)
             run.grid(rig)
             write(data, out)

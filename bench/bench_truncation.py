@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.bench.harness.plan import RESULTS, load_prompts
 from specdec.common.codecs import CodecConfig
 from specdec.common.settings import Mode
 from specdec.common.distributions import tv_distance
@@ -31,8 +32,6 @@ from specdec.common.sampling import model_probs
 from specdec.device.lean_drafter import default_drafter_spec
 from specdec.device.draft_model import DraftModel, encode_q
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = ROOT / "bench" / "prompts.jsonl"
 # the codecs mode auto chooses among (device/auto.py AutoConfig) and K = 1024, which it dropped
 CODECS = {**{f"tslt-{k}": (Mode.TSLT, k) for k in (16, 64, 256, 1024)}, "ksqs-64": (Mode.KSQS, 64)}
 
@@ -57,7 +56,7 @@ def run(a: argparse.Namespace, measure_fn, name: str) -> tuple[dict, Path]:
     res = measure_fn(a)
     res.update(temperature=a.temperature, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                machine=platform.platform(), torch=torch.__version__, seconds=time.perf_counter() - t0)
-    out = a.out or ROOT / "results" / f"{name}_T{a.temperature:g}.json"
+    out = a.out or RESULTS / f"{name}_T{a.temperature:g}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     return res, out
@@ -86,7 +85,7 @@ def load_pair_and_prompts(a: argparse.Namespace):
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     target, drafter = load_model(ModelSpec()), load_model(default_drafter_spec())
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = [row["prompt"] for row in load_prompts()]
     return target, drafter, prompts[:a.prompts]
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from specdec.bench.harness.plan import RESULTS
+
 PROMPT = "Write a short story about a robot learning to paint."
 WARMUP_STEPS = 8
 # operator name -> group; first match wins, unmatched operators count as "other ops"
@@ -125,7 +126,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--compare-heads", type=int, default=0, metavar="REPEATS",
                     help="also time the forward with the drafter's head and a float32 copy, interleaved REPEATS times")
-    ap.add_argument("--out", default=str(ROOT / "results" / "profile_drafter.json"))
+    ap.add_argument("--out", default=str(RESULTS / "profile_drafter.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     from specdec.common.modeling import CachedLM, encode_prompt, load_model

@@ -29,8 +29,6 @@ import csv
 import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -41,45 +39,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: the two cores are
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from specdec.bench.harness import rig as links  # noqa: E402
-from specdec.bench.papers import analyze, ceilings, plan, plots, tables  # noqa: E402
+from specdec.bench.harness import plan as harness_plan  # noqa: E402
+from specdec.bench.harness.rig import Rig, shaping_available  # noqa: E402
+from specdec.bench.harness.analyze import aggregate, finite_or_none  # noqa: E402
+from specdec.bench.papers import ceilings, plan, plots, tables  # noqa: E402
 
-RESULTS = plan.ROOT / "results"
+RESULTS = harness_plan.RESULTS
 
 
 # ----------------------------------------------------------------------------- run metadata
 def machine_info() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import transformers
 
-    return {"cpu_model": cpu or platform.processor(), "logical_cores": os.cpu_count(),
-            "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "torch_threads_per_process": 1, "loadavg_start": _loadavg()}
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
-
-
-def git_info() -> dict:
-    def git(*a):
-        r = subprocess.run(["git", *a], cwd=plan.ROOT, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-    status = git("status", "--porcelain", "--untracked-files=no") or ""
-    return {"revision": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty": bool(status), "modified": status.splitlines()}
+    return {**harness_plan.machine_info(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_threads_per_process": 1}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -90,8 +63,7 @@ class Run:
         self.out = out
         self.shaped_ok = shaped_ok
         self.no_shaping_reason = no_shaping_reason
-        self.prompts = [r["prompt"] for r in plan.prompt_sample(
-            plan.load_prompts(), max(s.loop_prompts, s.rate_prompts, s.sqs_prompts))]
+        self.prompts = harness_plan.sample_texts(max(s.loop_prompts, s.rate_prompts, s.sqs_prompts))
         self.jobs: dict[str, plan.Job] = {}
         self.sessions: list[dict] = []
         self.errors: list[dict] = []
@@ -120,14 +92,14 @@ class Run:
         ceilings.warm_up(self.target, self.prompts[0], self.s.temperature, self.assistant)
 
     def _decode(self, n: int, assistant=None) -> ceilings.DecodeStats:
-        seeds = [plan.SEED_BASE + i for i in range(n)]
+        seeds = [harness_plan.SEED_BASE + i for i in range(n)]
         return ceilings.decode(self.target, self.prompts[:n], seeds, self.s.temperature, self.s.max_new_tokens,
                                assistant, on_done=lambda: self.bar.update(1))
 
     def baseline(self, job: plan.Job) -> None:
         """Target-alone tokens/s on a point's prompts, seeds and token count, right after the point."""
         st = ceilings.decode(self.target, [self.prompts[i] for i in job.prompts],
-                             [plan.SEED_BASE + i for i in job.prompts], self.s.temperature, job.max_new_tokens,
+                             [harness_plan.SEED_BASE + i for i in job.prompts], self.s.temperature, job.max_new_tokens,
                              on_done=lambda: self.bar.update(1))
         self.baselines[job.id] = st.to_json()
 
@@ -174,7 +146,7 @@ class Run:
             self.jobs[j.id] = j
         return [j.to_driver(self.prompts) for j in jobs]
 
-    def run_links(self, rig: links.Rig) -> None:
+    def run_links(self, rig: Rig) -> None:
         """Per link: each rate-curve point, then the target alone on its prompts; then the rest."""
         s = self.s
         sqs_on = plan.sqs_link(s, self.shaped_ok)
@@ -193,7 +165,7 @@ class Run:
             t0 = time.perf_counter()
             err = None
             try:
-                rig.set_link(link.rate_bps, link.down_rate_bps)
+                rig.set_rates(link.rate_bps, link.down_rate_bps)
                 before = rig.wire_bytes()
                 for job in points:
                     cpu0 = rig.cpu_seconds()
@@ -217,7 +189,7 @@ class Run:
         """Per config: mean loopback seconds, rounds and uplink bits per rate-curve session."""
         out = {}
         for key in {j.config.key for j in self.jobs.values() if j.link == "loopback"}:
-            agg = analyze.aggregate(self.sessions, lambda x: x["link"] == "loopback" and
+            agg = aggregate(self.sessions, lambda x: x["link"] == "loopback" and
                                     f"{x['config']}/{x['shape']}" == key and x["prompt"] < self.s.rate_prompts)
             if agg.sessions:
                 out[key] = {"session_s": agg.wall / agg.sessions, "rounds": agg.rounds / agg.sessions,
@@ -229,7 +201,7 @@ class Run:
         self.logs = self.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(1)
-        rig = links.Rig(self.logs, shaped=self.shaped_ok)
+        rig = Rig(self.logs, link="tbf" if self.shaped_ok else "loopback")
         # The edge and the driver load their models while this process loads its own (nothing is
         # timed yet); they then sit idle through the ceilings.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -334,8 +306,8 @@ def summarize(t: dict, d: dict) -> dict:
     key = {}
     for r in t["rate_curve"]:
         key.setdefault(f"{r['config']}/{r['shape']}", {})[r["link"]] = {
-            "speedup": analyze.finite_or_none(r["speedup"]),
-            "predicted": analyze.finite_or_none(r["predicted_speedup"])}
+            "speedup": finite_or_none(r["speedup"]),
+            "predicted": finite_or_none(r["predicted_speedup"])}
     base = [b["tokens_per_second"] for jid, b in d["baselines"].items()
             if d["jobs"][jid]["max_new_tokens"] == s["max_new_tokens"]]
     return {
@@ -345,7 +317,7 @@ def summarize(t: dict, d: dict) -> dict:
         "sampled": {
             "prompts": d["prompts"],
             "rate_curve": f"{s['rate_prompts']} prompt(s) x <= {s['max_new_tokens']} new tokens per point "
-                          f"(fewer where 'reduced'), seeds {plan.SEED_BASE}+i, T = {s['temperature']}",
+                          f"(fewer where 'reduced'), seeds {harness_plan.SEED_BASE}+i, T = {s['temperature']}",
             "loopback": f"{s['loop_prompts']} prompt(s) x <= {s['max_new_tokens']} new tokens per config",
             "ceilings": f"{s['loop_prompts']} prompt(s), same seeds and length, in one process",
             "sqs": f"{s['sqs_prompts']} prompt(s) per (mode, T), B = {s['sqs_bit_budget']} bits, "
@@ -444,10 +416,8 @@ def main(argv=None) -> int:
             publish(args.replot / "plots", args.publish)
         return 0
     s = settings_from(args)
-    reason = "--no-shaping" if args.no_shaping else links.shaping_available()
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if s.quick else "")
-    out = args.out / stamp
-    out.mkdir(parents=True)
+    reason = "--no-shaping" if args.no_shaping else shaping_available()
+    out = harness_plan.run_dir(args.out, harness_plan.stamp(s.quick))
     started = dt.datetime.now().isoformat(timespec="seconds")
     run = Run(s, out, shaped_ok=reason is None, no_shaping_reason=reason)
     if reason:
@@ -457,8 +427,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         run.bar.close()
         print("interrupted: writing what was measured", file=sys.stderr)
-    d = {"settings": s.to_json(), "machine": run.machine, "git": git_info(), "started": started,
-         "runtime_s": time.perf_counter() - run.t0, "loadavg_end": _loadavg(), "prompts": run.prompts,
+    d = {"settings": s.to_json(), "machine": run.machine, "git": harness_plan.git_info(), "started": started,
+         "runtime_s": time.perf_counter() - run.t0, "loadavg_end": list(os.getloadavg()), "prompts": run.prompts,
          "jobs": {j.id: {"id": j.id, "link": j.link, "config": j.config.name, "shape": j.config.shape,
                          "family": j.config.family, "K": j.config.k, "role": j.role, "reduced": j.reduced,
                          "max_new_tokens": j.max_new_tokens, "prompts": j.prompts, "device": j.config.device}
@@ -474,10 +444,6 @@ def main(argv=None) -> int:
         for x in run.sessions:
             f.write(json.dumps(x) + "\n")
     summary = write_outputs(d, out)
-    latest = args.out / "latest"
-    if latest.is_symlink() or not latest.exists():
-        latest.unlink(missing_ok=True)
-        latest.symlink_to(stamp)
     print_report(summary, out)
     print(f"runtime {d['runtime_s']:.0f} s")
     return 0

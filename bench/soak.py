@@ -37,7 +37,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,9 +49,7 @@ from specdec.device.client import EdgeError, generate
 from specdec.device.session import DraftSession
 from specdec.device.runner import DeviceConfig, open_channel
 
-from specdec.testbed import procs
-
-REPO = Path(__file__).resolve().parents[1]
+from specdec.bench.harness.rig import Edge
 
 VOCAB_SIZE = 512                  # word-level vocabulary of testbed/tiny_models.py
 # Tiny models, but a target whose KV cache is big enough to see in RSS: 4 layers x 2 KV heads x
@@ -102,38 +99,21 @@ class SoakConfig:
 # ------------------------------------------------------------------------------ edge process
 
 
-class EdgeServer(procs.ReadyProcess):
-    """`edge-server` subprocess (the testbed's launcher: port from its ready line, log drained into
-    ``lines``, the last EDGE_LOG_LINES kept), its RSS from /proc and its /metrics."""
+class EdgeServer(Edge):
+    """`edge-server` subprocess (the harness's: port from its ready line, log drained into ``lines``,
+    the last EDGE_LOG_LINES kept), its RSS from /proc and its /metrics."""
 
     def __init__(self, target: str, workers: int, max_sessions: int):
-        self.metrics_port = _free_port()
-        super().__init__(procs.edge_server_cmd("--model", target, "--port", "0", "--threads", "1",
-                                               "--workers", str(workers), "--max-sessions", str(max_sessions),
-                                               "--metrics-port", str(self.metrics_port)),
-                         name="edge-server", ready_re=procs.EDGE_READY_RE,
-                         lines=collections.deque(maxlen=EDGE_LOG_LINES))
-
-    def rss_bytes(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+        super().__init__("--model", target, "--workers", str(workers), "--max-sessions", str(max_sessions),
+                         metrics=True, lines=collections.deque(maxlen=EDGE_LOG_LINES))
 
     def metric(self, name: str) -> dict[str, float]:
         """Samples of one metric family from the edge's /metrics: {labels: value}."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        text = self.metrics()
+        if text is None:
+            raise RuntimeError("the edge's /metrics did not answer")
         return {m.group(1) or "": float(m.group(2))
                 for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RssSampler:
@@ -404,7 +384,7 @@ async def main(cfg: SoakConfig) -> dict:
             rows = per_second(records, rss)
         finally:
             edge.stop()
-    out = REPO / cfg.out if not Path(cfg.out).is_absolute() else Path(cfg.out)
+    out = Path(cfg.out)  # relative: to the directory it runs in (make: the repository root)
     write_results(summary, rows, out)
     print_summary(summary, out)
     return summary

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,13 @@ PORT_RE = re.compile(r"(?:listening|ready) on [\w.:\[\]-]*?:(\d+)")
 # edge-server's own line ("edge-server ready on HOST:PORT model=..."); the port is after the last
 # colon of the address, which may be IPv6.
 EDGE_READY_RE = re.compile(r"ready on \S*:(\d+)")
+
+
+def free_port() -> int:
+    """A loopback port free right now, for a child to bind (a /metrics endpoint, a fake server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_env(extra: dict[str, str | None] | None = None) -> dict[str, str]:

@@ -2,9 +2,10 @@
 Pure: no I/O."""
 from __future__ import annotations
 
-import math
 import re
 import statistics
+
+from specdec.bench.harness.analyze import goal, mean, percentile, ratio
 
 # The edge's batching histograms (issue 19 item 1), read from its /metrics before and after a cell.
 BATCH_FAMILIES = ("specdec_edge_batch_sessions", "specdec_edge_batch_tokens", "specdec_edge_batch_queue_seconds",
@@ -47,23 +48,13 @@ def batch_stats(before: dict | None, after: dict | None) -> dict:
         return d.get(f"{family}_sum", 0.0) / forwards if forwards else None
     return {"available": True, "forwards": forwards, "mean_sessions": mean("specdec_edge_batch_sessions"),
             "mean_tokens": mean("specdec_edge_batch_tokens"),
-            "mean_queue_s": _ratio(d, "specdec_edge_batch_queue_seconds"),
-            "mean_forward_s": _ratio(d, "specdec_edge_batch_forward_seconds")}
+            "mean_queue_s": _family_mean(d, "specdec_edge_batch_queue_seconds"),
+            "mean_forward_s": _family_mean(d, "specdec_edge_batch_forward_seconds")}
 
 
-def _ratio(d: dict, family: str):
+def _family_mean(d: dict, family: str):
     n = d.get(f"{family}_count", 0.0)
     return d.get(f"{family}_sum", 0.0) / n if n else None
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no data."""
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def cell_stats(sessions: list[dict], n: int, full_tokens: int | None = None) -> dict:
@@ -123,7 +114,7 @@ def combine(cells: list[dict]) -> dict:
     batch = [c["batch"] for c in cells if c["batch"].get("available")]
     return {**pooled, "aggregate_tps": statistics.fmean(agg) if agg else None,
             "aggregate_tps_repeats": agg, "repeats": len(cells),
-            "makespan_tps": _mean([c["stats"]["makespan_tps"] for c in cells]),
+            "makespan_tps": mean([c["stats"]["makespan_tps"] for c in cells]),
             "errors": sum(c["stats"]["errors"] for c in cells),
             "divergences": sum(c["stats"]["divergences"] for c in cells),
             "batch": _combine_batch(batch)}
@@ -152,11 +143,6 @@ def _combine_batch(batch: list[dict]) -> dict:
             "mean_forward_s": weighted("mean_forward_s")}
 
 
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
-
-
 def summary(cells: list[dict]) -> dict:
     """``{"T0": {"batched": {"1": combined, ...}, ...}}`` from every measured cell."""
     groups: dict[tuple, list[dict]] = {}
@@ -172,40 +158,31 @@ def _get(table: dict, mode: str, n: int, key: str):
     return table.get(mode, {}).get(str(n), {}).get(key)
 
 
-def _div(a, b):
-    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
-
-
 def goals(summ: dict) -> dict:
     """The issue's four goals per temperature, PASS/MISS from ratios measured in this run (None = n/a)."""
     out = {}
     for label, table in summ.items():
         b8 = _get(table, "batched", GOAL_N, "aggregate_tps")
-        ratios_eo = {n: _div(_get(table, "batched", int(n), "aggregate_tps"),
+        ratios_eo = {n: ratio(_get(table, "batched", int(n), "aggregate_tps"),
                              _get(table, "edge-only", int(n), "aggregate_tps"))
                      for n in table.get("batched", {})}
         ratios_eo = {n: r for n, r in ratios_eo.items() if r is not None}
         worst = min(ratios_eo.items(), key=lambda kv: kv[1]) if ratios_eo else (None, None)
-        p95 = _div(_get(table, "batched", GOAL_N, "per_device_p95"), _get(table, "batched", 1, "per_device_p95"))
+        p95 = ratio(_get(table, "batched", GOAL_N, "per_device_p95"), _get(table, "batched", 1, "per_device_p95"))
         out[label] = {
-            "batched_vs_unbatched_N8": _goal(f"batched aggregate >= {GOAL_BATCHED_VS_UNBATCHED:g}x unbatched at N = 8",
-                                             _div(b8, _get(table, "unbatched", GOAL_N, "aggregate_tps")),
+            "batched_vs_unbatched_N8": goal(f"batched aggregate >= {GOAL_BATCHED_VS_UNBATCHED:g}x unbatched at N = 8",
+                                             ratio(b8, _get(table, "unbatched", GOAL_N, "aggregate_tps")),
                                              GOAL_BATCHED_VS_UNBATCHED),
-            "batched_vs_edge_only_N8": _goal(f"batched aggregate >= {GOAL_BATCHED_VS_EDGE_ONLY:g}x edge-only at N = 8",
-                                             _div(b8, _get(table, "edge-only", GOAL_N, "aggregate_tps")),
+            "batched_vs_edge_only_N8": goal(f"batched aggregate >= {GOAL_BATCHED_VS_EDGE_ONLY:g}x edge-only at N = 8",
+                                             ratio(b8, _get(table, "edge-only", GOAL_N, "aggregate_tps")),
                                              GOAL_BATCHED_VS_EDGE_ONLY),
-            "never_below_edge_only": _goal(f"batched >= {GOAL_NEVER_BELOW_EDGE_ONLY:g}x edge-only at every N",
+            "never_below_edge_only": goal(f"batched >= {GOAL_NEVER_BELOW_EDGE_ONLY:g}x edge-only at every N",
                                            worst[1], GOAL_NEVER_BELOW_EDGE_ONLY, where=f"worst at N = {worst[0]}",
                                            detail={n: r for n, r in ratios_eo.items()}),
-            "p95_N8_vs_N1": _goal(f"per-device p95 tokens/s at N = 8 >= {GOAL_P95_KEEP:.0%} of N = 1 (batched)",
+            "p95_N8_vs_N1": goal(f"per-device p95 tokens/s at N = 8 >= {GOAL_P95_KEEP:.0%} of N = 1 (batched)",
                                   p95, GOAL_P95_KEEP),
         }
     return out
-
-
-def _goal(text: str, value, threshold: float, where: str = "", detail=None) -> dict:
-    return {"goal": text, "value": value, "threshold": threshold, "where": where, "detail": detail,
-            "pass": None if value is None else value >= threshold}
 
 
 def real_step_s(records: list[dict]) -> float | None:
@@ -227,17 +204,17 @@ def validation(real: dict[int, list[dict]], replay: dict[int, list[dict]]) -> di
     for n in sorted(set(real) & set(replay)):
         rs = real[n]
         ps = [x for x in replay[n] if not x["error"] and not x["divergence"]]
-        r_tps = _mean([x["stats"]["tokens_per_second"] for x in rs])
-        p_tps = _mean([x["tokens_per_s"] for x in ps])
+        r_tps = mean([x["stats"]["tokens_per_second"] for x in rs])
+        p_tps = mean([x["tokens_per_s"] for x in ps])
         r_rounds = sum(x["stats"]["rounds"] for x in rs)
         p_rounds = sum(x["rounds"] for x in ps)
-        out[str(n)] = {"real_tps_mean": r_tps, "replay_tps_mean": p_tps, "ratio": _div(p_tps, r_tps),
+        out[str(n)] = {"real_tps_mean": r_tps, "replay_tps_mean": p_tps, "ratio": ratio(p_tps, r_tps),
                        "real_sessions": len(rs), "replay_sessions": len(ps),
                        "real_tokens": [x["stats"]["generated_tokens"] for x in rs], "replay_tokens": [x["tokens"] for x in ps],
                        "real_rounds": r_rounds, "replay_rounds": p_rounds,
                        "real_draft_ms_per_step": _ms(real_step_s(rs)),
-                       "real_edge_ms_per_round": _ms(_div(sum(x["stats"]["time"]["verify"] for x in rs), r_rounds)),
-                       "replay_edge_ms_per_round": _ms(_div(sum(x.get("edge_s", 0.0) for x in ps), p_rounds))}
+                       "real_edge_ms_per_round": _ms(ratio(sum(x["stats"]["time"]["verify"] for x in rs), r_rounds)),
+                       "replay_edge_ms_per_round": _ms(ratio(sum(x.get("edge_s", 0.0) for x in ps), p_rounds))}
     return out
 
 

@@ -3,8 +3,9 @@ Pure: no I/O."""
 from __future__ import annotations
 
 import os
-
 from dataclasses import asdict, dataclass, field, replace
+
+from specdec.bench.harness.plan import rotated
 
 # Serving modes: which edge process serves the N clients and what the clients send. The edge's extra
 # flags per edge kind are here and nowhere else; ``requires``: the edge-server flag that kind needs
@@ -117,8 +118,7 @@ def schedule(s: Settings, modes: list[str]) -> list[Cell]:
     for r in range(s.repeats):
         for temp in s.temperatures:
             for j, n in enumerate(s.ns):
-                k = (r + j) % len(modes) if modes else 0
-                for mode in modes[k:] + modes[:k]:
+                for mode in rotated(list(modes), r + j):
                     cells.append(Cell(r, temp, n, mode))
     return cells
 

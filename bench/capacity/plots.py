@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.bench.papers import plots as suite_plots  # Agg backend, the provenance note, small PNGs
+from specdec.bench.harness.plots import plt, save
 
-plt = suite_plots.plt
 COLOURS = {"batched": "tab:blue", "unbatched": "tab:orange", "edge-only": "tab:green"}
 
 
@@ -19,7 +18,7 @@ def _series(by_n: dict, key, sub: str | None = None):
     return xs, ys
 
 
-def capacity_figure(table: dict, label: str, path: Path) -> Path:
+def capacity_figure(table: dict, label: str, path: Path, note: str = "") -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.2))
     (a, b), (c, d) = axes
     for mode, by_n in table.items():
@@ -50,14 +49,14 @@ def capacity_figure(table: dict, label: str, path: Path) -> Path:
             ax.text(0.5, 0.5, "batch sizes unavailable\n(no specdec_edge_batch_* metrics)", ha="center",
                     va="center", transform=ax.transAxes, fontsize=8)
     fig.suptitle(f"bench-capacity {label}: one edge-server, N replayed devices", fontsize=10)
-    return suite_plots._save(fig, path)
+    return save(fig, path, note)
 
 
 def all_plots(data: dict, out: Path) -> list[str]:
     s = data["settings"]
-    suite_plots.set_note(f"bench-capacity {data['started']}: {s['max_new_tokens']} tokens x "
-                         f"{s['sessions_per_client']} session(s) per device, {s['prompts']} prompts, "
-                         f"{s['repeats']} pass(es); rev {(data['git'].get('revision') or '')[:10]}"
-                         f"{' (dirty)' if data['git'].get('dirty') else ''}")
-    return [capacity_figure(table, label, out / f"capacity_{label}.png").name
+    note = (f"bench-capacity {data['started']}: {s['max_new_tokens']} tokens x "
+            f"{s['sessions_per_client']} session(s) per device, {s['prompts']} prompts, "
+            f"{s['repeats']} pass(es); rev {(data['git'].get('revision') or '')[:10]}"
+            f"{' (dirty)' if data['git'].get('dirty') else ''}")
+    return [capacity_figure(table, label, out / f"capacity_{label}.png", note).name
             for label, table in data["summary"].items()]

@@ -2,6 +2,8 @@
 
     python -m specdec.bench.capacity.record --edge HOST:PORT --jobs JOBS.json
 
+(:func:`run_recorder` starts it and waits for it.)
+
 Loads the drafter once (as device-client would: runner.choose_drafter), then for each job
 ``{"prompt", "temperature", "seed", "max_new_tokens", "out"}``:
 
@@ -17,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +34,7 @@ from specdec.device.client import generate
 from specdec.device.session import DraftSession
 from specdec.device.runner import choose_drafter, connection_policy, edge_channel
 from specdec.bench.harness.driver import device_config, emit
+from specdec.testbed import procs
 
 from specdec.bench.capacity.recording import LoggedRound, PositionTable, Proposal, SessionLog, save
 
@@ -130,6 +136,26 @@ async def main_async(args) -> None:
     async with edge_channel(base) as channel:
         for job in jobs:
             emit(await record_job(channel, drafter, choice, args.edge, job))
+
+
+RECORDER = "specdec.bench.capacity.record"
+RECORD_TIMEOUT_S = 3600.0
+
+
+def run_recorder(address: str, jobs: list[dict], log: Path, on_line) -> None:
+    """Run the recorder over ``jobs`` in a process of its own (one torch thread, as a device has its
+    own core), ``on_line`` seeing each line it prints; raises if it fails."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(jobs, f)
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", RECORDER, "--edge", address, "--jobs", f.name],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=procs.child_env())
+        for line in proc.stdout:
+            with contextlib.suppress(json.JSONDecodeError):
+                on_line(json.loads(line))
+        if proc.wait(timeout=RECORD_TIMEOUT_S):
+            raise RuntimeError(f"recorder failed ({proc.returncode}); see {log}")
+    Path(f.name).unlink(missing_ok=True)
 
 
 def main() -> int:

@@ -1,22 +1,34 @@
-"""Device side of the benchmark: one process that loads the default drafter once and runs many sessions.
+"""The device driver every benchmark runs: one process that loads the default drafter once and runs
+many sessions.
 
 Runs where the device runs (inside the testbed's device namespace, or on loopback), against a real
 ``edge-server`` process, through the same pieces as ``device-client --json``: ``DeviceConfig`` ->
-``DraftSession`` -> ``client.generate`` -> ``runner.result_json``. Starting one ``device-client`` per
-point would spend ~15-40 s importing torch and loading the drafter on these shared cores; this loads
-it once per run and keeps one channel to the edge.
+``runner.new_session`` (``mode auto``'s controller where asked) -> ``client.generate`` ->
+``runner.result_json``. Starting one ``device-client`` per session would spend ~15-40 s importing
+torch and loading the drafter on these shared cores; this loads it once per run and keeps one
+channel to the edge. Its sessions share one ``mode auto`` memory of the link and the models, as
+device-client's and the daemon's do, so it carries over from one link to the next like a device
+that moves between links.
 
     python -m specdec.bench.harness.driver --edge HOST:PORT < batches
 
 It loads the drafter, warms up with one short session, prints ``{"ready": ...}``, then reads one
 batch per stdin line, ``{"jobs": [...]}``, runs it and prints ``{"batch_done": true}``; the
-benchmark reshapes the link between batches. An empty line or ``{"quit": true}`` ends it. Jobs are
-``{"id", "config": {DeviceConfig fields}, "prompts": [...], "seeds": [...], "topk_grid": [...] |
-null, "budget_s": seconds}``. Prints one JSON line per session
-(``{"job", "prompt", "record", "extra"}``), one per job end (``{"job", "done", ...}``) and
-``{"error": ...}`` lines for sessions that failed. ``extra`` holds what the CLI does not print:
-per-round (positions, accepted) pairs, the truncated mass sigma of every encoded distribution, and,
-if asked, the drafter's top-K mass at each K of ``topk_grid`` for every drafted distribution.
+benchmark changes the link between batches. An empty line or ``{"quit": true}`` ends it. Jobs are
+``{"id", "config": {DeviceConfig fields and draft settings}, "prompts": [...], "seeds": [...],
+"budget_s": seconds, "extras": [...], "topk_grid": [...] | null}``. Prints one JSON line per session
+(``{"job", "prompt", "seed", "record", "extra"}``), one per job end (``{"job", "done", ...}``) and
+``{"error": ...}`` lines for sessions that failed. ``extra`` holds what the CLI does not print, as the
+job's ``extras`` ask:
+
+- ``"distributions"``: per-round (positions, accepted) pairs, the truncated mass sigma and support
+  size of every encoded distribution, each round's uplink bytes, and, with a ``topk_grid``, the
+  drafter's top-K mass at each K for every drafted distribution;
+- ``"timeline"``: one entry per round, ``{"t_wall", "mode", "top_k", "draft_len", "generated",
+  "accepted", "positions", "uplink_bytes"}`` with the round's end as ``time.time()`` (the benchmark
+  changes the link on the same clock, so the two line up without guessing at pipe latency), for
+  edge-only rounds ``token_t`` (each streamed token's arrival), and the session's wall start and end
+  (``session_t0``, ``session_t1``).
 """
 from __future__ import annotations
 
@@ -27,16 +39,18 @@ import sys
 import threading
 import time
 from dataclasses import fields
+from functools import partial
 
 import torch
 
-from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
-from specdec.common.settings import setting_names
+from specdec.common.settings import Mode, setting_names
+from specdec.device import runner
+from specdec.device.auto import LinkTracker
 from specdec.device.client import generate
+from specdec.device.runner import DeviceConfig
 from specdec.device.session import DraftSession
-from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_channel, result_json
 
 WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the channel warm up
 
@@ -50,8 +64,8 @@ class RecordingSession(DraftSession):
     exactly the distributions the edge received.
     """
 
-    def __init__(self, drafter, hello, topk_grid=None, *, draft_ahead: bool = False):
-        super().__init__(drafter, hello, draft_ahead=draft_ahead)
+    def __init__(self, drafter, hello, topk_grid=None, **kw):
+        super().__init__(drafter, hello, **kw)
         self.rounds_log: list[tuple[int, int]] = []   # (draft positions, accepted) per round
         self.sigma: list[float] = []                  # dropped mass of each encoded q (TSLT Thm. 1)
         self.support: list[int] = []                  # transmitted support size K of each encoded q
@@ -128,27 +142,78 @@ def emit(obj: dict) -> None:
     sys.stdout.flush()
 
 
-async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: int, topk_grid,
-                      operating_point=()) -> tuple[dict, dict]:
+def add_timeline(session) -> list[dict]:
+    """Log each round of ``session`` with its end time (instance-level wrappers, class untouched, so
+    it works for whatever session the device runs)."""
+    timeline: list[dict] = []
+    observe, take = session.stats.observe, session.take_edge_token
+    tokens: list[float] = []
+
+    def timed_observe(record) -> None:
+        observe(record)
+        s = session.settings  # still this round's: the next round's are chosen after this
+        mode = record.mode
+        entry = {"t_wall": time.time(), "mode": mode, "generated": record.generated, "accepted": record.accepted,
+                 "positions": record.positions,
+                 "top_k": s.top_k if mode in ("tslt", "ksqs") else 0,
+                 "draft_len": 0 if mode == "none" else s.draft_len,
+                 "uplink_bytes": record.uplink_bytes}
+        if mode == "none":
+            entry["token_t"] = tokens[-record.generated:] if record.generated else []
+        timeline.append(entry)
+
+    def timed_take(rd, verdict):
+        token = take(rd, verdict)
+        tokens.append(time.time())
+        return token
+
+    session.stats.observe = timed_observe
+    session.take_edge_token = timed_take
+    return timeline
+
+
+async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: int, topk_grid=None,
+                      operating_point=(), *, extras=("distributions",), tracker: LinkTracker | None = None
+                      ) -> tuple[dict, dict]:
+    """One session as device-client runs it: its JSON record and the ``extras`` asked for."""
+    t0 = time.time()
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed,
                       operating_point=operating_point)
-    session = RecordingSession(drafter, hello, topk_grid, draft_ahead=cfg.draft_ahead)
+    recording = "distributions" in extras
+    session_class = partial(RecordingSession, topk_grid=topk_grid) if recording else DraftSession
+    session = runner.new_session(cfg, drafter, hello, tracker, session_class=session_class)
+    timeline = add_timeline(session) if "timeline" in extras else None
     r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
-                       policy=connection_policy(cfg))
-    record = result_json(hello.draft, drafter, session, r)
+                       policy=runner.connection_policy(cfg))
+    record = runner.result_json(hello.draft, drafter, session, r)
     record.pop("token_ids", None)
     record["prompt_tokens"] = len(prompt_ids)
-    extra = {"rounds": session.rounds_log, "sigma": session.sigma, "support": session.support,
-             "topk_mass": session.topk_mass, "round_uplink_bytes": list(r.round_uplink_bytes)}
+    extra = {}
+    if recording:
+        extra.update(rounds=session.rounds_log, sigma=session.sigma, support=session.support,
+                     topk_mass=session.topk_mass, round_uplink_bytes=list(r.round_uplink_bytes))
+    if timeline is not None:
+        extra.update(timeline=timeline, session_t0=t0, session_t1=time.time())
     return record, extra
 
 
-async def run_jobs(channel, drafter, edge: str, jobs: list[dict], operating_point) -> None:
-    for job in jobs:
-        cfg = device_config(edge, job["config"])
-        await run_job(job, lambda prompt, seed: run_session(channel, drafter, cfg, prompt, seed, job.get("topk_grid"),
-                                                            operating_point))
+class Device:
+    """The drafter, the channel to the edge and ``mode auto``'s memory of the link, for all sessions."""
+
+    def __init__(self, channel, drafter, edge: str, operating_point=()):
+        self.channel, self.drafter, self.edge, self.operating_point = channel, drafter, edge, operating_point
+        self.tracker = LinkTracker()
+
+    async def session(self, cfg: DeviceConfig, prompt: str, seed: int, extras=(), topk_grid=None) -> tuple[dict, dict]:
+        return await run_session(self.channel, self.drafter, cfg, prompt, seed, topk_grid, self.operating_point,
+                                 extras=extras, tracker=self.tracker)
+
+    async def run_jobs(self, jobs: list[dict]) -> None:
+        for job in jobs:
+            cfg = device_config(self.edge, job["config"])
+            extras, grid = job.get("extras", ()), job.get("topk_grid")
+            await run_job(job, lambda prompt, seed: self.session(cfg, prompt, seed, extras, grid))
 
 
 async def run_job(job: dict, session) -> None:
@@ -173,14 +238,15 @@ async def run_job(job: dict, session) -> None:
 async def main_async(args) -> None:
     """Load the drafter, then run each batch of jobs read from stdin (one JSON line per batch)."""
     base = device_config(args.edge, {})
-    choice = choose_drafter(base)
+    choice = runner.choose_drafter(base)
     drafter = await asyncio.to_thread(load_model, choice.spec)
-    async with edge_channel(base) as channel:
+    async with runner.edge_channel(base) as channel:
+        device = Device(channel, drafter, args.edge, choice.operating_point)
         if not args.no_warmup:
             warm = device_config(args.edge, {"temperature": 1.0, "max_new_tokens": WARMUP_TOKENS})
-            await run_session(channel, drafter, warm, "Hello!", 0, None, choice.operating_point)
+            await device.session(warm, "Hello!", 0)
         emit({"ready": True, "draft_model": drafter.name})
-        await serve_batches(lambda jobs: run_jobs(channel, drafter, args.edge, jobs, choice.operating_point))
+        await serve_batches(device.run_jobs)
 
 
 async def serve_batches(run_batch) -> None:

@@ -1,12 +1,20 @@
-"""The rig: one ``edge-server`` process and one device driver process for the whole run; the link between
-them is reshaped between batches of jobs.
+"""The rig every benchmark runs on: ``edge-server`` processes, device driver processes
+(:mod:`specdec.bench.harness.driver`), and the link between them, all up for a whole run.
 
-With root, :func:`testbed.netns.testbed` puts the two processes in two network namespaces joined by a
-veth pair. A shaped phase puts a ``tbf`` qdisc on the uplink (device side) egress (this kernel has
-no netem; no delay is asked for, so no user-space emulator sits in the path); the "loopback" phase
-removes it, leaving the bare veth pair (same kernel path as ``lo``, no queue limit). Without root,
-both processes run on 127.0.0.1 and only the loopback phase exists. Both processes run with one
-torch thread. Keeping them up saves the ~30-60 s that starting them costs per link on shared cores.
+:class:`Rig` joins one edge and one driver over a chosen link:
+
+- ``loopback``: both on 127.0.0.1 (no root needed);
+- ``tbf``: with root, :func:`testbed.netns.testbed` puts them in two network namespaces joined by a
+  veth pair; :meth:`Rig.set_rates` puts a ``tbf`` qdisc on each direction's egress (this kernel has
+  no netem) or removes it, leaving the bare veth pair (the same kernel path as ``lo``);
+- ``emulated``: the same namespaces with the userspace emulator (testbed/linkemu.py) between driver
+  and edge in the device namespace, reconfigured live over its control socket
+  (:meth:`Rig.set_emulator`: delay, jitter, loss, and the rate when tbf is off), so the driver's
+  gRPC channel stays up while the link changes.
+
+Every process gets one torch thread (the cores are shared). Keeping them up saves the ~30-60 s that
+starting them costs per link on shared cores. :class:`Edge` and :class:`Drivers` serve benchmarks
+that need several edges or several real devices at once (bench-capacity).
 """
 from __future__ import annotations
 
@@ -16,21 +24,21 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import tempfile
+import threading
+import urllib.request
 from pathlib import Path
 
 from specdec.testbed import procs
-from specdec.testbed.linkemu import LinkSpec
-from specdec.testbed.netns import in_ns, sent_bytes, shape, testbed
+from specdec.testbed.linkemu import LinkSpec, send_control
+from specdec.testbed.netns import EDGE_IP, in_ns, sent_bytes, shape, testbed
 
 DRIVER = "specdec.bench.harness.driver"
 READY_TIMEOUT_S = 600.0   # first load of the GGUF target dequantizes it; drafter load on busy cores
 STOP_TIMEOUT_S = 15.0
 TC_TIMEOUT_S = 10.0
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per process: shared cores
+METRICS_TIMEOUT_S = 10.0
+LINKS = ("loopback", "tbf", "emulated")
 
 
 def shaping_available() -> str | None:
@@ -42,48 +50,56 @@ def shaping_available() -> str | None:
     return None
 
 
-class _Proc:
-    """A child process that prints a ready line with its port (edge-server on loopback)."""
+class Edge(procs.ReadyProcess):
+    """One ``edge-server`` on loopback with one torch thread (``threads``), optionally pinned to
+    ``cpus`` (taskset) and with its /metrics on a port of its own; its output goes to ``log`` (if
+    given) when it stops."""
 
-    def __init__(self, cmd: list[str], log: Path):
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{cmd[0]} exited; see {log}")
-            self.log.write(line)
-            m = procs.PORT_RE.search(line)
-            if m:
-                self.port = int(m.group(1))
-                return
-        raise TimeoutError(f"{cmd[0]} not ready")
+    def __init__(self, *args: str, log: Path | None = None, threads: int = 1, cpus: tuple[int, ...] = (),
+                 metrics: bool = False, env: dict[str, str] | None = None, lines=None):
+        self.log_path = log
+        self.metrics_port = procs.free_port() if metrics else None
+        pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+        extra = ["--metrics-port", str(self.metrics_port)] if metrics else []
+        super().__init__(pin + procs.edge_server_cmd("--host", "127.0.0.1", "--port", "0", "--threads", str(threads),
+                                                     *extra, *args),
+                         name="edge-server", ready_re=procs.EDGE_READY_RE,
+                         ready_timeout=READY_TIMEOUT_S, env=env, lines=lines)
 
-    def stop(self) -> None:
-        _stop(self.proc)
-        self.log.write(self.proc.stdout.read() or "")
-        self.log.close()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
+    def metrics(self) -> str | None:
+        """Its /metrics text, None if it has none or does not answer."""
+        if self.metrics_port is None:
+            return None
         try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                        timeout=METRICS_TIMEOUT_S) as r:
+                return r.read().decode()
+        except OSError:
+            return None
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def stop(self) -> int:
+        code = super().stop()
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                self.log_path.write_text("".join(self.lines))
+        return code
 
 
 class Driver:
-    """The device driver process: batches of jobs in on stdin, JSON lines out."""
+    """A device driver process: batches of jobs in on stdin, JSON lines out (see its module)."""
 
     def __init__(self, cmd_prefix: list[str], address: str, log: Path):
         self.err = log.open("w")
         self.proc = subprocess.Popen([*cmd_prefix, sys.executable, "-m", DRIVER, "--edge", address],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
-                                     env=_env())
+                                     env=procs.child_env())
         ready = self._next()
         if not ready or not ready.get("ready"):
             raise RuntimeError(f"device driver did not start; see {log}")
@@ -98,6 +114,7 @@ class Driver:
         return None
 
     def run(self, jobs: list[dict], on_line) -> list[dict]:
+        """Run one batch; ``on_line`` sees each line as it comes; returns them all."""
         self.proc.stdin.write(json.dumps({"jobs": jobs}) + "\n")
         self.proc.stdin.flush()
         lines = []
@@ -117,8 +134,45 @@ class Driver:
         try:
             self.proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            _stop(self.proc)
+            self.proc.kill()
+            self.proc.wait()
         self.err.close()
+
+
+class Drivers:
+    """``n`` device drivers against one edge, started at once; :meth:`run` runs ``jobs[i]`` on
+    driver i, all at the same time."""
+
+    def __init__(self, address: str, n: int, logs: Path):
+        self.drivers: list[Driver] = []
+        starters = [threading.Thread(target=self._start, args=(address, logs / f"driver-{i}.log"))
+                    for i in range(n)]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        if len(self.drivers) != n:
+            self.stop()
+            raise RuntimeError(f"a device driver did not start; see {logs}")
+
+    def _start(self, address: str, log: Path) -> None:
+        with contextlib.suppress(Exception):
+            self.drivers.append(Driver([], address, log))
+
+    def run(self, jobs: list[dict]) -> list[dict]:
+        """Every session line of every driver."""
+        lines: list[list[dict]] = [[] for _ in jobs]
+        threads = [threading.Thread(target=lambda i=i: lines[i].extend(self.drivers[i].run([jobs[i]], lambda _: None)))
+                   for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [x for ls in lines for x in ls]
+
+    def stop(self) -> None:
+        for d in self.drivers:
+            d.stop()
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -139,30 +193,31 @@ def _sent(ns: str, dev: str) -> int | None:
 
 
 class Rig:
-    """Edge + driver for the whole run; ``set_link`` shapes the link, ``run`` runs a batch of jobs over it."""
+    """Edge + driver for a whole run over a ``link`` of :data:`LINKS`; :meth:`run` runs a batch of
+    jobs over the link as it is now."""
 
-    def __init__(self, logs: Path, shaped: bool):
+    def __init__(self, logs: Path, link: str = "loopback"):
+        if link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, got {link!r}")
         self.logs = logs
-        self.shaped = shaped
+        self.link = link
         self.shaper = "none"
+        self.control = ""
+        self._started: list[procs.NsProcess] = []
         self._stack = contextlib.ExitStack()
+
+    @property
+    def namespaces(self) -> bool:
+        return self.link != "loopback"
 
     def __enter__(self) -> "Rig":
         try:
-            if self.shaped:
-                self.tb = self._stack.enter_context(testbed(LinkSpec(), LinkSpec()))
-                started: list[procs.NsProcess] = []
-                self._stack.callback(self._stop_ns, started)
-                port = procs.start_edge(self.tb, [], started)
-                self.edge_pid = started[0].proc.pid  # `ip netns exec` execs the command: same pid
-                address = procs.device_side_address(self.tb, port, started)
-                prefix = in_ns(self.tb.pair.device_ns)
+            if self.namespaces:
+                address, prefix = self._start_in_namespaces()
             else:
-                edge = _Proc([str(procs.BIN / "edge-server"), "--host", "127.0.0.1", "--port", "0", "--threads", "1"],
-                             self.logs / "edge.log")
+                edge = Edge(log=self.logs / "edge.log")
                 self._stack.callback(edge.stop)
-                address, prefix = f"127.0.0.1:{edge.port}", []
-                self.edge_pid = edge.proc.pid
+                address, prefix, self.edge_pid = edge.address, [], edge.proc.pid
             self.driver = Driver(prefix, address, self.logs / "driver.log")
             self._stack.callback(self.driver.stop)
         except BaseException:
@@ -170,10 +225,30 @@ class Rig:
             raise
         return self
 
-    def _stop_ns(self, started) -> None:
-        with contextlib.suppress(Exception):
-            (self.logs / "edge.log").write_text("".join(started[0].lines) if started else "")
-        procs.stop_all(started)
+    def _start_in_namespaces(self) -> tuple[str, list[str]]:
+        """Edge in the edge namespace, the emulator (if any) in the device namespace; the address
+        the driver dials and the prefix that runs it in the device namespace."""
+        self.tb = self._stack.enter_context(testbed(LinkSpec(), LinkSpec()))
+        self._stack.callback(self._stop_ns)
+        port = procs.start_edge(self.tb, [], self._started)
+        self.edge_pid = self._started[0].proc.pid  # `ip netns exec` execs the command: same pid
+        prefix = in_ns(self.tb.pair.device_ns)
+        if self.link == "tbf":
+            return procs.device_side_address(self.tb, port, self._started), prefix
+        sock_dir = Path(tempfile.mkdtemp(prefix="sdlinks-"))  # short: unix socket paths <= 107 bytes
+        self._stack.callback(shutil.rmtree, sock_dir, True)
+        self.control = f"unix:{sock_dir / 'ctl.sock'}"
+        emu = procs.NsProcess(self.tb.pair.device_ns, *procs.python_module(
+            "specdec.testbed.linkemu", "--listen", "127.0.0.1:0", "--connect", f"{EDGE_IP}:{port}",
+            "--control", self.control), name="linkemu")
+        self._started.append(emu)
+        return f"127.0.0.1:{emu.port}", prefix
+
+    def _stop_ns(self) -> None:
+        for proc, log in zip(self._started, ("edge.log", "linkemu.log")):
+            with contextlib.suppress(Exception):
+                (self.logs / log).write_text("".join(proc.lines))
+        procs.stop_all(self._started)
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
@@ -189,20 +264,26 @@ class Rig:
             subprocess.run(in_ns(ns, "tc", "qdisc", "del", "dev", dev, "root"), capture_output=True,
                            timeout=TC_TIMEOUT_S)  # back to the bare veth; fails harmlessly if none
 
-    def set_link(self, rate_bps: float, down_rate_bps: float) -> None:
+    def set_rates(self, up_bps: float, down_bps: float) -> None:
         """tbf at these rates on the two egresses (0 = none); counters restart with the new qdiscs."""
-        if not self.shaped:
-            if rate_bps or down_rate_bps:
+        if not self.namespaces:
+            if up_bps or down_bps:
                 raise RuntimeError("shaped links need the namespaces (root)")
             return
         pair = self.tb.pair
-        self._set_rate(pair.device_ns, pair.device_if, rate_bps)
-        self._set_rate(pair.edge_ns, pair.edge_if, down_rate_bps)
-        self.shaper = "tbf" if (rate_bps or down_rate_bps) else "none"
+        self._set_rate(pair.device_ns, pair.device_if, up_bps)
+        self._set_rate(pair.edge_ns, pair.edge_if, down_bps)
+        self.shaper = "tbf" if (up_bps or down_bps) else "none"
+
+    def set_emulator(self, message: dict) -> dict:
+        """Reconfigure the emulator (``emulated`` links): {"uplink": {...}, "downlink": {...}}."""
+        if self.link != "emulated":
+            raise RuntimeError(f"a {self.link} link has no emulator")
+        return send_control(self.control, message)
 
     def wire_bytes(self) -> tuple[int | None, int | None]:
         """(uplink, downlink) bytes the current qdiscs sent; None where the link is not shaped."""
-        if not self.shaped:
+        if not self.namespaces:
             return None, None
         pair = self.tb.pair
         return _sent(pair.device_ns, pair.device_if), _sent(pair.edge_ns, pair.edge_if)

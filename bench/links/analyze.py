@@ -16,11 +16,11 @@ Definitions:
 """
 from __future__ import annotations
 
-import math
 import random
 from collections import defaultdict
 
-from .plan import CONFIGS, DEFAULT_CONFIG
+from specdec.bench.harness.analyze import Agg, geomean, goal, ratio
+from specdec.bench.links.plan import CONFIGS, DEFAULT_CONFIG
 
 RECOVER_SHARE = 0.95
 GOALS = {
@@ -39,27 +39,15 @@ def role(config: str) -> str:
 def config_stats(sessions: list[dict]) -> dict[str, dict]:
     """{config: {tokens, wall, sessions, tps, acceptance, up_bytes_per_token}} over ``sessions``
     (each {"config", "record"})."""
-    acc: dict[str, dict] = defaultdict(lambda: {"tokens": 0, "wall": 0.0, "sessions": 0, "up_bytes": 0,
-                                                "accepted": 0, "positions": 0})
+    by_config: dict[str, Agg] = {}
     for s in sessions:
-        st = s["record"]["stats"]
-        a = acc[s["config"]]
-        a["tokens"] += st["generated_tokens"]
-        a["wall"] += st["wall_seconds"]
-        a["sessions"] += 1
-        a["up_bytes"] += st["uplink_bytes"]
-        a["accepted"] += st["accepted_tokens"]
-        a["positions"] += st["draft_positions"]
+        by_config.setdefault(s["config"], Agg()).add(s["record"], s.get("extra", {}))
     out = {}
-    for name, a in acc.items():
-        out[name] = {**a, "tps": a["tokens"] / a["wall"] if a["wall"] > 0 else 0.0,
-                     "acceptance": a["accepted"] / a["positions"] if a["positions"] else None,
-                     "up_bytes_per_token": a["up_bytes"] / a["tokens"] if a["tokens"] else None}
+    for name, a in by_config.items():
+        out[name] = {"tokens": a.tokens, "wall": a.wall, "sessions": a.sessions, "up_bytes": a.up_bytes,
+                     "accepted": a.accepted, "positions": a.positions, "tps": a.tps if a.wall > 0 else 0.0,
+                     "acceptance": ratio(a.accepted, a.positions), "up_bytes_per_token": ratio(a.up_bytes, a.tokens)}
     return out
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def cell_summary(stats: dict[str, dict]) -> dict:
@@ -69,9 +57,9 @@ def cell_summary(stats: dict[str, dict]) -> dict:
     best = max(fixed, key=fixed.get) if fixed else None
     auto, none, default = tps.get("auto"), tps.get("none"), tps.get(DEFAULT_CONFIG)
     return {"tps": tps, "best_fixed": best, "best_fixed_tps": fixed.get(best),
-            "auto_vs_best_fixed": _ratio(auto, fixed.get(best)), "auto_vs_edge_only": _ratio(auto, none),
-            "auto_vs_default": _ratio(auto, default), "best_fixed_vs_edge_only": _ratio(fixed.get(best), none),
-            "default_vs_best_fixed": _ratio(default, fixed.get(best)), "default_vs_edge_only": _ratio(default, none)}
+            "auto_vs_best_fixed": ratio(auto, fixed.get(best)), "auto_vs_edge_only": ratio(auto, none),
+            "auto_vs_default": ratio(auto, default), "best_fixed_vs_edge_only": ratio(fixed.get(best), none),
+            "default_vs_best_fixed": ratio(default, fixed.get(best)), "default_vs_edge_only": ratio(default, none)}
 
 
 BOOTSTRAP_DRAWS = 2000
@@ -103,11 +91,6 @@ def auto_vs_best_interval(sessions: list[dict], draws: int = BOOTSTRAP_DRAWS, se
         return None
     ratios.sort()
     return tuple(ratios[min(len(ratios) - 1, int(q * len(ratios)))] for q in INTERVAL)
-
-
-def geomean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 # -- the changing link -----------------------------------------------------------------------------
@@ -212,17 +195,14 @@ def goals(cells: dict[str, dict], changing: dict[str, dict]) -> dict[str, dict]:
             zero = next((d for d in cells.values() if d["link"]["kind"] == "grid" and d["link"]["up_mbit"] == 10.0
                          and d["link"]["rtt_ms"] == 0.0 and d["temperature"] == c["temperature"]), None)
             if zero is not None:
-                keep[name] = _ratio(c["summary"]["tps"].get("auto"), zero["summary"]["tps"].get("auto"))
+                keep[name] = ratio(c["summary"]["tps"].get("auto"), zero["summary"]["tps"].get("auto"))
     keep = {k: v for k, v in keep.items() if v is not None}
     worst = min(keep, key=keep.get) if keep else None
     out["auto_60ms_vs_0ms_10mbit"] = {"value": keep.get(worst), "where": worst, "all": keep}
     for key, (text, threshold) in GOALS.items():
-        v = out[key]["value"]
-        out[key]["goal"] = text
-        out[key]["threshold"] = threshold
-        if key == "rounds_to_recover":
-            never = out[key]["never"]
-            out[key]["pass"] = None if not rec else (never == 0 and v <= threshold)
-        else:
-            out[key]["pass"] = None if v is None else v >= threshold
+        found = out[key]
+        out[key] = {**found, **goal(text, found["value"], threshold, found["where"], found.get("detail"),
+                                    at_most=key == "rounds_to_recover")}
+    if out["rounds_to_recover"]["never"]:
+        out["rounds_to_recover"]["pass"] = False  # a change auto never came back from
     return out

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-SEED_BASE = 1000              # prompt i runs with seed SEED_BASE + i in every cell (as bench/suite/plan.py)
+from specdec.bench.harness.plan import SEED_BASE, interleave
+
 DOWN_FACTOR = 4.0             # downlink rate = 4 x uplink (see the module doc)
 DEFAULT_CONFIG = "tslt256-L4"  # today's fixed default: TSLT K = 256, L = 4 (the default drafter's point)
 # A configuration is skipped in a cell when its uplink alone, at the bytes per token it sent in an
@@ -143,7 +144,7 @@ class Job:
         return {"id": self.id, "config": {**self.device, "temperature": self.temperature,
                                           "max_new_tokens": self.max_new_tokens},
                 "prompts": [prompts[i % len(prompts)] for i in idx], "seeds": [seeds_from + i for i in idx],
-                "budget_s": budget_s}
+                "budget_s": budget_s, "extras": ["timeline"]}
 
 
 def cell_name(link: str, temperature: float) -> str:
@@ -158,13 +159,9 @@ def cell_jobs(link: str, temperature: float, configs: list[str], prompts: int, m
               extra: dict[str, dict] | None = None) -> list[Job]:
     """One job per (prompt, config), prompt-major, the configs' order rotated by one per prompt."""
     cell = cell_name(link, temperature)
-    jobs = []
-    for p in range(prompts):
-        k = p % len(configs) if configs else 0
-        for name in configs[k:] + configs[:k]:
-            jobs.append(Job(f"{cell}|{name}|{p}", cell, name, p, temperature, max_new_tokens,
-                            config_device(name, (extra or {}).get(name))))
-    return jobs
+    return [Job(f"{cell}|{name}|{p}", cell, name, p, temperature, max_new_tokens,
+                config_device(name, (extra or {}).get(name)))
+            for p, name in interleave(configs, prompts)]
 
 
 def prune(configs: list[str], up_bps: float, bytes_per_token: dict[str, float],

@@ -4,19 +4,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib
+from matplotlib.colors import TwoSlopeNorm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import TwoSlopeNorm  # noqa: E402
-
-DPI = 110
-MODE_COLOURS = {"dense": "tab:red", "tslt": "tab:blue", "ksqs": "tab:green", "csqs": "tab:olive",
-                "dssd": "tab:purple", "none": "tab:gray"}
-
-
-def _ok(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+from specdec.bench.harness.plots import MODE_COLOURS, finite, plt, save
 
 
 def heatmaps(cells: dict[str, dict], temperature: float, panels: list[tuple[str, str]], path: Path,
@@ -33,25 +23,20 @@ def heatmaps(cells: dict[str, dict], temperature: float, panels: list[tuple[str,
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.6 * nrows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels):
         m = [[grid.get((r, t), {}).get(key) for t in rtts] for r in rates]
-        vals = [v for row in m for v in row if _ok(v)]
-        data = [[v if _ok(v) else math.nan for v in row] for row in m]
+        vals = [v for row in m for v in row if finite(v)]
+        data = [[v if finite(v) else math.nan for v in row] for row in m]
         lo, hi = (min(vals + [0.99]), max(vals + [1.01])) if vals else (0.5, 1.5)
         im = ax.imshow(data, cmap="RdYlGn", norm=TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01)))
         for i, row in enumerate(m):
             for j, v in enumerate(row):
-                ax.text(j, i, f"{v:.2f}" if _ok(v) else "n/a", ha="center", va="center", fontsize=8)
+                ax.text(j, i, f"{v:.2f}" if finite(v) else "n/a", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(rtts)), [f"{t:g}" for t in rtts])
         ax.set_yticks(range(len(rates)), [f"{r:g}" for r in rates])
         ax.set_xlabel("RTT (ms)")
         ax.set_ylabel("uplink (Mbit/s)")
         ax.set_title(f"{title}, T = {temperature:g}", fontsize=9)
         fig.colorbar(im, ax=ax, shrink=0.8)
-    if note:
-        fig.text(0.005, 0.005, note, fontsize=6, color="dimgray", ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, path, note)
 
 
 def _rolling(events: list[tuple[float, int]], t0: float, window_s: float) -> tuple[list[float], list[float]]:
@@ -106,9 +91,4 @@ def changing_series(runs: dict[str, dict], summary: dict, temperature: float, pa
         ax2.legend(fontsize=6, ncol=6, loc="upper right")
     ax2.set_ylabel("auto: L (K above)")
     ax2.set_xlabel("seconds since the run started")
-    if note:
-        fig.text(0.005, 0.005, note, fontsize=6, color="dimgray", ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, path, note)

@@ -1,3 +1,2 @@
-"""Modules of ``bench/run_bench.py``: plan (what runs), driver (device process), links (edge + driver over
-loopback or a shaped link), ceilings (target alone, HF assisted generation), analyze + tables (numbers),
-plots (figures)."""
+"""``make bench`` (bench/run_bench.py), the papers' figures on the harness's rig: plan (what runs),
+ceilings (target alone, HF assisted generation), analyze + tables (numbers), plots (figures)."""

@@ -8,13 +8,10 @@ rate-curve sample) for the acceptance and byte figures, and the extra TSLT K val
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = ROOT / "bench" / "prompts.jsonl"
-SEED_BASE = 1000          # prompt i runs with seed SEED_BASE + i at every point: same draws everywhere
+from specdec.bench.harness.plan import SEED_BASE
+
 LOOPBACK = 0.0            # rate_bps of the unshaped loopback link
 # K grid of the top-K mass curve (TSLT Fig. 3): powers of two plus the paper's 32 / 320 / 3200.
 # The last entry stands for K = |V| (the driver clamps K to the vocabulary).
@@ -105,25 +102,7 @@ class Job:
     def to_driver(self, prompts: list[str]) -> dict:
         return {"id": self.id, "config": {**self.config.device, "max_new_tokens": self.max_new_tokens},
                 "prompts": [prompts[i] for i in self.prompts], "seeds": [SEED_BASE + i for i in self.prompts],
-                "topk_grid": self.topk_grid, "budget_s": self.budget_s}
-
-
-def load_prompts(path: Path = PROMPTS) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def prompt_sample(rows: list[dict], n: int) -> list[dict]:
-    """The first ``n`` prompts taken round-robin over the categories (chat, code, facts, stories)."""
-    by_cat: dict[str, list[dict]] = {}
-    for row in rows:
-        by_cat.setdefault(row["category"], []).append(row)
-    order, i = [], 0
-    while len(order) < min(n, len(rows)):
-        for cat in by_cat:
-            if i < len(by_cat[cat]) and len(order) < n:
-                order.append(by_cat[cat][i])
-        i += 1
-    return order
+                "topk_grid": self.topk_grid, "budget_s": self.budget_s, "extras": ["distributions"]}
 
 
 def base_device(s: Settings) -> dict:

@@ -1,19 +1,13 @@
 """The figures (matplotlib, Agg backend): each one a ratio or a curve from one run's tables."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import matplotlib
+from matplotlib.ticker import NullFormatter
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import NullFormatter  # noqa: E402
+from specdec.bench.harness.plots import MODE_COLOURS, finite, plt, save
 
-DPI = 110                   # small PNGs: they are committed to docs/bench
 LOOPBACK_X_FACTOR = 10.0    # loopback sits one decade right of the fastest shaped rate
-FAMILY_COLOURS = {"dense": "tab:red", "tslt": "tab:blue", "ksqs": "tab:green", "csqs": "tab:olive",
-                  "dssd": "tab:purple"}
 TSLT_SHADES = {32: "#9ecae1", 320: "#4292c6", 3200: "#08306b"}
 CONFIG_ORDER = ["dense", "tslt-32", "tslt-320", "tslt-3200", "ksqs", "csqs", "dssd"]
 
@@ -21,11 +15,7 @@ CONFIG_ORDER = ["dense", "tslt-32", "tslt-320", "tslt-3200", "ksqs", "csqs", "ds
 def _colour(row: dict) -> str:
     if row.get("family") == "tslt" and row.get("K") in TSLT_SHADES:
         return TSLT_SHADES[row["K"]]
-    return FAMILY_COLOURS.get(row.get("family"), "black")
-
-
-def _ok(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    return MODE_COLOURS.get(row.get("family"), "black")
 
 
 NOTE = {"text": ""}  # provenance line under every figure (models, sample, machine), set by set_note
@@ -36,12 +26,7 @@ def set_note(text: str) -> None:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout(rect=(0, 0.05 if NOTE["text"] else 0, 1, 1))
-    if NOTE["text"]:
-        fig.text(0.005, 0.005, NOTE["text"], fontsize=6, color="dimgray", ha="left", va="bottom", wrap=True)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, path, NOTE["text"])
 
 
 def topk_mass(curve: list[dict], vocab: int, drafter: str, path: Path) -> Path:
@@ -66,7 +51,7 @@ def acceptance_vs_k(rows: list[dict], vocab: int, path: Path) -> Path:
     """rows: shape, K (vocab for the untruncated reference), acceptance, acceptance_se, sigma_mean, ref."""
     fig, ax = plt.subplots(figsize=(5.8, 3.8))
     for shape, colour in (("chain", "tab:blue"), ("tree", "tab:orange")):
-        pts = sorted((r for r in rows if r["shape"] == shape and _ok(r["acceptance"])), key=lambda r: r["K"])
+        pts = sorted((r for r in rows if r["shape"] == shape and finite(r["acceptance"])), key=lambda r: r["K"])
         if not pts:
             continue
         ks = [r["K"] for r in pts]
@@ -76,8 +61,8 @@ def acceptance_vs_k(rows: list[dict], vocab: int, path: Path) -> Path:
         ax.errorbar(ks, a, yerr=yerr,
                     fmt="o-", color=colour, ms=4, capsize=2, label=f"{shape}: measured alpha-hat (95% CI)")
         ref = pts[-1]["ref_acceptance"]
-        trunc = [r for r in pts if r["K"] < vocab and _ok(r["sigma_mean"])]
-        if _ok(ref) and trunc:
+        trunc = [r for r in pts if r["K"] < vocab and finite(r["sigma_mean"])]
+        if finite(ref) and trunc:
             kk = [r["K"] for r in trunc]
             lo = [max(0.0, ref - r["sigma_mean"]) for r in trunc]
             hi = [min(1.0, ref + r["sigma_mean"]) for r in trunc]
@@ -112,7 +97,7 @@ def speedup_vs_rate(rows: list[dict], ceilings: dict, path: Path) -> Path:
                     ax.plot(xpos(r["rate_mbit"]), r["speedup"], "o", ms=8, mfc="none", mec="black", mew=0.8)
             ax.plot(xs, [r["predicted_speedup"] for r in pts], "--", color=colour, lw=1, alpha=0.9)
         ax.axhline(1.0, color="black", lw=0.8)
-        if shape == "chain" and _ok(ceilings.get("assisted_speedup")):
+        if shape == "chain" and finite(ceilings.get("assisted_speedup")):
             ax.axhline(ceilings["assisted_speedup"], color="tab:gray", lw=1.2, ls="-.",
                        label="HF assisted generation (one process)")
         ax.set_xscale("log")
@@ -182,21 +167,21 @@ def ceilings(c: dict, path: Path) -> Path:
     when HF assisted was not run (a drafter that is not a transformers model).
     """
     a = c["assisted_speedup"]
-    assisted = _ok(a) and a > 0
+    assisted = finite(a) and a > 0
     bars = [("target alone", 1.0, 1.0, "black")]  # (name, wall, cpu, colour)
     if assisted:
         bars.append(("HF assisted\n(one process)", a, c.get("assisted_speedup_cpu"), "tab:gray"))
     bars += [(f"ours: {k}", v["speedup_vs_target"], v.get("speedup_cpu_vs_target"),
-              FAMILY_COLOURS.get(v["family"], "tab:blue")) for k, v in c["ours"].items()]
+              MODE_COLOURS.get(v["family"], "tab:blue")) for k, v in c["ours"].items()]
     names, wall, cpu, colours = (list(col) for col in zip(*bars))
     fig, ax = plt.subplots(figsize=(8.5, 3.9))
     xs = list(range(len(wall)))
     w = 0.4
-    ax.bar([x - w / 2 for x in xs], [v if _ok(v) else 0 for v in wall], w, color=colours, label="wall clock")
-    ax.bar([x + w / 2 for x in xs], [v if _ok(v) else 0 for v in cpu], w, color=colours, alpha=0.45, hatch="//",
+    ax.bar([x - w / 2 for x in xs], [v if finite(v) else 0 for v in wall], w, color=colours, label="wall clock")
+    ax.bar([x + w / 2 for x in xs], [v if finite(v) else 0 for v in cpu], w, color=colours, alpha=0.45, hatch="//",
            label="CPU time")
     for x, v in zip(xs, wall):
-        if _ok(v):
+        if finite(v):
             ax.text(x - w / 2, v, f"{v / a:.2f}x" if assisted else f"{v:.2f}x", ha="center", va="bottom",
                     fontsize=6.5)
     ax.set_xticks(xs)

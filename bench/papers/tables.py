@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from specdec.bench.harness.analyze import aggregate
 from specdec.bench.papers import analyze, plan
 
 MODE_ORDER = ["dense", "tslt", "ksqs", "csqs", "dssd"]
@@ -44,11 +45,11 @@ def rate_curve(d: dict) -> list[dict]:
     t_tps = target_tps(d)
     rows = []
     for j in grid:
-        agg = analyze.aggregate(sessions, lambda x: x["job"] == j["id"])
+        agg = aggregate(sessions, lambda x: x["job"] == j["id"])
         if not agg.sessions:
             continue
         # The model's parts pooled over every link of this config (the link only adds bits / rate).
-        pooled = analyze.aggregate(sessions, lambda x: x["role"] == "grid" and x["config"] == j["config"]
+        pooled = aggregate(sessions, lambda x: x["role"] == "grid" and x["config"] == j["config"]
                                    and x["shape"] == j["shape"])
         b = links[j["link"]]
         bl = d["baselines"].get(j["id"], {})
@@ -73,7 +74,7 @@ def loopback(d: dict) -> list[dict]:
     for j in d["jobs"].values():
         if j["link"] != "loopback" or j["role"] not in ("grid", "ksweep"):
             continue  # one row per config: its grid job stands for its grid-extra job too
-        agg = analyze.aggregate(d["sessions"], lambda x: x["link"] == "loopback" and x["config"] == j["config"]
+        agg = aggregate(d["sessions"], lambda x: x["link"] == "loopback" and x["config"] == j["config"]
                                 and x["shape"] == j["shape"] and x["role"] in ("grid", "grid-extra", "ksweep"))
         if agg.sessions:
             rows.append({"config": j["config"], "shape": j["shape"], "family": j["family"], "K": j["K"],
@@ -115,7 +116,7 @@ def sqs(d: dict) -> list[dict]:
     for j in d["jobs"].values():
         if j["role"] != "sqs":
             continue
-        agg = analyze.aggregate(d["sessions"], lambda x: x["job"] == j["id"])
+        agg = aggregate(d["sessions"], lambda x: x["job"] == j["id"])
         if agg.sessions:
             mode, t = j["config"].split("@T")
             rows.append({"mode": mode, "temperature": float(t), "link": j["link"], **agg.row(),

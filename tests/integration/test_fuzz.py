@@ -34,7 +34,6 @@ import dataclasses
 import math
 import queue
 import re
-import socket
 import struct
 import threading
 import time
@@ -54,6 +53,7 @@ from specdec.common.pb import speculative_pb2 as pb
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.session import DraftSession
 from specdec.device.runner import open_channel
+from specdec.testbed import procs
 
 METHOD = "/specdec.v1.SpeculativeDecoding/Generate"
 PROMPT = "w1 w2 w3"
@@ -97,7 +97,7 @@ class _Edge:
     """The edge-server subprocess, its log drained (a full pipe would block it), its /metrics."""
 
     def __init__(self, target_dir, token_file):
-        self.metrics_port = _free_port()
+        self.metrics_port = procs.free_port()
         self.proc = EdgeProcess(
             "--model", str(target_dir), "--threads", "1", "--workers", "2",
             "--idle-timeout", str(IDLE_TIMEOUT_S), "--resume-window", str(RESUME_WINDOW_S),
@@ -132,12 +132,6 @@ class _Edge:
 
     def sessions_active(self) -> float:
         return self.metric("specdec_edge_sessions_active")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _COUNT_LOCK = threading.Lock()

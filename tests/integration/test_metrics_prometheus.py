@@ -14,7 +14,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -30,6 +29,7 @@ from specdec.common import protocol as P
 from specdec.common.stats import RoundRecord, edge_record
 from specdec.device.metrics import DeviceMetrics
 from specdec.edge.metrics import EdgeMetrics
+from specdec.testbed import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
@@ -44,12 +44,6 @@ LINGER_S = 120          # upper bound; the test stops the device as soon as the 
 READY_TIMEOUT_S = 60.0
 QUERY_DEADLINE_S = 45.0  # for every dashboard query to show data after the device's run
 JOB_TARGETS = {"specdec-edge": "edge", "specdec-device": "device"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _grafana_to_promql(expr: str) -> str:
@@ -139,7 +133,7 @@ class Prometheus:
     def __init__(self, binary: str, workdir: Path, targets: dict[str, str]):
         config = workdir / "prometheus.yml"
         _write_config(config, targets)
-        self.port = _free_port()
+        self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(workdir / "prometheus.log", "w")
         self.proc = subprocess.Popen(
@@ -225,7 +219,7 @@ def _missing(prom: Prometheus, queries) -> list[str]:
 def test_every_dashboard_query_returns_data_from_a_real_run(tiny_pair_v8, tmp_path) -> None:
     binary = _prometheus_binary()
     target_dir, drafter_dir = tiny_pair_v8
-    edge_metrics, device_metrics = _free_port(), _free_port()
+    edge_metrics, device_metrics = procs.free_port(), procs.free_port()
     targets = {"edge": f"127.0.0.1:{edge_metrics}", "device": f"127.0.0.1:{device_metrics}"}
     prom = Prometheus(binary, tmp_path, targets)
     edge = device = None

@@ -1,18 +1,11 @@
 """bench-dssd-fallback's exact run-out chance and reply sizes (the models load only in make bench-dssd-fallback)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from specdec.bench import bench_dssd_fallback as bd
 from specdec.common.verification import dssd_device_resolve_head, dssd_edge_head
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_dssd_fallback.py"
-_spec = importlib.util.spec_from_file_location("bench_dssd_fallback", SCRIPT)
-bd = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bd)
 
 
 @pytest.mark.parametrize("top_k, n", [(1, 1), (2, 3)])

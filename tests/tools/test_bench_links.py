@@ -62,8 +62,10 @@ def test_prune_drops_only_hopeless_fixed_configs() -> None:
 
 
 def _session(config: str, tokens: int, wall: float, up: int = 0) -> dict:
-    return {"config": config, "record": {"stats": {"generated_tokens": tokens, "wall_seconds": wall,
-                                                   "uplink_bytes": up, "accepted_tokens": 0, "draft_positions": 0}}}
+    stats = {"generated_tokens": tokens, "wall_seconds": wall, "uplink_bytes": up, "accepted_tokens": 0,
+             "draft_positions": 0, "rounds": 0, "draft_tokens": 0, "downlink_bytes": 0, "theoretical_uplink_bits": 0,
+             "time": {"draft": 0.0, "encode": 0.0, "network": 0.0, "verify": 0.0}}
+    return {"config": config, "record": {"stats": stats}}
 
 
 def test_cell_ratios_use_totals_over_sessions() -> None:

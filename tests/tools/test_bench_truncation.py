@@ -1,20 +1,13 @@
 """bench-truncation's measure of acceptance (the models themselves load only in make bench-truncation)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from specdec.bench import bench_truncation as bt
 from specdec.common.codecs import CodecConfig
 from specdec.common.settings import Mode
 from specdec.device.draft_model import encode_q
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_truncation.py"
-_spec = importlib.util.spec_from_file_location("bench_truncation", SCRIPT)
-bt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bt)
 
 
 def test_acceptance_is_the_overlap_and_truncation_costs_at_most_sigma() -> None:

@@ -12,7 +12,6 @@ import os
 import random
 import shutil
 import subprocess
-import time
 
 import pytest
 from tests.support.harness import ROOT
