@@ -64,8 +64,8 @@ def print_goals(title: str, goals: dict, detail=None) -> None:
     print(f"\n{title}")
     for g in goals.values():
         verdict = "n/a" if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
-        print(f"  [{verdict:>4}] {g['goal']}: measured {fmt(g['value'], '.3g')} "
-              f"(threshold {g['threshold']}; {g.get('where')})")
+        where = f"; {g['where']}" if g.get("where") else ""
+        print(f"  [{verdict:>4}] {g['goal']}: measured {fmt(g['value'], '.3g')} (threshold {g['threshold']}{where})")
         line = detail(g) if detail else None
         if line:
             print(f"         {line}")
