@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import math
 import os
 import socket
 import sys
 from dataclasses import dataclass
+
+from specdec.common.validation import check_int, check_real
 
 # edge-server and device-client on one host split its cores between them: each taking every core
 # made the pair ~3x slower than the target alone on 2 cores (issue 20), one thread each ~2x faster.
@@ -45,6 +48,26 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+def bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False):
+    """The argparse type of a numeric flag of either command: the text as ``kind`` (int or float) in
+    [low, high] (``low_open``: above low), floats finite, checked and worded by common/validation.py as
+    the draft settings are; a bad value becomes OneLineParser's one line naming the flag."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
+        try:
+            if kind is int:
+                check_int(value, "the value", low + int(low_open), high)
+            else:
+                check_real(value, "the value", low, math.inf if high is None else high, low_open=low_open)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+    return parse
 
 
 @dataclass(frozen=True)

@@ -8,23 +8,11 @@ import sys
 from specdec.common.settings import Mode
 from specdec.common.modeling import DTYPES
 from specdec.common.settings import ALL_MODES, DraftSettings, check_value, setting_info, setting_names
-from specdec.common.runtime import OneLineParser, apply_threads, is_local_address, run_async
+from specdec.common.runtime import OneLineParser, apply_threads, bounded, is_local_address, run_async
 from specdec.device.runner import DeviceConfig, run_device
 
-
-
-
-def _bounded(kind, low, high=None, *, low_open=False):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
-        if value < low or (low_open and value == low) or (high is not None and value > high):
-            rng = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
-            raise argparse.ArgumentTypeError(f"{text} is outside {rng}")
-        return value
-    return parse
+SEED_MAX = 2**64 - 1  # Hello.seed is a uint64
+PORT_MAX = 65535
 
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
@@ -82,41 +70,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--draft-model", help="drafter: HF directory or hub id (default: the embedded default drafter)")
     p.add_argument("--draft-gguf-file", help="drafter GGUF file (inside --draft-model, or a path)")
-    p.add_argument("--draft-layers", type=_bounded(int, 1), help="keep only the first N drafter layers")
+    p.add_argument("--draft-layers", type=bounded(int, 1), help="keep only the first N drafter layers")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_draft_flags(p)
     p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="draft each round only after the last verdict (default: draft the next round "
                         "while the edge verifies; tokens are identical either way)")
-    p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0)
-    p.add_argument("--target-top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=0.0,
+    p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0)
+    p.add_argument("--target-top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=0.0,
                    help="top-p of the target distribution itself (default: off)")
-    p.add_argument("--target-top-k", type=_bounded(int, 1), default=0,
+    p.add_argument("--target-top-k", type=bounded(int, 1), default=0,
                    help="top-k of the target distribution itself (default: off)")
-    p.add_argument("--seed", type=_bounded(int, 0), default=0)
-    p.add_argument("--max-new-tokens", type=_bounded(int, 1), default=128)
-    p.add_argument("--num-samples", type=_bounded(int, 1), default=1)
-    p.add_argument("--timeout", type=_bounded(float, 0.0, low_open=True), default=600.0,
+    p.add_argument("--seed", type=bounded(int, 0, SEED_MAX), default=0)
+    p.add_argument("--max-new-tokens", type=bounded(int, 1), default=128)
+    p.add_argument("--num-samples", type=bounded(int, 1), default=1)
+    p.add_argument("--timeout", type=bounded(float, 0.0, low_open=True), default=600.0,
                    help="seconds allowed per session")
     p.add_argument("--tls-ca", help="PEM CA of the edge's certificate (enables TLS)")
     p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
     p.add_argument("--tls-server-name", help="name to verify in the edge's certificate (default: the host)")
     p.add_argument("--auth-token-file", help="bearer token for the edge (first line of the file)")
-    p.add_argument("--round-timeout", type=_bounded(float, 0.0, low_open=True), default=30.0,
+    p.add_argument("--round-timeout", type=bounded(float, 0.0, low_open=True), default=30.0,
                    help="seconds to wait for a verdict before treating the link as dead and resuming")
-    p.add_argument("--reconnect-timeout", type=_bounded(float, 0.0), default=60.0,
+    p.add_argument("--reconnect-timeout", type=bounded(float, 0.0), default=60.0,
                    help="seconds to keep reconnecting after the stream breaks (0 = fail at once)")
     p.add_argument("--json", action="store_true", help="print one JSON object per session instead of text")
     p.add_argument("--round-log", action="store_true",
                    help="with --json: one entry per round (settings, counts, phase times; with --mode auto "
                         "the controller's choice and the estimates behind it)")
-    p.add_argument("--metrics-port", type=_bounded(int, 0), default=0)
+    p.add_argument("--metrics-port", type=bounded(int, 0, PORT_MAX), default=0)
     p.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address")
-    p.add_argument("--linger", type=_bounded(float, 0.0), default=0.0,
+    p.add_argument("--linger", type=bounded(float, 0.0), default=0.0,
                    help="keep /metrics up this many seconds after the last session (needs --metrics-port)")
-    p.add_argument("--threads", type=_bounded(int, 0), default=0,
+    p.add_argument("--threads", type=bounded(int, 0), default=0,
                    help="torch intra-op threads (default 0: half the cores when the edge is on this host "
                         "or the host has 2 cores or fewer, else all; the choice is logged)")
     p.add_argument("--log-level", default="WARNING")
@@ -163,7 +151,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", type=_host_port, default=("127.0.0.1", 8000),
                    help="HTTP API HOST:PORT (default 127.0.0.1:8000)")
     p.add_argument("--served-model-name", default="specdec", help="model id listed by /v1/models")
-    p.add_argument("--connect-timeout", type=_bounded(float, 0.0, low_open=True), default=3.0,
+    p.add_argument("--connect-timeout", type=bounded(float, 0.0, low_open=True), default=3.0,
                    help="seconds to wait for the edge before answering 503")
     p.set_defaults(**SERVE_DEFAULTS)
     return p

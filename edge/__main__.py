@@ -6,40 +6,13 @@ import logging
 import sys
 
 from specdec.common.modeling import DTYPES, ModelSpec
-from specdec.common.runtime import MAX_MESSAGE_BYTES, OneLineParser, apply_threads, is_loopback, run_async
+from specdec.common.runtime import MAX_MESSAGE_BYTES, OneLineParser, apply_threads, bounded, is_loopback, run_async
 from specdec.edge.admission import AdmissionSettings
 from specdec.edge.batching import BatchSettings
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
-
-def _positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a valid int: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a valid number: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+PORT_MAX = 65535  # 0: any free port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,52 +20,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="target: HF directory or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--gguf-file", help="GGUF file (inside --model, or a path)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=bounded(int, 0, PORT_MAX), default=50051)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
-    p.add_argument("--workers", type=_positive(int), default=4,
+    p.add_argument("--metrics-port", type=bounded(int, 0, PORT_MAX), default=0, help="serve Prometheus /metrics here (0 = off)")
+    p.add_argument("--workers", type=bounded(int, 1), default=4,
                    help="threads running sessions' work (decoding drafts, verification); with batching at "
                    "least --max-sessions, since each waits for its share of a shared forward (default: %(default)s)")
     batch = BatchSettings()
     p.add_argument("--no-batching", action="store_true",
                    help="every session runs its own target forwards (one session per forward, as before "
                    "batching); default: the forwards of all sessions ready at once run as one")
-    p.add_argument("--max-batch-tokens", type=_positive(int), default=batch.max_batch_tokens, metavar="N",
+    p.add_argument("--max-batch-tokens", type=bounded(int, 1), default=batch.max_batch_tokens, metavar="N",
                    help="new tokens (all sessions) per target forward; longer prompts are prefilled in "
                    "chunks of this size (default: %(default)s)")
-    p.add_argument("--batch-wait-ms", type=_non_negative_float, default=batch.wait_s * 1000, metavar="MS",
+    p.add_argument("--batch-wait-ms", type=bounded(float, 0.0), default=batch.wait_s * 1000, metavar="MS",
                    help="longest a ready forward waits for sessions still decoding their round; it starts "
                    "at once when every working session has handed in (default: %(default)g)")
-    p.add_argument("--max-sessions", type=_positive(int), default=64,
+    p.add_argument("--max-sessions", type=bounded(int, 1), default=64,
                    help="sessions held at once, detached ones waiting for a resume included")
     admit = AdmissionSettings()
-    p.add_argument("--max-sessions-per-principal", type=_non_negative_int, default=admit.max_sessions_per_principal,
+    p.add_argument("--max-sessions-per-principal", type=bounded(int, 0), default=admit.max_sessions_per_principal,
                    metavar="N", help="sessions one principal (its bearer token or client certificate; without "
                    "authentication, its host) may hold or wait for, detached ones included; more are refused "
                    "with RESOURCE_EXHAUSTED; 0 = no cap (default: half of --max-sessions, so no one client can "
                    "hold every slot for a resume window, while one device daemon, all of whose requests are "
                    "one principal, still gets half the edge)")
-    p.add_argument("--admission-queue", type=_non_negative_int, default=admit.queue, metavar="N",
+    p.add_argument("--admission-queue", type=bounded(int, 0), default=admit.queue, metavar="N",
                    help="new sessions that may wait for a slot while --max-sessions are held; beyond that "
                    "RESOURCE_EXHAUSTED at once; 0 = no queue (default: %(default)s)")
-    p.add_argument("--admission-wait-ms", type=_positive(float), default=admit.wait_s * 1000, metavar="MS",
+    p.add_argument("--admission-wait-ms", type=bounded(float, 0.0, low_open=True), default=admit.wait_s * 1000, metavar="MS",
                    help="how long a queued session waits for a slot before RESOURCE_EXHAUSTED (default: "
                    "%(default)g, well within a device's --round-timeout, which bounds its wait for Welcome)")
-    p.add_argument("--max-context", type=int, default=0, help="0 = the model's context length")
-    p.add_argument("--max-draft-len", type=_positive(int), default=32)
-    p.add_argument("--max-k", type=_positive(int), default=8192)
-    p.add_argument("--idle-timeout", type=_positive(float), default=120.0,
+    p.add_argument("--max-context", type=bounded(int, 0), default=0, help="0 = the model's context length")
+    p.add_argument("--max-draft-len", type=bounded(int, 1), default=32)
+    p.add_argument("--max-k", type=bounded(int, 1), default=8192)
+    p.add_argument("--idle-timeout", type=bounded(float, 0.0, low_open=True), default=120.0,
                    help="seconds a session may stay silent before it is closed")
-    p.add_argument("--resume-window", type=_positive(float), default=60.0,
+    p.add_argument("--resume-window", type=bounded(float, 0.0, low_open=True), default=60.0,
                    help="seconds a session whose stream broke is kept for the device to resume")
-    p.add_argument("--max-prompt", type=int, default=0, help="prompt tokens per session (0 = context)")
-    p.add_argument("--max-message-bytes", type=_positive(int), default=MAX_MESSAGE_BYTES)
+    p.add_argument("--max-prompt", type=bounded(int, 0), default=0, help="prompt tokens per session (0 = context)")
+    p.add_argument("--max-message-bytes", type=bounded(int, 1), default=MAX_MESSAGE_BYTES)
     p.add_argument("--tls-cert", help="PEM server certificate chain (enables TLS)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA for client certificates (enables mutual TLS)")
     p.add_argument("--auth-token-file", help="accepted bearer tokens, one per line")
-    p.add_argument("--threads", type=_non_negative_int, default=0,
+    p.add_argument("--threads", type=bounded(int, 0), default=0,
                    help="torch intra-op threads (default 0: half the cores when --host is loopback, so "
                         "devices run here, or the host has 2 cores or fewer, else all; the choice is logged)")
     p.add_argument("--log-level", default="INFO")
