@@ -12,7 +12,7 @@ import grpc
 
 from specdec.common.modeling import CachedLM, LoadedModel, ModelSpec, load_model, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
+from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES, is_loopback
 from specdec.edge.admission import AdmissionSettings
 from specdec.edge.auth import Authenticator, load_tokens
 from specdec.edge.batching import BatchSettings, ForwardScheduler
@@ -24,7 +24,6 @@ log = logging.getLogger("specdec.edge")
 
 GRACE_SECONDS = 5.0  # in-flight rounds get this long to finish on SIGTERM
 MIN_CLIENT_PING_INTERVAL_MS = 5_000  # devices may ping this often (they ping every KEEPALIVE_TIME_MS)
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetric
     pb_grpc.add_SpeculativeDecodingServicer_to_server(servicer, server)
     address = f"{cfg.host}:{cfg.port}"
     if cfg.tls is None:
-        if cfg.host not in LOOPBACK_HOSTS:
+        if not is_loopback(cfg.host):
             log.warning("serving PLAINTEXT on non-loopback %s: traffic and tokens travel unencrypted; "
                         "use --tls-cert/--tls-key outside a lab", cfg.host)
         port = server.add_insecure_port(address)
