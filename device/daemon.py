@@ -28,6 +28,7 @@ from specdec.common import protocol as P
 from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
 from specdec.device import openai_schema as S
 from specdec.device.client import EdgeError, generate
+from specdec.device.detokenize import Detokenizer
 from specdec.device.auto import LinkTracker
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.openai_schema import ApiError, Choice
@@ -41,7 +42,6 @@ SEED_MODULUS = 2**63          # per-choice seeds are seed + index, kept inside t
 CANCEL_GRACE_S = 2.0          # an abandoned session gets this long to reach a round boundary and close
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # reverse proxies must not buffer the token stream
-REPLACEMENT_CHAR = "\ufffd"   # what a tokenizer decodes an incomplete UTF-8 sequence to
 
 # Edge statuses -> (HTTP status, OpenAI error type). Anything else is the edge failing: 502.
 _EDGE_STATUS = {
@@ -88,27 +88,24 @@ class _ClientGone(asyncio.CancelledError):
 
 
 class _TextTracker:
-    """Verified token ids -> text deltas, holding back any tail that could still become a stop string.
-
-    Decodes only the new ids, with the previous chunk as context (leading spaces, merges), so a long
-    answer costs linear time; an incomplete UTF-8 character waits for its next token.
-    """
+    """Verified token ids -> text deltas (decoded incrementally: device/detokenize.py), holding back
+    any tail that could still become a stop string."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
         self.stops = stops
         self.longest_stop = max((len(s) for s in stops), default=0)
-        self.ids: list[int] = []
         self.text = ""          # the answer so far, cut before a stop string once one appears
         self.sent = 0           # characters of `text` already handed out
         self.stopped = False
-        self._prefix = 0        # ids[_prefix:_read] were decoded last time: context for the new ones
-        self._read = 0
         self._searched = 0      # characters of `text` already searched for stop strings
 
+    @property
+    def ids(self) -> list[int]:
+        return self.detokenizer.ids
+
     def add(self, new: list[int]) -> str:
-        self.ids.extend(new)
-        self.text += self._new_text()
+        self.text += self.detokenizer.add(new)
         start = max(0, self._searched - self.longest_stop + 1)  # a match may straddle the old end
         self._searched = len(self.text)
         cut = S.find_stop(self.text[start:], self.stops)
@@ -119,15 +116,6 @@ class _TextTracker:
 
     def flush(self) -> str:
         return self._take(len(self.text))
-
-    def _new_text(self) -> str:
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
-        after = decode(self.ids[self._prefix:], skip_special_tokens=True)
-        if len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR):
-            return ""
-        self._prefix, self._read = self._read, len(self.ids)
-        return after[len(before):]
 
     def _take(self, upto: int) -> str:
         if upto <= self.sent:

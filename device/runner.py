@@ -19,6 +19,7 @@ from specdec.device.client import ConnectionPolicy, GenerationResult, generate
 from specdec.device.lean_drafter import default_drafter_spec, drafter_meta, has_default_drafter
 from specdec.device.session import DraftSession
 from specdec.device.metrics import DeviceMetrics
+from specdec.device.detokenize import Detokenizer
 
 # The default drafter for the embedded target ships in device/drafter_weights (lean_drafter.py).
 # Without those files, or with --draft-layers N, the drafter is the target's own first N layers with
@@ -229,21 +230,22 @@ def result_json(settings: DraftSettings, drafter: LoadedModel, session: DraftSes
 
 
 class _TextStreamer:
-    """Prints verified text as it arrives (decode-all-and-diff handles multi-token characters)."""
+    """Prints verified text as it arrives (decoded incrementally: device/detokenize.py)."""
 
     def __init__(self, tokenizer, out: TextIO):
-        self.tokenizer = tokenizer
+        self.text = Detokenizer(tokenizer)
         self.out = out
-        self.ids: list[int] = []
-        self.printed = ""
 
     def __call__(self, new: list[int]) -> None:
-        self.ids.extend(new)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.startswith(self.printed):
-            self.out.write(text[len(self.printed):])
+        self._write(self.text.add(new))
+
+    def close(self) -> None:
+        self._write(self.text.flush())
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
             self.out.flush()
-            self.printed = text
 
 
 async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
@@ -268,6 +270,8 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
                                on_tokens=streamer, timeout=cfg.timeout, metrics=metrics, policy=policy)
             record = result_json(hello.draft, drafter, session, r)
             results.append(record)
+            if streamer is not None:
+                streamer.close()
             out.write(json.dumps(record) + "\n" if cfg.json else "\n")
             out.flush()
     if cfg.metrics_port and cfg.linger > 0:
