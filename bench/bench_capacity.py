@@ -34,7 +34,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from specdec.bench.capacity import analyze, plan  # noqa: E402
-from specdec.bench.capacity import recording as R  # noqa: E402
+from specdec.bench.capacity import recording  # noqa: E402
 from specdec.bench.harness import plan as harness_plan  # noqa: E402
 from specdec.bench.harness.analyze import fmt, print_goals  # noqa: E402
 from specdec.bench.harness.rig import Drivers, Edge  # noqa: E402
@@ -80,7 +80,7 @@ def recording_paths(s: plan.Settings, prompts: list[str]) -> dict[tuple, Path]:
     name, settings = drafter_id()
     out = {}
     for temp, p, seed in plan.recordings_needed(s):
-        key = R.cache_key(prompt=prompts[p], temperature=temp, seed=seed, max_new_tokens=s.max_new_tokens,
+        key = recording.cache_key(prompt=prompts[p], temperature=temp, seed=seed, max_new_tokens=s.max_new_tokens,
                           drafter=name, target=TARGET_ID, settings=settings)
         out[(temp, p, seed)] = cache_dir() / f"{key}.json.gz"
     return out
@@ -89,7 +89,7 @@ def recording_paths(s: plan.Settings, prompts: list[str]) -> dict[tuple, Path]:
 def ensure_recordings(s: plan.Settings, prompts: list[str], address: str, logs: Path) -> dict[tuple, object]:
     from specdec.bench.capacity.record import run_recorder
     paths = recording_paths(s, prompts)
-    missing = [(k, p) for k, p in paths.items() if R.load(p) is None]
+    missing = [(k, p) for k, p in paths.items() if recording.load(p) is None]
     if missing:
         print(f"recording {len(missing)} of {len(paths)} drafter recordings (cached in {cache_dir()})", flush=True)
         jobs = [{"prompt": prompts[p], "temperature": t, "seed": seed, "max_new_tokens": s.max_new_tokens,
@@ -100,7 +100,7 @@ def ensure_recordings(s: plan.Settings, prompts: list[str], address: str, logs: 
         print(f"recorded in {time.perf_counter() - t0:.0f} s", flush=True)
     else:
         print(f"all {len(paths)} drafter recordings cached ({cache_dir()})", flush=True)
-    return {k: R.load(p) for k, p in paths.items()}
+    return {k: recording.load(p) for k, p in paths.items()}
 
 
 # ----------------------------------------------------------------------------- clients
@@ -125,7 +125,7 @@ def script_factory(kind: str, rec, max_new: int, draft_scale: float = 1.0):
         from specdec.device.runner import DeviceConfig, choose_drafter
         hello = edge_only_hello(hello, choose_drafter(DeviceConfig()).operating_point)
         return lambda: EdgeOnlyScript(hello, rec.prompt_ids, rec.eos_ids, max_new)
-    if isinstance(rec, R.PositionTable):
+    if isinstance(rec, recording.PositionTable):
         return lambda: GreedyScript(rec, hello, max_new, draft_scale)
     return lambda: SessionScript(rec, hello, max_new, decode_draft)
 
@@ -221,7 +221,7 @@ def validate(s: plan.Settings, edge, recs: dict, prompts: list[str], logs: Path)
 
 def recording_stats(rec) -> dict:
     """What a recording says about the drafter's speed (a recording made on a busy host is slower)."""
-    if isinstance(rec, R.PositionTable):
+    if isinstance(rec, recording.PositionTable):
         steps = sorted(x for p in rec.proposals.values() for x in p.step_s)
         return {"positions": len(rec.proposals), "median_step_ms": steps[len(steps) // 2] * 1e3 if steps else None}
     return {"rounds": len(rec.rounds), "draft_ms_per_round": 1e3 * sum(r.draft_s for r in rec.rounds) / max(1, len(rec.rounds))}
@@ -229,7 +229,7 @@ def recording_stats(rec) -> dict:
 
 def recorded_step_s(recs: dict) -> float | None:
     """Mean recorded drafting step (seconds) over the T = 0 position tables."""
-    steps = [x for r in recs.values() if isinstance(r, R.PositionTable) for p in r.proposals.values() for x in p.step_s]
+    steps = [x for r in recs.values() if isinstance(r, recording.PositionTable) for p in r.proposals.values() for x in p.step_s]
     return sum(steps) / len(steps) if steps else None
 
 

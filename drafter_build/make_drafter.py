@@ -33,7 +33,7 @@ from specdec.drafter_build.train_prompts import load_bench_prompts, training_pro
 from specdec.common.sampling import model_probs
 from specdec.common.latency import expected_tokens_per_call, oracle_time
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
-from specdec.device import lean_drafter as D
+from specdec.device import lean_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "build" / "drafter" / "data.pt"
@@ -108,7 +108,7 @@ def measure_costs(drafter, target, max_l: int) -> dict:
     and the drafter's own forward in float32 with the full head (``t_lean_float``: the target's
     weights and math as the drafter runs them, so T_target / t_lean_float is what the plain forward
     saves and t_lean_float / T_draft what int4 and the reduced head save)."""
-    lean_float = D.LeanDrafter.from_hf(target.model, torch.arange(target.vocab_size))
+    lean_float = lean_drafter.LeanDrafter.from_hf(target.model, torch.arange(target.vocab_size))
     lms = {"draft": CachedLM(drafter.model, drafter.device), "lean_float": CachedLM(lean_float, target.device),
            "target": CachedLM(target.model, target.device)}
     for lm in lms.values():
@@ -136,7 +136,7 @@ def build_files(records: list[dict], target, out: Path, head_size: int, meta: di
     keep = choose_head(train, head_size, target.vocab_size, target.eos_token_ids)
     log(f"[head] {head_size} tokens, covering {coverage(held, keep, target.vocab_size):.4f} of the "
         f"held-out answers' argmax tokens")
-    D.save_drafter(out, keep, meta)
+    lean_drafter.save_drafter(out, keep, meta)
 
 
 def report(drafter, out: Path, acc: dict, costs: dict, table: dict, best: int) -> None:
@@ -171,7 +171,7 @@ def main() -> int:
     p.add_argument("--head-size", type=int, default=HEAD_SIZE)
     p.add_argument("--head-dtype", default=HEAD_DTYPE, choices=["float16", "float32"],
                    help="the head's weights and arithmetic (lean_drafter.HalfHead for float16)")
-    p.add_argument("--out", type=Path, default=D.WEIGHTS_DIR)
+    p.add_argument("--out", type=Path, default=lean_drafter.WEIGHTS_DIR)
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -186,12 +186,12 @@ def main() -> int:
     target = load_model(ModelSpec())
     suffix = {"float16": "-h16", "float32": ""}[a.head_dtype]
     meta = {"name": f"int4-q4_1-{a.head_size}v{suffix}", "num_layers": target.model.config.num_hidden_layers,
-            "int4": True, "cache_prebuilt": True, "head_dtype": a.head_dtype, "group_size": D.GROUP,
+            "int4": True, "cache_prebuilt": True, "head_dtype": a.head_dtype, "group_size": lean_drafter.GROUP,
             "head_size": a.head_size,
             "data": {**asdict(gen_cfg), "answers": len(records), "tokens": sum(len(r["gen"]) for r in records)}}
     build_files(records, target, a.out, a.head_size, meta)
 
-    drafter = load_model(D.default_drafter_spec(path=a.out))
+    drafter = load_model(lean_drafter.default_drafter_spec(path=a.out))
     _, held = split(records)
     acc = heldout_acceptance(drafter, target, held)
     costs = measure_costs(drafter, target, max(DRAFT_LENS))
@@ -207,7 +207,7 @@ def main() -> int:
         "cost_ratio_c": costs["t_draft"] / costs["t_target"],
         "forward_cost_vs_one_token": {n: v / costs["t_target"] for n, v in costs["t_forward"].items()},
         "oracle_speedup_t0": table[0], "oracle_speedup_t1": table[1]}}
-    (a.out / D.DELTA_CONFIG).write_text(json.dumps({"builder": D.BUILDER, **meta}, indent=2) + "\n")
+    (a.out / lean_drafter.DELTA_CONFIG).write_text(json.dumps({"builder": lean_drafter.BUILDER, **meta}, indent=2) + "\n")
 
     report(drafter, a.out, acc, costs, table, best)
     print(f"total {(time.perf_counter() - t_start) / 60:.1f} min")

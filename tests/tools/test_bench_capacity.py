@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.bench.capacity import analyze, plan
-from specdec.bench.capacity import recording as R
+from specdec.bench.capacity import recording
 from specdec.bench.capacity.scripts import Divergence, EdgeOnlyScript, GreedyScript, SessionScript, round_limit
 from specdec.common import protocol as P
 from specdec.common.codecs import Mode
@@ -62,9 +62,9 @@ def hello(mode: Mode = Mode.TSLT, draft_len: int = 3) -> P.Hello:
                    draft=P.DraftSettings(mode=mode, draft_len=draft_len))
 
 
-def table(path: list[int], drafts: dict[int, list[int]], step: float = 0.01) -> R.PositionTable:
-    props = {i: R.Proposal(d, [bytes([t]) for t in d], [step] * len(d)) for i, d in drafts.items()}
-    return R.PositionTable("p", [5, 6], path, props, b"", [EOS], len(path))
+def table(path: list[int], drafts: dict[int, list[int]], step: float = 0.01) -> recording.PositionTable:
+    props = {i: recording.Proposal(d, [bytes([t]) for t in d], [step] * len(d)) for i, d in drafts.items()}
+    return recording.PositionTable("p", [5, 6], path, props, b"", [EOS], len(path))
 
 
 def verdict(round_id: int, n: int, nxt: int) -> P.Verdict:
@@ -162,9 +162,9 @@ def test_greedy_replay_last_round_is_cut_at_the_recorded_length() -> None:
 def test_session_replay_sends_the_log_and_checks_each_verdict() -> None:
     from specdec.common import wire
     blocks = [P.DraftBlock(1, (3, 4), (b"a", b"b")), P.DraftBlock(2, (6, 7), (b"c", b"d"))]
-    rounds = [R.LoggedRound(wire.draft_to_pb(blocks[0]).SerializeToString(), 0.04, False, 2, 5),
-              R.LoggedRound(wire.draft_to_pb(blocks[1]).SerializeToString(), 0.05, True, 1, 8)]
-    log = R.SessionLog("p", [1], 7, 1.0, [3, 4, 5, 6, 8], rounds, b"", [EOS], 5)
+    rounds = [recording.LoggedRound(wire.draft_to_pb(blocks[0]).SerializeToString(), 0.04, False, 2, 5),
+              recording.LoggedRound(wire.draft_to_pb(blocks[1]).SerializeToString(), 0.05, True, 1, 8)]
+    log = recording.SessionLog("p", [1], 7, 1.0, [3, 4, 5, 6, 8], rounds, b"", [EOS], 5)
 
     def decode(raw):
         from specdec.common.pb import speculative_pb2 as pb
@@ -195,16 +195,16 @@ def test_edge_only_asks_for_every_remaining_token() -> None:
 # ----------------------------------------------------------------------------- recordings
 def test_recordings_round_trip_and_cache_keys(tmp_path) -> None:
     t = table([10, 11], {0: [10, 11], 1: [11, 3]})
-    R.save(t, tmp_path / "a.json.gz")
-    back = R.load(tmp_path / "a.json.gz")
+    recording.save(t, tmp_path / "a.json.gz")
+    back = recording.load(tmp_path / "a.json.gz")
     assert back.proposals[0].payloads == t.proposals[0].payloads and back.path == t.path
-    assert R.load(tmp_path / "missing.json.gz") is None
+    assert recording.load(tmp_path / "missing.json.gz") is None
     (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
-    assert R.load(tmp_path / "bad.json.gz") is None
+    assert recording.load(tmp_path / "bad.json.gz") is None
     kw = dict(prompt="p", max_new_tokens=8, drafter="d", target="t", settings={"draft_len": 4})
-    assert R.cache_key(temperature=0.0, seed=1, **kw) == R.cache_key(temperature=0.0, seed=2, **kw)
-    assert R.cache_key(temperature=1.0, seed=1, **kw) != R.cache_key(temperature=1.0, seed=2, **kw)
-    assert R.cache_key(temperature=0.0, seed=0, **{**kw, "prompt": "q"}) != R.cache_key(temperature=0.0, seed=0, **kw)
+    assert recording.cache_key(temperature=0.0, seed=1, **kw) == recording.cache_key(temperature=0.0, seed=2, **kw)
+    assert recording.cache_key(temperature=1.0, seed=1, **kw) != recording.cache_key(temperature=1.0, seed=2, **kw)
+    assert recording.cache_key(temperature=0.0, seed=0, **{**kw, "prompt": "q"}) != recording.cache_key(temperature=0.0, seed=0, **kw)
 
 
 # ----------------------------------------------------------------------------- analysis

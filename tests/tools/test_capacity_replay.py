@@ -13,7 +13,7 @@ from specdec.common import wire
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.device.runner import DeviceConfig, edge_channel
 
-from specdec.bench.capacity import recording as R
+from specdec.bench.capacity import recording
 from specdec.bench.capacity.record import record_job
 from specdec.bench.capacity.replay import edge_only_hello, run_cell
 from specdec.bench.capacity.scripts import EdgeOnlyScript, GreedyScript, SessionScript
@@ -43,7 +43,7 @@ def test_replayed_sessions_reproduce_real_ones(tiny_pair_v512, tmp_path) -> None
             async with edge_channel(DeviceConfig(edge=address)) as channel:
                 for job in jobs.values():
                     await record_job(channel, drafter, choice, address, job)
-            greedy, log = R.load(Path(jobs[0.0]["out"])), R.load(Path(jobs[1.0]["out"]))
+            greedy, log = recording.load(Path(jobs[0.0]["out"])), recording.load(Path(jobs[1.0]["out"]))
             g_hello, s_hello = hello_of(greedy), hello_of(log)
             _, replayed = await run_cell(address, [[lambda: GreedyScript(greedy, g_hello, MAX_NEW)]] * CLIENTS,
                                          "replay")

@@ -10,13 +10,12 @@ committed drafter (int4 layers, reduced head).
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
-from specdec.device import lean_drafter as D
+from specdec.device import lean_drafter
 from specdec.device.hf_assistant import LeanAssistant, as_assistant
 from specdec.testbed.tiny_models import make_model
 
@@ -31,10 +30,10 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("assistant")
     target_dir = make_model(root / "target", VOCAB, seed=3, hidden=32, layers=2)
     delta = root / "delta"
-    D.save_drafter(delta, torch.arange(0, VOCAB - 8), {"name": "tiny", "num_layers": 2, "int4": True})
+    lean_drafter.save_drafter(delta, torch.arange(0, VOCAB - 8), {"name": "tiny", "num_layers": 2, "int4": True})
     target = load_model(ModelSpec(model=str(target_dir)))
-    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=D.DELTA_BUILDER))
-    assert isinstance(drafter.model.layers[0].qkv, D.Int4Linear)
+    drafter = load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=lean_drafter.DELTA_BUILDER))
+    assert isinstance(drafter.model.layers[0].qkv, lean_drafter.Int4Linear)
     return target, drafter
 
 

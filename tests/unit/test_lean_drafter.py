@@ -19,7 +19,7 @@ import torch
 
 from specdec.common.sampling import model_probs
 from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, load_model
-from specdec.device import lean_drafter as D
+from specdec.device import lean_drafter
 from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
@@ -33,12 +33,12 @@ def target_dir(tmp_path_factory) -> Path:
 
 
 def _delta(path: Path, keep: torch.Tensor, **meta) -> Path:
-    D.save_drafter(path, keep, {"name": "tiny", "num_layers": 3, **meta})
+    lean_drafter.save_drafter(path, keep, {"name": "tiny", "num_layers": 3, **meta})
     return path
 
 
 def _load(target_dir: Path, delta: Path):
-    return load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=D.DELTA_BUILDER))
+    return load_model(ModelSpec(model=str(target_dir), delta=str(delta), builder=lean_drafter.DELTA_BUILDER))
 
 
 def _cached_rows(model, ids: list[int], prefix: int = 4) -> torch.Tensor:
@@ -58,7 +58,7 @@ def reference(target_dir):
 def test_float_full_head_equals_transformers(target_dir, reference, tmp_path):
     ref_model, ref = reference
     lean = _load(target_dir, _delta(tmp_path / "d", torch.arange(VOCAB)))
-    assert isinstance(lean.model, D.LeanDrafter)
+    assert isinstance(lean.model, lean_drafter.LeanDrafter)
     full = CachedLM(lean.model, lean.device).forward(IDS, num_logits=len(IDS))
     assert torch.allclose(full, ref, atol=FLOAT_ATOL, rtol=0)
     assert torch.allclose(_cached_rows(lean, IDS), ref, atol=FLOAT_ATOL, rtol=0)
@@ -99,34 +99,34 @@ def _q4_1_weights(n: int, k: int, seed: int) -> torch.Tensor:
     """Weights as a Q4_1 file holds them: codes 0..15 (0 and 15 in every group, as ggml's rounding
     of each group's min and max gives), float16 steps and minima, dequantized in float32."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k // D.GROUP, D.GROUP), generator=g)
+    codes = torch.randint(0, 16, (n, k // lean_drafter.GROUP, lean_drafter.GROUP), generator=g)
     codes[..., 0], codes[..., 1] = 0, 15
-    step = (torch.rand(n, k // D.GROUP, generator=g) * 0.02 + 1e-3).half().float()
-    minimum = (-8 * step - torch.rand(n, k // D.GROUP, generator=g) * 0.01).half().float()
-    return D.q4_1_dequantize(codes.reshape(n, k).int(), step, minimum)
+    step = (torch.rand(n, k // lean_drafter.GROUP, generator=g) * 0.02 + 1e-3).half().float()
+    minimum = (-8 * step - torch.rand(n, k // lean_drafter.GROUP, generator=g) * 0.01).half().float()
+    return lean_drafter.q4_1_dequantize(codes.reshape(n, k).int(), step, minimum)
 
 
 def test_q4_1_round_trip_is_exact_on_q4_1_weights():
     w = _q4_1_weights(48, 96, seed=1)
-    codes, step, minimum = D.q4_1_quantize(w)
-    assert int(codes.min()) == 0 and int(codes.max()) == D.Q4_LEVELS
-    assert torch.equal(D.q4_1_dequantize(codes, step, minimum), w)
+    codes, step, minimum = lean_drafter.q4_1_quantize(w)
+    assert int(codes.min()) == 0 and int(codes.max()) == lean_drafter.Q4_LEVELS
+    assert torch.equal(lean_drafter.q4_1_dequantize(codes, step, minimum), w)
 
 
 def test_q4_1_round_trip_error_is_at_most_half_a_step():
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
-    codes, step, minimum = D.q4_1_quantize(w)
-    err = (D.q4_1_dequantize(codes, step, minimum) - w).abs().reshape(32, 2, D.GROUP)
+    codes, step, minimum = lean_drafter.q4_1_quantize(w)
+    err = (lean_drafter.q4_1_dequantize(codes, step, minimum) - w).abs().reshape(32, 2, lean_drafter.GROUP)
     # half a step, plus the float16 rounding of the step times the largest code
-    bound = step / 2 + D.Q4_LEVELS * step * 2.0 ** -11
+    bound = step / 2 + lean_drafter.Q4_LEVELS * step * 2.0 ** -11
     assert bool((err.amax(-1) <= bound * (1 + 1e-6)).all())
     assert float(err.max()) > 0  # random weights are not on the grid: the bound is what is tested
-    assert D.Int4Linear.from_float(w).exact_fraction < 0.1
+    assert lean_drafter.Int4Linear.from_float(w).exact_fraction < 0.1
 
 
 def test_int4_linear_computes_with_the_q4_1_weights():
     w = _q4_1_weights(64, 96, seed=3)
-    lin = D.Int4Linear.from_float(w)
+    lin = lean_drafter.Int4Linear.from_float(w)
     assert lin.exact_fraction == 1.0
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4))
     ref = x @ w.T
@@ -134,7 +134,7 @@ def test_int4_linear_computes_with_the_q4_1_weights():
     tol = 2.0 ** -7 * (x.abs() @ w.abs().T)
     assert bool(((lin(x) - ref).abs() <= tol).all())
     with pytest.raises(ValueError, match="int4 needs"):
-        D.Int4Linear.from_float(torch.randn(24, 96))
+        lean_drafter.Int4Linear.from_float(torch.randn(24, 96))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def q4_target_dir(target_dir, tmp_path_factory) -> Path:
         for layer in m.model.model.layers:
             for lin in (*[getattr(layer.self_attn, f"{x}_proj") for x in "qkvo"],
                         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                lin.weight.copy_(D.q4_1_dequantize(*D.q4_1_quantize(lin.weight)))
+                lin.weight.copy_(lean_drafter.q4_1_dequantize(*lean_drafter.q4_1_quantize(lin.weight)))
     path = tmp_path_factory.mktemp("lean") / "q4_target"
     m.model.save_pretrained(path)
     m.tokenizer.save_pretrained(path)
@@ -170,7 +170,7 @@ def _head_tv(target_dir: Path, delta: Path, keep: torch.Tensor) -> tuple[torch.T
 def test_int4_build_on_q4_1_weights_is_the_target_up_to_bfloat16(q4_target_dir, tmp_path):
     keep = torch.arange(0, VOCAB, 2)
     tv, lean = _head_tv(q4_target_dir, _delta(tmp_path / "d", keep, int4=True), keep)
-    assert isinstance(lean.model.layers[0].qkv, D.Int4Linear)  # int4 really ran on CPU
+    assert isinstance(lean.model.layers[0].qkv, lean_drafter.Int4Linear)  # int4 really ran on CPU
     assert lean.model.int4_exact_fraction == 1.0
     # only bfloat16 rounding is left (measured mean TV 0.010, max 0.030); a wrong zero point, a mis-packed
     # tile or a mis-fused projection moves probabilities by ~0.5
@@ -181,7 +181,7 @@ def test_float16_head_is_the_float32_head_within_float16_rounding(target_dir, tm
     keep = torch.arange(0, VOCAB, 2)
     full = _load(target_dir, _delta(tmp_path / "f32", keep))
     half = _load(target_dir, _delta(tmp_path / "f16", keep, head_dtype="float16"))
-    assert isinstance(half.model.head, D.HalfHead) and half.model.head.weight.dtype == torch.float16
+    assert isinstance(half.model.head, lean_drafter.HalfHead) and half.model.head.weight.dtype == torch.float16
     ref, out = (CachedLM(m.model, m.device).forward(IDS, num_logits=len(IDS)) for m in (full, half))
     # float16 weights, activations and output: a few 2^-11 of the largest logit (measured max 0.004 of ~10)
     err = (out[:, keep] - ref[:, keep]).abs().max()
@@ -216,4 +216,4 @@ def test_lean_drafter_refuses_other_architectures(target_dir):
     m = load_model(ModelSpec(model=str(target_dir)))
     m.model.config.mlp_bias = True
     with pytest.raises(ValueError, match="mlp_bias"):
-        D.LeanDrafter.from_hf(m.model, torch.arange(VOCAB))
+        lean_drafter.LeanDrafter.from_hf(m.model, torch.arange(VOCAB))

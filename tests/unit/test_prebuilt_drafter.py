@@ -16,7 +16,7 @@ import torch
 
 from specdec.common import modeling
 from specdec.common.modeling import PREBUILT_MANIFEST, PREBUILT_WEIGHTS, CachedLM, ModelSpec, load_model
-from specdec.device import lean_drafter as D
+from specdec.device import lean_drafter
 from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
@@ -49,12 +49,12 @@ def target_dir(tmp_path_factory) -> Path:
 
 def _delta(path: Path, **meta) -> Path:
     keep = torch.arange(0, VOCAB, 2)
-    D.save_drafter(path, keep, {"name": "tiny", "num_layers": 2, "int4": True, modeling.PREBUILT_FLAG: True, **meta})
+    lean_drafter.save_drafter(path, keep, {"name": "tiny", "num_layers": 2, "int4": True, modeling.PREBUILT_FLAG: True, **meta})
     return path
 
 
 def _spec(target: Path, delta: Path) -> ModelSpec:
-    return ModelSpec(model=str(target), delta=str(delta), builder=D.DELTA_BUILDER)
+    return ModelSpec(model=str(target), delta=str(delta), builder=lean_drafter.DELTA_BUILDER)
 
 
 def _logits(loaded) -> torch.Tensor:
@@ -76,9 +76,9 @@ def test_cached_drafter_is_bit_identical_and_skips_the_float_model(target_dir, t
     assert len(builds) == 1 and len(_entries(cache)) == 1
     warm = load_model(spec)
     assert len(builds) == 1                                  # read back, not built again
-    assert isinstance(warm.model.layers[0].qkv, D.Int4Linear)  # the int4 weights came back as int4
+    assert isinstance(warm.model.layers[0].qkv, lean_drafter.Int4Linear)  # the int4 weights came back as int4
     assert type(warm.model.head) is type(fresh.model.head)    # and the head as it was built
-    assert isinstance(warm.model.head, D.HalfHead) == (head_dtype == "float16")
+    assert isinstance(warm.model.head, lean_drafter.HalfHead) == (head_dtype == "float16")
     assert warm.model.int4_exact_fraction == fresh.model.int4_exact_fraction
     assert warm.name == fresh.name
     assert modeling.vocab_fingerprint(warm.tokenizer) == modeling.vocab_fingerprint(fresh.tokenizer)
