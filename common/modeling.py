@@ -385,6 +385,29 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+# Values read from each weight tensor for the target fingerprint: evenly strided over the tensor, so
+# any two differently trained or initialised models differ in it, while an 8B model on a GPU is
+# fingerprinted in well under a second (hashing every weight would read 16 GB).
+FINGERPRINT_VALUES_PER_TENSOR = 1024
+
+
+def target_fingerprint(model: torch.nn.Module, tokenizer) -> str:
+    """sha256 over the vocabulary and a strided sample of every weight (name, shape, dtype, values).
+
+    Equal on two edges serving the same weights in the same dtype; a session may move between such
+    edges and keep its law. Different weights or dtype give different target distributions, hence a
+    different fingerprint."""
+    h = hashlib.sha256(vocab_fingerprint(tokenizer).encode())
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            stride = max(1, flat.numel() // FINGERPRINT_VALUES_PER_TENSOR)
+            sample = flat[::stride][:FINGERPRINT_VALUES_PER_TENSOR].to("cpu", torch.float64)
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -14,6 +14,8 @@ from specdec.common.settings import DraftSettings
 # So is the DSSD head fallback: an older device leaves dssd_fallback_top_k at 0 and gets the whole
 # p_j; an older edge ignores it (and ResidualRequest.whole) and sends the whole p_j, which a newer
 # device reads as such; an older edge's Welcome has no dssd_max_samples (0: its cap was 64).
+# So are the fleet fields: an older edge ignores Hello.target_fingerprint and leaves Welcome's
+# target_fingerprint and edge_name empty, which a newer device reads as "not said".
 PROTOCOL_VERSION = 1
 
 __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
@@ -25,6 +27,17 @@ __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock"
 # length limit, from a refusal such as admission's (principal_cap, queue_full, queue_timeout).
 REASON_KEY = "specdec-reason"
 CONTEXT_FULL = "context_full"
+# The edge is draining (SIGTERM): it takes no new session, and a session still running when its drain
+# time is up is ended with UNAVAILABLE and this reason, so the device resumes it on another edge.
+DRAINING = "draining"
+# A resume on an edge whose target is not the one the session ran on (Hello.target_fingerprint).
+TARGET_MISMATCH = "target_mismatch"
+
+# Call metadata naming the session on every stream of it (the first and each resume), chosen by the
+# device, so that a proxy in front of several edges can keep a session on the edge that holds its KV
+# cache (hash or stick on it). The edge's session id cannot serve: it exists only after the first
+# stream has reached an edge.
+SESSION_KEY = "specdec-session"
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,7 @@ class Hello:
     resume_session_id: str = ""   # resume this session instead of starting one
     resume_token: bytes = b""     # the secret the edge gave for it in Welcome
     protocol_version: int = PROTOCOL_VERSION
+    target_fingerprint: str = ""  # the target the session ran on (Welcome's); "" = any target
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,8 @@ class Welcome:
     resume_token: bytes = b""     # needed, with the same credentials, to resume this session
     resumed: bool = False         # the edge still had the session (its KV cache is reused)
     dssd_max_samples: int = 0     # the most dssd_samples a round may ask for (0: an edge that does not say)
+    target_fingerprint: str = ""  # the target's weights and vocabulary ("": an edge that does not say)
+    edge_name: str = ""           # which edge of a fleet serves the session
 
 
 @dataclass(frozen=True)

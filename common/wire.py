@@ -65,7 +65,7 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         vocab_fingerprint=h.vocab_fingerprint, vocab_size=h.vocab_size, temperature=h.temperature,
         target_top_p=h.target_top_p, target_top_k=h.target_top_k, draft=settings_to_pb(h.draft),
         seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
-        resume_token=h.resume_token,
+        resume_token=h.resume_token, target_fingerprint=h.target_fingerprint,
     ))
 
 
@@ -76,7 +76,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         target_top_p=m.target_top_p, target_top_k=m.target_top_k,
         draft=settings_from_pb(m.draft, mode=m.mode),
         seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
-        resume_token=m.resume_token,
+        resume_token=m.resume_token, target_fingerprint=m.target_fingerprint,
     )
 
 
@@ -85,6 +85,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
         session_id=w.session_id, protocol_version=w.protocol_version, model_name=w.model_name,
         vocab_size=w.vocab_size, max_context=w.max_context, max_draft_len=w.max_draft_len,
         max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed, dssd_max_samples=w.dssd_max_samples,
+        target_fingerprint=w.target_fingerprint, edge_name=w.edge_name,
     ))
 
 
@@ -93,6 +94,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         session_id=m.session_id, protocol_version=m.protocol_version, model_name=m.model_name,
         vocab_size=m.vocab_size, max_context=m.max_context, max_draft_len=m.max_draft_len,
         max_k=m.max_k, resume_token=m.resume_token, resumed=m.resumed, dssd_max_samples=m.dssd_max_samples,
+        target_fingerprint=m.target_fingerprint, edge_name=m.edge_name,
     )
 
 

@@ -23,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=bounded(int, 0, PORT_MAX), default=50051)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--metrics-port", type=bounded(int, 0, PORT_MAX), default=0, help="serve Prometheus /metrics here (0 = off)")
+    p.add_argument("--metrics-port", type=bounded(int, 0, PORT_MAX), default=0,
+                   help="serve Prometheus /metrics, /healthz and /readyz (503 while draining or full) here (0 = off)")
+    p.add_argument("--name", default="", help="this edge's name in a fleet, reported to devices in Welcome "
+                   "(default: HOSTNAME:PORT; under Kubernetes the pod name)")
+    p.add_argument("--drain-timeout", type=bounded(float, 0.0), default=EdgeConfig.drain_timeout_s, metavar="S",
+                   help="on SIGTERM: take no new sessions and give running ones this long to finish, then end "
+                   "them so that their devices resume them on another edge (default: %(default)g)")
     p.add_argument("--workers", type=bounded(int, 1), default=4,
                    help="threads running sessions' work (decoding drafts, verification); with batching at "
                    "least --max-sessions, since each waits for its share of a shared forward (default: %(default)s)")
@@ -88,7 +94,8 @@ def config_from_args(a) -> EdgeConfig:
                              wait_s=a.batch_wait_ms / 1000)
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
                       workers=a.workers, batching=batching, limits=limits, admission=admission, tls=tls,
-                      auth_token_file=a.auth_token_file, max_message_bytes=a.max_message_bytes)
+                      auth_token_file=a.auth_token_file, max_message_bytes=a.max_message_bytes,
+                      name=a.name, drain_timeout_s=a.drain_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

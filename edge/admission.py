@@ -99,6 +99,11 @@ class Admission:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def saturated(self) -> bool:
+        """A new session would be refused at once (every slot held and the queue full)."""
+        return self.in_use >= self.max_sessions and len(self._queue) >= self.settings.queue
+
     async def admit(self, principal: str) -> Slot:
         """A slot for a new session of ``principal``, at once or after waiting in the queue; raises
         :class:`AdmissionRefused` when over its cap, when the queue is full, or when the wait expires.

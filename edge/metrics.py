@@ -3,7 +3,12 @@
 resumed sessions, admission, and the statuses only the edge gives (authentication, ownership, expiry).
 
 - sessions resumed with their KV cache per second:
-  ``rate(specdec_edge_sessions_resumed_total[$__rate_interval])``
+  ``rate(specdec_edge_sessions_resumed_total[$__rate_interval])``; resumes of a session this edge did
+  not hold (another edge's, or expired), re-prefilled from the device's prefix:
+  ``rate(specdec_edge_sessions_reprefilled_total[$__rate_interval])``
+- fleet: sessions per edge ``sum by (instance) (specdec_edge_sessions_active)``; sessions a drain sent
+  to another edge ``increase(specdec_edge_sessions_ended_total{status="moved"}[$__rate_interval])``;
+  edges draining now ``sum(specdec_edge_draining)``
 - new sessions refused by admission per second, by reason (``principal_cap``, ``queue_full``,
   ``queue_timeout``; each refusal also ends as status ``resource_exhausted``):
   ``sum by (reason) (rate(specdec_edge_admission_rejected_total[$__rate_interval]))``
@@ -43,7 +48,9 @@ from specdec.edge.admission import REASONS
 from specdec.edge.batching import BatchStats
 
 # The edge also refuses callers and frees sessions nobody resumed in time.
-EDGE_STATUSES = STATUSES + ("unauthenticated", "permission_denied", "expired")
+EDGE_STATUSES = STATUSES + ("unauthenticated", "permission_denied", "expired", "moved")
+# Ended, but not failed: a drain sent the session to another edge, where its device resumes it.
+NOT_FAILED = ("ok", "moved")
 # A queued session waits up to --admission-wait-ms (5 s by default); at once is ~0.
 ADMISSION_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Sessions per forward: 1 up to --max-sessions (64 by default).
@@ -62,6 +69,10 @@ class EdgeMetrics(SpecMetrics):
         super().__init__("edge", EDGE_PHASES, EDGE_STATUSES, registry=registry)
         self.model = Info("model", "The loaded target model", **self.kw)
         self.resumed = Counter("sessions_resumed", "Broken streams whose session was resumed (KV kept)", **self.kw)
+        self.reprefilled = Counter("sessions_reprefilled", "Resumes of a session this edge did not hold "
+                                   "(another edge's, or expired): re-prefilled from the device's prefix",
+                                   **self.kw)
+        self.draining = Gauge("draining", "1 while the edge drains (SIGTERM): it takes no new sessions", **self.kw)
         self.rejected = Counter("admission_rejected", "New sessions refused by admission (RESOURCE_EXHAUSTED), "
                                 "by reason", ["reason"], **self.kw)
         self.queued = Gauge("admission_queued_sessions", "New sessions waiting for a slot", **self.kw)
@@ -93,6 +104,20 @@ class EdgeMetrics(SpecMetrics):
 
     def session_resumed(self) -> None:
         self.resumed.inc()
+
+    def session_reprefilled(self) -> None:
+        self.reprefilled.inc()
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining.set(1 if draining else 0)
+
+    def session_ended(self, status: str, was_active: bool = True) -> None:
+        if status not in NOT_FAILED:
+            super().session_ended(status, was_active)
+            return
+        self.ended.labels(status).inc()
+        if was_active:
+            self.active.dec()
 
     def admission_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

@@ -1,28 +1,41 @@
-"""Edge server lifecycle: load the target, serve gRPC (grpc.aio), shut down gracefully on SIGTERM."""
+"""Edge server lifecycle: load the target, serve gRPC (grpc.aio), drain and shut down on SIGTERM.
+
+SIGTERM drains (:meth:`SpeculativeDecodingServicer.drain`): no new sessions and ``/readyz`` 503 at
+once, up to ``drain_timeout_s`` for the running sessions to finish, then those still running are
+ended so that their devices resume them on another edge, and the server stops. A second signal
+cuts the drain short.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from specdec.common.modeling import CachedLM, LoadedModel, ModelSpec, load_model, vocab_fingerprint
+from specdec.common.modeling import (CachedLM, LoadedModel, ModelSpec, load_model, target_fingerprint,
+                                     vocab_fingerprint)
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES, is_loopback
 from specdec.edge.admission import AdmissionSettings
 from specdec.edge.auth import Authenticator, load_tokens
 from specdec.edge.batching import BatchSettings, ForwardScheduler
+from specdec.edge.http import start_probe_server
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.servicer import SpeculativeDecodingServicer
 from specdec.edge.verifier import EdgeLimits, TargetInfo
 
 log = logging.getLogger("specdec.edge")
 
-GRACE_SECONDS = 5.0  # in-flight rounds get this long to finish on SIGTERM
+GRACE_SECONDS = 5.0  # in-flight rounds get this long to finish once the drain is over
+# Sessions still running when the drain time is up are ended at their next message (a round boundary,
+# milliseconds away for a working device); this long for them to get there before the server stops.
+MOVE_GRACE_SECONDS = 2.0
 MIN_CLIENT_PING_INTERVAL_MS = 5_000  # devices may ping this often (they ping every KEEPALIVE_TIME_MS)
 
 
@@ -38,7 +51,7 @@ class EdgeConfig:
     model: ModelSpec = field(default_factory=ModelSpec)   # the target
     host: str = "127.0.0.1"                               # bind address
     port: int = 50051                                     # 0 = pick a free port
-    metrics_port: int = 0                                 # 0 = no /metrics endpoint
+    metrics_port: int = 0                                 # /metrics, /healthz, /readyz; 0 = none
     workers: int = 4                                      # threads running sessions' work (at least
                                                           # max_sessions when batching: each may join a forward)
     batching: BatchSettings = field(default_factory=BatchSettings)  # target forwards shared across sessions
@@ -47,11 +60,17 @@ class EdgeConfig:
     tls: TlsConfig | None = None                          # None = plaintext (loopback and labs)
     auth_token_file: str | None = None                    # bearer tokens accepted, one per line
     max_message_bytes: int = MAX_MESSAGE_BYTES            # larger messages are refused by gRPC
+    name: str = ""                                        # this edge in a fleet (Welcome.edge_name);
+                                                          # "" = HOSTNAME:PORT
+    # SIGTERM: how long running sessions may take to finish before they are sent to another edge.
+    # Under Kubernetes' default terminationGracePeriodSeconds of 30 with room for the stop after it.
+    drain_timeout_s: float = 20.0
 
 
 def target_info(target: LoadedModel) -> TargetInfo:
     return TargetInfo(name=target.name, vocab_size=target.vocab_size,
-                      fingerprint=vocab_fingerprint(target.tokenizer), max_context=target.max_context)
+                      fingerprint=vocab_fingerprint(target.tokenizer), max_context=target.max_context,
+                      target_fingerprint=target_fingerprint(target.model, target.tokenizer))
 
 
 async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetrics | None = None):
@@ -80,9 +99,11 @@ async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetric
         port = server.add_secure_port(address, server_credentials(cfg.tls))
     if port == 0:
         raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+    servicer.name = cfg.name or f"{socket.gethostname()}:{port}"
     await server.start()
     server._specdec_executor = executor  # shut down with the server
     server._specdec_scheduler = scheduler
+    server._specdec_servicer = servicer
     return server, port
 
 
@@ -115,22 +136,47 @@ async def stop_server(server, grace: float = GRACE_SECONDS) -> None:
     server._specdec_executor.shutdown(wait=False, cancel_futures=True)
 
 
+async def drain_server(server, drain_timeout_s: float, cut_short: asyncio.Event | None = None) -> None:
+    """Drain (see the module docstring), then stop the server."""
+    servicer = server._specdec_servicer
+    drain = asyncio.ensure_future(servicer.drain(drain_timeout_s))
+    waits = [drain] + ([asyncio.ensure_future(cut_short.wait())] if cut_short is not None else [])
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits[1:]:
+        w.cancel()
+    if not drain.done():  # a second signal: stop now
+        drain.cancel()
+        servicer.moving = True
+    with contextlib.suppress(asyncio.CancelledError):
+        left = await drain
+        if left:
+            log.info("drain time is up: sending %d running sessions to another edge", left)
+            await servicer.wait_streams_ended(MOVE_GRACE_SECONDS)
+    await stop_server(server)
+
+
 async def serve(cfg: EdgeConfig) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, then stop gracefully."""
+    """Load the model, serve until SIGTERM/SIGINT, then drain and stop."""
     authenticator(cfg)  # a bad token file fails before the model is loaded
     target = load_model(cfg.model)
     metrics = EdgeMetrics()
     metrics.set_model(target.name, target.vocab_size)
-    if cfg.metrics_port:
-        from prometheus_client import start_http_server
-        start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
     server, port = await start_server(cfg, target, metrics)
-    stop = asyncio.Event()
+    probes = None
+    if cfg.metrics_port:
+        probes, _ = await start_probe_server(cfg.host, cfg.metrics_port, metrics.registry,
+                                             server._specdec_servicer.readiness)
+    signals = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.set)
     # After the handlers: a supervisor may send SIGTERM as soon as it reads this line.
-    log.info("edge-server ready on %s:%d model=%s vocab=%d", cfg.host, port, target.name, target.vocab_size)
-    await stop.wait()
-    log.info("edge-server shutting down (grace %.0f s)", GRACE_SECONDS)
-    await stop_server(server)
+    log.info("edge-server ready on %s:%d model=%s vocab=%d name=%s", cfg.host, port, target.name,
+             target.vocab_size, server._specdec_servicer.name)
+    await signals.wait()
+    signals.clear()
+    log.info("edge-server draining: no new sessions; running ones get up to %.0f s", cfg.drain_timeout_s)
+    await drain_server(server, cfg.drain_timeout_s, signals)
+    if probes is not None:
+        await probes.cleanup()
+    log.info("edge-server stopped")

@@ -13,12 +13,26 @@ New sessions pass admission (:mod:`specdec.edge.admission`): a cap per principal
 identity, else the peer's host), and a bounded queue when all ``max_sessions`` slots are held;
 a refusal is ``RESOURCE_EXHAUSTED`` with the limit and its value. Resuming one's own session is
 never refused: a detached session keeps its slot for the resume window.
+
+A resume of a session this edge does not hold (it ran on another edge of a fleet, this edge
+restarted, or its resume window ran out) starts a new session here, answered ``Welcome.resumed =
+false``: the device's Prompt is its whole verified prefix, which is re-prefilled. Every random number
+is keyed by (seed, purpose, position), so the session goes on with exactly the tokens it would have
+had. A Hello naming the target the session ran on (``target_fingerprint``) is refused here if this
+edge serves another one.
+
+Draining (SIGTERM, :meth:`SpeculativeDecodingServicer.drain`): the edge stops taking new sessions
+(``UNAVAILABLE``, reason ``draining``: the device tries another edge) and reports itself not ready;
+streams attached now get the drain time to finish; those still running then end at their next
+message with the same status, so their devices resume them elsewhere.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +56,8 @@ log = logging.getLogger("specdec.edge")
 
 SESSION_ID_BYTES = 16    # 128 random bits: session ids are unguessable
 RESUME_TOKEN_BYTES = 32  # the secret that, with the same credentials, lets a stream resume a session
+SESSION_ID_RE = re.compile(f"[0-9a-f]{{{2 * SESSION_ID_BYTES}}}")  # secrets.token_hex's form
+MOVED = "moved"  # status of a session a drain ended so that its device resumes it on another edge
 
 
 class _SessionEnd(Exception):
@@ -78,7 +94,8 @@ class _Entry:
 class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def __init__(self, target, info: TargetInfo, limits: EdgeLimits, executor: ThreadPoolExecutor,
                  metrics=None, auth: Authenticator | None = None,
-                 admission: AdmissionSettings | None = None, scheduler: ForwardScheduler | None = None):
+                 admission: AdmissionSettings | None = None, scheduler: ForwardScheduler | None = None,
+                 name: str = ""):
         self.target = target
         self.info = info
         self.limits = limits
@@ -88,6 +105,12 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self.sessions: dict[str, _Entry] = {}
         self.admission = Admission(admission or AdmissionSettings(), limits.max_sessions, metrics)
         self.scheduler = scheduler  # None: every session runs its own forwards (--no-batching)
+        self.name = name            # Welcome.edge_name: which edge of a fleet this is
+        self.draining = False       # SIGTERM: no new sessions, not ready
+        self.moving = False         # the drain time is up: running sessions are sent elsewhere
+        self._streams = 0           # streams attached to a session right now
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
 
     async def Generate(self, request_iterator, context):
         # Credentials first: an unauthenticated caller gets no model work at all.
@@ -101,7 +124,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             closed = await self._serve(principal, context, state)
             status = "ok" if closed else None  # end of stream without Close: keep it for a resume
         except _SessionEnd as end:
-            status = end.code.name.lower()
+            status = MOVED if end.reason == P.DRAINING and state["sid"] else end.code.name.lower()
             if end.reason:
                 context.set_trailing_metadata(((P.REASON_KEY, end.reason),))
             await context.abort(end.code, end.details)
@@ -116,8 +139,16 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         hello = await self._expect(context, P.Hello, "Hello")
         sid, entry, resumed = await self._attach(hello, principal, state["counts_as"])
         state["sid"], state["gen"] = sid, entry.generation
-        welcome = replace(entry.session.welcome(), session_id=sid, resume_token=entry.resume_token,
-                          resumed=resumed)
+        self._stream_attached(1)
+        try:
+            return await self._stream(context, entry, resumed)
+        finally:
+            self._stream_attached(-1)
+
+    async def _stream(self, context, entry: _Entry, resumed: bool) -> bool:
+        """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close."""
+        welcome = replace(entry.session.welcome(), session_id=entry.session.session_id,
+                          resume_token=entry.resume_token, resumed=resumed, edge_name=self.name)
         await context.write(wire.welcome_to_pb(welcome))
         prompt = await self._read(context)
         if prompt is None and resumed:
@@ -135,24 +166,34 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             if isinstance(msg, P.Close):
                 self._observe_request(entry.session, len(prompt.token_ids), time.perf_counter() - t_start)
                 return True
+            if self.moving:  # at a round boundary: the device redrafts this round on another edge
+                raise _SessionEnd(grpc.StatusCode.UNAVAILABLE, "edge is draining (shutting down): resume the "
+                                  "session on another edge", P.DRAINING)
             async with entry.lock:
                 await self._dispatch(entry.session, msg, size, context)
 
     async def _attach(self, hello: P.Hello, principal: str, counts_as: str) -> tuple[str, _Entry, bool]:
         """(session id, entry, resumed): the session to resume, or a new one once admitted.
         ``counts_as``: whom the session counts against for the per-principal cap."""
-        if hello.resume_session_id:
+        resuming = bool(hello.resume_session_id or hello.resume_token)
+        if resuming:
+            _check_resume_fields(hello)
             entry = self.sessions.get(hello.resume_session_id)
             if entry is not None:
                 if entry.principal != principal or not hmac.compare_digest(entry.resume_token, hello.resume_token):
                     raise _SessionEnd(grpc.StatusCode.PERMISSION_DENIED, "not the owner of that session")
+                if self.moving:  # the drain is over: resume it elsewhere
+                    self._refuse_draining()
                 entry.generation += 1  # a half-dead older stream is superseded
                 entry.detached = False
                 self.admission.rebind(entry.slot, counts_as)  # it holds its slot: never refused
                 if self.metrics:
                     self.metrics.session_resumed()
                 return hello.resume_session_id, entry, True
-            # Unknown (expired, or the edge restarted): a fresh session re-prefills the device's prefix.
+            # Unknown (another edge's, expired, or this edge restarted): a fresh session re-prefills
+            # the device's verified prefix.
+        if self.draining:
+            self._refuse_draining()
         sid = secrets.token_hex(SESSION_ID_BYTES)
         try:
             self.admission.check_cap(counts_as)  # over its cap: refused before any work
@@ -169,7 +210,52 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self.sessions[sid] = entry
         if self.metrics:
             self.metrics.session_started(hello.draft.mode.value)
+            if resuming:
+                self.metrics.session_reprefilled()
         return sid, entry, False
+
+    @staticmethod
+    def _refuse_draining():
+        raise _SessionEnd(grpc.StatusCode.UNAVAILABLE, "edge is draining (shutting down): it takes no new "
+                          "sessions; try another edge", P.DRAINING)
+
+    # -- draining and readiness ---------------------------------------------------------------------
+    def _stream_attached(self, delta: int) -> None:
+        self._streams += delta
+        if self._streams:
+            self._no_streams.clear()
+        else:
+            self._no_streams.set()
+
+    @property
+    def attached_streams(self) -> int:
+        return self._streams
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): whether a new session would be taken now (what a load balancer's check or a
+        Kubernetes readiness probe asks); not while draining or while admission refuses at once."""
+        if self.draining:
+            return False, "draining"
+        if self.admission.saturated:
+            return False, (f"full: {self.admission.in_use} sessions held and {self.admission.queued} "
+                           "waiting in the admission queue")
+        return True, "ready"
+
+    async def drain(self, timeout_s: float) -> int:
+        """Take no new sessions; give the streams attached now up to ``timeout_s`` to finish, then
+        send those still running to another edge (at their next message). Returns how many were
+        still attached when the time was up."""
+        self.draining = True
+        if self.metrics:
+            self.metrics.set_draining(True)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+        self.moving = True
+        return self._streams
+
+    async def wait_streams_ended(self, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
 
     def _new_session(self, hello: P.Hello, sid: str) -> VerifierSession:
         forward = self.scheduler.forward if self.scheduler is not None else forward_alone
@@ -313,3 +399,14 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def _observe_end(self, status: str, started: bool) -> None:
         if self.metrics:
             self.metrics.session_ended(status, started)
+
+
+def _check_resume_fields(hello: P.Hello) -> None:
+    """A resume names a session id of this protocol's form and carries its resume token."""
+    if not SESSION_ID_RE.fullmatch(hello.resume_session_id):
+        raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"malformed resume_session_id {hello.resume_session_id[:40]!r}: expected "
+                          f"{2 * SESSION_ID_BYTES} lowercase hex digits")
+    if len(hello.resume_token) != RESUME_TOKEN_BYTES:
+        raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"resume_token of {len(hello.resume_token)} bytes: expected {RESUME_TOKEN_BYTES}")

@@ -29,8 +29,8 @@ from specdec.common.sampling import model_probs, validate_hello
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from specdec.common.protocol import (CONTEXT_FULL, PROTOCOL_VERSION, DraftBlock, DraftSettings, Hello, Prompt,
-                                     ResidualReply, ResidualRequest, Verdict, Welcome)
+from specdec.common.protocol import (CONTEXT_FULL, PROTOCOL_VERSION, TARGET_MISMATCH, DraftBlock,
+                                     DraftSettings, Hello, Prompt, ResidualReply, ResidualRequest, Verdict, Welcome)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,12 @@ class _PendingReject:
 
 
 class RefusedError(ValueError):
-    """A Hello the edge will not serve (version, vocabulary or limits); maps to FAILED_PRECONDITION."""
+    """A Hello the edge will not serve (version, vocabulary, target or limits); maps to
+    FAILED_PRECONDITION, with ``reason`` sent to the device as protocol.REASON_KEY when set."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 class LimitError(ValueError):
@@ -75,6 +80,7 @@ class TargetInfo:
     vocab_size: int
     fingerprint: str
     max_context: int
+    target_fingerprint: str = ""  # weights and vocabulary (modeling.target_fingerprint); "" = not known
 
 
 Forward = Callable[[ForwardRequest], torch.Tensor]  # runs one target forward, returns its logits
@@ -120,6 +126,11 @@ class VerifierSession:
             raise RefusedError(
                 f"vocabulary mismatch: device {hello.vocab_fingerprint[:12]}/{hello.vocab_size}, "
                 f"edge {info.fingerprint[:12]}/{info.vocab_size} ({info.name})")
+        if hello.target_fingerprint and hello.target_fingerprint != info.target_fingerprint:
+            raise RefusedError(
+                f"target mismatch: the session ran on target {hello.target_fingerprint[:12]}, this edge "
+                f"serves {info.target_fingerprint[:12] or 'an unfingerprinted target'} ({info.name}); "
+                "continuing here would change the output distribution", TARGET_MISMATCH)
         validate_hello(hello)
         _check_limits(hello.draft, info, limits)
 
@@ -127,7 +138,8 @@ class VerifierSession:
         return Welcome(session_id=self.session_id, model_name=self.info.name,
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
                        max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
-                       dssd_max_samples=self.limits.dssd_max_samples)
+                       dssd_max_samples=self.limits.dssd_max_samples,
+                       target_fingerprint=self.info.target_fingerprint)
 
     # -- prompt ----------------------------------------------------------------------------------
     def prefill(self, prompt: Prompt) -> None:
