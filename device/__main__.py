@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from specdec.common.settings import Mode
 from specdec.common.modeling import DTYPES
 from specdec.common.settings import ALL_MODES, DraftSettings, check_value, setting_info, setting_names
 from specdec.common.runtime import OneLineParser, apply_threads, bounded, is_local_address, run_async
+from specdec.device.fleet import Selection, parse_edges
 from specdec.device.runner import DeviceConfig, run_device
 
 SEED_MAX = 2**64 - 1  # Hello.seed is a uint64
@@ -65,7 +67,14 @@ def _setting_parser(name: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="device-client", description="specdec device client: drafts locally, verifies on the edge")
-    p.add_argument("--edge", required=True, help="edge server HOST:PORT")
+    p.add_argument("--edge", required=True, type=_edges,
+                   help="edge server HOST:PORT (or a gRPC proxy in front of several); several edges as "
+                        "HOST:PORT,HOST:PORT,...; or a gRPC target such as dns:///NAME:PORT, every address of "
+                        "which is an edge. A session whose edge fails continues on another, exactly")
+    p.add_argument("--edge-selection", choices=[s.value for s in Selection], default=Selection.LEAST_LOADED.value,
+                   help="with several edges, which one a new session starts on: the one with the fewest of "
+                        "this device's sessions and the shortest reported queue, or the next in turn "
+                        "(default: %(default)s)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--draft-model", help="drafter: HF directory or hub id (default: the embedded default drafter)")
@@ -112,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Flags that are not DeviceConfig fields.
-_NOT_CONFIG = {"threads", "log_level", "listen", "served_model_name", "connect_timeout", *setting_names()}
+_NOT_CONFIG = {"threads", "log_level", "listen", "served_model_name", "connect_timeout", "api_key", "api_key_file",
+               "allow_no_api_key", *setting_names()}
 
 
 def config_from_args(a) -> DeviceConfig:
@@ -129,6 +139,14 @@ SERVE_DEFAULTS = dict(temperature=1.0,   # OpenAI's default for requests that do
                       prompt="", raw=False, json=False, round_log=False, num_samples=1, seed=0, linger=0.0)
 
 
+def _edges(text: str) -> str:
+    try:
+        parse_edges(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 def _host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
@@ -138,8 +156,14 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def _edge_on_this_host(edge: str) -> bool:
     """Whether --edge names this machine (then the two processes share its cores)."""
-    host = edge.rpartition(":")[0] or edge
-    return is_local_address(host)
+    hosts = []
+    for target in parse_edges(edge):
+        scheme, _, rest = target.partition(":")
+        if scheme in ("dns", "ipv4", "ipv6"):  # dns:///NAME:PORT, ipv4:A:P,B:P
+            hosts += [a.rpartition(":")[0] for a in rest.lstrip("/").split(",")]
+        else:
+            hosts.append(target.rpartition(":")[0] or target)
+    return any(is_local_address(h.strip("[]")) for h in hosts if h)
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
@@ -153,18 +177,47 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default="specdec", help="model id listed by /v1/models")
     p.add_argument("--connect-timeout", type=bounded(float, 0.0, low_open=True), default=3.0,
                    help="seconds to wait for the edge before answering 503")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                     f"(also ${API_KEY_ENV}; a key on the command line is visible to other local users: "
+                     "prefer --api-key-file)")
+    key.add_argument("--api-key-file", help="read the API key from the first non-comment line of this file")
+    p.add_argument("--allow-no-api-key", action="store_true",
+                   help="listen beyond loopback without an API key (refused otherwise: whoever reaches the port "
+                        "uses this device's edge credentials)")
     p.set_defaults(**SERVE_DEFAULTS)
     return p
 
 
+API_KEY_ENV = "SPECDEC_API_KEY"
+
+
+def _api_key(args) -> str | None:
+    """The daemon's API key: --api-key, --api-key-file, else $SPECDEC_API_KEY; None = no key."""
+    from specdec.device.runner import read_token
+
+    if args.api_key_file:
+        return read_token(args.api_key_file)
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty")
+    return key.strip() if key else None
+
+
 def serve_main(argv: list[str]) -> int:
-    from specdec.device.daemon import DaemonConfig, serve
+    from specdec.device.daemon import DaemonConfig, check_exposure, serve
 
     args = build_serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host, port = args.listen
-    cfg = DaemonConfig(device=config_from_args(args), host=host, port=port,
-                       model_name=args.served_model_name, connect_timeout=args.connect_timeout)
+    try:
+        cfg = DaemonConfig(device=config_from_args(args), host=host, port=port,
+                           model_name=args.served_model_name, connect_timeout=args.connect_timeout,
+                           api_key=_api_key(args), allow_no_api_key=args.allow_no_api_key)
+        check_exposure(cfg)
+    except (OSError, ValueError) as exc:  # an unreadable or empty key file, or no key beyond loopback
+        sys.stderr.write(f"device-client serve: error: {exc}\n")
+        return 2
     apply_threads("device-client serve", args.threads, _edge_on_this_host(args.edge))
     try:
         run_async(serve(cfg))

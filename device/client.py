@@ -21,6 +21,7 @@ from specdec.common import wire
 from specdec.common.settings import Mode
 from specdec.common.stats import RoundRecord
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
+from specdec.device.fleet import Failover, Fleet, Route, SessionTrail
 from specdec.device.session import DraftSession, RoundDraft
 from specdec.device.metrics import DeviceMetrics
 
@@ -57,6 +58,7 @@ class GenerationResult:
     round_uplink_bytes: list[int] = field(default_factory=list)
     reconnects: int = 0            # broken streams resumed
     t_start: float | None = None
+    trail: SessionTrail = field(default_factory=SessionTrail)  # the edges it ran on, moves, resumes
 
     def add_round(self, r: RoundRecord) -> None:
         self.uplink_bytes += r.uplink_bytes
@@ -73,13 +75,16 @@ class _Stream:
     mode: str = ""
     round_timeout: float | None = None
     _pending: asyncio.Future | None = None
+    seen: dict | None = None            # watch_status(call): the first final status it gets
+    route: Route | None = None          # the fleet's route this stream runs on
+    trail: SessionTrail | None = None   # the session's record of edges and resumes
+    edge: str | None = None             # the edge that welcomed this stream
 
     async def send(self, msg) -> int:
         try:
             await self.call.write(msg)
-        except asyncio.InvalidStateError:  # the RPC already ended (link cut, edge gone): why?
-            raise EdgeError(await self.call.code(), await self.call.details() or "stream ended",
-                            _reason(await self.call.trailing_metadata())) from None
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # the RPC already ended: why?
+            raise await final_error(self.call, self.seen) from None
         return msg.ByteSize()
 
     async def recv(self):
@@ -95,7 +100,75 @@ class _Stream:
                             f"no answer from the edge within {self.round_timeout:g} s") from None
         if msg is grpc.aio.EOF:
             raise EdgeError(grpc.StatusCode.UNAVAILABLE, "edge closed the stream")
+        self._observe(msg)
         return msg
+
+    def _observe(self, msg) -> None:
+        """What the fleet learns from the edge: where the session runs, and the edge's queue time."""
+        if self.route is None:
+            return
+        kind = msg.WhichOneof("kind")
+        if kind == "verdict":
+            self.route.observe_queue(msg.verdict.timings.queue_seconds)
+        elif kind == "welcome" and self.trail is not None:
+            self.edge, resume, moved = self.trail.welcomed(wire.welcome_from_pb(msg.welcome), self.route)
+            if self.metrics:
+                self.metrics.fleet_welcomed(self.edge, resume, moved)
+
+
+# grpc.aio reports a write that fails because the call has already ended (the edge, or a proxy,
+# refused it while the device was still writing) as INTERNAL "Internal error from Core", set locally
+# (grpc issue 36066). The peer's own status (UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...) either came just
+# before, and that local status overwrote it, or comes moments later and overwrites the local one.
+# watch_status keeps the first status a call got; final_error waits this long for a later one (a
+# round trip on a slow link; a connection that died has its status, UNAVAILABLE, at once).
+FINAL_STATUS_WAIT_S = 1.0
+FINAL_STATUS_POLL_S = 0.01
+
+
+def _is_local_write_failure(code, details) -> bool:
+    return code is grpc.StatusCode.INTERNAL and details == CORE_TRANSPORT_FAILURE
+
+
+def _at_once(coro):
+    """The value of a coroutine that completes without suspending (a finished call's status
+    accessors), from synchronous code; None if it would have to wait."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    return None
+
+
+def watch_status(call) -> dict:
+    """A dict that receives the first final status the call gets, (code, details, trailing metadata),
+    under "first", the moment it is set (before anything can overwrite it)."""
+    seen: dict = {}
+
+    def done(c) -> None:
+        if "first" not in seen:
+            seen["first"] = (_at_once(c.code()), _at_once(c.details()), _at_once(c.trailing_metadata()))
+    call.add_done_callback(done)
+    return seen
+
+
+async def final_error(call, seen: dict | None = None) -> "EdgeError":
+    """The call's final status as an EdgeError. When it is only the local write failure, the peer's
+    status: the one that came first (``seen``, from watch_status) or one that comes within
+    FINAL_STATUS_WAIT_S, so that a refusal is never mistaken for a broken connection and retried."""
+    first = (seen or {}).get("first")
+    if first and first[0] is not None and not _is_local_write_failure(first[0], first[1]):
+        code, details, trailing = first
+        return EdgeError(code, details or "stream ended", _reason(trailing))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + FINAL_STATUS_WAIT_S
+    while True:
+        code, details = await call.code(), await call.details()
+        if not _is_local_write_failure(code, details) or loop.time() >= deadline:
+            break
+        await asyncio.sleep(FINAL_STATUS_POLL_S)
+    return EdgeError(code, details or "stream ended", _reason(await call.trailing_metadata()))
 
 
 # Statuses after which the device reconnects and resumes instead of failing: the link or the edge
@@ -127,24 +200,27 @@ class ConnectionPolicy:
     metadata: tuple[tuple[str, str], ...] = ()  # call metadata, e.g. ("authorization", "Bearer ...")
 
 
-async def generate(channel: grpc.aio.Channel, session: DraftSession, hello: P.Hello,
+async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello: P.Hello,
                    prompt_ids: list[int], eos_ids: tuple[int, ...],
                    on_tokens: Callable[[list[int]], None] | None = None,
                    timeout: float | None = None, metrics: DeviceMetrics | None = None,
                    policy: ConnectionPolicy = ConnectionPolicy()) -> GenerationResult:
     """Run one session to EOS or ``hello.max_new_tokens``; stream new tokens to ``on_tokens``.
 
-    A broken stream (link cut, edge restart, round timeout) is retried with backoff: the device
-    resumes its session with the edge's resume token and re-sends its verified prefix, so no
-    verified token is lost or duplicated. ``timeout`` bounds the whole session.
+    ``edges``: a channel to one edge (or to a proxy), or a :class:`~specdec.device.fleet.Fleet`.
+    A broken stream (link cut, edge restart or gone, a drain, round timeout) is resumed: on the same
+    edge first (its KV cache), else on another (which re-prefills the verified prefix); every random
+    number is keyed by (seed, purpose, position), so no verified token is lost, duplicated or changed.
+    A refusal is never retried. ``timeout`` bounds the whole session.
     """
+    fleet = edges if isinstance(edges, Fleet) else Fleet.of_channel(edges)
     mode = "auto" if session.policy is not None else hello.draft.mode.value
     if metrics:
         metrics.session_started(mode)
     status = "ok"
     try:
         result = await asyncio.wait_for(
-            _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy), timeout)
+            _resilient(fleet, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy), timeout)
         if metrics:
             metrics.request_done(mode, result.wall_seconds, len(result.token_ids))
         return result
@@ -162,21 +238,24 @@ async def generate(channel: grpc.aio.Channel, session: DraftSession, hello: P.He
             metrics.session_ended(status)
 
 
-async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy) -> GenerationResult:
-    stub = pb_grpc.SpeculativeDecodingStub(channel)
+async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy) -> GenerationResult:
     result = GenerationResult(token_ids=[], welcome=None)
     session.start(prompt_ids)
-    backoff = policy.backoff_initial_s
-    give_up_at = None
+    failover = Failover(fleet, policy, _retryable)
+    route, home, delivered = fleet.pick(), None, 0
+    metadata = (*policy.metadata, (P.SESSION_KEY, result.trail.key))  # the same on every stream: affinity
     while True:
-        call = stub.Generate(metadata=policy.metadata or None)
+        call = pb_grpc.SpeculativeDecodingStub(route.channel).Generate(metadata=metadata)
         stream = _Stream(call, metrics=metrics, mode="auto" if session.policy is not None else hello.draft.mode.value,
-                         round_timeout=policy.round_timeout_s)
+                         round_timeout=policy.round_timeout_s, seen=watch_status(call), route=route,
+                         trail=result.trail)
+        route.open_sessions += 1
         try:
             await _run(stream, session, hello, eos_ids, on_tokens, result)
+            fleet.succeeded(route)
             return result
-        except grpc.aio.AioRpcError as exc:
-            error = EdgeError(exc.code(), exc.details() or "", _reason(exc.trailing_metadata()))
+        except grpc.aio.AioRpcError:
+            error = await final_error(call, stream.seen)
         except EdgeError as exc:
             error = exc
         except BaseException:  # cancelled, or stopped by the caller: free the edge session at once
@@ -184,18 +263,20 @@ async def _resilient(channel, session, hello, prompt_ids, eos_ids, on_tokens, me
             raise
         finally:
             call.cancel()
-        if not _retryable(error) or result.welcome is None:
-            raise error  # refused, or never reached the edge at all: nothing to resume
-        now = time.monotonic()
-        give_up_at = give_up_at or now + policy.reconnect_timeout_s
-        if now >= give_up_at:
-            raise EdgeError(error.code, f"{error.details} (gave up reconnecting after "
-                                        f"{policy.reconnect_timeout_s:g} s)", error.reason)
-        await asyncio.to_thread(session.abort_round)
-        result.reconnects += 1
-        log.warning("stream to the edge broke (%s: %s); resuming in %.1f s", error.code.name, error.details, backoff)
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, policy.backoff_max_s)
+            route.open_sessions -= 1
+            if metrics and stream.edge is not None:
+                metrics.fleet_left(stream.edge)
+        if stream.edge is not None:
+            home = route
+            # Wherever it continues, the target must be the one it ran on (else the law changes).
+            hello = replace(hello, target_fingerprint=result.welcome.target_fingerprint)
+        progressed, delivered = len(result.token_ids) > delivered, len(result.token_ids)
+        route = await failover.next(route, error, home=home, progressed=progressed)
+        if result.welcome is not None:
+            await asyncio.to_thread(session.abort_round)
+            result.reconnects += 1
+        log.warning("stream to the edge broke (%s: %s); resuming via %s", error.code.name, error.details,
+                    route.target)
 
 
 async def _close_quietly(call) -> None:

@@ -1,17 +1,25 @@
 """`device-client serve`: the device as a long-running daemon with an OpenAI-compatible HTTP API.
 
-One process keeps the drafter loaded, ONE grpc.aio channel open to the edge (gRPC reconnects it by
-itself after an edge restart) and its Prometheus metrics exported, and serves ``GET /v1/models``,
+One process keeps the drafter loaded, one grpc.aio channel open to each edge of ``--edge`` (gRPC
+reconnects them by itself after an edge restart; a request whose edge fails continues on another,
+device/fleet.py) and its Prometheus metrics exported, and serves ``GET /v1/models``,
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (aiohttp, on the same uvloop as gRPC).
 Every choice of every request is its own edge session run by :func:`specdec.device.client.generate`,
 the same engine as the one-shot command; a client that disconnects cancels its handler
 (``handler_cancellation``), which ends its sessions between rounds with a Close, so the edge frees
 both KV caches at once.
 Request parsing and response shapes live in :mod:`specdec.device.openai_schema`.
+
+The daemon holds the device's edge credentials, so whoever reaches its port spends them: with
+``--api-key`` (or a key file) every endpoint but ``/health`` wants ``Authorization: Bearer <key>``,
+compared in constant time, and answers 401 in OpenAI's shape otherwise. Listening beyond loopback
+without a key is refused unless explicitly allowed (:func:`check_exposure`).
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -26,13 +34,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from specdec.common import protocol as P
 from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
+from specdec.common.runtime import is_loopback
 from specdec.device import openai_schema as S
 from specdec.device.client import EdgeError, generate
 from specdec.device.detokenize import Detokenizer
 from specdec.device.auto import LinkTracker
+from specdec.device.fleet import Fleet
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.openai_schema import ApiError, Choice
-from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_channel, new_session
+from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_fleet, new_session
 
 log = logging.getLogger("specdec.device.daemon")
 
@@ -60,6 +70,29 @@ class DaemonConfig:
     port: int = 8000              # 0 = pick a free port
     model_name: str = "specdec"   # the id /v1/models lists and responses echo when a request names none
     connect_timeout: float = 3.0  # seconds to wait for the edge connection before answering 503
+    api_key: str | None = None    # required as "Authorization: Bearer <key>" on every endpoint but /health
+    allow_no_api_key: bool = False  # listen beyond loopback without a key (anyone who reaches the port
+                                    # spends the device's edge credentials)
+
+    def __repr__(self) -> str:  # never print the key
+        return f"DaemonConfig(host={self.host!r}, port={self.port}, api_key={'set' if self.api_key else None})"
+
+
+class ExposureError(ValueError):
+    """The daemon would listen beyond loopback with no API key, and that was not explicitly allowed."""
+
+
+def check_exposure(cfg: DaemonConfig) -> None:
+    """Refuse (ExposureError) to listen beyond loopback without an API key unless allowed; when
+    allowed, warn loudly. The daemon spends the device's edge credentials for whoever calls it."""
+    if cfg.api_key or is_loopback(cfg.host):
+        return
+    if not cfg.allow_no_api_key:
+        raise ExposureError(f"listening on {cfg.host} without an API key would let anyone who reaches the port "
+                            "use this device's edge credentials: give --api-key or --api-key-file (or "
+                            "--allow-no-api-key to do it anyway)")
+    log.warning("NO API KEY on %s:%d: anyone who reaches this port can use the device's edge credentials",
+                cfg.host, cfg.port)
 
 
 class HttpMetrics:
@@ -131,13 +164,13 @@ def edge_api_error(exc: EdgeError) -> ApiError:
 
 
 class DeviceEngine:
-    """The drafter, one channel to the edge and the metrics; runs one choice as one edge session."""
+    """The drafter, the edges (one channel each) and the metrics; runs one choice as one edge session."""
 
-    def __init__(self, cfg: DaemonConfig, drafter: LoadedModel, channel: grpc.aio.Channel,
+    def __init__(self, cfg: DaemonConfig, drafter: LoadedModel, fleet: Fleet,
                  metrics: DeviceMetrics, operating_point: Mapping[str, Any] = ()):
         self.cfg = cfg
         self.drafter = drafter
-        self.channel = channel
+        self.fleet = fleet
         self.metrics = metrics
         self.fingerprint = vocab_fingerprint(drafter.tokenizer)
         self.policy = connection_policy(cfg.device)  # auth metadata, round timeout, resume after a broken stream
@@ -146,14 +179,12 @@ class DeviceEngine:
         self.started = int(time.time())
 
     async def check_edge(self) -> None:
-        """Answer 503 within ``connect_timeout`` rather than queue behind an unreachable edge."""
-        try:
-            await asyncio.wait_for(self.channel.channel_ready(), self.cfg.connect_timeout)
-        except TimeoutError:
-            state = self.channel.get_state(try_to_connect=False).name
-            raise ApiError(503, f"edge {self.cfg.device.edge} is unreachable (channel {state} after "
+        """Answer 503 within ``connect_timeout`` rather than queue behind unreachable edges."""
+        if not await self.fleet.ready(self.cfg.connect_timeout):
+            states = ", ".join(f"{t} {state}" for t, state in self.fleet.states().items())
+            raise ApiError(503, f"edge {self.cfg.device.edge} is unreachable ({states} after "
                            f"{self.cfg.connect_timeout:g} s)", type="server_error",
-                           code="edge_unavailable") from None
+                           code="edge_unavailable")
 
     def settings(self, p: S.SamplingParams) -> DeviceConfig:
         """The daemon's defaults with this request's sampling parameters and `specdec` overrides."""
@@ -207,7 +238,7 @@ class DeviceEngine:
                 raise _StopStringSeen
 
         try:
-            await generate(self.channel, session, hello, prompt_ids, self.drafter.eos_token_ids,
+            await generate(self.fleet, session, hello, prompt_ids, self.drafter.eos_token_ids,
                            on_tokens=on_tokens, timeout=cfg.timeout, metrics=self.metrics, policy=self.policy)
         except _StopStringSeen:
             pass
@@ -232,7 +263,8 @@ HTTP_METRICS = web.AppKey("http_metrics", HttpMetrics)
 
 
 def _error_response(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    headers = {"WWW-Authenticate": 'Bearer realm="specdec"'} if exc.status == 401 else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
 @web.middleware
@@ -261,6 +293,28 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     finally:
         metrics.in_flight.dec()
         metrics.requests.labels(route, str(status)).inc()
+
+
+UNAUTHENTICATED_PATHS = ("/health",)  # a load balancer's or orchestrator's probe carries no key
+
+
+def api_key_middleware(api_key: str):
+    """Every route but UNAUTHENTICATED_PATHS wants ``Authorization: Bearer <api_key>``; the digests are
+    compared in constant time (no early exit on the first differing byte, nor on the length)."""
+    expected = hashlib.sha256(api_key.encode()).digest()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.path in UNAUTHENTICATED_PATHS:
+            return await handler(request)
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(hashlib.sha256(given.strip().encode()).digest(), expected):
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return await handler(request)
+    return check_key
 
 
 async def _json_body(request: web.Request):
@@ -405,7 +459,8 @@ async def _pump(resp: web.StreamResponse, maker: S.ChunkMaker, queue: asyncio.Qu
 
 
 def build_app(engine: DeviceEngine, http_metrics: HttpMetrics) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    key = [api_key_middleware(engine.cfg.api_key)] if engine.cfg.api_key else []
+    app = web.Application(middlewares=[_errors, *key], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[HTTP_METRICS] = http_metrics
     app.router.add_get("/v1/models", _models)
@@ -438,7 +493,7 @@ class RunningDaemon:
         """Stop listening, give in-flight requests GRACE_SECONDS, then close the edge channel."""
         for runner in self.runners:
             await runner.cleanup()
-        await self.engine.channel.close(GRACE_SECONDS)
+        await self.engine.fleet.close(GRACE_SECONDS)
 
 
 async def _listen(app: web.Application, host: str, port: int, **kw) -> tuple[web.AppRunner, int]:
@@ -452,13 +507,15 @@ async def _listen(app: web.Application, host: str, port: int, **kw) -> tuple[web
 
 async def start_daemon(cfg: DaemonConfig, drafter: LoadedModel | None = None,
                        metrics: DeviceMetrics | None = None) -> RunningDaemon:
-    """Load the drafter (unless given), open the edge channel, start the HTTP API and metrics."""
+    """Load the drafter (unless given), open the edge channels, start the HTTP API and metrics.
+    ExposureError before anything is loaded if it would listen beyond loopback without a key."""
+    check_exposure(cfg)
     choice = choose_drafter(cfg.device)
     if drafter is None:
         drafter = await asyncio.to_thread(load_model, choice.spec)
     metrics = metrics or DeviceMetrics()
-    channel = edge_channel(cfg.device)  # TLS and a short reconnect backoff, as the one-shot command's
-    engine = DeviceEngine(cfg, drafter, channel, metrics, choice.operating_point)
+    fleet = edge_fleet(cfg.device)  # TLS and a short reconnect backoff, as the one-shot command's
+    engine = DeviceEngine(cfg, drafter, fleet, metrics, choice.operating_point)
     app = build_app(engine, HttpMetrics(metrics.registry))
     # handler_cancellation: a client that goes away cancels its handler, hence its edge sessions.
     api, port = await _listen(app, cfg.host, cfg.port, handler_cancellation=True)

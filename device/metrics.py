@@ -4,6 +4,10 @@ sees: the transmitted support sizes, the C-SQS threshold, tokens as delivered to
 
 - transmitted support size K, p50:
   ``histogram_quantile(0.5, sum by (le, mode) (rate(specdec_device_support_size_tokens_bucket[$__rate_interval])))``
+- fleet: this device's sessions per edge ``sum by (edge) (specdec_device_fleet_sessions)``; sessions
+  that moved to another edge per second ``rate(specdec_device_fleet_moves_total[$__rate_interval])``;
+  resumes by kind (``kv``: the edge still held the session; ``reprefill``: started over from the
+  verified prefix) ``sum by (kind) (rate(specdec_device_fleet_resumes_total[$__rate_interval]))``
 - mode auto, rounds per second per chosen mode:
   ``sum by (mode) (rate(specdec_device_auto_choices_total[$__rate_interval]))`` (divided by its sum over
   modes: the share of each); the controller's latest estimates are
@@ -16,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from specdec.common.settings import Mode
 from specdec.common.metrics import SpecMetrics
 from specdec.common.stats import PHASES, RoundRecord
+from specdec.device.fleet import RESUME_KINDS
 
 # K: 1 (a point mass) up to the vocabulary (dense: 49k for SmolLM2, 152k for Qwen-size vocabularies).
 SUPPORT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536, 262144)
@@ -43,6 +48,15 @@ class DeviceMetrics(SpecMetrics):
         self.auto_gauges = {key: Gauge(f"auto_{name}", text, **self.kw) for key, name, text in AUTO_GAUGES}
         for mode in Mode:  # zero series, not missing ones, for modes not chosen yet
             self.auto_choices.labels(mode.value)
+        # The edge label takes Welcome.edge_name: one value per edge of the fleet, never per session.
+        self.fleet_sessions = Gauge("fleet_sessions", "Sessions running on each edge now", ["edge"], **self.kw)
+        self.fleet_moves = Counter("fleet_moves", "Sessions that continued on another edge than the one "
+                                   "they ran on", **self.kw)
+        self.fleet_resumes = Counter("fleet_resumes", "Broken streams resumed, by kind: kv (the edge still "
+                                     "held the session) or reprefill (started over from the verified prefix)",
+                                     ["kind"], **self.kw)
+        for kind in RESUME_KINDS:
+            self.fleet_resumes.labels(kind)
 
     def observe_round(self, r: RoundRecord) -> None:
         super().observe_round(r)
@@ -58,6 +72,17 @@ class DeviceMetrics(SpecMetrics):
         self.auto_choices.labels(last["mode"]).inc()
         for key, gauge in self.auto_gauges.items():
             gauge.set(last.get(key) or 0.0)
+
+    def fleet_welcomed(self, edge: str, resume: str | None, moved: bool) -> None:
+        """A stream of a session started on ``edge``: the first one (``resume`` None) or a resume."""
+        self.fleet_sessions.labels(edge).inc()
+        if resume is not None:
+            self.fleet_resumes.labels(resume).inc()
+        if moved:
+            self.fleet_moves.inc()
+
+    def fleet_left(self, edge: str) -> None:
+        self.fleet_sessions.labels(edge).dec()
 
     def tokens_delivered(self, mode: str, n: int) -> None:
         """Verified tokens handed to the caller (after the cut at EOS / max_new_tokens)."""

@@ -16,6 +16,7 @@ from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_
 from specdec.common.protocol import DraftSettings, Hello
 from specdec.device.auto import AutoPolicy, LinkTracker
 from specdec.device.client import ConnectionPolicy, GenerationResult, generate
+from specdec.device.fleet import Fleet, Selection, parse_edges
 from specdec.device.lean_drafter import default_drafter_spec, drafter_meta, has_default_drafter
 from specdec.device.session import DraftSession
 from specdec.device.metrics import DeviceMetrics
@@ -36,7 +37,8 @@ AUTO_BY_DEFAULT = True
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    edge: str = "127.0.0.1:50051"       # edge HOST:PORT
+    edge: str = "127.0.0.1:50051"       # edge HOST:PORT, several (comma-separated) or a gRPC target (dns:///...)
+    edge_selection: str = Selection.LEAST_LOADED.value  # which edge of several a new session starts on
     prompt: str = ""
     raw: bool = False                   # skip the chat template
     draft_model: str | None = None      # HF dir / hub id; None = the default (or interim) embedded drafter
@@ -138,10 +140,21 @@ def connection_policy(cfg: DeviceConfig) -> ConnectionPolicy:
 
 def edge_channel(cfg: DeviceConfig, extra_options: tuple = ()) -> grpc.aio.Channel:
     """A channel to ``cfg.edge`` (TLS when a CA or client certificate is given); call in a coroutine."""
-    tls = None
+    return open_channel(cfg.edge, extra_options, tls=client_tls(cfg))
+
+
+def edge_fleet(cfg: DeviceConfig) -> Fleet:
+    """The edges ``cfg.edge`` names (device/fleet.py), one channel each, TLS as for one edge; call in
+    a coroutine. ValueError if ``cfg.edge`` is malformed."""
+    tls = client_tls(cfg)
+    return Fleet(parse_edges(cfg.edge), lambda target, options: open_channel(target, options, tls=tls),
+                 Selection(cfg.edge_selection))
+
+
+def client_tls(cfg: DeviceConfig) -> "ClientTls | None":
     if cfg.tls_ca or cfg.tls_cert:
-        tls = ClientTls(ca=cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key, server_name=cfg.tls_server_name)
-    return open_channel(cfg.edge, extra_options, tls=tls)
+        return ClientTls(ca=cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key, server_name=cfg.tls_server_name)
+    return None
 
 
 def read_token(path: str | Path) -> str:
@@ -224,6 +237,8 @@ def result_json(settings: DraftSettings, drafter: LoadedModel, session: DraftSes
             "tokens_per_second": n / r.wall_seconds if r.wall_seconds > 0 else 0.0,
             "time": {"draft": s.seconds["draft"], "encode": s.seconds["encode"],
                      "network": r.network_seconds, "verify": r.verify_seconds},
+            "reconnects": r.reconnects,
+            "fleet": r.trail.to_json(),  # the edges it ran on, moves, and how each resume went
         },
         **({"rounds": session.round_log} if session.round_log is not None else {}),
     }
@@ -260,13 +275,13 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
     results = []
     policy = connection_policy(cfg)
     tracker = LinkTracker()  # mode auto: what this device learns about its link, across its sessions
-    async with edge_channel(cfg) as channel:
+    async with edge_fleet(cfg) as fleet:
         for i in range(cfg.num_samples):
             hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i,
                               operating_point=choice.operating_point)
             session = new_session(cfg, drafter, hello, tracker)
             streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
-            r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids,
+            r = await generate(fleet, session, hello, prompt_ids, drafter.eos_token_ids,
                                on_tokens=streamer, timeout=cfg.timeout, metrics=metrics, policy=policy)
             record = result_json(hello.draft, drafter, session, r)
             results.append(record)
