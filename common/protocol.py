@@ -15,11 +15,12 @@ from specdec.common.settings import DraftSettings
 # p_j; an older edge ignores it (and ResidualRequest.whole) and sends the whole p_j, which a newer
 # device reads as such; an older edge's Welcome has no dssd_max_samples (0: its cap was 64).
 # So are the fleet fields: an older edge ignores Hello.target_fingerprint and leaves Welcome's
-# target_fingerprint and edge_name empty, which a newer device reads as "not said".
+# target_fingerprint and edge_name empty, which a newer device reads as "not said"; and End, which an
+# edge sends only to a device that asked for it (Hello.wants_end).
 PROTOCOL_VERSION = 1
 
 __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
-           "ResidualReply", "ResidualRequest", "Prompt", "Close"]
+           "ResidualReply", "ResidualRequest", "Prompt", "Close", "End"]
 
 
 # Why the edge ended a session, machine-readable, in the trailing metadata under REASON_KEY (a
@@ -56,6 +57,7 @@ class Hello:
     resume_token: bytes = b""     # the secret the edge gave for it in Welcome
     protocol_version: int = PROTOCOL_VERSION
     target_fingerprint: str = ""  # the target the session ran on (Welcome's); "" = any target
+    wants_end: bool = False       # the device reads End messages (and half-closes on one)
 
 
 @dataclass(frozen=True)
@@ -130,3 +132,11 @@ class Prompt:
 @dataclass(frozen=True)
 class Close:
     pass
+
+
+@dataclass(frozen=True)
+class End:
+    """How the edge ends the session, sent before the status itself (see the proto's End)."""
+    code: int                                  # the gRPC status code's number
+    details: str
+    reason: str = ""                           # as REASON_KEY

@@ -65,7 +65,7 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         vocab_fingerprint=h.vocab_fingerprint, vocab_size=h.vocab_size, temperature=h.temperature,
         target_top_p=h.target_top_p, target_top_k=h.target_top_k, draft=settings_to_pb(h.draft),
         seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
-        resume_token=h.resume_token, target_fingerprint=h.target_fingerprint,
+        resume_token=h.resume_token, target_fingerprint=h.target_fingerprint, wants_end=h.wants_end,
     ))
 
 
@@ -76,7 +76,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         target_top_p=m.target_top_p, target_top_k=m.target_top_k,
         draft=settings_from_pb(m.draft, mode=m.mode),
         seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
-        resume_token=m.resume_token, target_fingerprint=m.target_fingerprint,
+        resume_token=m.resume_token, target_fingerprint=m.target_fingerprint, wants_end=m.wants_end,
     )
 
 
@@ -191,12 +191,21 @@ def device_message_from_pb(m: pb.DeviceMessage):
     return converters[kind]()
 
 
+def end_to_pb(e: P.End) -> pb.EdgeMessage:
+    return pb.EdgeMessage(end=pb.End(code=e.code, details=e.details, reason=e.reason))
+
+
+def end_from_pb(m: pb.End) -> P.End:
+    return P.End(code=m.code, details=m.details, reason=m.reason)
+
+
 def edge_message_from_pb(m: pb.EdgeMessage):
     kind = m.WhichOneof("kind")
     converters = {
         "welcome": lambda: welcome_from_pb(m.welcome),
         "verdict": lambda: verdict_from_pb(m.verdict),
         "residual": lambda: residual_from_pb(m.residual),
+        "end": lambda: end_from_pb(m.end),
     }
     if kind is None:
         raise ValueError("empty EdgeMessage")

@@ -100,6 +100,10 @@ class _Stream:
                             f"no answer from the edge within {self.round_timeout:g} s") from None
         if msg is grpc.aio.EOF:
             raise EdgeError(grpc.StatusCode.UNAVAILABLE, "edge closed the stream")
+        if msg.WhichOneof("kind") == "end":  # the session's status, ahead of the status itself
+            await _half_close(self.call)
+            end = wire.end_from_pb(msg.end)
+            raise EdgeError(STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN), end.details, end.reason)
         self._observe(msg)
         return msg
 
@@ -114,6 +118,15 @@ class _Stream:
             self.edge, resume, moved = self.trail.welcomed(wire.welcome_from_pb(msg.welcome), self.route)
             if self.metrics:
                 self.metrics.fleet_welcomed(self.edge, resume, moved)
+
+
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+async def _half_close(call) -> None:
+    """Done writing, so the edge can end the stream without resetting it (see End in the proto)."""
+    with contextlib.suppress(Exception):
+        await call.done_writing()
 
 
 # grpc.aio reports a write that fails because the call has already ended (the edge, or a proxy,
@@ -244,6 +257,7 @@ async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_token
     failover = Failover(fleet, policy, _retryable)
     route, home, delivered = fleet.pick(), None, 0
     metadata = (*policy.metadata, (P.SESSION_KEY, result.trail.key))  # the same on every stream: affinity
+    hello = replace(hello, wants_end=True)  # End messages: statuses that survive proxies (see the proto)
     while True:
         call = pb_grpc.SpeculativeDecodingStub(route.channel).Generate(metadata=metadata)
         stream = _Stream(call, metrics=metrics, mode="auto" if session.policy is not None else hello.draft.mode.value,

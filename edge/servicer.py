@@ -58,6 +58,7 @@ SESSION_ID_BYTES = 16    # 128 random bits: session ids are unguessable
 RESUME_TOKEN_BYTES = 32  # the secret that, with the same credentials, lets a stream resume a session
 SESSION_ID_RE = re.compile(f"[0-9a-f]{{{2 * SESSION_ID_BYTES}}}")  # secrets.token_hex's form
 MOVED = "moved"  # status of a session a drain ended so that its device resumes it on another edge
+END_WAIT_S = 5.0  # after an End, how long the device has to half-close before the status goes anyway
 
 
 class _SessionEnd(Exception):
@@ -113,30 +114,51 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self._no_streams.set()
 
     async def Generate(self, request_iterator, context):
+        state = {"sid": None, "gen": 0, "wants_end": False}
         # Credentials first: an unauthenticated caller gets no model work at all.
         principal = self.auth.principal(context.invocation_metadata(), context.auth_context())
         if principal is None:
             self._observe_end("unauthenticated", False)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials")
-        state = {"sid": None, "gen": 0, "counts_as": admission_principal(principal, context.peer())}
+            await self._refuse_unauthenticated(context, state)
+        state["counts_as"] = admission_principal(principal, context.peer())
         status = None
         try:
             closed = await self._serve(principal, context, state)
             status = "ok" if closed else None  # end of stream without Close: keep it for a resume
         except _SessionEnd as end:
             status = MOVED if end.reason == P.DRAINING and state["sid"] else end.code.name.lower()
-            if end.reason:
-                context.set_trailing_metadata(((P.REASON_KEY, end.reason),))
-            await context.abort(end.code, end.details)
+            await self._end(context, state, end)
         except asyncio.CancelledError:  # the stream broke: keep the session for a resume
             raise
         finally:
             self._release(state, status)
 
+    async def _end(self, context, state: dict, end: _SessionEnd):
+        """End the stream with ``end``'s status (and its reason as trailing metadata).
+
+        To a device that reads End messages the status goes first as one, and the stream ends once the
+        device has half-closed: a status sent while the device still writes comes with an HTTP/2
+        stream reset, which HAProxy 2.6 turns into CANCEL, dropping the status (its issue 1219)."""
+        if end.reason:
+            context.set_trailing_metadata(((P.REASON_KEY, end.reason),))
+        if state["wants_end"]:
+            with contextlib.suppress(Exception):
+                await context.write(wire.end_to_pb(P.End(end.code.value[0], end.details, end.reason)))
+                await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
+        await context.abort(end.code, end.details)
+
+    async def _refuse_unauthenticated(self, context, state: dict):
+        """UNAUTHENTICATED; the Hello is read first (nothing more) to learn whether End is understood."""
+        with contextlib.suppress(Exception):
+            msg = await asyncio.wait_for(context.read(), END_WAIT_S)
+            state["wants_end"] = msg is not grpc.aio.EOF and msg.HasField("hello") and msg.hello.wants_end
+        await self._end(context, state, _SessionEnd(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials"))
+
     # -- session lifecycle ---------------------------------------------------------------------------
     async def _serve(self, principal: str, context, state: dict) -> bool:
         """Serve one stream; True if the device closed the session, False if the stream just ended."""
         hello = await self._expect(context, P.Hello, "Hello")
+        state["wants_end"] = hello.wants_end
         sid, entry, resumed = await self._attach(hello, principal, state["counts_as"])
         state["sid"], state["gen"] = sid, entry.generation
         self._stream_attached(1)
@@ -410,3 +432,9 @@ def _check_resume_fields(hello: P.Hello) -> None:
     if len(hello.resume_token) != RESUME_TOKEN_BYTES:
         raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT,
                           f"resume_token of {len(hello.resume_token)} bytes: expected {RESUME_TOKEN_BYTES}")
+
+
+async def _until_half_closed(context) -> None:
+    """Read (and drop) what the device still sends until it half-closes."""
+    while await context.read() is not grpc.aio.EOF:
+        pass
