@@ -23,8 +23,8 @@ import urllib.request
 
 import grpc
 
-from fleet_rig import ALICE, MAX_NEW, PROMPT, edges, kill_busiest_after, sessions, total, unbroken
-from harness import device_config, load, run, target_greedy
+from tests.support.fleet_rig import ALICE, MAX_NEW, PROMPT, edges, kill_busiest_after, sessions, total, unbroken
+from tests.support.harness import device_config, load, run, target_greedy
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.modeling import encode_prompt, vocab_fingerprint

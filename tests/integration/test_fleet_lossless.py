@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from harness import device_config, edge, load, patched, run
-from linkcut import CuttableLink
+from tests.support.harness import device_config, edge, load, patched, run
+from tests.support.linkcut import CuttableLink
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.fleet import Fleet, Selection
@@ -24,9 +24,9 @@ from specdec.device.runner import open_channel
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
 from specdec.edge.verifier import EdgeLimits
-from test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from test_resume_lossless import OneGeneratorPerSession
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.integration.test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.integration.test_resume_lossless import OneGeneratorPerSession
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 # The default run checks 400 moved sessions (~13 s); the slow run 1200, as test_resume_lossless,
 # where the negative control falls far below the cut. (A moved session's tokens are exactly those of

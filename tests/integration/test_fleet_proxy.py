@@ -24,9 +24,9 @@ import time
 import grpc
 import pytest
 
-from fleet_rig import ALICE, MAX_NEW, Proxy, kill_busiest_after, sessions, start_edges, total, unbroken
-from harness import run
-from linkcut import CuttableLink
+from tests.support.fleet_rig import ALICE, MAX_NEW, Proxy, kill_busiest_after, sessions, start_edges, total, unbroken
+from tests.support.harness import run
+from tests.support.linkcut import CuttableLink
 from specdec.device.client import EdgeError
 from specdec.device.runner import open_channel
 

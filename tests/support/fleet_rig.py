@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from harness import ROOT, EdgeProcess, device_config, load, run, target_greedy
+from tests.support.harness import ROOT, EdgeProcess, device_config, load, run, target_greedy
 from specdec.common.modeling import ModelSpec, encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.runner import open_channel
