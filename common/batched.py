@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.modeling import CachedLM
+from specdec.common.modeling import CachedLM, cache_kwargs, returned_cache
 
 
 @dataclass
@@ -68,9 +68,9 @@ def forward_batch(requests: list[ForwardRequest], workspace: BatchWorkspace | No
     ids, positions = _padded_inputs(requests, lens, width, device)
     mask = _batch_mask(requests, lens, width).to(device)
     keep = max(1, max(r.num_logits for r in requests))
-    out = model(input_ids=ids, past_key_values=past, position_ids=positions, attention_mask=mask[:, None],
-                use_cache=True, logits_to_keep=keep)
-    _append_new_kv(requests, out.past_key_values)
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], use_cache=True,
+                logits_to_keep=keep, **cache_kwargs(model, past))
+    _append_new_kv(requests, returned_cache(out))
     logits = out.logits.float()
     return [logits[b, keep - r.num_logits:] for b, r in enumerate(requests)]
 

@@ -12,6 +12,7 @@ import concurrent.futures
 import functools
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import logging
 import os
@@ -423,6 +424,29 @@ def encode_prompt(tokenizer, text: str, *, raw: bool) -> list[int]:
     return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
+# transformers 5.24 renamed the KV cache of a forward and of its output from ``past_key_values`` to
+# ``cache`` (the old name still works there, with a FutureWarning); the GPU machine's 5.17, and the int4
+# default drafter's own forward, know only ``past_key_values``. Each model gets the name it declares.
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """``{name: cache}`` for ``model(...)``: the KV cache under the keyword its forward takes."""
+    return {_cache_keyword(type(model)): cache}
+
+
+def cache_field(output_type: type) -> str:
+    """The name a model output class gives its KV cache (``cache`` or ``past_key_values``)."""
+    return "cache" if "cache" in getattr(output_type, "__dataclass_fields__", ()) else "past_key_values"
+
+
+def returned_cache(out):
+    """The KV cache a forward returned, under whichever name its output has."""
+    return getattr(out, cache_field(type(out)))
+
+
 class CachedLM:
     """A causal LM with one sequence's KV cache: feed new tokens, read logits, roll back.
 
@@ -449,9 +473,9 @@ class CachedLM:
         start = self.cache_len
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(new_ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, past_key_values=self.cache, position_ids=positions,
-                         use_cache=True, logits_to_keep=num_logits)
-        self.cache = out.past_key_values
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=num_logits,
+                         **cache_kwargs(self.model, self.cache))
+        self.cache = returned_cache(out)
         return out.logits[0, -num_logits:].float()
 
     @torch.inference_mode()
@@ -467,11 +491,10 @@ class CachedLM:
             raise ValueError(f"attend {tuple(attend.shape)} / positions {tuple(positions.shape)} "
                              f"do not fit {n} new tokens after {self.cache_len} cached")
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=self.cache,
-                         position_ids=positions.to(self.device).unsqueeze(0),
+        out = self.model(input_ids=ids, position_ids=positions.to(self.device).unsqueeze(0),
                          attention_mask=attend.to(self.device)[None, None], use_cache=True,
-                         logits_to_keep=num_logits)
-        self.cache = out.past_key_values
+                         logits_to_keep=num_logits, **cache_kwargs(self.model, self.cache))
+        self.cache = returned_cache(out)
         return out.logits[0, -num_logits:].float()
 
     def keep(self, indices: list[int]) -> None:

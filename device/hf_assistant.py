@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from specdec.common.modeling import LoadedModel
+from specdec.common.modeling import LoadedModel, cache_field
 from specdec.device.lean_drafter import LeanDrafter
 
 
@@ -59,7 +59,7 @@ class LeanAssistant(PreTrainedModel, GenerationMixin):
 
             past_key_values = DynamicCache(config=self.config)
         out = self.lean(input_ids, past_key_values, position_ids=position_ids, logits_to_keep=logits_to_keep)
-        return CausalLMOutputWithPast(logits=out.logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(logits=out.logits, **{cache_field(CausalLMOutputWithPast): out.past_key_values})
 
 
 def as_assistant(drafter: LoadedModel) -> LoadedModel | None:
