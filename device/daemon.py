@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from specdec.common import protocol as P
 from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import is_loopback
-from specdec.device import openai_schema as S
+from specdec.device import openai_schema
 from specdec.device.client import EdgeError, generate
 from specdec.device.detokenize import Detokenizer
 from specdec.device.auto import LinkTracker
@@ -141,11 +141,11 @@ class _TextTracker:
         self.text += self.detokenizer.add(new)
         start = max(0, self._searched - self.longest_stop + 1)  # a match may straddle the old end
         self._searched = len(self.text)
-        cut = S.find_stop(self.text[start:], self.stops)
+        cut = openai_schema.find_stop(self.text[start:], self.stops)
         if cut >= 0:
             self.text, self.stopped = self.text[:start + cut], True
             return self._take(len(self.text))
-        return self._take(S.safe_length(self.text, self.stops))
+        return self._take(openai_schema.safe_length(self.text, self.stops))
 
     def flush(self) -> str:
         return self._take(len(self.text))
@@ -186,7 +186,7 @@ class DeviceEngine:
                            f"{self.cfg.connect_timeout:g} s)", type="server_error",
                            code="edge_unavailable")
 
-    def settings(self, p: S.SamplingParams) -> DeviceConfig:
+    def settings(self, p: openai_schema.SamplingParams) -> DeviceConfig:
         """The daemon's defaults with this request's sampling parameters and `specdec` overrides."""
         base = self.cfg.device
         target_top_p = base.target_top_p if p.top_p is None else (0.0 if p.top_p >= 1.0 else p.top_p)
@@ -199,22 +199,22 @@ class DeviceEngine:
     def encode_text(self, text: str) -> list[int]:
         ids = encode_prompt(self.drafter.tokenizer, text, raw=True)
         if not ids:
-            raise S.bad("the prompt encodes to no tokens", "prompt")
+            raise openai_schema.bad("the prompt encodes to no tokens", "prompt")
         return ids
 
     def check_ids(self, ids: tuple[int, ...]) -> list[int]:
         if not all(0 <= t < self.drafter.vocab_size for t in ids):
-            raise S.bad(f"prompt token ids must be in [0, {self.drafter.vocab_size})", "prompt")
+            raise openai_schema.bad(f"prompt token ids must be in [0, {self.drafter.vocab_size})", "prompt")
         return list(ids)
 
     def encode_chat(self, messages: tuple[dict, ...]) -> list[int]:
         tok = self.drafter.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise S.bad("the drafter's tokenizer has no chat template; use /v1/completions", "messages")
+            raise openai_schema.bad("the drafter's tokenizer has no chat template; use /v1/completions", "messages")
         try:
             return chat_ids(tok, list(messages))
         except Exception as exc:  # the template's own checks (role order, ...) reject the conversation
-            raise S.bad(f"chat template: {exc}", "messages") from None
+            raise openai_schema.bad(f"chat template: {exc}", "messages") from None
 
     async def run_choice(self, cfg: DeviceConfig, prompt_ids: list[int], seed: int, index: int,
                          stops: tuple[str, ...], emit: Callable[[int, str], None] | None,
@@ -321,25 +321,25 @@ async def _json_body(request: web.Request):
     try:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise S.bad("the request body is not valid JSON") from None
+        raise openai_schema.bad("the request body is not valid JSON") from None
 
 
 async def _models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     meta = {"draft_model": engine.drafter.name, "edge": engine.cfg.device.edge}
-    return web.json_response(S.models_response(engine.cfg.model_name, engine.started, meta))
+    return web.json_response(openai_schema.models_response(engine.cfg.model_name, engine.started, meta))
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = S.parse_completion(await _json_body(request))
+    req = openai_schema.parse_completion(await _json_body(request))
     prompts = [engine.encode_text(p) if isinstance(p, str) else engine.check_ids(p) for p in req.prompts]
     return await _respond(request, req.params, prompts, chat=False)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = S.parse_chat(await _json_body(request))
+    req = openai_schema.parse_chat(await _json_body(request))
     return await _respond(request, req.params, [engine.encode_chat(req.messages)], chat=True)
 
 
@@ -353,7 +353,7 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _respond(request: web.Request, p: S.SamplingParams, prompts: list[list[int]], *,
+async def _respond(request: web.Request, p: openai_schema.SamplingParams, prompts: list[list[int]], *,
                    chat: bool) -> web.StreamResponse:
     """Run prompts x n choices (choice index = prompt * n + j, OpenAI's order), answer JSON or SSE."""
     engine = request.app[ENGINE]
@@ -361,7 +361,7 @@ async def _respond(request: web.Request, p: S.SamplingParams, prompts: list[list
     await engine.check_edge()
     seed = secrets.randbits(63) if p.seed is None else p.seed
     model = p.model or engine.cfg.model_name
-    rid = S.new_id("chatcmpl" if chat else "cmpl")
+    rid = openai_schema.new_id("chatcmpl" if chat else "cmpl")
     prompt_tokens = sum(len(ids) for ids in prompts)
     jobs = [(i * p.n + j, ids) for i, ids in enumerate(prompts) for j in range(p.n)]
 
@@ -370,10 +370,10 @@ async def _respond(request: web.Request, p: S.SamplingParams, prompts: list[list
             cfg, ids, (seed + index) % SEED_MODULUS, index, p.stop, emit, abandon) for index, ids in jobs])
 
     if p.stream:
-        maker = S.ChunkMaker(rid, model, chat, p.include_usage)
+        maker = openai_schema.ChunkMaker(rid, model, chat, p.include_usage)
         return await _stream(request, maker, start, [index for index, _ in jobs], prompt_tokens)
     choices = await start(None).results()
-    build = S.chat_response if chat else S.completion_response
+    build = openai_schema.chat_response if chat else openai_schema.completion_response
     return web.json_response(build(rid, model, choices, prompt_tokens))
 
 
@@ -416,7 +416,7 @@ async def _send(resp: web.StreamResponse, payload: dict) -> None:
     await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
 
 
-async def _stream(request: web.Request, maker: S.ChunkMaker, start, indices: list[int],
+async def _stream(request: web.Request, maker: openai_schema.ChunkMaker, start, indices: list[int],
                   prompt_tokens: int) -> web.StreamResponse:
     """SSE: one chunk per verified delta, a finish chunk per choice, optional usage, ``[DONE]``."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -441,7 +441,7 @@ async def _stream(request: web.Request, maker: S.ChunkMaker, start, indices: lis
     return resp
 
 
-async def _pump(resp: web.StreamResponse, maker: S.ChunkMaker, queue: asyncio.Queue, indices: list[int],
+async def _pump(resp: web.StreamResponse, maker: openai_schema.ChunkMaker, queue: asyncio.Queue, indices: list[int],
                 prompt_tokens: int) -> None:
     if maker.chat:
         for index in indices:

@@ -27,7 +27,7 @@ import pytest
 from specdec.testbed import tiny_models
 from tests.support.harness import VENV_BIN, edge, load, target_greedy
 from specdec.common.modeling import ModelSpec, encode_prompt
-from specdec.device import openai_schema as S
+from specdec.device import openai_schema
 from specdec.device.daemon import DaemonConfig, start_daemon
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.runner import DeviceConfig
@@ -173,22 +173,22 @@ def _wait_for(predicate, timeout: float = WAIT_S) -> bool:
     ("", ("a",), 0),
 ])
 def test_safe_length_holds_back_possible_stop_prefixes(text, stops, expected) -> None:
-    assert S.safe_length(text, stops) == expected
+    assert openai_schema.safe_length(text, stops) == expected
 
 
 def test_find_stop_returns_the_earliest_stop() -> None:
-    assert S.find_stop("one two three", ("three", "two")) == 4
-    assert S.find_stop("one", ("x",)) == -1
+    assert openai_schema.find_stop("one two three", ("three", "two")) == 4
+    assert openai_schema.find_stop("one", ("x",)) == -1
 
 
 def test_overrides_map_to_device_config_fields_and_refuse_unknowns() -> None:
-    out = S.parse_overrides({"mode": "ksqs", "top_k": 8, "alpha": 0.1, "draft_len": 2})
+    out = openai_schema.parse_overrides({"mode": "ksqs", "top_k": 8, "alpha": 0.1, "draft_len": 2})
     assert out["mode"].value == "ksqs" and out["top_k"] == 8 and out["csqs_alpha"] == 0.1
-    assert S.parse_overrides({"tree": [2, 1]})["tree"] == (2, 1)
+    assert openai_schema.parse_overrides({"tree": [2, 1]})["tree"] == (2, 1)
     for bad in ({"nope": 1}, {"mode": "zip"}, {"top_k": 0}, {"top_k": 2.5}, {"draft_len": True}, [1],
                 {"tree": [2, 0]}, {"tree": "2,2"}):
-        with pytest.raises(S.ApiError) as err:
-            S.parse_overrides(bad)
+        with pytest.raises(openai_schema.ApiError) as err:
+            openai_schema.parse_overrides(bad)
         assert err.value.status == 400
 
 
@@ -293,7 +293,7 @@ def test_stop_string_ends_the_session_and_is_not_emitted(client, chat_pair) -> N
     full_ids = _greedy(chat_pair, encode_prompt(_tok(chat_pair), PROMPT, raw=True))
     full = _text(chat_pair, full_ids)
     stop = full.split()[4]
-    want = full[:S.find_stop(full, (stop,))]
+    want = full[:openai_schema.find_stop(full, (stop,))]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < len(full_ids)  # it stopped, rather than trimming a finished text
