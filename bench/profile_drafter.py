@@ -89,7 +89,7 @@ def time_sampling(session, lm, tokens: list[int], temperature: float) -> list[fl
     for token in tokens:
         logits = lm.forward([token], num_logits=1)[0]
         t0 = time.perf_counter()
-        session.sample(session.encode(model_probs(logits.cpu(), temperature), session.settings), generator)
+        session.sample(session.encode(model_probs(logits.cpu(), temperature), session.hello.draft), generator)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -147,7 +147,7 @@ def main() -> None:
     sample_s = time_sampling(session, lm, tokens, args.temperature)
     result = {
         "drafter": drafter.name, "temperature": args.temperature, "tokens": args.tokens,
-        "top_k": session.settings.top_k, "mode": session.settings.mode.value,
+        "top_k": session.hello.draft.top_k, "mode": session.hello.draft.mode.value,
         "forward_ms_median": 1e3 * statistics.median(forward_s),
         "q_encode_sample_ms_median": 1e3 * statistics.median(sample_s),
         "forward_ms_by_group_profiled": groups,

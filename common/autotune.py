@@ -34,13 +34,6 @@ PROTO_BYTES_PER_TOKEN = 6      # a draft token's id and its packet's length pref
 PROTO_BYTES_PER_ROUND = 24     # round id, settings and framing of a Draft message
 VERDICT_BYTES = 40             # a Verdict (ids, counts, timings): the downlink of a verified round
 EDGE_TOKEN_BYTES = 40          # one streamed Verdict per token of an edge-only round
-# Rounds over which a choice is judged: the next round (which may start from a round drafted ahead
-# with the current settings, or lose it by switching) and HORIZON_ROUNDS - 1 in steady state. One
-# round alone would never leave the settings a round was drafted ahead with; steady state alone
-# switched among near-equal settings and threw the round drafted ahead away (links benchmark at
-# 05a3978: one auto round in seven changed codec, and only 25 % of its T = 1 rounds were drafted
-# ahead).
-HORIZON_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -61,15 +54,6 @@ class Candidate:
     def codec_key(self) -> tuple[Mode, int]:
         """What its packets depend on (bytes and acceptance per position do not depend on L)."""
         return self.mode, self.top_k
-
-
-@dataclass(frozen=True)
-class HeadStart:
-    """What the next round already has: ``steps`` draft tokens drafted ahead, with the guess confirmed,
-    for settings of codec ``codec_key``. Only a chain round of that codec can use them (any L: a
-    round's first tokens do not depend on its length)."""
-    codec_key: tuple[Mode, int] | None = None
-    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,15 +136,11 @@ def uplink_bytes(c: Candidate, e: Estimates) -> float:
     return PROTO_BYTES_PER_ROUND + c.draft_len * (e.packet_bytes.get(c.codec_key, 0.0) + PROTO_BYTES_PER_TOKEN)
 
 
-def predict(c: Candidate, e: Estimates, draft_ahead: bool = True, head: HeadStart | None = None) -> Prediction:
-    """Expected tokens and seconds per round run as ``c`` (module docstring: the model), scaled by
-    what rounds of its kind measured against it (``Estimates.time_scale``). With ``head`` the seconds
-    are the mean over :data:`HORIZON_ROUNDS` rounds of which the first starts from ``head``
-    (:func:`first_round`); without, the steady state."""
+def predict(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
+    """Expected tokens and seconds per round run as ``c`` in steady state (module docstring: the
+    model), scaled by what rounds of its kind measured against it (``Estimates.time_scale``). A
+    round's plan is fixed before it is drafted, ahead or not, so no choice inherits work in progress."""
     p = model_round(c, e, draft_ahead)
-    if head is not None:
-        first = first_round(c, e, head, draft_ahead)
-        p = Prediction(c, p.tokens, ((HORIZON_ROUNDS - 1) * p.seconds + first) / HORIZON_ROUNDS, p.alpha)
     scale = e.time_scale.get(c.codec_key, 1.0)
     return Prediction(c, p.tokens, p.seconds * scale, p.alpha) if scale != 1.0 else p
 
@@ -203,30 +183,29 @@ def _dssd_fallback_s(c: Candidate, e: Estimates) -> float:
     return rejected * e.dssd_fallback_rate * (e.rtt_s + _serialize_s(e.dssd_fallback_bytes, e.downlink_bps))
 
 
-def first_round(c: Candidate, e: Estimates, head: HeadStart, draft_ahead: bool = True) -> float:
-    """Seconds of the next round run as ``c`` (before the learned scale), given what it starts from:
-    a chain round of ``head``'s codec drafts only the L - steps tokens not drafted ahead yet; any
-    other chain round drafts all L after the verdict (eq. 5), since the work drafted ahead is lost."""
+def first_round(c: Candidate, e: Estimates, steps_ahead: int = 0, draft_ahead: bool = True) -> float:
+    """Seconds one round run as ``c`` takes from the last verdict to its own (before the learned
+    scale), given the ``steps_ahead`` of its tokens drafted while the last round was verified: it
+    drafts only the L - steps_ahead others after the verdict (eq. 5). The measured time of each
+    round against this teaches :attr:`Estimates.time_scale`."""
     if c.mode is Mode.NONE:
         return model_round(c, e, draft_ahead).seconds
     t_slm, comm, verify = _round_parts(c, e)
-    usable = draft_ahead and c.mode in AHEAD_MODES and c.codec_key == head.codec_key
-    to_draft = max(0, c.draft_len - head.steps) if usable else c.draft_len
+    usable = draft_ahead and c.mode in AHEAD_MODES
+    to_draft = max(0, c.draft_len - steps_ahead) if usable else c.draft_len
     return to_draft * t_slm + comm + verify + _dssd_fallback_s(c, e)
 
 
-def rank(candidates: list[Candidate], e: Estimates, draft_ahead: bool = True,
-         head: HeadStart | None = None) -> list[Prediction]:
+def rank(candidates: list[Candidate], e: Estimates, draft_ahead: bool = True) -> list[Prediction]:
     """Every candidate's prediction, best expected tokens per second first."""
-    return sorted((predict(c, e, draft_ahead, head) for c in candidates), key=lambda p: -p.rate)
+    return sorted((predict(c, e, draft_ahead) for c in candidates), key=lambda p: -p.rate)
 
 
 def best(candidates: list[Candidate], e: Estimates, current: Candidate | None = None,
-         hysteresis: float = 0.0, draft_ahead: bool = True,
-         head: HeadStart | None = None) -> tuple[Prediction, list[Prediction]]:
+         hysteresis: float = 0.0, draft_ahead: bool = True) -> tuple[Prediction, list[Prediction]]:
     """The candidate to run next and the full ranking. Keeps ``current`` unless the best beats it by
-    more than ``hysteresis`` (relative). ``head``: what the next round starts from (:func:`predict`)."""
-    ranking = rank(candidates, e, draft_ahead, head)
+    more than ``hysteresis`` (relative)."""
+    ranking = rank(candidates, e, draft_ahead)
     top = ranking[0]
     if current is not None and hysteresis > 0:
         kept = next((p for p in ranking if p.candidate == current), None)

@@ -54,7 +54,8 @@ class RoundRecord:
 
 @dataclass
 class SpecStats:
-    """Totals over the rounds of one session (or of many)."""
+    """Totals over the rounds of one session (or of many): the one account every consumer reads (the
+    device's JSON and GenerationResult, the daemon's ``specdec`` object, benchmarks)."""
     rounds: int = 0
     draft_tokens: int = 0           # tokens (tree: nodes) sent
     draft_positions: int = 0        # chain: = draft_tokens; tree: sum of depths
@@ -70,6 +71,9 @@ class SpecStats:
     ahead_rounds_used: int = 0      # rounds whose drafting began while the edge verified the last one
     ahead_tokens_used: int = 0      # draft tokens sampled ahead and sent
     ahead_tokens_discarded: int = 0  # sampled ahead on a wrong guess (never sent)
+    dssd_fallbacks: int = 0         # DSSD rejections whose m samples all failed ...
+    dssd_residual_trips: int = 0    # ... and the round trips they took (one more per head that ran out)
+    round_uplink_bytes: list[int] = field(default_factory=list)  # per round, in order
 
     def observe(self, r: RoundRecord) -> None:
         self.rounds += 1
@@ -93,6 +97,9 @@ class SpecStats:
         self.ahead_rounds_used += r.drafted_ahead
         self.ahead_tokens_used += r.ahead_tokens
         self.ahead_tokens_discarded += r.ahead_discarded
+        self.dssd_fallbacks += r.residual_trips > 0
+        self.dssd_residual_trips += r.residual_trips
+        self.round_uplink_bytes.append(r.uplink_bytes)
 
     @property
     def acceptance_rate(self) -> float:

@@ -131,6 +131,15 @@ def residual_request_to_pb(r: P.ResidualRequest) -> pb.DeviceMessage:
     return pb.DeviceMessage(residual_request=pb.ResidualRequest(round_id=r.round_id, whole=r.whole))
 
 
+def device_message_to_pb(msg: P.DraftBlock | P.ResidualRequest) -> pb.DeviceMessage:
+    """A mid-session message of the device (a round's Draft or a DSSD fallback's request)."""
+    if isinstance(msg, P.DraftBlock):
+        return draft_to_pb(msg)
+    if isinstance(msg, P.ResidualRequest):
+        return residual_request_to_pb(msg)
+    raise TypeError(f"not a mid-session device message: {type(msg).__name__}")
+
+
 def close_to_pb() -> pb.DeviceMessage:
     return pb.DeviceMessage(close=pb.Close())
 

@@ -2,7 +2,7 @@
 
 :class:`LinkTracker` is the device's memory of its link and models (shared by its sessions, since
 they share the link); :class:`AutoPolicy` is one session's controller, called by
-:meth:`DraftSession.choose_settings` before each round and fed each round's
+:meth:`DraftSession.choose` before each round is drafted (ahead or not) and fed each round's
 :class:`~specdec.common.stats.RoundRecord`. The choice itself is :func:`specdec.common.autotune.best`,
 pure math over the :class:`~specdec.common.autotune.Estimates` built here.
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 import collections
 import math
 import threading
-import time
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 import torch
 
@@ -38,6 +38,7 @@ from specdec.common import autotune as A
 from specdec.common.settings import Mode
 from specdec.common.protocol import DraftSettings, Hello, Welcome
 from specdec.common.stats import RoundRecord
+from specdec.device.rounds import RoundEvent, RoundPlan
 from specdec.common.verification import dssd_fallback_bytes
 
 FAST_LINK_BPS = 1e9           # the most goodput the device believes in (and what a probe asks about)
@@ -116,6 +117,10 @@ class AutoConfig:
     dssd_samples: int = 64
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
+    # Weight of what was learned before each new observation, relative to the decays above: 1 keeps
+    # them; 0 makes every estimate its latest observation (tests: a controller as sensitive to each
+    # round as it can be, so that a choice that could see a round's own draws would show it).
+    memory: float = 1.0
 
     def candidates(self, vocab_size: int, max_draft_len: int = MAX_DRAFT_LEN, max_k: int = 8192) -> list[A.Candidate]:
         cap = min(vocab_size, max_k)
@@ -157,12 +162,12 @@ class SessionAcceptance:
     round so that it follows the session's text. Each session has its own (sessions running at once
     draft different texts); it starts from the device's long-run rate (``start``)."""
 
-    def __init__(self, start: float = PRIOR_ALPHA):
-        self.accept = _Ratio(start * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY)
+    def __init__(self, start: float = PRIOR_ALPHA, memory: float = 1.0):
+        self.accept = _Ratio(start * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY * memory)
         # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
         # round (links benchmark at 05a3978, TSLT-256-L8 at T = 0: 0.94 at depth 1, 1.0 at 3-6), which
         # eq. (8)'s one rate misses, and with it how often a long round is accepted whole
-        self.depth = [_Ratio(decay=DEPTH_DECAY) for _ in range(MAX_DEPTH)]
+        self.depth = [_Ratio(decay=DEPTH_DECAY * memory) for _ in range(MAX_DEPTH)]
 
     def add(self, accepted: int, tested: int, tv: float) -> None:
         self.accept.add(accepted + tested * tv, tested)
@@ -183,17 +188,18 @@ class SessionAcceptance:
 class _ModelSide:
     """Estimates that depend on the two models and the temperature, not on the link or the text."""
 
-    def __init__(self, greedy: bool = False):
+    def __init__(self, greedy: bool = False, memory: float = 1.0):
         self.greedy = greedy
+        self.memory = memory
         # (accepted + TV) per tested position over many sessions: where each new session starts
-        self.long = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, LONG_ACCEPT_DECAY)
+        self.long = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, LONG_ACCEPT_DECAY * memory)
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
         # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
         # whatever K), so per temperature; from sample encodings and from the rounds actually sent
         self.packet_bytes: dict[tuple[Mode, int], _Ewma] = {}
         self.encoded = 0                                 # q encoded at this temperature
-        self.guess = _Ratio(PRIOR_GUESS * 2, 2.0)       # bonus guessed, of fully accepted rounds drafted ahead
-        self.fallback = _Ratio()                         # fallbacks, of DSSD rejections
+        self.guess = _Ratio(PRIOR_GUESS * 2, 2.0, DECAY * memory)  # bonus guessed, of fully accepted rounds drafted ahead
+        self.fallback = _Ratio(decay=DECAY * memory)                # fallbacks, of DSSD rejections
 
     def fallback_rate(self, samples: int, alpha: float) -> float:
         """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
@@ -206,17 +212,26 @@ class _ModelSide:
     def session(self) -> SessionAcceptance:
         """A new text's acceptance, starting from the device's long-run rate (PRIOR_WEIGHT positions'
         worth; its per-depth counts start from nothing and shrink toward that rate)."""
-        return SessionAcceptance(min(1.0, self.long.rate))
+        return SessionAcceptance(min(1.0, self.long.rate), self.memory)
 
     def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
-        self.sigma.setdefault(key, _Ewma()).add(tv)
+        self.sigma.setdefault(key, _Ewma(decay=DECAY * self.memory)).add(tv)
 
     def add_bytes(self, key: tuple[Mode, int], size: float) -> None:
-        self.packet_bytes.setdefault(key, _Ewma()).add(size)
+        self.packet_bytes.setdefault(key, _Ewma(decay=DECAY * self.memory)).add(size)
 
     def tv(self, key: tuple[Mode, int]) -> float:
         e = self.sigma.get(key)
         return e.value if e is not None and e.value is not None else 0.0
+
+
+@dataclass(frozen=True)
+class QStats:
+    """What one encoded q says about the codecs (LinkTracker.measure_q): TV(q_hat, q) per codec key
+    (a top-K's dropped mass, K-SQS's lattice error) and, now and then, every candidate's packet size."""
+    temperature: float
+    sigma: Mapping[tuple[Mode, int], float]
+    packet_bytes: Mapping[tuple[Mode, int], float]
 
 
 class LinkTracker:
@@ -230,20 +245,23 @@ class LinkTracker:
         self._link = (0.0, PRIOR_UPLINK_BPS)                       # fitted (round trip s, uplink bits/s)
         self._last_off = 0.0                                       # the last round's miss, if an outlier
         self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
-        self.fallback_bytes = _Ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
+        self.fallback_bytes = self._ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
         self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
-        self.draft_s = _Ewma()
+        self.draft_s = self._ewma()
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
-        self.queue_s = _Ewma(0.0)               # edge: wait for its worker per round
+        self.queue_s = self._ewma(0.0)          # edge: wait for its worker per round
         self.models: dict[float, _ModelSide] = {}
         self.rounds_since_rate = 0
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
 
+    def _ewma(self, prior: float | None = None) -> _Ewma:
+        return _Ewma(prior, DECAY * self.config.memory)
+
     def model(self, temperature: float) -> _ModelSide:
         if temperature not in self.models:
-            self.models[float(temperature)] = _ModelSide(greedy=temperature == 0)
+            self.models[float(temperature)] = _ModelSide(temperature == 0, self.config.memory)
         return self.models[float(temperature)]
 
     # -- link ---------------------------------------------------------------------------------------------
@@ -269,7 +287,7 @@ class LinkTracker:
         self.sizes_sent.append(8.0 * up_bytes)
         self.link_samples.append((8.0 * up_bytes, network))
         n = len(self.link_samples)
-        weights = [LINK_DECAY ** (n - 1 - i) for i in range(n)]
+        weights = [(LINK_DECAY * self.config.memory) ** (n - 1 - i) for i in range(n)]
         rtt, rate = A.fit_link(list(self.link_samples), weights, self.rtt_s(), self.uplink_bps(),
                                8.0 * MIN_RATE_SAMPLE_BYTES)
         self.rounds_since_rate = 0 if up_bytes >= MIN_RATE_SAMPLE_BYTES else self.rounds_since_rate + 1
@@ -322,30 +340,40 @@ class LinkTracker:
         return max(1e-4, mean_s - slope * mean_n), slope
 
     # -- encoded distributions ---------------------------------------------------------------------------
-    def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings, temperature: float) -> None:
+    def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings,
+                  temperature: float) -> QStats | None:
         """One in OBSERVE_Q_EVERY encoded q: the dropped mass of each candidate K, the used packet's TV;
         one in BYTES_REFRESH_EVERY: every candidate's packet size. The estimates are averages over many
-        positions, which a regular subsample keeps."""
+        positions, which a regular subsample keeps. Nothing is learned here: the measurement travels
+        with its round and reaches the estimates only in the round's event (:meth:`add_q_stats`)."""
         with self.lock:
             side = self.model(temperature)
             side.encoded += 1
             if (side.encoded - 1) % OBSERVE_Q_EVERY:
-                return
+                return None
             refresh = side.encoded % BYTES_REFRESH_EVERY == 1
         cfg = self.config
         ks = sorted({min(k, q.numel()) for k in (*cfg.top_ks, *cfg.ksqs_ks)})  # as the candidates clamp them
-        top = q.topk(max(ks)).values.cumsum(0)  # [max K]
-        used_tv = 0.5 * float((q_hat.double() - q.double()).abs().sum())
-        with self.lock:
-            side = self.model(temperature)
-            for k in ks:
-                side.add_sigma((Mode.TSLT, k), max(0.0, 1.0 - float(top[k - 1])))
-            if settings.mode is Mode.KSQS:
-                side.add_sigma((Mode.KSQS, settings.top_k), used_tv)
+        top = q.topk(max(ks, default=1)).values.cumsum(0)  # [max K]
+        sigma = {(Mode.TSLT, k): max(0.0, 1.0 - float(top[k - 1])) for k in ks}
+        if settings.mode is Mode.KSQS:
+            sigma[(Mode.KSQS, settings.top_k)] = 0.5 * float((q_hat.double() - q.double()).abs().sum())
+        sizes: dict[tuple[Mode, int], float] = {}
         if refresh:
-            self._measure_packets(q, settings, temperature)
+            sizes, tvs = self._measure_packets(q, settings)
+            sigma.update(tvs)
+        return QStats(temperature, sigma, sizes)
 
-    def _measure_packets(self, q: torch.Tensor, settings: DraftSettings, temperature: float) -> None:
+    def add_q_stats(self, stats: "QStats") -> None:
+        """A committed round's measurement of one of its encoded q's."""
+        with self.lock:
+            side = self.model(stats.temperature)
+            for key, tv in stats.sigma.items():
+                side.add_sigma(key, tv)
+            for key, size in stats.packet_bytes.items():
+                side.add_bytes(key, size)
+
+    def _measure_packets(self, q: torch.Tensor, settings: DraftSettings) -> tuple[dict, dict]:
         """Encode one q with every candidate codec: their payload bytes, and K-SQS's TV(q_hat, q) (its
         lattice error on top of the dropped mass), so that codecs never sent still get estimates."""
         from specdec.device.draft_model import encode_q  # the same encoder the rounds use
@@ -358,12 +386,7 @@ class LinkTracker:
             sizes[key] = float(len(enc.payload))
             if mode is Mode.KSQS:
                 tvs[key] = 0.5 * float((enc.q_hat.double() - q.double()).abs().sum())
-        with self.lock:
-            side = self.model(temperature)
-            for key, size in sizes.items():
-                side.add_bytes(key, size)
-            for key, tv in tvs.items():
-                side.add_sigma(key, tv)
+        return sizes, tvs
 
     def _codec_keys(self, vocab_size: int) -> list[tuple[Mode, int]]:
         cfg = self.config
@@ -399,8 +422,8 @@ class LinkTracker:
                     # and the bonus one at a time (after a full accept, and always when drafted ahead),
                     # and the model counts that extra forward itself (latency.oracle_time_drafting_ahead)
                     self.draft_s.add(r.phases.get("draft", 0.0) / (r.draft_forwards or r.drafted_tokens))
-                self.encode_s.setdefault(settings.mode, _Ewma()).add(per_token["encode"])
-                self.decode_s.setdefault(settings.mode, _Ewma()).add(per_token["decode"])
+                self.encode_s.setdefault(settings.mode, self._ewma()).add(per_token["encode"])
+                self.decode_s.setdefault(settings.mode, self._ewma()).add(per_token["decode"])
             side = self.model(temperature)
             tv = side.tv(_codec_key(settings))
             side.long.add(r.accepted + r.tested * tv, r.tested)
@@ -419,7 +442,7 @@ class LinkTracker:
         if modelled_s > 0 and measured_s > 0:
             ratio = min(TIME_SCALE_MAX, max(TIME_SCALE_MIN, measured_s / modelled_s))
             with self.lock:
-                self.time_scale.setdefault(key, _Ewma()).add(ratio)
+                self.time_scale.setdefault(key, self._ewma()).add(ratio)
 
     def session_acceptance(self, temperature: float) -> SessionAcceptance:
         """A new session's acceptance estimate, starting from this device's long-run rate."""
@@ -462,8 +485,20 @@ def _codec_key(s: DraftSettings) -> tuple[Mode, int]:
     return s.mode, s.top_k if s.mode in (Mode.TSLT, Mode.KSQS) else 0
 
 
+@dataclass(frozen=True)
+class AutoDecision:
+    """What a choice was based on, handed back with the round's event: the time the model predicted
+    for the round teaches the learned time scale."""
+    candidate: A.Candidate
+    estimates: A.Estimates | None  # None: a choice not made from estimates (nothing to learn its time from)
+
+
 class AutoPolicy:
-    """One session's controller: the next round's settings from the tracker's estimates."""
+    """One session's controller: each round's plan from the tracker's estimates.
+
+    It sees the session only through :class:`~specdec.device.rounds.RoundEvent`s, one per committed
+    round: :meth:`choose` reads estimates built from committed rounds, so a plan never depends on the
+    random numbers of the round it is for (nor on a round drafted ahead on a guess)."""
 
     def __init__(self, tracker: LinkTracker, hello: Hello, vocab_size: int, draft_ahead: bool = True):
         self.tracker = tracker
@@ -474,31 +509,27 @@ class AutoPolicy:
         self.dssd_samples = tracker.config.dssd_samples  # within the edge's cap once its Welcome says it
         # its own text's acceptance (sessions running at once share the link, not the text)
         self.acceptance = tracker.session_acceptance(hello.temperature)
-        self.current: A.Candidate | None = None
-        self.last: dict = {}          # the latest choice and the estimates behind it (JSON-able)
-        self._await_guess = False     # the last round was fully accepted with drafting ahead on
-        self._last_len = 0
-        self._drafted_last = False    # the last round was drafted (False at the start: catch-up)
+        self.current: A.Candidate | None = None  # the candidate of the round drafted last
+        self.last: dict = {}          # that round's choice and the estimates behind it (JSON-able)
+        self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
         self.edge_only_tokens = 0     # tokens of the edge-only rounds since the last drafted one
-        self._chosen_at: float | None = None  # when the current round's settings were chosen
-        self._modelled = 0.0                  # and the model's time for it (before the learned scale)
 
-    def choose(self, head: tuple[DraftSettings, int] | None = None) -> DraftSettings:
-        """The next round's settings. ``head``: the settings and tokens of a round already drafted
-        ahead (DraftSession.head_start): kept by settings of its codec, lost by any other."""
+    def choose(self) -> RoundPlan:
+        """The next round's plan, from what committed rounds taught the tracker."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
                                    self.hello.draft.dssd_fallback_top_k, self.dssd_samples)
-        start = A.HeadStart(_codec_key(head[0]), head[1]) if head is not None else A.HeadStart()
-        pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead,
-                               start)
+        pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
         probe = self._probe(pick, e) or self._revisit(pick, ranking)
         chosen = probe or pick
-        self.current = chosen.candidate
-        # what this round should take (its measured time, against this, teaches the time scale)
-        self._modelled = A.first_round(chosen.candidate, e, start, self.draft_ahead)
-        self._chosen_at = time.perf_counter()
-        self.last = _explain(chosen, e, ranking, probe is not None)
-        return self.settings_for(chosen.candidate, e.edge_chunk)
+        return RoundPlan(self.settings_for(chosen.candidate, e.edge_chunk),
+                         choice=_explain(chosen, e, ranking, probe is not None),
+                         decision=AutoDecision(chosen.candidate, e))
+
+    def begin(self, plan: RoundPlan) -> None:
+        """A round is drafted with ``plan`` (hysteresis keeps to it)."""
+        if isinstance(plan.decision, AutoDecision):
+            self.current = plan.decision.candidate
+            self.last = dict(plan.choice or {})
 
     def _probe(self, pick: A.Prediction, e: A.Estimates) -> A.Prediction | None:
         """Goodput is only measured by rounds that carry enough bytes. If none did for a while and a
@@ -537,23 +568,25 @@ class AutoPolicy:
         if self.current not in self.candidates:
             self.current = None
 
-    def observe_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> None:
-        self.tracker.observe_q(q, q_hat, settings, self.hello.temperature)
+    def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> QStats | None:
+        return self.tracker.measure_q(q, q_hat, settings, self.hello.temperature)
 
-    def observe(self, r: RoundRecord, settings: DraftSettings) -> None:
-        t = self.hello.temperature
-        if self._chosen_at is not None and self._drafted_last == (settings.mode is not Mode.NONE):
-            # the round's wall time from its choice to its verdict (not a round that catches the drafter up)
-            self.tracker.add_round_time(_codec_key(settings), time.perf_counter() - self._chosen_at, self._modelled)
-        self._chosen_at = None
-        if self._await_guess and settings.mode in A.AHEAD_MODES and settings.draft_len == self._last_len:
-            self.tracker.observe_guess(t, r.drafted_ahead)
+    def observe(self, event: RoundEvent) -> None:
+        """A committed round: everything auto learns, it learns here."""
+        r, settings, t = event.record, event.settings, self.hello.temperature
         drafted = settings.mode is not Mode.NONE
+        d = event.plan.decision
+        if isinstance(d, AutoDecision) and d.estimates is not None and self._drafted_last == drafted:
+            # the round's wall time against the model's (not a round that catches the drafter up)
+            modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead)
+            self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
+        for stats in event.q_stats:
+            if stats is not None:
+                self.tracker.add_q_stats(stats)
+        if event.guess is not None:
+            self.tracker.observe_guess(t, event.guess)
         self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
                                    catching_up=drafted and not self._drafted_last)
-        self._await_guess = (self.draft_ahead and settings.mode in A.AHEAD_MODES
-                             and r.accepted == r.positions > 0)
-        self._last_len = settings.draft_len
         self._drafted_last = drafted
         self.edge_only_tokens = 0 if drafted else self.edge_only_tokens + r.generated
 

@@ -1,24 +1,37 @@
-"""Chain rounds on the device: drafting position by position, and drafting the next round ahead.
+"""Chain rounds on the device (every mode but trees and edge-only rounds): drafting position by
+position, drafting the next round ahead, and applying the verdict.
 
 Drafting ahead: while the edge verifies round r, the device drafts round r + 1 on the guess that all
-of r is accepted and what the bonus token is (:func:`guess_bonus`). The round drafted ahead is bit
-for bit the round that would be drafted after the verdict (same context, same per-round stream, same
-forward calls), so a right guess only moves work into time spent waiting, and a wrong one is
-dropped unsent.
+of r is accepted and what the bonus token is (:func:`guess_bonus`). Round r + 1's plan is fixed
+before that (from committed rounds only, :meth:`DraftSession.plan_ahead`), and the round drafted
+ahead is bit for bit the round that would be drafted after the verdict with that plan (same context,
+same per-round stream, same forward calls). A right guess keeps the round and its plan; a wrong one
+drops both unsent and unseen: nothing drafted ahead reaches the policy, so no choice is a function
+of the numbers it then uses.
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdec.common import verification as V
 from specdec.common.budget import MIN_DRAFT_LEN, fits_budget
-from specdec.common.settings import Mode
+from specdec.common.codecs import dssd_theoretical_bits
 from specdec.common.distributions import sample_token_gumbel
-from specdec.common.protocol import DraftSettings
+from specdec.common.protocol import DraftSettings, Verdict
 from specdec.common.sampling import model_probs
+from specdec.common.settings import Mode
+from specdec.common.streams import Purpose, stream
+from specdec.device import dssd
 from specdec.device.draft_model import DraftStep
+from specdec.device.rounds import RoundDraft, RoundPlan
+
+if TYPE_CHECKING:
+    from specdec.device.session import DraftSession
 
 # Modes whose chain rounds carry no state but the cache and the tokens: their rounds can be drafted
 # ahead (C-SQS updates its threshold while drafting, trees and bit budgets shape the round: those
@@ -45,6 +58,7 @@ class ChainRound:
     settings: DraftSettings
     generator: torch.Generator          # the round's own stream (streams.py: DRAFT, start)
     steps: list[DraftStep] = field(default_factory=list)
+    q_stats: list[Any] = field(default_factory=list)  # the policy's measurement per step (None: not measured)
     bits: int = 0                       # theoretical uplink bits so far
     t_draft: float = 0.0                # drafter forwards + sampling
     t_encode: float = 0.0               # codec encode + decode
@@ -61,17 +75,116 @@ class ChainRound:
         budget = self.settings.bit_budget
         return not budget or len(self.steps) < MIN_DRAFT_LEN or fits_budget(self.bits, bits, budget)
 
-    def add(self, step: DraftStep) -> None:
-        self.steps.append(step)
-        self.bits += step.encoded.theoretical_bits
-
 
 @dataclass
 class Ahead:
     """The next round, drafted while the edge verifies the current one, on the guess that every draft
     is accepted and that the bonus token is ``guess``."""
+    plan: RoundPlan
     guess: int
     round: ChainRound
+
+
+# -- drafting -------------------------------------------------------------------------------------------
+def draft(session: "DraftSession", plan: RoundPlan, max_tokens: int) -> RoundDraft:
+    """Draft up to ``min(L, max_tokens)`` tokens (at least one) with ``plan``, continuing the round
+    drafted ahead with this very plan if the guess came true."""
+    s = plan.settings
+    limit = chain_limit(s, max_tokens)
+    part = _take_ahead(session, plan, limit) or new_round(session, len(session.tokens), s)
+    ahead_steps = len(part.steps) if part.drafted_ahead else 0
+    while len(part.steps) < limit and session.draft_step(part, session.tokens):
+        pass
+    return _round_draft(session, plan, part, ahead_steps)
+
+
+def new_round(session: "DraftSession", start: int, s: DraftSettings) -> ChainRound:
+    return ChainRound(start, s, stream(session.hello.seed, Purpose.DRAFT, start))
+
+
+def draft_step(session: "DraftSession", part: ChainRound, base: list[int]) -> bool:
+    """Sample and encode one more draft token after ``base + part.ids``; False if the bit budget
+    says the round ends before it."""
+    t0, n0 = time.perf_counter(), session.model.forwards
+    q = session.model.q_after(base + part.ids, one_token_per_forward=can_draft_ahead(part.settings))
+    t1 = time.perf_counter()
+    part.forwards += session.model.forwards - n0
+    step = session.sample(session.encode(q, part.settings), part.generator)
+    measured = session.measure(q, step.encoded, part.settings)
+    t2 = time.perf_counter()
+    part.t_draft += t1 - t0
+    part.t_encode += t2 - t1
+    if not part.fits(step.encoded.theoretical_bits):
+        return False  # this position would overflow the round's bit budget B (SQS sec. 4)
+    if session.controller is not None and part.settings.mode is Mode.CSQS:
+        session.controller.observe(step.encoded.dropped_mass)
+    part.steps.append(step)
+    part.q_stats.append(measured)
+    part.bits += step.encoded.theoretical_bits
+    return True
+
+
+def _round_draft(session: "DraftSession", plan: RoundPlan, part: ChainRound, ahead_steps: int) -> RoundDraft:
+    s, ids = plan.settings, part.ids
+    q_rows = [st.encoded.q_hat for st in part.steps]
+    if s.mode is Mode.DSSD:
+        payloads, scalars = (), dssd.draft_scalars(q_rows, ids)
+        bits = dssd_theoretical_bits(len(ids), session.vocab_size)
+    else:
+        payloads, scalars, bits = tuple(st.encoded.payload for st in part.steps), b"", part.bits
+    block = session.block(tuple(ids), s, distributions=payloads, dssd_scalars=scalars)
+    return RoundDraft(block=block, plan=plan, q_rows=q_rows, theoretical_bits=bits,
+                      support_sizes=[st.encoded.support_size for st in part.steps],
+                      draft_seconds=part.t_draft, encode_seconds=part.t_encode, start=part.start,
+                      drafted_ahead=part.drafted_ahead, ahead_steps=ahead_steps, draft_forwards=part.forwards,
+                      q_stats=list(part.q_stats))
+
+
+# -- drafting ahead: the next round while the edge verifies this one ----------------------------------
+def draft_ahead(session: "DraftSession", rd: RoundDraft, plan: RoundPlan, max_tokens: int,
+                stop: threading.Event) -> None:
+    """Called (in a worker thread) once ``rd`` is sent: guess that all of it is accepted and what the
+    bonus token is, and draft the round after it with ``plan`` from there until ``stop`` is set (when
+    the verdict arrives) or the round is full. ``max_tokens``: what :func:`draft` will be given if the
+    guess is right."""
+    if stop.is_set():
+        return
+    s = plan.settings
+    seq = session.tokens + list(rd.block.token_ids)
+    part = new_round(session, len(seq) + 1, s)
+    part.drafted_ahead = True
+    t0 = time.perf_counter()
+    logits = session.model.feed(seq)   # feeds the last draft token
+    part.t_draft += time.perf_counter() - t0
+    part.forwards += 1
+    guess = guess_bonus(logits, len(seq), session.hello.temperature, session.hello.seed,
+                        rd.settings.coupled, session.vocab_size)
+    session.ahead = Ahead(plan=plan, guess=guess, round=part)
+    base = seq + [guess]
+    limit = chain_limit(s, max_tokens)
+    while len(part.steps) < limit and not stop.is_set() and session.draft_step(part, base):
+        pass
+
+
+def _take_ahead(session: "DraftSession", plan: RoundPlan, limit: int) -> ChainRound | None:
+    """The round drafted ahead with ``plan``, if :func:`commit` kept it, cut to ``limit`` steps (the
+    tokens the session still wants: a function of the verified sequence only)."""
+    ahead, session.ahead = session.ahead, None
+    if ahead is None:
+        return None
+    part = ahead.round
+    if ahead.plan is not plan or part.start != len(session.tokens):
+        session.drop_drafted()
+        return None
+    if len(part.steps) > limit:
+        # the cache as a round of `limit` steps leaves it: every draft but the last fed
+        kept = limit / len(part.steps)
+        part.t_draft, part.t_encode = part.t_draft * kept, part.t_encode * kept
+        part.forwards -= len(part.steps) - limit  # one forward per dropped step
+        part.steps, part.q_stats = part.steps[:limit], part.q_stats[:limit]
+        part.bits = sum(step.encoded.theoretical_bits for step in part.steps)
+        session.model.truncate(min(session.model.cache_len, part.start + limit - 1))
+    return part
 
 
 def guess_bonus(logits: torch.Tensor, position: int, temperature: float, seed: int, coupled: bool,
@@ -84,3 +197,28 @@ def guess_bonus(logits: torch.Tensor, position: int, temperature: float, seed: i
         return int(logits.argmax())
     q = model_probs(logits.cpu(), temperature)
     return sample_token_gumbel(q, V.bonus_noise(seed, position, vocab_size))
+
+
+# -- the verdict ------------------------------------------------------------------------------------------
+def commit(session: "DraftSession", rd: RoundDraft, verdict: Verdict, next_token: int) -> tuple[list[int], bool | None, int]:
+    """Keep the accepted prefix and roll the draft cache back. Returns (new tokens, whether the guess
+    of a round drafted ahead came true (None if none was drafted or not all was accepted), tokens
+    drafted ahead and dropped). A right guess fixes the next round's plan: the one it was drafted with."""
+    n = verdict.num_accepted
+    ids = list(rd.block.token_ids)
+    if not 0 <= n <= len(ids) or verdict.round_id != rd.block.round_id:
+        raise ValueError(f"verdict does not match round {rd.block.round_id}")
+    new = ids[:n] + [int(next_token)]
+    ahead, session.ahead = session.ahead, None
+    guess = None if ahead is None or n < len(ids) else int(next_token) == ahead.guess
+    discarded = 0
+    if guess:
+        session.ahead = ahead  # the cache already holds its context
+        session.fix_next(ahead.plan)
+    else:
+        discarded = len(ahead.round.steps) if ahead is not None else 0
+        session.model.truncate(min(session.model.cache_len, len(session.tokens) + n))
+    session.tokens.extend(new)
+    if session.controller is not None and rd.settings.mode is Mode.CSQS:
+        session.controller.on_verdict(n)
+    return new, guess, discarded

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -18,12 +17,13 @@ import grpc
 
 from specdec.common import protocol as P
 from specdec.common import wire
-from specdec.common.settings import Mode
-from specdec.common.stats import RoundRecord
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
+from specdec.common.stats import SpecStats
+from specdec.device.engine import ProtocolError, clip_round, finished, run_round
 from specdec.device.fleet import Failover, Fleet, Route, SessionTrail
-from specdec.device.session import DraftSession, RoundDraft
 from specdec.device.metrics import DeviceMetrics
+from specdec.device.rounds import RoundEvent
+from specdec.device.session import DraftSession
 
 log = logging.getLogger("specdec.device")
 
@@ -47,29 +47,47 @@ def _reason(metadata) -> str:
 class GenerationResult:
     token_ids: list[int]
     welcome: P.Welcome | None      # of the latest stream (its session id and resume token)
-    uplink_bytes: int = 0          # serialized Draft (+ ResidualRequest) messages
-    downlink_bytes: int = 0        # serialized Verdict (+ ResidualReply) messages
+    stats: SpecStats = field(default_factory=SpecStats)  # the session's account of its rounds (DraftSession.stats)
     setup_bytes: int = 0           # Hello + Prompt + Welcome + Close
     wall_seconds: float = 0.0      # from sending the prompt to the last token
-    network_seconds: float = 0.0   # round trips minus the edge's reported verify/queue time
-    verify_seconds: float = 0.0    # edge-reported
-    dssd_fallbacks: int = 0        # DSSD rejections whose m samples all failed ...
-    dssd_residual_trips: int = 0   # ... and the round trips they took (one more per head that ran out)
-    round_uplink_bytes: list[int] = field(default_factory=list)
     reconnects: int = 0            # broken streams resumed
     t_start: float | None = None
     trail: SessionTrail = field(default_factory=SessionTrail)  # the edges it ran on, moves, resumes
 
-    def add_round(self, r: RoundRecord) -> None:
-        self.uplink_bytes += r.uplink_bytes
-        self.downlink_bytes += r.downlink_bytes
-        self.round_uplink_bytes.append(r.uplink_bytes)
-        self.network_seconds += r.phases["network"]
-        self.verify_seconds += r.phases["decode"] + r.phases["verify"]
+    # What the rounds add up to, read from the one account.
+    @property
+    def uplink_bytes(self) -> int:
+        return self.stats.uplink_bytes
+
+    @property
+    def downlink_bytes(self) -> int:
+        return self.stats.downlink_bytes
+
+    @property
+    def network_seconds(self) -> float:
+        return self.stats.seconds["network"]
+
+    @property
+    def verify_seconds(self) -> float:
+        """Edge-reported payload decode + verification."""
+        return self.stats.seconds["decode"] + self.stats.seconds["verify"]
+
+    @property
+    def dssd_fallbacks(self) -> int:
+        return self.stats.dssd_fallbacks
+
+    @property
+    def dssd_residual_trips(self) -> int:
+        return self.stats.dssd_residual_trips
+
+    @property
+    def round_uplink_bytes(self) -> list[int]:
+        return self.stats.round_uplink_bytes
 
 
 @dataclass
 class _Stream:
+    """One gRPC stream as the round loop's link (engine.Link): domain messages in and out."""
     call: object
     metrics: DeviceMetrics | None = None
     mode: str = ""
@@ -81,13 +99,20 @@ class _Stream:
     edge: str | None = None             # the edge that welcomed this stream
 
     async def send(self, msg) -> int:
+        return await self.write(wire.device_message_to_pb(msg))
+
+    async def recv(self) -> tuple[object, int]:
+        msg = await self.read()
+        return wire.edge_message_from_pb(msg), msg.ByteSize()
+
+    async def write(self, msg) -> int:
         try:
             await self.call.write(msg)
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # the RPC already ended: why?
             raise await final_error(self.call, self.seen) from None
         return msg.ByteSize()
 
-    async def recv(self):
+    async def read(self):
         # The read is shielded: grpc.aio cancels the whole RPC when an awaited read is cancelled,
         # which would keep a cancelled session from sending its Close (see _close_quietly).
         if self._pending is None:
@@ -230,6 +255,7 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
     mode = "auto" if session.policy is not None else hello.draft.mode.value
     if metrics:
         metrics.session_started(mode)
+        session.listeners.append(metrics_listener(metrics))
     status = "ok"
     try:
         result = await asyncio.wait_for(
@@ -252,7 +278,7 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
 
 
 async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy) -> GenerationResult:
-    result = GenerationResult(token_ids=[], welcome=None)
+    result = GenerationResult(token_ids=[], welcome=None, stats=session.stats)
     session.start(prompt_ids)
     failover = Failover(fleet, policy, _retryable)
     route, home, delivered = fleet.pick(), None, 0
@@ -272,6 +298,8 @@ async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_token
             error = await final_error(call, stream.seen)
         except EdgeError as exc:
             error = exc
+        except ProtocolError as exc:  # the edge answered out of turn: not a link fault, never retried
+            error = EdgeError(grpc.StatusCode.INTERNAL, str(exc))
         except BaseException:  # cancelled, or stopped by the caller: free the edge session at once
             await _close_quietly(call)
             raise
@@ -309,8 +337,8 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     if result.welcome is not None:
         hello = replace(hello, resume_session_id=result.welcome.session_id,
                         resume_token=result.welcome.resume_token)
-    setup = await stream.send(wire.hello_to_pb(hello))
-    msg = await stream.recv()
+    setup = await stream.write(wire.hello_to_pb(hello))
+    msg = await stream.read()
     welcome = wire.edge_message_from_pb(msg)
     if not isinstance(welcome, P.Welcome):
         raise EdgeError(grpc.StatusCode.INTERNAL, "expected Welcome")
@@ -319,7 +347,7 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     result.setup_bytes += setup + msg.ByteSize()
     if result.t_start is None:
         result.t_start = time.perf_counter()
-    result.setup_bytes += await stream.send(wire.prompt_to_pb(P.Prompt(tuple(session.tokens))))
+    result.setup_bytes += await stream.write(wire.prompt_to_pb(P.Prompt(tuple(session.tokens))))
 
     def deliver(new: list[int]) -> None:
         new = clip_round(len(result.token_ids), new, hello.max_new_tokens, eos_ids)
@@ -329,142 +357,20 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
         if on_tokens and new:
             on_tokens(new)
 
-    while not _finished(result.token_ids, hello.max_new_tokens, eos_ids):
-        remaining = hello.max_new_tokens - len(result.token_ids)
-        session.choose_settings()
-        if session.settings.mode is Mode.NONE:
-            await _edge_round(stream, session, result, remaining, deliver)
-        else:
-            deliver(await _round(stream, session, result, remaining))
+    while not finished(result.token_ids, hello.max_new_tokens, eos_ids):
+        await run_round(stream, session, hello.max_new_tokens - len(result.token_ids), deliver)
     result.wall_seconds = time.perf_counter() - result.t_start
-    result.setup_bytes += await stream.send(wire.close_to_pb())
+    result.setup_bytes += await stream.write(wire.close_to_pb())
     await stream.call.done_writing()
     # Wait for the edge's OK: cancelling the call (generate's finally) before it arrives would end
     # a finished session as CANCELLED on the edge and count it as failed there.
     await stream.call.code()
 
 
-async def _round(stream: _Stream, session: DraftSession, result: GenerationResult, remaining: int) -> list[int]:
-    # Drafting fewer than `remaining` tokens: the round's correction/bonus token is the last one.
-    rd = await asyncio.to_thread(session.draft, max(1, remaining - 1))
-    t0 = time.perf_counter()
-    sent = await stream.send(wire.draft_to_pb(rd.block))
-    ahead = _start_draft_ahead(session, rd, remaining)
-    try:
-        reply = await stream.recv()
-    finally:
-        await _stop_draft_ahead(ahead)  # the worker must be off the drafter before anyone touches it
-    elapsed = time.perf_counter() - t0
-    verdict = wire.edge_message_from_pb(reply)
-    if not isinstance(verdict, P.Verdict):
-        raise EdgeError(grpc.StatusCode.INTERNAL, "expected Verdict")
-    session.observe_verdict(verdict)
-    received = reply.ByteSize()
-    network = max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds)
-    trips = down = 0  # a DSSD fallback's round trips and bytes down
-    if verdict.next_token is not None:
-        new = await asyncio.to_thread(session.commit, rd, verdict, verdict.next_token, dssd_correction=False)
-    else:
-        token = await asyncio.to_thread(session.resolve_dssd, rd, verdict)
-        if token is None:
-            t1 = time.perf_counter()
-            token, up, down, trips = await _dssd_fallback(stream, session, rd, verdict)
-            sent, received, network = sent + up, received + down, network + time.perf_counter() - t1
-            result.dssd_fallbacks += 1
-            result.dssd_residual_trips += trips
-        new = await asyncio.to_thread(session.commit, rd, verdict, token, dssd_correction=True)
-    record = rd.record(verdict, len(new), sent, received, network, session.threshold, residual_trips=trips,
-                       residual_bytes=down)
-    _observe(stream, session, result, rd, record)
-    return new
-
-
-async def _edge_round(stream: _Stream, session: DraftSession, result: GenerationResult, remaining: int,
-                      deliver: Callable[[list[int]], None]) -> None:
-    """Mode none: ask the edge for the round's tokens and hand each on as soon as it arrives."""
-    rd = session.edge_round(remaining)
-    t0 = time.perf_counter()
-    sent = await stream.send(wire.draft_to_pb(rd.block))
-    received, edge_verify, edge_queue, generated = 0, 0.0, 0.0, 0
-    while True:
-        reply = await stream.recv()
-        verdict = wire.edge_message_from_pb(reply)
-        if not isinstance(verdict, P.Verdict):
-            raise EdgeError(grpc.StatusCode.INTERNAL, "expected Verdict")
-        session.observe_verdict(verdict)
-        received += reply.ByteSize()
-        edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
-        deliver([session.take_edge_token(rd, verdict)])
-        generated += 1
-        if not verdict.more:
-            break
-    network = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
-    totals = replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
-    _observe(stream, session, result, rd, rd.record(totals, generated, sent, received, network, None))
-
-
-def _observe(stream: _Stream, session: DraftSession, result: GenerationResult, rd: RoundDraft,
-             record: RoundRecord) -> None:
-    result.add_round(record)
-    session.observe(record, rd.settings)
-    if stream.metrics:
-        stream.metrics.observe_round(record)
-        if session.policy is not None:
-            stream.metrics.observe_auto(session.policy.last)
-
-
-def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):
-    """Draft the next round in a worker thread while the edge verifies ``rd`` (DraftSession.draft_ahead)."""
-    after = remaining - len(rd.block.token_ids) - 1  # tokens still wanted if the guess is right
-    if not session.draft_ahead_enabled or after < 1:
-        return None
-    stop = threading.Event()
-    task = asyncio.ensure_future(asyncio.to_thread(session.draft_ahead, rd, max(1, after - 1), stop))
-    return stop, task
-
-
-async def _stop_draft_ahead(ahead) -> None:
-    if ahead is not None:
-        stop, task = ahead
-        stop.set()
-        await task
-
-
-async def _dssd_fallback(stream, session, rd, verdict) -> tuple[int, int, int, int]:
-    """All sampled candidates failed: fetch p_j's head and tail samples (the round's
-    dssd_fallback_top_k) and rejection-sample the residual locally; if the tail samples run out (or
-    the round asked for it), fetch the whole p_j. Returns (token, uplink bytes, downlink bytes,
-    round trips)."""
-    up = down = trips = 0
-    whole = False
-    while True:
-        request = P.ResidualRequest(verdict.round_id, whole=whole)
-        up += await stream.send(wire.residual_request_to_pb(request))
-        reply = await stream.recv()
-        residual = wire.edge_message_from_pb(reply)
-        down, trips = down + reply.ByteSize(), trips + 1
-        if not isinstance(residual, P.ResidualReply) or residual.round_id != verdict.round_id:
-            raise EdgeError(grpc.StatusCode.INTERNAL, "expected ResidualReply for the rejected round")
-        if whole and residual.is_head:
-            raise EdgeError(grpc.StatusCode.INTERNAL, "asked for the whole p_j, got its head")
-        try:
-            token = await asyncio.to_thread(session.resolve_residual, rd, verdict, residual)
-        except ValueError as e:
-            raise EdgeError(grpc.StatusCode.INTERNAL, f"malformed ResidualReply: {e}") from None
-        if token is not None:
-            return token, up, down, trips
-        whole = True  # the head's tail samples ran out: one more trip, for the whole p_j
-
-
-def _finished(tokens: list[int], max_new: int, eos_ids: tuple[int, ...]) -> bool:
-    return len(tokens) >= max_new or (bool(tokens) and tokens[-1] in eos_ids)
-
-
-def clip_round(done: int, new: list[int], max_new: int, eos_ids) -> list[int]:
-    """Cut a round's tokens at the first EOS (kept) and at max_new_tokens, ``done`` already delivered."""
-    out = []
-    for t in new[: max_new - done]:
-        out.append(t)
-        if t in eos_ids:
-            break
-    return out
+def metrics_listener(metrics: DeviceMetrics):
+    """A session listener that exports each committed round (and mode auto's choice for it)."""
+    def observe(event: RoundEvent) -> None:
+        metrics.observe_round(event.record)
+        if event.plan.choice is not None:
+            metrics.observe_auto(event.plan.choice)
+    return observe

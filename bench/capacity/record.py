@@ -47,17 +47,17 @@ class LoggingSession(DraftSession):
         self.logged: list[LoggedRound] = []
         self._sent_at = 0.0
 
-    def draft(self, max_tokens):
-        rd = super().draft(max_tokens)
+    def draft(self, plan, max_tokens):
+        rd = super().draft(plan, max_tokens)
         self._sent_at = time.perf_counter()
         return rd
 
-    def commit(self, rd, verdict, next_token, *, dssd_correction):
+    def apply_verdict(self, rd, verdict, next_token, io, *, dssd_correction=False):
         self.logged.append(LoggedRound(draft=wire.draft_to_pb(rd.block).SerializeToString(),
                                        draft_s=rd.draft_seconds + rd.encode_seconds,
                                        drafted_ahead=bool(rd.drafted_ahead), num_accepted=int(verdict.num_accepted),
                                        next_token=int(next_token), wait_s=time.perf_counter() - self._sent_at))
-        return super().commit(rd, verdict, next_token, dssd_correction=dssd_correction)
+        return super().apply_verdict(rd, verdict, next_token, io, dssd_correction=dssd_correction)
 
 
 class StepTimer(DraftSession):
@@ -65,9 +65,9 @@ class StepTimer(DraftSession):
 
     step_s: list[float]
 
-    def _draft_step(self, part, base):
+    def draft_step(self, part, base):
         t0 = time.perf_counter()
-        ok = super()._draft_step(part, base)
+        ok = super().draft_step(part, base)
         if ok:
             self.step_s.append(time.perf_counter() - t0)
         return ok
@@ -99,7 +99,7 @@ def walk_once(drafter, hello, prompt_ids: list[int], path: list[int]) -> dict[in
         sess.tokens = seq[:s]
         sess.model.truncate(min(sess.model.cache_len, s - 1))  # a verified position's cache, as after a verdict
         sess.round_id, sess.step_s = 0, []
-        rd = sess.draft(hello.draft.draft_len)
+        rd = sess.draft(sess.plan(), hello.draft.draft_len)
         out[i] = Proposal(list(rd.block.token_ids), list(rd.block.distributions), list(sess.step_s))
     return out
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from specdec.common import protocol as P
 from specdec.common.settings import Mode
 from specdec.device.chain import chain_limit
-from specdec.device.client import clip_round
+from specdec.device.engine import clip_round
 
 from specdec.bench.capacity.recording import PositionTable, Proposal, SessionLog
 

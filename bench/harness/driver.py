@@ -59,9 +59,9 @@ class RecordingSession(DraftSession):
     """A DraftSession that also logs each round and each encoded distribution (read-only hooks).
 
     With drafting ahead, positions are encoded in a worker thread before their round is sent, and a
-    round drafted on a wrong guess is thrown away: each encoding is kept by the sequence position it
-    drafts and logged only when :meth:`draft` returns the round that holds it, so the logs describe
-    exactly the distributions the edge received.
+    round drafted on a wrong guess is thrown away: each encoding's entry travels with its round
+    (:meth:`measure`) and is logged only when :meth:`draft` returns the round that holds it, so the
+    logs describe exactly the distributions the edge received.
     """
 
     def __init__(self, drafter, hello, topk_grid=None, **kw):
@@ -71,20 +71,15 @@ class RecordingSession(DraftSession):
         self.support: list[int] = []                  # transmitted support size K of each encoded q
         self.topk_grid = list(topk_grid or [])
         self.topk_mass: list[list[float]] = []        # [steps][len(grid)] mass of the drafter's top-K
-        self._local = threading.local()               # the position this thread is drafting (chains)
-        self._by_position: dict[int, tuple] = {}      # position -> (support, sigma, top-K masses)
 
-    def encode(self, q, settings):
-        out = super().encode(q, settings)
+    def measure(self, q, encoded, settings):
+        """Kept with the position's round, so only the positions of rounds sent are logged (not those
+        drafted ahead on a wrong guess, nor past a bit budget). Fixed settings only: mode auto's
+        measurements travel the same way."""
+        assert self.policy is None, "RecordingSession records fixed-settings sessions"
         if settings.mode is Mode.DSSD:
-            return out  # DSSD sends no distribution: nothing to log
-        entry = (out.support_size, out.dropped_mass, self._topk_masses(q))
-        position = getattr(self._local, "position", None)
-        if position is None:
-            self._log(entry)  # tree rounds: encoded in order in this thread, never drafted ahead
-        else:
-            self._by_position[position] = entry
-        return out
+            return None  # DSSD sends no distribution: nothing to log
+        return encoded.support_size, encoded.dropped_mass, self._topk_masses(q)
 
     def _topk_masses(self, q) -> list[float]:
         if not self.topk_grid:
@@ -99,29 +94,18 @@ class RecordingSession(DraftSession):
         if masses:
             self.topk_mass.append(masses)
 
-    def _draft_step(self, part, base):
-        self._local.position = part.start + len(part.ids)
-        try:
-            return super()._draft_step(part, base)
-        finally:
-            self._local.position = None
-
-    def draft(self, max_tokens):
-        start = len(self.tokens)
-        rd = super().draft(max_tokens)
-        if rd.tree is None:
-            for position in range(start, start + len(rd.block.token_ids)):
-                entry = self._by_position.pop(position, None)
-                if entry is not None:
-                    self._log(entry)
-            self._by_position.clear()  # encodings of positions no round sent (bit budget, wrong guess)
+    def draft(self, plan, max_tokens):
+        rd = super().draft(plan, max_tokens)
+        for entry in rd.q_stats:
+            if entry is not None:
+                self._log(entry)
         return rd
 
-    def commit(self, rd, verdict, next_token, *, dssd_correction):
-        new = super().commit(rd, verdict, next_token, dssd_correction=dssd_correction)
+    def apply_verdict(self, rd, verdict, next_token, io, *, dssd_correction=False):
+        event = super().apply_verdict(rd, verdict, next_token, io, dssd_correction=dssd_correction)
         accepted = len(verdict.accepted_nodes) if rd.tree is not None else verdict.num_accepted
         self.rounds_log.append((rd.positions, int(accepted)))
-        return new
+        return event
 
 
 def device_config(edge: str, overrides: dict) -> DeviceConfig:
@@ -143,15 +127,14 @@ def emit(obj: dict) -> None:
 
 
 def add_timeline(session) -> list[dict]:
-    """Log each round of ``session`` with its end time (instance-level wrappers, class untouched, so
-    it works for whatever session the device runs)."""
+    """Log each round of ``session`` with its end time (a listener of its round events, and the time
+    each edge-only token arrived), whatever session the device runs."""
     timeline: list[dict] = []
-    observe, take = session.stats.observe, session.take_edge_token
+    take = session.take_edge_token
     tokens: list[float] = []
 
-    def timed_observe(record) -> None:
-        observe(record)
-        s = session.settings  # still this round's: the next round's are chosen after this
+    def on_round(event) -> None:
+        record, s = event.record, event.settings
         mode = record.mode
         entry = {"t_wall": time.time(), "mode": mode, "generated": record.generated, "accepted": record.accepted,
                  "positions": record.positions,
@@ -167,7 +150,7 @@ def add_timeline(session) -> list[dict]:
         tokens.append(time.time())
         return token
 
-    session.stats.observe = timed_observe
+    session.listeners.append(on_round)
     session.take_edge_token = timed_take
     return timeline
 

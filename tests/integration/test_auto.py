@@ -12,8 +12,9 @@ from tests.support.harness import (EdgeProcess, device_cli, device_config, edge,
                      target_greedy)
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
-from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.auto import AutoConfig, AutoDecision, AutoPolicy, LinkTracker
 from specdec.device.draft_model import DraftStep
+from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from specdec.device.openai_schema import parse_overrides
 from specdec.device.runner import DeviceConfig
@@ -32,14 +33,14 @@ class RandomAuto(AutoPolicy):
     """The real controller's plumbing (its settings, its observations) with choices drawn at random
     from every candidate, seeded by the session: many more transitions than a measured link gives
     (edge-only <-> drafted, DSSD <-> drafted ahead, K up and down), each a chance to get one wrong.
-    Half the rounds keep the last choice, so rounds drafted ahead are also kept and sent."""
+    Half the plans keep the last round's choice."""
 
-    def choose(self, head=None):
+    def choose(self):
         rng = random.Random(self.hello.seed * 1000 + len(self.last_choices))
-        if self.current is None or rng.random() < 0.5:  # else keep it: a kept round drafted ahead is used
-            self.current = rng.choice(self.candidates)
-        self.last_choices.append(self.current.key)
-        return self.settings_for(self.current, rng.choice((1, 2)))
+        keep = self.current is not None and rng.random() < 0.5
+        c = self.current if keep else rng.choice(self.candidates)
+        self.last_choices.append(c.key)
+        return RoundPlan(self.settings_for(c, rng.choice((1, 2))), decision=AutoDecision(c, None))
 
 
 def random_auto_session(drafter, hello, session_class=DraftSession):

@@ -28,6 +28,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.support import inprocess
 from tests.support.harness import device_config, edge, load, patched, run
 from tests.support.linkcut import CuttableLink
 from specdec.common.settings import Mode
@@ -252,34 +253,19 @@ def _same_verdict(a, b) -> bool:
 
 def _in_process(pair, mode_kw: dict, seed: int, max_new: int, draft_len: int, verifier_cls=VerifierSession,
                 on_round=None) -> list[int]:
-    """One session with the real DraftSession and VerifierSession in this process (no transport):
-    the client's round loop, DSSD fallback included. ``on_round(hello, prefix, rd, verdict, edge)`` sees
-    each round with the verified prefix it started from. Returns the generated tokens (may pass max_new)."""
+    """One session with the real DraftSession and VerifierSession in this process (inprocess.py: the
+    device's own round loop, DSSD fallback included, no transport). ``on_round(hello, prefix, draft,
+    verdict, edge)`` sees each round with the verified prefix it started from. Returns the generated
+    tokens."""
     target_dir, drafter_dir = pair
     target, drafter = load(str(target_dir)), load(str(drafter_dir))
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=max_new, draft_len=draft_len, **mode_kw)
     prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
-    device, edge_session = DraftSession(drafter, hello), verifier_cls(target, target_info(target), hello,
-                                                                     EdgeLimits(), "a")
-    device.start(prompt)
-    edge_session.prefill(Prompt(tuple(prompt)))
-    out: list[int] = []
-    while len(out) < max_new and not set(out) & set(drafter.eos_token_ids):
-        prefix = tuple(device.tokens)  # the verified prefix a resuming device sends
-        rd = device.draft(max(1, max_new - len(out) - 1))  # as the client: the last token is the bonus
-        verdict = edge_session.verify(rd.block)
-        if on_round:
-            on_round(hello, prefix, rd, verdict, edge_session)
-        token = verdict.next_token
-        if token is None:
-            token = device.resolve_dssd(rd, verdict)
-            whole = False
-            while token is None:  # p_j's head and tail samples, then (if those run out) the whole p_j
-                reply = edge_session.residual(ResidualRequest(verdict.round_id, whole=whole))
-                token, whole = device.resolve_residual(rd, verdict, reply), True
-        out += device.commit(rd, verdict, token, dssd_correction=verdict.next_token is None)
-    return out
+    observe = None if on_round is None else (lambda prefix, draft, verdict, edge: on_round(hello, prefix, draft,
+                                                                                           verdict, edge))
+    return asyncio.run(inprocess.generate(target, DraftSession(drafter, hello), prompt, max_new,
+                                          edge_cls=verifier_cls, on_round=observe))
 
 
 def _replays(pair, mode_kw: dict, verifier_cls) -> tuple[int, int]:
@@ -287,10 +273,10 @@ def _replays(pair, mode_kw: dict, verifier_cls) -> tuple[int, int]:
     target = load(str(pair[0]))
     tally = {"rounds": 0, "same": 0}
 
-    def replay(hello, prefix, rd, verdict, edge):
+    def replay(hello, prefix, draft, verdict, edge):
         fresh = verifier_cls(target, target_info(target), hello, EdgeLimits(), "b")
         fresh.prefill(Prompt(prefix))
-        replayed = fresh.verify(replace(rd.block, round_id=1, correction_token=None))
+        replayed = fresh.verify(replace(draft, round_id=1, correction_token=None))
         tally["rounds"] += 1
         same = _same_verdict(replayed, verdict)
         if same and verdict.next_token is None:  # and a fallback's tail samples, should it need one

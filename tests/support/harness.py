@@ -14,6 +14,7 @@ from specdec.common.settings import Mode
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.settings import resolve as resolve_settings
 from specdec.device.client import generate
+from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from specdec.device.runner import DeviceConfig, connection_policy, edge_channel, open_channel
 from specdec.edge.metrics import EdgeMetrics
@@ -131,10 +132,10 @@ class SwitchesEveryRound(DraftSession):
         dict(mode="ksqs", top_k=3, lattice=8), dict(mode="csqs", csqs_beta0=0.05, lattice=8, max_k=8),
         dict(mode="tslt", top_k=4, tree=(2,)), dict(mode="none", edge_tokens=1))
 
-    def choose_settings(self):
+    def choose(self):
         plan = self.PLAN[(self.hello.seed + self.round_id) % len(self.PLAN)]
-        self.settings = resolve_settings({"draft_len": self.hello.draft.draft_len, **plan},
-                                         vocab_size=self.vocab_size)
+        return RoundPlan(resolve_settings({"draft_len": self.hello.draft.draft_len, **plan},
+                                          vocab_size=self.vocab_size))
 
 
 # -- a second process for the statistical runs ------------------------------------------------------

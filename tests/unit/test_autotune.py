@@ -13,7 +13,9 @@ from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
-from specdec.device.auto import LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.auto import (LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig,
+                                 AutoPolicy, LinkTracker)
+from specdec.device.rounds import RoundEvent, RoundPlan
 
 TSLT_256 = (Mode.TSLT, 256)
 BYTES = {(Mode.TSLT, 16): 80.0, (Mode.TSLT, 64): 320.0, TSLT_256: 1280.0, (Mode.TSLT, 1024): 5120.0,
@@ -27,6 +29,19 @@ def estimates(**kw) -> A.Estimates:
                 verify_per_token_s=0.008, alpha_base=0.9, sigma=SIGMA, packet_bytes=BYTES, guess_rate=0.7,
                 dssd_fallback_rate=0.05, dssd_fallback_bytes=8 * 49152, edge_chunk=16)
     return A.Estimates(**{**base, **kw})
+
+
+def event(r: RoundRecord, s: DraftSettings) -> RoundEvent:
+    """A committed round as the session hands it to the policy."""
+    return RoundEvent(record=r, plan=RoundPlan(s), new_tokens=(), q_stats=(), guess=None, elapsed_s=0.0,
+                      edge_hint=None, t=0.0)
+
+
+def observe_q(t: LinkTracker, q, q_hat, s: DraftSettings, temperature: float) -> None:
+    """One encoded q measured while drafting, and learned when its round commits."""
+    stats = t.measure_q(q, q_hat, s, temperature)
+    if stats is not None:
+        t.add_q_stats(stats)
 
 
 CANDIDATES = A.candidate_grid((16, 64, 256, 1024), (1, 2, 3, 4, 6, 8, 12, 16), (64,))
@@ -108,33 +123,16 @@ def test_drafting_ahead_hides_drafting_behind_the_round_trip() -> None:
     assert A.predict(dssd, e, True).seconds == pytest.approx(A.predict(dssd, e, False).seconds - 4 * 0.01)
 
 
-def test_the_next_round_drafts_only_what_was_not_drafted_ahead_with_its_codec() -> None:
+def test_a_round_takes_the_drafting_not_done_ahead() -> None:
+    """The time a round should take from the last verdict to its own (what teaches the time scale):
+    its steps drafted while the last round was verified are not drafted again."""
     e = estimates(rtt_s=0.06)
     c = A.Candidate(Mode.TSLT, 6, 256)
-    fresh = A.first_round(c, e, A.HeadStart())
-    assert A.first_round(c, e, A.HeadStart(TSLT_256, 4)) == pytest.approx(fresh - 4 * 0.01)
-    assert A.first_round(c, e, A.HeadStart(TSLT_256, 9)) == pytest.approx(fresh - 6 * 0.01)  # L of the 9 serve
-    assert A.first_round(c, e, A.HeadStart((Mode.TSLT, 64), 4)) == fresh  # another codec: the work is lost
-    assert A.first_round(c, e, A.HeadStart(TSLT_256, 4), draft_ahead=False) == fresh
-    steady = A.predict(c, e).seconds
-    mixed = A.predict(c, e, head=A.HeadStart()).seconds
-    assert mixed == pytest.approx(((A.HORIZON_ROUNDS - 1) * steady + fresh) / A.HORIZON_ROUNDS)
-
-
-def test_a_round_drafted_ahead_keeps_its_codec_unless_another_clearly_pays() -> None:
-    """Switching codec throws the round drafted ahead away: a near-equal codec is not worth it (the
-    controller flipped among them at T = 0, where every K sends the same one-token packet), a codec
-    much faster over the next rounds still is."""
-    equal = {key: 10.0 for key in BYTES}
-    e = estimates(rtt_s=0.06, alpha_base=0.95, sigma={}, packet_bytes=equal,
-                  time_scale={(Mode.TSLT, 64): 0.99})  # TSLT-64 measured a little faster
-    steady, _ = A.best(CANDIDATES, e)
-    assert steady.candidate.codec_key == (Mode.TSLT, 64)
-    kept, _ = A.best(CANDIDATES, e, head=A.HeadStart(TSLT_256, 6))
-    assert kept.candidate.codec_key == TSLT_256
-    slow = replace(e, time_scale={TSLT_256: 1.3})
-    switched, _ = A.best(CANDIDATES, slow, head=A.HeadStart(TSLT_256, 6))
-    assert switched.candidate.codec_key != TSLT_256
+    fresh = A.first_round(c, e, 0)
+    assert A.first_round(c, e, 4) == pytest.approx(fresh - 4 * 0.01)
+    assert A.first_round(c, e, 9) == pytest.approx(fresh - 6 * 0.01)  # at most its L
+    assert A.first_round(c, e, 4, draft_ahead=False) == fresh
+    assert A.first_round(A.Candidate(Mode.NONE), e, 4) == A.model_round(A.Candidate(Mode.NONE), e).seconds
 
 
 def test_the_uplink_is_probed_only_where_a_fast_link_would_change_the_rate() -> None:
@@ -335,11 +333,11 @@ def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate()
     for _ in range(3):  # three sessions of a text the drafter follows
         policy = AutoPolicy(t, HELLO, 49152)
         for _ in range(10):
-            policy.observe(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS)
+            policy.observe(event(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS))
     assert t.estimates(1.0, 49152, policy.acceptance).alpha_base > 0.97
     policy = AutoPolicy(t, HELLO, 49152)
     for _ in range(10):  # then one it cannot
-        policy.observe(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS)
+        policy.observe(event(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS))
     assert t.estimates(1.0, 49152, policy.acceptance).alpha_base < 0.5
     assert AutoPolicy(t, HELLO, 49152).acceptance.alpha_base > 0.85  # the next session
 
@@ -350,8 +348,8 @@ def test_sessions_at_once_keep_their_own_acceptance() -> None:
     t = LinkTracker()
     easy, hard = AutoPolicy(t, HELLO, 49152), AutoPolicy(t, HELLO, 49152)
     for _ in range(20):
-        easy.observe(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS)
-        hard.observe(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS)
+        easy.observe(event(record(drafted=6, accepted=6, up=300, network=0.01), SETTINGS))
+        hard.observe(event(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS))
         AutoPolicy(t, HELLO, 49152)  # sessions starting meanwhile
     assert t.estimates(1.0, 49152, easy.acceptance).alpha_base > 0.95
     assert t.estimates(1.0, 49152, hard.acceptance).alpha_base < 0.2
@@ -369,14 +367,14 @@ def test_one_encoded_q_in_every_few_is_measured() -> None:
     spread = torch.full((4,), 0.25, dtype=torch.float64)               # top-2 drops half
     for i in range(4 * OBSERVE_Q_EVERY):
         q = two if i % OBSERVE_Q_EVERY == 0 else spread
-        t.observe_q(q, q, DraftSettings(mode=Mode.TSLT, top_k=2), 1.0)
+        observe_q(t, q, q, DraftSettings(mode=Mode.TSLT, top_k=2), 1.0)
     assert t.model(1.0).tv((Mode.TSLT, 2)) == 0.0
 
 
 def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> None:
     t = LinkTracker(AutoConfig(top_ks=(2, 4), ksqs_ks=(4,), lattice=16))
     q = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
-    t.observe_q(q, q, DraftSettings(mode=Mode.DENSE, dense_dtype="fp16"), 1.0)
+    observe_q(t, q, q, DraftSettings(mode=Mode.DENSE, dense_dtype="fp16"), 1.0)
     side = t.model(1.0)
     assert side.tv((Mode.TSLT, 2)) == pytest.approx(0.3) and side.tv((Mode.TSLT, 4)) == pytest.approx(0.1)
     assert 0.1 <= side.tv((Mode.KSQS, 4)) < 0.2  # top-4 dropped mass plus the lattice's rounding
@@ -384,7 +382,7 @@ def test_dropped_mass_and_packet_sizes_come_from_the_encoded_distributions() -> 
     assert sizes[(Mode.TSLT, 4)] > sizes[(Mode.TSLT, 2)] > 0
     assert sizes[(Mode.DENSE, 0)] >= 2 * 6  # fp16 per entry
     # a greedy q is one token whatever K: its sizes are kept apart from T = 1's
-    t.observe_q(torch.nn.functional.one_hot(torch.tensor(0), 6).double(), q, DraftSettings(), 0.0)
+    observe_q(t, torch.nn.functional.one_hot(torch.tensor(0), 6).double(), q, DraftSettings(), 0.0)
     greedy = t.estimates(0.0, 6).packet_bytes
     assert greedy[(Mode.TSLT, 4)] == greedy[(Mode.TSLT, 2)] < sizes[(Mode.TSLT, 4)]
 
@@ -409,7 +407,7 @@ def test_policy_leaves_speculation_when_the_drafter_is_slow_and_comes_back_to_ch
     policy = AutoPolicy(tracker, hello, 49152)
     modes = []
     for _ in range(30):
-        s = policy.choose()
+        s = policy.choose().settings
         modes.append(s.mode)
         if s.mode is Mode.NONE:
             r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=s.edge_tokens,
@@ -417,7 +415,7 @@ def test_policy_leaves_speculation_when_the_drafter_is_slow_and_comes_back_to_ch
                             phases={"network": 0.05, "queue": 0.0, "decode": 0.0, "verify": 0.05 * s.edge_tokens})
         else:  # a drafter as slow as the target, accepting little
             r = record(drafted=s.draft_len, accepted=0, up=300, network=0.05, verify=0.05, draft=0.1 * s.draft_len)
-        policy.observe(r, s)
+        policy.observe(event(r, s))
     assert modes[-10:].count(Mode.NONE) >= 8, modes
     assert Mode.NONE in modes and any(m is not Mode.NONE for m in modes[10:]), "never re-checked drafting"
 
@@ -481,7 +479,7 @@ def test_auto_chooses_within_the_edge_limits_its_welcome_states() -> None:
                                    max_draft_len=8, max_k=64, dssd_max_samples=16))
     assert max(c.draft_len for c in policy.candidates) == 8 and max(c.top_k for c in policy.candidates) == 64
     for _ in range(3):
-        s = policy.choose()
+        s = policy.choose().settings
         assert s.mode is Mode.NONE or (s.draft_len <= 8 and (s.mode not in (Mode.TSLT, Mode.KSQS) or s.top_k <= 64))
     assert policy.settings_for(A.Candidate(Mode.DSSD, 8), 16).dssd_samples == 16
     policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,

@@ -1,0 +1,153 @@
+"""The device's round loop over any message link: one round at a time, drafting the next ahead.
+
+No grpc here: :mod:`specdec.device.client` gives it a link over a gRPC stream, the in-process test
+harness one straight to an edge :class:`~specdec.edge.verifier.VerifierSession`. A link moves the
+domain messages of :mod:`specdec.common.protocol` and says what each cost in serialized bytes; it
+raises on a broken stream, and the caller (the client's resilient loop) decides whether to resume.
+The blocking torch work of :class:`~specdec.device.session.DraftSession` runs off the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import replace
+from typing import Callable, Protocol
+
+from specdec.common import protocol as P
+from specdec.common.settings import Mode
+from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan
+from specdec.device.session import DraftSession
+
+
+class ProtocolError(Exception):
+    """The edge sent a message that does not belong where it arrived (a bug or a hostile edge)."""
+
+
+class Link(Protocol):
+    async def send(self, msg) -> int:
+        """Send a DraftBlock or ResidualRequest; its serialized size in bytes."""
+
+    async def recv(self) -> tuple[object, int]:
+        """The next Verdict or ResidualReply and its serialized size."""
+
+
+async def run_round(link: Link, session: DraftSession, remaining: int,
+                    deliver: Callable[[list[int]], None]) -> RoundEvent:
+    """Run the next round of ``session`` (at most ``remaining`` new tokens) and hand its tokens to
+    ``deliver`` as they are verified: a drafted round's at its verdict, an edge-only round's one by one."""
+    plan = session.plan()
+    if plan.settings.mode is Mode.NONE:
+        return await _edge_round(link, session, plan, remaining, deliver)
+    event = await _drafted_round(link, session, plan, remaining)
+    deliver(list(event.new_tokens))
+    return event
+
+
+async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, remaining: int) -> RoundEvent:
+    # Drafting fewer than `remaining` tokens: the round's correction/bonus token is the last one.
+    rd = await asyncio.to_thread(session.draft, plan, max(1, remaining - 1))
+    t0 = time.perf_counter()
+    sent = await link.send(rd.block)
+    ahead = _start_draft_ahead(session, rd, remaining)
+    try:
+        verdict, received = await link.recv()
+    finally:
+        await _stop_draft_ahead(ahead)  # the worker must be off the drafter before anyone touches it
+    elapsed = time.perf_counter() - t0
+    if not isinstance(verdict, P.Verdict) or verdict.round_id != rd.block.round_id:
+        raise ProtocolError(f"expected the Verdict of round {rd.block.round_id}")
+    io = RoundIO(sent, received, max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds))
+    correction = verdict.next_token is None  # DSSD rejection: the device draws the token itself
+    token = verdict.next_token
+    if correction:
+        token = await asyncio.to_thread(session.resolve_dssd, rd, verdict)
+        if token is None:
+            t1 = time.perf_counter()
+            token, up, down, trips = await _dssd_fallback(link, session, rd, verdict)
+            io = RoundIO(sent + up, received + down, io.network_s + time.perf_counter() - t1, trips, down)
+    return await asyncio.to_thread(session.apply_verdict, rd, verdict, token, io, dssd_correction=correction)
+
+
+async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remaining: int,
+                      deliver: Callable[[list[int]], None]) -> RoundEvent:
+    """Mode none: ask the edge for the round's tokens and hand each on as soon as it arrives."""
+    rd = session.edge_round(plan, remaining)
+    t0 = time.perf_counter()
+    sent = await link.send(rd.block)
+    received, edge_verify, edge_queue = 0, 0.0, 0.0
+    while True:
+        verdict, size = await link.recv()
+        if not isinstance(verdict, P.Verdict):
+            raise ProtocolError("expected a Verdict of the edge-only round")
+        received += size
+        edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
+        try:
+            deliver([session.take_edge_token(rd, verdict)])
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        if not verdict.more:
+            break
+    network = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
+    totals = replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
+    return session.finish_edge_round(rd, totals, RoundIO(sent, received, network))
+
+
+def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):
+    """Plan the next round and draft it in a worker thread while the edge verifies ``rd``."""
+    after = remaining - len(rd.block.token_ids) - 1  # tokens still wanted if the guess is right
+    if after < 1 or rd.tree is not None:
+        return None
+    plan = session.plan_ahead(rd)
+    if plan is None:
+        return None
+    stop = threading.Event()
+    task = asyncio.ensure_future(asyncio.to_thread(session.draft_ahead, rd, plan, max(1, after - 1), stop))
+    return stop, task
+
+
+async def _stop_draft_ahead(ahead) -> None:
+    if ahead is not None:
+        stop, task = ahead
+        stop.set()
+        await task
+
+
+async def _dssd_fallback(link: Link, session: DraftSession, rd: RoundDraft,
+                         verdict: P.Verdict) -> tuple[int, int, int, int]:
+    """All sampled candidates failed: fetch p_j's head and tail samples (the round's
+    dssd_fallback_top_k) and rejection-sample the residual locally; if the tail samples run out (or
+    the round asked for it), fetch the whole p_j. Returns (token, uplink bytes, downlink bytes,
+    round trips)."""
+    up = down = trips = 0
+    whole = False
+    while True:
+        up += await link.send(P.ResidualRequest(verdict.round_id, whole=whole))
+        residual, size = await link.recv()
+        down, trips = down + size, trips + 1
+        if not isinstance(residual, P.ResidualReply) or residual.round_id != verdict.round_id:
+            raise ProtocolError("expected ResidualReply for the rejected round")
+        if whole and residual.is_head:
+            raise ProtocolError("asked for the whole p_j, got its head")
+        try:
+            token = await asyncio.to_thread(session.resolve_residual, rd, verdict, residual)
+        except ValueError as e:
+            raise ProtocolError(f"malformed ResidualReply: {e}") from None
+        if token is not None:
+            return token, up, down, trips
+        whole = True  # the head's tail samples ran out: one more trip, for the whole p_j
+
+
+def finished(tokens: list[int], max_new: int, eos_ids) -> bool:
+    """Whether a session that delivered ``tokens`` is done: ``max_new`` of them, or one ends it."""
+    return len(tokens) >= max_new or (bool(tokens) and tokens[-1] in eos_ids)
+
+
+def clip_round(done: int, new: list[int], max_new: int, eos_ids) -> list[int]:
+    """Cut a round's tokens at the first EOS (kept) and at max_new_tokens, ``done`` already delivered."""
+    out = []
+    for t in new[: max_new - done]:
+        out.append(t)
+        if t in eos_ids:
+            break
+    return out
