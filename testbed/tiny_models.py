@@ -65,3 +65,17 @@ def make_close_drafter(target: Path, path: Path, *, noise: float, seed: int = 3)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(target).save_pretrained(path)
     return path
+
+
+def make_sharpened_drafter(target: Path, path: Path, *, scale: float) -> Path:
+    """A drafter that is the target at temperature 1 / ``scale``: q is p sharpened (scale > 1), so its
+    rejections leave a residual norm(max(0, p - q)) on p's tail, far from p itself. Tests whose
+    controls swap a residual draw for a draw from p get their power from it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(target).save_pretrained(path)
+    return path
