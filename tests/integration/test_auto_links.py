@@ -14,8 +14,9 @@ from tests.support.harness import device_config, edge, load
 from specdec.common.autotune import Candidate
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
-from specdec.device.auto import AutoPolicy, LinkTracker
+from specdec.device.auto import AutoDecision, AutoPolicy, LinkTracker
 from specdec.device.client import generate
+from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from specdec.device.runner import connection_policy, edge_channel
 
@@ -30,10 +31,9 @@ class MeasuresWithDense(AutoPolicy):
     """The controller's measurements, with every round drafted dense (1 KB per token here): rounds of
     known, varied size (L = 1-3) for the link fit to read."""
 
-    def choose(self, head=None):
-        self.current = Candidate(Mode.DENSE, 1 + len(self.tracker.link_samples) % 3)
-        self.last = {"mode": "dense"}
-        return self.settings_for(self.current, 0)
+    def choose(self):
+        c = Candidate(Mode.DENSE, 1 + len(self.tracker.link_samples) % 3)
+        return RoundPlan(self.settings_for(c, 0), choice={"mode": "dense"}, decision=AutoDecision(c, None))
 
 
 def test_auto_measures_the_link_and_follows_it(tiny_pair_v512) -> None:

@@ -19,16 +19,16 @@ from dataclasses import replace
 
 import pytest
 
-from harness import device_config, load
-from inprocess import run_seeds
 from specdec.common import protocol as P
 from specdec.common import settings as S
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.session import DraftSession
-from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from tiny_models import make_close_drafter, make_model, make_sharpened_drafter
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
+from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.harness import device_config, load
+from tests.support.inprocess import run_seeds
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 NULL_SESSIONS = 600
 CONTROL_SESSIONS = 600   # both controls fall below p = 1e-9 at 800 sessions, near 1e-4 at 400
