@@ -2,8 +2,8 @@
 
 :class:`LinkTracker` is the device's memory of its link and models (shared by its sessions, since
 they share the link); :class:`AutoPolicy` is one session's controller, called by
-:meth:`DraftSession.choose` before each round is drafted (ahead or not) and fed each round's
-:class:`~specdec.common.stats.RoundRecord`. The choice itself is :func:`specdec.common.autotune.best`,
+:meth:`DraftSession.choose` before each round is drafted (ahead or not) and fed each committed
+round's :class:`~specdec.device.rounds.RoundEvent`. The choice itself is :func:`specdec.common.autotune.best`,
 pure math over the :class:`~specdec.common.autotune.Estimates` built here.
 
 What is measured, per round (all from what the device already sees):
