@@ -280,3 +280,21 @@ def fit_link(samples: list[tuple[float, float]], weights: list[float], prior_rtt
     rtt = max(0.0, min(prior_rtt_s, mean_t))
     excess = mean_t - rtt
     return rtt, (mean_b / excess if excess > 0 else prior_bps)
+
+
+def fit_verify(samples: list[tuple[int, float]], prior_slope: float, prior_weight: float,
+               prior_base_s: float) -> tuple[float, float]:
+    """(seconds of a one-token forward, seconds per further token) from the edge's recent forwards'
+    (tokens, seconds): least squares of seconds on tokens - 1, with ``prior_weight`` pseudo-forwards'
+    worth of spread behind ``prior_slope`` (relative to a one-token forward), so forwards all of one
+    size still give a slope. Without samples: ``prior_base_s`` and its prior slope."""
+    if not samples:
+        return prior_base_s, prior_base_s * prior_slope
+    n = [float(t) - 1.0 for t, _ in samples]
+    s = [x for _, x in samples]
+    mean_n, mean_s = sum(n) / len(n), sum(s) / len(s)
+    var = sum((x - mean_n) ** 2 for x in n)
+    base_guess = mean_s / (1 + prior_slope * mean_n)
+    cov = sum((a - mean_n) * (b - mean_s) for a, b in zip(n, s))
+    slope = max(0.0, (cov + prior_weight * prior_slope * base_guess) / (var + prior_weight))
+    return max(1e-4, mean_s - slope * mean_n), slope

@@ -60,6 +60,13 @@ class Hello:
     wants_end: bool = False       # the device reads End messages (and half-closes on one)
 
 
+# An edge's limits unless its operator sets others (edge.verifier.EdgeLimits and edge-server's flags
+# default to these), and what a Welcome that does not state one means (an edge from before it did).
+DEFAULT_MAX_DRAFT_LEN = 32        # draft tokens per round
+DEFAULT_MAX_K = 8192              # transmitted support size per distribution
+DEFAULT_DSSD_MAX_SAMPLES = 64     # downlink samples per DSSD rejection
+
+
 @dataclass(frozen=True)
 class Welcome:
     session_id: str

@@ -36,14 +36,15 @@ import torch
 
 from specdec.common import autotune as A
 from specdec.common.settings import Mode
-from specdec.common.protocol import DraftSettings, Hello, Welcome
+from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K, DraftSettings,
+                                     Hello, Welcome)
 from specdec.common.stats import RoundRecord
 from specdec.device.rounds import RoundEvent, RoundPlan
 from specdec.common.verification import dssd_fallback_bytes
 
 FAST_LINK_BPS = 1e9           # the most goodput the device believes in (and what a probe asks about)
 PRIOR_UPLINK_BPS = 10e6       # before any measurement: a middling link, so the first rounds carry tens
-                              # of KB at most (a dense round at 1e9 "measured" a 0.5 Mbit/s link in 6 s)
+                              # of KB at most (a round sized for 1 Gbit/s takes seconds on a slow link)
 TIME_SCALE_MIN, TIME_SCALE_MAX = 0.5, 4.0  # bounds of the learned measured/modelled round-time ratio
 TRUST_MEMORY = 32             # rounds whose sizes say how large a round the goodput estimate covers
 RATE_GROWTH = 4.0             # the goodput estimate may rise this much per round, fall without limit
@@ -55,30 +56,27 @@ CHANGE_REL, CHANGE_ABS_S = 0.5, 0.01   # a round this far off the fit (relative 
 RATE_WINDOW = 6               # downlink goodput samples (DSSD's full p_j replies)
 VERIFY_WINDOW = 24            # (tokens, seconds) points in the verify-time fit
 DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
-ACCEPT_DECAY = 0.9            # per round: a session's acceptance follows its text within ~10 rounds (per
-                              # tested position, a text the drafter cannot follow, rejected at depth 1
-                              # every round, took ~50 rounds to show: 7.9 tok/s in the links run)
-LONG_ACCEPT_DECAY = 0.995     # per round: the device's long-run acceptance, where each session starts
-                              # (one such session's tail had kept the next six sessions edge-only)
+ACCEPT_DECAY = 0.9            # per round (not per tested position, which a text rejected at depth 1
+                              # every round hardly moves): a session's estimate follows its text in ~10
+LONG_ACCEPT_DECAY = 0.995     # per round: the device's long-run acceptance, where each session starts (not
+                              # the last session's: one bad text's tail must not set the next sessions)
 PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it ...
-PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (links benchmark: a stale 0.36 Mbit/s
-                              # kept a 100 Mbit/s, 60 ms link on 0.6 KB rounds of L = 4 for 12 rounds)
-PROBE_MIN_GAIN = 0.1          # ... if a fast link would make rounds this much faster (links benchmark at
-                              # 05a3978: without it, a probe every ~12 rounds at T = 0, ~0.2 s each)
+PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (a stale goodput keeps small rounds
+                              # on a fast link until a large round measures it)
+PROBE_MIN_GAIN = 0.1          # ... if a fast link would make rounds this much faster (where every codec
+                              # sends a few bytes, as at T = 0, no goodput changes the choice)
 BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every candidate's packet size
-OBSERVE_Q_EVERY = 4           # encoded q per one whose dropped masses are measured: a top-1024 over the
-                              # vocabulary took ~0.5 ms, 3-4 % of a drafter forward (links benchmark,
-                              # 0 ms round trip: auto's encode phase 0.11 s per 64 tokens, fixed K 0.07 s);
-                              # top-256 is cheaper, still inline with drafting
+OBSERVE_Q_EVERY = 4           # encoded q per one whose dropped masses are measured: a top-K over the
+                              # vocabulary per drafted token is a few % of a drafter forward, inline
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
 MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
 DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
 DEPTH_DECAY = 0.95            # per round reaching a depth (~20 rounds: one sample a round)
 PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
-OLD_EDGE_DSSD_MAX_SAMPLES = 64  # EdgeLimits.dssd_max_samples of edges whose Welcome does not state it
-MAX_DRAFT_LEN = 32              # ... and the draft length the candidates stop at when it is not stated
 PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
 PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
+VERIFY_PRIOR_WEIGHT = 4.0     # forwards' worth of spread behind that prior slope
+PRIOR_VERIFY_BASE_S = 0.05    # a one-token forward before any verdict reported one
 REVISIT_AFTER_EDGE_TOKENS = 48  # edge-only tokens before one drafted round re-measures drafting (tokens,
                                 # not rounds: at 150 ms an edge-only round asks for 27+ tokens)
 EDGE_CHUNK_OVERHEAD = 0.1     # an edge-only round's round trip may cost at most this share of it
@@ -87,34 +85,22 @@ EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
 
 @dataclass(frozen=True)
 class AutoConfig:
-    """The candidates ``mode auto`` chooses among, and how eagerly it switches."""
-    # TSLT supports. Not 1024: its packet is 4x K = 256's at T = 1 (~4 KB per draft token) for +0.017
-    # acceptance per position (bench/bench_truncation.py at T = 1: sum_x min(p, q_hat) 0.977 at 1024,
-    # 0.961 at 256, 0.983 for the dense q; eq. (22)'s sigma_K overstates each loss by only 6-21 %, so the
-    # estimate ranks K right). The links run at e57c86f's counts had hinted otherwise (0.966 vs 0.965
-    # tested-position acceptance), which was text noise. A T = 1 subset A/B (12 cells, bench_links
-    # --only-cells 100mbit-20ms,100mbit-60ms,10mbit-0ms,10mbit-20ms,10mbit-60ms,10mbit-150ms,2mbit-0ms,
-    # 2mbit-20ms --configs tslt256-L8,auto --temperatures 1 --prompts 3 --max-new-tokens 64 --no-changing):
-    # auto / TSLT-256-L8 geomean 0.85 with 1024, 0.92 without.
+    """The candidates ``mode auto`` chooses among, and how eagerly it switches. Why these values:
+    docs/modes.md, "Why mode auto's constants are what they are"."""
+    # TSLT supports. Not 1024: at T = 1 its packet is 4x K = 256's for little more acceptance.
     top_ks: tuple[int, ...] = (16, 64, 256)
     ksqs_ks: tuple[int, ...] = (64,)                   # K-SQS supports (lattice below)
     lattice: int = 1000
     draft_lens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
     dense: bool = True
-    # DSSD is a candidate: its rounds draft ahead like the other chains (coupled bonus) and send the
-    # exact q's acceptance in a few bytes; fixed DSSD-L4 is the best fixed setting in 8 of the 16 T = 1
-    # grid cells of the links run at e6e333f. The model charges it for its fallback: a trip and p_j's
-    # head (measured; before that verification.dssd_fallback_bytes).
+    # DSSD: its rounds draft ahead like the other chains (coupled bonus) and send the exact q's
+    # acceptance in a few bytes. The model charges it for its fallback: a trip and p_j's head
+    # (measured; before that verification.dssd_fallback_bytes).
     dssd: bool = True
-    # m of auto's DSSD rounds. A rejection needs a second trip for more of p_j when all m samples
-    # y ~ p_j fail (before the head fallback: the whole p_j, 8 bytes x V = 393 KB for SmolLM2, 0.4 s
-    # down a 2 Mbit/s link in the links run at 120e601), which each does with probability
-    # 1 - TV(p_j, q_j): with a drafter this close (T = 1 acceptance ~0.98), m = 8 fails on most
-    # rejections (74% in bench_dssd_fallback), m = 32 still on 27 of 85 in the links run at e6e333f (3 of 12 in a
-    # 0.5 Mbit/s A/B, bench_links --only-cells 0.5mbit,2mbit-0ms --configs dssd-L4,auto --temperatures 1
-    # --prompts 3 --no-changing; m = 64 2 of 16 there, auto / DSSD-L4 geomean 0.94 -> 1.01 over its 5
-    # cells). 12 bytes a sample; 64 is the edge's cap (EdgeLimits.dssd_max_samples).
-    dssd_samples: int = 64
+    # m of auto's DSSD rounds: a rejection needs a fallback trip when all m samples y ~ p_j fail, each
+    # with probability 1 - TV(p_j, q_j), most of the time for a close drafter at small m; 12 bytes a
+    # sample, and the edge's default cap.
+    dssd_samples: int = DEFAULT_DSSD_MAX_SAMPLES
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
     # Weight of what was learned before each new observation, relative to the decays above: 1 keeps
@@ -122,7 +108,8 @@ class AutoConfig:
     # round as it can be, so that a choice that could see a round's own draws would show it).
     memory: float = 1.0
 
-    def candidates(self, vocab_size: int, max_draft_len: int = MAX_DRAFT_LEN, max_k: int = 8192) -> list[A.Candidate]:
+    def candidates(self, vocab_size: int, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN,
+                   max_k: int = DEFAULT_MAX_K) -> list[A.Candidate]:
         cap = min(vocab_size, max_k)
         ks = tuple(sorted({min(k, cap) for k in self.top_ks}))
         lens = tuple(L for L in self.draft_lens if L <= max_draft_len)
@@ -165,8 +152,8 @@ class SessionAcceptance:
     def __init__(self, start: float = PRIOR_ALPHA, memory: float = 1.0):
         self.accept = _Ratio(start * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY * memory)
         # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
-        # round (links benchmark at 05a3978, TSLT-256-L8 at T = 0: 0.94 at depth 1, 1.0 at 3-6), which
-        # eq. (8)'s one rate misses, and with it how often a long round is accepted whole
+        # round (a draft accepted at depth 1 makes the next likelier), which eq. (8)'s one rate misses,
+        # and with it how often a long round is accepted whole
         self.depth = [_Ratio(decay=DEPTH_DECAY * memory) for _ in range(MAX_DEPTH)]
 
     def add(self, accepted: int, tested: int, tv: float) -> None:
@@ -309,8 +296,8 @@ class LinkTracker:
         same_way = outlier and self._last_off * off > 0
         # Loss and queues only slow a round down, and no round beats the round trip: one far faster than
         # the round-trip estimate alone is a faster link, at once (token-bucket bursts can beat the
-        # goodput fit, not the round trip; at 0 ms the links run at 120e601 kept a 150 ms estimate
-        # for three rounds of L = 16, chosen for 150 ms).
+        # goodput fit, not the round trip; waiting for a second round would run it with settings
+        # chosen for the old, slower link).
         faster = bool(self.link_samples) and network < rtt - max(CHANGE_REL * rtt, CHANGE_ABS_S)
         self._last_off = off if outlier else 0.0
         if same_way or faster:
@@ -324,20 +311,9 @@ class LinkTracker:
         self.verify.append((max(1, tokens), seconds))
 
     def verify_fit(self) -> tuple[float, float]:
-        """(seconds of a one-token forward, seconds per further token): least squares on recent
-        forwards, shrunk toward the prior slope when they all had the same size."""
-        if not self.verify:
-            return 0.05, 0.05 * PRIOR_VERIFY_SLOPE
-        n = torch.tensor([float(t) for t, _ in self.verify]) - 1.0
-        s = torch.tensor([x for _, x in self.verify])
-        mean_n, mean_s = float(n.mean()), float(s.mean())
-        var = float(((n - mean_n) ** 2).sum())
-        prior_weight = 4.0  # pseudo-observations' worth of spread behind the prior slope
-        base_guess = mean_s / (1 + PRIOR_VERIFY_SLOPE * mean_n)
-        slope = (float(((n - mean_n) * (s - mean_s)).sum()) + prior_weight * PRIOR_VERIFY_SLOPE * base_guess) \
-            / (var + prior_weight)
-        slope = max(0.0, slope)
-        return max(1e-4, mean_s - slope * mean_n), slope
+        """(seconds of a one-token forward, seconds per further token) of the edge's recent forwards
+        (:func:`~specdec.common.autotune.fit_verify`)."""
+        return A.fit_verify(list(self.verify), PRIOR_VERIFY_SLOPE, VERIFY_PRIOR_WEIGHT, PRIOR_VERIFY_BASE_S)
 
     # -- encoded distributions ---------------------------------------------------------------------------
     def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings,
@@ -561,9 +537,10 @@ class AutoPolicy:
     def observe_welcome(self, welcome: Welcome) -> None:
         """Choose within the edge's limits: a round past its longest draft, largest K or most DSSD
         samples would fail the session (an edge that does not state its sample cap had 64)."""
-        self.candidates = self.tracker.config.candidates(self.vocab_size, welcome.max_draft_len or MAX_DRAFT_LEN,
-                                                         welcome.max_k or self.vocab_size)
-        cap = welcome.dssd_max_samples or OLD_EDGE_DSSD_MAX_SAMPLES
+        self.candidates = self.tracker.config.candidates(self.vocab_size,
+                                                         welcome.max_draft_len or DEFAULT_MAX_DRAFT_LEN,
+                                                         welcome.max_k or DEFAULT_MAX_K)
+        cap = welcome.dssd_max_samples or DEFAULT_DSSD_MAX_SAMPLES
         self.dssd_samples = max(1, min(self.tracker.config.dssd_samples, cap))
         if self.current not in self.candidates:
             self.current = None

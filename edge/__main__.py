@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a queued session waits for a slot before RESOURCE_EXHAUSTED (default: "
                    "%(default)g, well within a device's --round-timeout, which bounds its wait for Welcome)")
     p.add_argument("--max-context", type=bounded(int, 0), default=0, help="0 = the model's context length")
-    p.add_argument("--max-draft-len", type=bounded(int, 1), default=32)
-    p.add_argument("--max-k", type=bounded(int, 1), default=8192)
+    p.add_argument("--max-draft-len", type=bounded(int, 1), default=EdgeLimits.max_draft_len)
+    p.add_argument("--max-k", type=bounded(int, 1), default=EdgeLimits.max_k)
     p.add_argument("--idle-timeout", type=bounded(float, 0.0, low_open=True), default=120.0,
                    help="seconds a session may stay silent before it is closed")
     p.add_argument("--resume-window", type=bounded(float, 0.0, low_open=True), default=60.0,

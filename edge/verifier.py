@@ -29,7 +29,8 @@ from specdec.common.sampling import model_probs, validate_hello
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from specdec.common.protocol import (CONTEXT_FULL, PROTOCOL_VERSION, TARGET_MISMATCH, DraftBlock,
+from specdec.common.protocol import (CONTEXT_FULL, DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K,
+                                     PROTOCOL_VERSION, TARGET_MISMATCH, DraftBlock,
                                      DraftSettings, Hello, Prompt, ResidualReply, ResidualRequest, Verdict, Welcome)
 
 
@@ -64,12 +65,12 @@ class LimitError(ValueError):
 class EdgeLimits:
     max_sessions: int = 64          # sessions held at once (detached ones too); more wait in admission's queue
     max_context: int = 0            # tokens per session; 0 = the model's max_position_embeddings
-    max_draft_len: int = 32         # draft tokens per round
-    max_k: int = 8192               # transmitted support size per distribution
+    max_draft_len: int = DEFAULT_MAX_DRAFT_LEN  # draft tokens per round
+    max_k: int = DEFAULT_MAX_K      # transmitted support size per distribution
     max_prompt_tokens: int = 0      # 0 = max_context
     idle_timeout_s: float = 120.0   # a session silent this long is closed and freed
     resume_window_s: float = 60.0   # a session whose stream broke waits this long for a resume
-    dssd_max_samples: int = 64      # downlink samples per DSSD rejection
+    dssd_max_samples: int = DEFAULT_DSSD_MAX_SAMPLES  # downlink samples per DSSD rejection
     max_tree_nodes: int = 256       # drafted nodes per round (one target forward covers them all)
 
 

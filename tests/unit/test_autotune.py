@@ -485,3 +485,15 @@ def test_auto_chooses_within_the_edge_limits_its_welcome_states() -> None:
     policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,
                                    max_draft_len=32, max_k=8192))
     assert policy.settings_for(A.Candidate(Mode.DSSD, 8), 16).dssd_samples == AutoConfig().dssd_samples == 64
+
+
+def test_the_verify_fit_recovers_an_affine_cost_and_keeps_its_prior_slope_for_one_size() -> None:
+    """The edge's forward time against its tokens: an affine cost is recovered from forwards of
+    several sizes; forwards all of one size give the prior slope's share of their time."""
+    exact = [(t, 0.02 + 0.003 * (t - 1)) for t in (1, 2, 5, 9, 17) for _ in range(4)]
+    base, slope = A.fit_verify(exact, 0.15, 0.0, 0.05)
+    assert base == pytest.approx(0.02) and slope == pytest.approx(0.003)
+    one_size = [(5, 0.04)] * 8
+    base, slope = A.fit_verify(one_size, 0.15, 4.0, 0.05)
+    assert base + 4 * slope == pytest.approx(0.04) and slope == pytest.approx(0.15 * base)
+    assert A.fit_verify([], 0.15, 4.0, 0.05) == (0.05, 0.05 * 0.15)
