@@ -95,12 +95,12 @@ def _clear_drafter_cache() -> str:
 
     import torch
 
-    from specdec.common.modeling import _source, prebuilt_dir
+    from specdec.common.modeling import _source
     from specdec.device.runner import DeviceConfig, choose_drafter
 
     spec = choose_drafter(DeviceConfig()).spec
     source, kwargs, _ = _source(spec)
-    path = prebuilt_dir(spec, source, kwargs, torch.device("cpu"))
+    path = spec.builder.cache.entry(spec, source, kwargs, torch.device("cpu"))
     shutil.rmtree(path, ignore_errors=True)
     return str(path)
 

@@ -8,7 +8,6 @@ package metadata without importing that package (its ``__init__`` imports llama.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import importlib.metadata
@@ -17,8 +16,8 @@ import json
 import logging
 import os
 import shutil
-import zlib
 from collections.abc import Callable
+from typing import Protocol
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,14 +31,24 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 log = logging.getLogger(__name__)
 
 
+class BuiltCache(Protocol):
+    """Where a builder keeps what it built, so that later loads skip building (the device's
+    specdec.device.prebuilt); this module only asks it."""
+
+    def entry(self, spec: "ModelSpec", source: str, kwargs: dict, device: torch.device) -> Path | None: ...
+
+    def load(self, entry: Path, builder: "DeltaBuilder", device: torch.device) -> "LoadedModel | None": ...
+
+    def save(self, model: torch.nn.Module, tokenizer, name: str, entry: Path) -> None: ...
+
+
 @dataclass(frozen=True)
 class DeltaBuilder:
     """How a delta's drafter is made, handed in by the code that owns that drafter (the device): this
     module imports no drafter code, so the import graph shows who depends on whom."""
     name: str                       # what delta.json's "builder" records, e.g. "specdec.device.lean_drafter:build"
     build: Callable                 # (target, extra tensors, delta meta, device) -> the module to run
-    load_prebuilt: Callable | None = None  # (config, state, info, device) -> the built module; None = no cache
-    version: int = 0                # of build()'s output: part of the prebuilt cache key
+    cache: BuiltCache | None = None  # keeps what build() made for later loads; None = build every time
 
 
 @dataclass(frozen=True)
@@ -150,8 +159,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         raise ValueError(f"unknown dtype {spec.dtype!r} (expected one of {sorted(DTYPES)})")
     device = resolve_device(spec.device)
     source, kwargs, name = _source(spec)
-    prebuilt = prebuilt_dir(spec, source, kwargs, device) if spec.delta is not None else None
-    if prebuilt is not None and (warm := _load_prebuilt(prebuilt, spec.builder, device)) is not None:
+    cache = spec.builder.cache if spec.delta is not None and spec.builder is not None else None
+    entry = cache.entry(spec, source, kwargs, device) if cache is not None else None
+    if entry is not None and (warm := cache.load(entry, spec.builder, device)) is not None:
         return warm
     # Imported only here: the model classes and the GGUF reader cost a warm drafter start ~0.7 s.
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -171,8 +181,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if spec.delta is not None:
         model, delta_name = apply_delta(model, Path(spec.delta), device, spec.builder)
         name = f"{name}+{delta_name}"
-        if prebuilt is not None:
-            _save_prebuilt(model, tokenizer, name, prebuilt)
+        if entry is not None:
+            cache.save(model, tokenizer, name, entry)
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device)
 
@@ -241,14 +251,14 @@ def apply_delta(model: torch.nn.Module, path: Path, device: torch.device,
             raise ValueError(f"delta tensor {key} {tuple(value.shape)} does not fit {tuple(params[key].shape)}")
         with torch.no_grad():
             params[key].copy_(value.to(params[key].dtype))
-    if _named_builder(meta, builder) is not None:
+    if named_builder(meta, builder) is not None:
         model = builder.build(model, extra, meta, device)
     elif extra:
         raise ValueError(f"delta tensors not in the model: {sorted(extra)[:5]}")
     return model, str(meta.get("name", path.name))
 
 
-def _named_builder(meta: dict, builder: DeltaBuilder | None) -> DeltaBuilder | None:
+def named_builder(meta: dict, builder: DeltaBuilder | None) -> DeltaBuilder | None:
     """The builder to run for a delta: ``builder`` if ``delta.json`` names it, None if it names none.
     Naming another one, or one that was not passed in, is a ValueError (never a lookup by name)."""
     named = meta.get("builder")
@@ -262,117 +272,13 @@ def _named_builder(meta: dict, builder: DeltaBuilder | None) -> DeltaBuilder | N
     return builder
 
 
-# ----------------------------------------------------------------- prebuilt drafters (warm starts)
-# A builder may be slow and memory-hungry (the default drafter loads the float32 target and packs its
-# int4 weights: ~1.5 GB and seconds on every start). If delta.json asks for it (PREBUILT_FLAG), the
-# DeltaBuilder has ``load_prebuilt`` and the built module ``prebuilt_state()``, the built tensors
-# are kept once in the cache and later loads read them (memory-mapped) without building the float
-# model. Opt-in, so that the many throwaway drafters tests build do not pile up in the user's cache.
-PREBUILT_FLAG = "cache_prebuilt"
-PREBUILT_WEIGHTS = "drafter.pt"
-PREBUILT_MANIFEST = "manifest.json"
-CHECKSUM_CHUNK = 1 << 22    # bytes per read while checksumming (crc32 of ~230 MB: ~0.1 s)
-
-
-def _source_identity(source: str, kwargs: dict) -> str | None:
-    """Path, size and mtime of every local file a model loads from; None for a hub id (no cache)."""
+def source_identity(source: str, kwargs: dict) -> str | None:
+    """Path, size and mtime of every local file a model loads from; None for a hub id (nothing to key)."""
     root = Path(source)
     if not root.is_dir():
         return None
     files = [root / kwargs["gguf_file"]] if kwargs.get("gguf_file") else sorted(p for p in root.iterdir() if p.is_file())
     return ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
-
-
-def prebuilt_dir(spec: ModelSpec, source: str, kwargs: dict, device: torch.device) -> Path | None:
-    """Where the drafter ``spec`` builds is kept, or None if it is not cacheable. The key covers all
-    it depends on: the source files, the delta's recipe and tensors, the layers, dtype and device,
-    the builder's ``version`` and torch's version (the int4 packing is torch's own layout)."""
-    delta = Path(spec.delta)
-    meta_text = (delta / DELTA_CONFIG).read_text()
-    meta = json.loads(meta_text)
-    builder = _named_builder(meta, spec.builder)
-    identity = _source_identity(source, kwargs)
-    if not meta.get(PREBUILT_FLAG) or builder is None or builder.load_prebuilt is None or identity is None:
-        return None
-    parts = [identity, meta_text, hashlib.sha256((delta / DELTA_WEIGHTS).read_bytes()).hexdigest(),
-             str(spec.num_layers), spec.dtype, device.type, str(builder.version), torch.__version__]
-    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return cache_root() / f"drafter-{meta.get('name', delta.name)}-{key}"
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(CHECKSUM_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _load_prebuilt(path: Path, builder: DeltaBuilder, device: torch.device) -> LoadedModel | None:
-    """The cached drafter, or None when there is none or it is unreadable (then it is removed, and
-    the caller builds and saves it again)."""
-    if not (path / PREBUILT_MANIFEST).is_file():
-        return None
-    # The checksum runs beside the rest of the load (zlib and file reads release the GIL).
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        crc = pool.submit(_crc32, path / PREBUILT_WEIGHTS)
-        try:
-            manifest, loaded = _read_prebuilt(path, builder, device)
-            if crc.result() != manifest["crc32"]:
-                raise ValueError("checksum mismatch")
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-            log.warning("drafter cache %s is unreadable (%s): rebuilding it", path, exc)
-            crc.cancel()
-            shutil.rmtree(path, ignore_errors=True)
-            return None
-    return loaded
-
-
-def _read_prebuilt(path: Path, builder: DeltaBuilder, device: torch.device) -> tuple[dict, LoadedModel]:
-    from transformers import PretrainedConfig
-
-    manifest = json.loads((path / PREBUILT_MANIFEST).read_text())
-    state = torch.load(path / PREBUILT_WEIGHTS, mmap=True, weights_only=True)  # pages are read as used
-    # The base config class with config.json's fields: AutoConfig / LlamaConfig would import
-    # transformers' model stack (~1.5 s and ~90 MB here), and the drafter only reads the fields.
-    config = PretrainedConfig(**json.loads((path / "config.json").read_text()))
-    model = builder.load_prebuilt(config, state, manifest["info"], device).to(device).eval()
-    tokenizer = _tokenizer_class(path).from_pretrained(path)
-    return manifest, LoadedModel(model=model, tokenizer=tokenizer, name=manifest["name"], device=device)
-
-
-def _tokenizer_class(path: Path):
-    """The tokenizer class saved in ``path`` (``tokenizer_config.json``), imported directly: importing
-    AutoTokenizer's registry costs a warm start ~0.35 s, and without a config it loads AutoConfig
-    (~1.5 s, transformers' model stack). AutoTokenizer only for a class transformers does not export."""
-    import transformers
-
-    name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    return cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoTokenizer
-
-
-def _save_prebuilt(model: torch.nn.Module, tokenizer, name: str, path: Path) -> None:
-    """Write the built drafter, its config and tokenizer to a temporary directory and rename it into
-    place (atomic: a reader sees all of it or nothing). Best effort, like the GGUF cache."""
-    built = model.prebuilt_state() if hasattr(model, "prebuilt_state") else None
-    if built is None or path.exists():
-        return
-    state, info, meta = built
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        tmp.mkdir(parents=True)
-        torch.save(state, tmp / PREBUILT_WEIGHTS)
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer.save_pretrained(tmp)
-        (tmp / PREBUILT_MANIFEST).write_text(json.dumps(
-            {"name": name, "meta": meta, "info": info, "crc32": _crc32(tmp / PREBUILT_WEIGHTS)}, indent=2))
-        tmp.rename(path)
-    except OSError as exc:
-        log.warning("could not cache the drafter in %s (%s)", path, exc)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def vocab_fingerprint(tokenizer) -> str:

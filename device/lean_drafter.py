@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.common.modeling import DELTA_CONFIG, DELTA_WEIGHTS, DeltaBuilder, ModelSpec
+from specdec.device.prebuilt import PrebuiltCache
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "drafter_weights"
 BUILDER = "specdec.device.lean_drafter:build"  # delta.json's record of who builds it (DELTA_BUILDER)
@@ -350,7 +351,7 @@ def load_prebuilt(config, state: dict[str, torch.Tensor], info: dict, device: to
 
 
 # What ModelSpec.builder carries for a delta that names BUILDER: the loader calls these, never imports them.
-DELTA_BUILDER = DeltaBuilder(name=BUILDER, build=build, load_prebuilt=load_prebuilt, version=PREBUILT_VERSION)
+DELTA_BUILDER = DeltaBuilder(name=BUILDER, build=build, cache=PrebuiltCache(load_prebuilt, PREBUILT_VERSION))
 
 
 def save_drafter(path: Path, keep_ids: torch.Tensor, meta: dict) -> None:

@@ -33,6 +33,7 @@ from specdec.drafter_build.train_prompts import load_bench_prompts, training_pro
 from specdec.common.sampling import model_probs
 from specdec.common.latency import expected_tokens_per_call, oracle_time
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
+from specdec.device.prebuilt import PREBUILT_FLAG
 from specdec.device import lean_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,7 +187,7 @@ def main() -> int:
     target = load_model(ModelSpec())
     suffix = {"float16": "-h16", "float32": ""}[a.head_dtype]
     meta = {"name": f"int4-q4_1-{a.head_size}v{suffix}", "num_layers": target.model.config.num_hidden_layers,
-            "int4": True, "cache_prebuilt": True, "head_dtype": a.head_dtype, "group_size": lean_drafter.GROUP,
+            "int4": True, PREBUILT_FLAG: True, "head_dtype": a.head_dtype, "group_size": lean_drafter.GROUP,
             "head_size": a.head_size,
             "data": {**asdict(gen_cfg), "answers": len(records), "tokens": sum(len(r["gen"]) for r in records)}}
     build_files(records, target, a.out, a.head_size, meta)

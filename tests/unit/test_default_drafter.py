@@ -14,6 +14,7 @@ import torch
 from specdec.common.sampling import model_probs
 from specdec.common.modeling import (DELTA_CONFIG, DELTA_WEIGHTS, CachedLM, ModelSpec, embedded_gguf_path,
                                      load_model, vocab_fingerprint)
+from specdec.device.prebuilt import PREBUILT_FLAG
 from specdec.device.lean_drafter import (BUILDER, WEIGHTS_DIR, default_drafter_spec, drafter_meta,
                                             has_default_drafter)
 
@@ -43,7 +44,7 @@ def float_drafter(tmp_path_factory):
     delta directory that links the weights; not cached: it would leave ~0.6 GB in the user's cache)."""
     path = tmp_path_factory.mktemp("float_drafter")
     (path / DELTA_WEIGHTS).symlink_to((WEIGHTS_DIR / DELTA_WEIGHTS).resolve())
-    meta = {**drafter_meta(), "int4": False, "head_dtype": "float32", "cache_prebuilt": False}
+    meta = {**drafter_meta(), "int4": False, "head_dtype": "float32", PREBUILT_FLAG: False}
     (path / DELTA_CONFIG).write_text(json.dumps(meta))
     return load_model(default_drafter_spec(path=path))
 

@@ -1,4 +1,4 @@
-"""The prebuilt-drafter cache (common/modeling.py, issue 20): a drafter whose delta.json asks for it is
+"""The prebuilt-drafter cache (device/prebuilt.py): a drafter whose delta.json asks for it is
 built once, kept in ``$SPECDEC_CACHE_DIR``, and later loads read it back without building the float
 model. On a tiny random Llama through the same code path as the default drafter (ModelSpec.delta,
 built by ModelSpec.builder = lean_drafter.DELTA_BUILDER):
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from specdec.common import modeling
-from specdec.common.modeling import PREBUILT_MANIFEST, PREBUILT_WEIGHTS, CachedLM, ModelSpec, load_model
+from specdec.common.modeling import CachedLM, ModelSpec, load_model
 from specdec.device import lean_drafter
+from specdec.device.prebuilt import PREBUILT_FLAG, PREBUILT_MANIFEST, PREBUILT_WEIGHTS
 from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
@@ -49,7 +50,7 @@ def target_dir(tmp_path_factory) -> Path:
 
 def _delta(path: Path, **meta) -> Path:
     keep = torch.arange(0, VOCAB, 2)
-    lean_drafter.save_drafter(path, keep, {"name": "tiny", "num_layers": 2, "int4": True, modeling.PREBUILT_FLAG: True, **meta})
+    lean_drafter.save_drafter(path, keep, {"name": "tiny", "num_layers": 2, "int4": True, PREBUILT_FLAG: True, **meta})
     return path
 
 
@@ -115,7 +116,7 @@ def test_another_recipe_or_source_gets_its_own_entry(target_dir, tmp_path, cache
 
 
 def test_no_cache_unless_the_delta_asks(target_dir, tmp_path, cache, builds):
-    spec = _spec(target_dir, _delta(tmp_path / "d", **{modeling.PREBUILT_FLAG: False}))
+    spec = _spec(target_dir, _delta(tmp_path / "d", **{PREBUILT_FLAG: False}))
     load_model(spec)
     load_model(spec)
     assert len(builds) == 2 and not cache.exists()
