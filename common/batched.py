@@ -11,19 +11,30 @@ A 4-D boolean mask lets row b's query i see its own c_b cached keys and its own 
 itself (an all-false row would make sdpa return NaN). Each row's new keys and values are appended
 to its own cache afterwards, so a session's cache is the same object with or without batching.
 
-Why padding, not slots in one preallocated cache: sessions come and go between forwards and hold
-caches of very different lengths; per-session caches keep rollback (truncate), tree compaction
-(keep) and resume exactly as they are, and the copy into the padded cache costs far less than the
-forward reads in weights (135M float32 parameters: ~540 MB per forward; 8 sessions x 300 cached
-tokens of SmolLM2's KV: ~110 MB).
+Two layouts of the sessions' caches:
+
+- per-session caches (:class:`~specdec.common.modeling.CachedLM`, this module's padded path): each
+  session holds its own growing cache, and a batched forward copies them into one padded cache. On
+  a CPU the copy costs far less than the forward reads in weights (135M float32 parameters: ~540 MB
+  per forward; 8 sessions x 300 cached tokens of SmolLM2's KV: ~110 MB) and memory follows each
+  session's length;
+- KV slots (:mod:`specdec.common.slots`): one preallocated cache with a row per session, written in
+  place and read through masks, no copy per forward; what a GPU needs, where a forward reads its
+  weights in milliseconds and thousands of per-session copies would cost more than the forward.
+
+A failed forward leaves every cache as it was before it (a half-appended one is cut back), so a
+scheduler may rerun its requests one by one.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from specdec.common.modeling import CachedLM, cache_kwargs, returned_cache
+from specdec.common.modeling import CachedLM, cache_kwargs
 
 
 @dataclass
@@ -40,38 +51,117 @@ class ForwardRequest:
         return len(self.new_ids)
 
 
-def batchable(lm: CachedLM) -> bool:
-    """Only caches of plain full-attention layers can be padded and sliced (no sliding windows)."""
+def batchable(lm) -> bool:
+    """Whether ``lm`` can share a forward with others: KV slots always, per-session caches only of
+    plain full-attention layers, which can be padded and sliced (no sliding windows)."""
+    if getattr(lm, "pool", None) is not None:
+        return True
     from transformers.cache_utils import DynamicLayer
 
     return all(type(layer) is DynamicLayer for layer in lm.cache.layers)
 
 
+def batch_key(lm) -> object:
+    """Requests share a forward only with requests of the same key: one KV slot pool, or per-session
+    caches (None)."""
+    return getattr(lm, "pool", None)
+
+
+class PhaseTimer:
+    """Seconds per phase of forwards (inputs, copy, forward, append, logits), for profiling a batched
+    round (the GPU check). ``sync`` waits for the device before each mark: its queued work would
+    otherwise land in whichever phase next reads a result."""
+
+    def __init__(self, sync: Callable[[], None] | None = None):
+        self.sync = sync
+        self.seconds: dict[str, float] = {}
+        self._last = 0.0
+
+    def start(self) -> None:
+        if self.sync is not None:
+            self.sync()
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
+def _mark(timer: PhaseTimer | None, phase: str) -> None:
+    if timer is not None:
+        timer.mark(phase)
+
+
 @torch.inference_mode()
-def forward_batch(requests: list[ForwardRequest], workspace: BatchWorkspace | None = None) -> list[torch.Tensor]:
+def forward_batch(requests: list[ForwardRequest], workspace: BatchWorkspace | None = None,
+                  timer: PhaseTimer | None = None) -> list[torch.Tensor]:
     """Run all ``requests`` in one forward of their shared model; row b's [num_logits_b, V] float32
     logits, equal to what ``lm.forward`` / ``lm.forward_masked`` would return within float
-    tolerance (a single request takes exactly that path). ``workspace``: memory to reuse across
-    calls (a scheduler keeps one)."""
+    tolerance (a single per-session request takes exactly that path). ``workspace``: memory to reuse
+    across calls (a scheduler keeps one). If the forward fails, every cache is as it was before."""
     if not requests:
         return []
-    if len(requests) == 1:
-        return [_forward_one(requests[0])]
+    if any(not r.new_ids for r in requests):
+        raise ValueError("forward needs at least one new token")
+    pool = batch_key(requests[0].lm)
+    if pool is not None:
+        return pool.forward(requests, timer)
+    if any(batch_key(r.lm) is not None for r in requests):
+        raise ValueError("a batch does not mix KV slots with per-session caches")
+    if timer is not None:
+        timer.start()
+    with _restored_on_error(requests):
+        if len(requests) == 1:
+            out = [_forward_one(requests[0])]
+            _mark(timer, "forward")
+            return out
+        return _forward_padded(requests, workspace or BatchWorkspace(), timer)
+
+
+@contextmanager
+def _restored_on_error(requests: list[ForwardRequest]) -> Iterator[None]:
+    """Cut every cache back to its length before the forward if it fails: a forward appends layer by
+    layer, so one that fails halfway leaves some layers of some caches longer than the others, and a
+    rerun would append twice."""
+    lens = [r.lm.cache_len for r in requests]
+    try:
+        yield
+    except BaseException:
+        for r, n in zip(requests, lens):
+            _cut_back(r.lm, n)
+        raise
+
+
+def _cut_back(lm: CachedLM, length: int) -> None:
+    for layer in lm.cache.layers:
+        extra = layer.get_seq_length() - length if getattr(layer, "is_initialized", True) else 0
+        if extra > 0:
+            layer.crop(-extra)  # a negative argument removes that many tokens in every version
+
+
+def _forward_padded(requests: list[ForwardRequest], workspace: BatchWorkspace,
+                    timer: PhaseTimer | None) -> list[torch.Tensor]:
     model, device = requests[0].lm.model, requests[0].lm.device
     if any(r.lm.model is not model for r in requests):
         raise ValueError("a batch shares one model")
-    if any(not r.new_ids for r in requests):
-        raise ValueError("forward needs at least one new token")
     lens = [r.lm.cache_len for r in requests]
     width = max(r.num_tokens for r in requests)
-    past = _padded_past(requests, lens, width, workspace or BatchWorkspace())
     ids, positions = _padded_inputs(requests, lens, width, device)
     mask = _batch_mask(requests, lens, width).to(device)
+    _mark(timer, "inputs")
+    past = _padded_past(requests, lens, width, workspace)
+    _mark(timer, "copy")
     keep = max(1, max(r.num_logits for r in requests))
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], use_cache=True,
                 logits_to_keep=keep, **cache_kwargs(model, past))
-    _append_new_kv(requests, returned_cache(out))
+    _mark(timer, "forward")
+    _append_new_kv(requests, past)
+    _mark(timer, "append")
     logits = out.logits.float()
+    _mark(timer, "logits")
     return [logits[b, keep - r.num_logits:] for b, r in enumerate(requests)]
 
 

@@ -1,7 +1,10 @@
-"""Batched target forwards (common/batched.py) and the edge's forward scheduler (edge/batching.py).
+"""Batched target forwards (common/batched.py, common/slots.py) and the edge's forward scheduler
+(edge/batching.py).
 
 A tiny random Llama saved to disk and loaded through the product's loader; every batched result is
-compared with the same sequence run alone, which is what the edge did before batching.
+compared with the same sequence run alone, which is what the edge did before batching. Each forward
+test runs with both layouts of the sessions' caches: per-session caches (padded into each batched
+forward) and KV slots (one preallocated cache, a row per session).
 """
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import time
 import pytest
 import torch
 
-from specdec.common.batched import ForwardRequest, forward_batch
+from specdec.common.batched import BatchWorkspace, ForwardRequest, forward_batch
 from specdec.common.loadaware import CostCurve
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
+from specdec.common.slots import SlotPool
 from specdec.common.treeplan import edge_tree_inputs
 from specdec.common.tree import TreeSpec
 from specdec.edge.batching import BatchSettings, ForwardScheduler
@@ -31,31 +35,52 @@ def model(tmp_path_factory):
     return load_model(ModelSpec(model=str(path)))
 
 
+LAYOUTS = ("per-session", "slots")
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request, model):
+    """How the batched side keeps its caches: a function making a new session's runner."""
+    if request.param == "per-session":
+        return lambda: CachedLM(model.model, model.device)
+    pool = SlotPool(model.model, model.device)
+    return pool.new_lm
+
+
 def ids(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(2, VOCAB, (n,), generator=gen).tolist()
 
 
-def twins(model, prefix: list[int]) -> tuple[CachedLM, CachedLM]:
-    """Two runners holding the same prefix: one runs alone, the other in batches."""
-    pair = CachedLM(model.model, model.device), CachedLM(model.model, model.device)
+def twins(model, prefix: list[int], make=None) -> tuple[CachedLM, CachedLM]:
+    """Two runners holding the same prefix: one runs alone (its own cache), the other in batches
+    (made by ``make``: a layout; default its own cache too)."""
+    pair = CachedLM(model.model, model.device), (make or (lambda: CachedLM(model.model, model.device)))()
     for lm in pair:
         if prefix:
             lm.forward(prefix, 1)
     return pair
 
 
-def assert_same_cache(a: CachedLM, b: CachedLM) -> None:
+def kv(lm) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's [H, cache_len, D] keys and values of a runner, whatever its layout."""
+    if getattr(lm, "pool", None) is not None:
+        return [(k[lm.slot, :, :lm.length], v[lm.slot, :, :lm.length])
+                for k, v in zip(lm.pool.keys, lm.pool.values)]
+    return [(layer.keys[0], layer.values[0]) for layer in lm.cache.layers]
+
+
+def assert_same_cache(a, b) -> None:
     assert a.cache_len == b.cache_len
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        torch.testing.assert_close(la.keys, lb.keys, atol=ATOL, rtol=0)
-        torch.testing.assert_close(la.values, lb.values, atol=ATOL, rtol=0)
+    for (ka, va), (kb, vb) in zip(kv(a), kv(b)):
+        torch.testing.assert_close(ka, kb, atol=ATOL, rtol=0)
+        torch.testing.assert_close(va, vb, atol=ATOL, rtol=0)
 
 
-def test_batched_chains_equal_alone_and_caches_continue(model):
+def test_batched_chains_equal_alone_and_caches_continue(model, layout):
     gen = torch.Generator().manual_seed(0)
     prefixes = [ids(gen, 5), ids(gen, 1), ids(gen, 12), [], ids(gen, 3)]  # an empty cache too
     news = [ids(gen, n) for n in (3, 1, 5, 7, 2)]
-    pairs = [twins(model, p) for p in prefixes]
+    pairs = [twins(model, p, layout) for p in prefixes]
     alone = [a.forward(n, len(n)) for (a, _), n in zip(pairs, news)]
     batched = forward_batch([ForwardRequest(b, n, len(n)) for (_, b), n in zip(pairs, news)])
     for x, y in zip(alone, batched):
@@ -70,15 +95,15 @@ def test_batched_chains_equal_alone_and_caches_continue(model):
         torch.testing.assert_close(a.forward(n, 1), y, atol=ATOL, rtol=0)
 
 
-def test_batched_tree_beside_chains_equals_alone(model):
+def test_batched_tree_beside_chains_equals_alone(model, layout):
     gen = torch.Generator().manual_seed(1)
     spec = TreeSpec.from_config((2, 2))
-    tree_pair = twins(model, ids(gen, 6))
+    tree_pair = twins(model, ids(gen, 6), layout)
     tail = ids(gen, 1)  # one verified token not yet cached
     nodes = ids(gen, spec.num_nodes - 1)
     attend, positions = edge_tree_inputs(spec, tree_pair[0].cache_len, len(tail))
     alone_tree = tree_pair[0].forward_masked(tail + nodes, attend, positions, spec.num_nodes)
-    chain_pair = twins(model, ids(gen, 9))
+    chain_pair = twins(model, ids(gen, 9), layout)
     chain_new = ids(gen, 4)
     alone_chain = chain_pair[0].forward(chain_new, 5 - 1)
     tree_out, chain_out = forward_batch([
@@ -89,10 +114,10 @@ def test_batched_tree_beside_chains_equals_alone(model):
     assert_same_cache(*tree_pair)
 
 
-def test_prefill_request_without_logits(model):
+def test_prefill_request_without_logits(model, layout):
     gen = torch.Generator().manual_seed(2)
-    a, b = twins(model, [])
-    c, d = twins(model, ids(gen, 4))
+    a, b = twins(model, [], layout)
+    c, d = twins(model, ids(gen, 4), layout)
     prompt = ids(gen, 10)
     a.forward(prompt, 1)
     out = forward_batch([ForwardRequest(b, prompt, 0), ForwardRequest(d, ids(gen, 2), 1)])
@@ -100,11 +125,151 @@ def test_prefill_request_without_logits(model):
     assert_same_cache(a, b)
 
 
-def test_batch_rejects_an_empty_request(model):
-    a, _ = twins(model, [5])
-    b, _ = twins(model, [6])
+def test_batch_rejects_an_empty_request(model, layout):
+    _, a = twins(model, [5], layout)
+    _, b = twins(model, [6], layout)
     with pytest.raises(ValueError, match="at least one new token"):
         forward_batch([ForwardRequest(a, [7], 1), ForwardRequest(b, [], 1)])
+
+
+def test_a_batch_of_one_token_rows_equals_alone(model, layout):
+    """Edge-only sessions: every row one new token, at different cache lengths."""
+    gen = torch.Generator().manual_seed(10)
+    pairs = [twins(model, ids(gen, n), layout) for n in (1, 7, 3, 12, 5, 2)]
+    news = [ids(gen, 1) for _ in pairs]
+    alone = [a.forward(n, 1) for (a, _), n in zip(pairs, news)]
+    batched = forward_batch([ForwardRequest(b, n, 1) for (_, b), n in zip(pairs, news)])
+    for x, y in zip(alone, batched):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+    for a, b in pairs:
+        assert_same_cache(a, b)
+
+
+def test_a_reused_workspace_equals_alone(model):
+    """One workspace through batches that grow and shrink (rows, cache lengths, new tokens): what a
+    larger batch left in it is never seen by a smaller one."""
+    gen = torch.Generator().manual_seed(11)
+    workspace = BatchWorkspace()
+    pairs = [twins(model, ids(gen, n)) for n in (9, 2, 14, 4)]
+    for members, width in (((0, 1, 2, 3), 5), ((1, 3), 2), ((0, 2, 3), 7), ((1,), 3), ((3, 0), 1)):
+        news = [ids(gen, max(1, width - i % 2)) for i in members]
+        alone = [pairs[i][0].forward(n, len(n)) for i, n in zip(members, news)]
+        batched = forward_batch([ForwardRequest(pairs[i][1], n, len(n)) for i, n in zip(members, news)],
+                                workspace)
+        for x, y in zip(alone, batched):
+            torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+    for a, b in pairs:
+        assert_same_cache(a, b)
+
+
+def test_a_half_failed_append_leaves_every_cache_as_before(model, monkeypatch):
+    """The padded path appends each row's keys after the forward; if that fails halfway, the caches
+    already appended to are cut back, so that running the requests again appends once."""
+    from specdec.common import batched
+
+    gen = torch.Generator().manual_seed(12)
+    pairs = [twins(model, ids(gen, n)) for n in (4, 6, 2)]
+    before = [[(k.clone(), v.clone()) for k, v in kv(b)] for _, b in pairs]
+    news = [ids(gen, 3) for _ in pairs]
+    real_update = type(pairs[0][1].cache).update
+    calls = {"n": 0}
+
+    def failing_update(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the second row's second layer: the first row has all its layers
+            raise RuntimeError("out of memory")
+        return real_update(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(pairs[0][1].cache), "update", failing_update)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        forward_batch([ForwardRequest(b, n, 1) for (_, b), n in zip(pairs, news)])
+    monkeypatch.setattr(type(pairs[0][1].cache), "update", real_update)
+    for (_, b), old, prefix_len in zip(pairs, before, (4, 6, 2)):
+        assert b.cache_len == prefix_len and all(layer.get_seq_length() == prefix_len for layer in b.cache.layers)
+        for (k, v), (k0, v0) in zip(kv(b), old):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+    again = forward_batch([ForwardRequest(b, n, 1) for (_, b), n in zip(pairs, news)])
+    for (a, b), n, y in zip(pairs, news, again):
+        torch.testing.assert_close(a.forward(n, 1), y, atol=ATOL, rtol=0)
+        assert_same_cache(a, b)
+
+
+def test_a_forward_failing_inside_the_model_leaves_the_caches_as_before(model, layout):
+    """A forward that fails in a middle layer (after the first layers wrote their keys): every
+    session's cache still holds exactly its prefix, and the next forward continues from there."""
+    gen = torch.Generator().manual_seed(13)
+    pairs = [twins(model, ids(gen, n), layout) for n in (3, 8)]
+    news = [ids(gen, 2) for _ in pairs]
+
+    def boom(*_):
+        raise RuntimeError("device error")
+
+    handle = model.model.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        for requests in ([ForwardRequest(pairs[0][1], news[0], 2)],
+                         [ForwardRequest(b, n, 2) for (_, b), n in zip(pairs, news)]):
+            with pytest.raises(RuntimeError, match="device error"):
+                forward_batch(requests)
+    finally:
+        handle.remove()
+    for (a, b), n in zip(pairs, news):
+        assert b.cache_len == a.cache_len
+        torch.testing.assert_close(a.forward(n, 2), b.forward(n, 2), atol=ATOL, rtol=0)
+        assert_same_cache(a, b)
+
+
+# ------------------------------------------------------------------------------------- KV slots
+def test_slots_read_a_span_with_gaps_or_gather_a_sparse_batch(model):
+    """Sessions of a batch spread over the pool's rows: those between them (not in the batch) are
+    read in place and left unchanged; a batch spread thinly is gathered. Both equal alone."""
+    gen = torch.Generator().manual_seed(14)
+    pool = SlotPool(model.model, model.device)
+    pairs = [twins(model, ids(gen, 2 + i % 5), pool.new_lm) for i in range(12)]
+    for members in ((0, 2, 5), (1, 11), (3, 4, 5, 6, 8), (11,), (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)):
+        news = [ids(gen, 1 + i % 3) for i in members]
+        alone = [pairs[i][0].forward(n, len(n)) for i, n in zip(members, news)]
+        batched = forward_batch([ForwardRequest(pairs[i][1], n, len(n)) for i, n in zip(members, news)])
+        for x, y in zip(alone, batched):
+            torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+    for a, b in pairs:
+        assert_same_cache(a, b)
+
+
+def test_slots_roll_back_compact_a_tree_path_and_grow(model):
+    gen = torch.Generator().manual_seed(15)
+    pool = SlotPool(model.model, model.device)
+    a, b = twins(model, ids(gen, 6), pool.new_lm)
+    others = [twins(model, ids(gen, 3), pool.new_lm) for _ in range(5)]  # more rows than the first allocation
+    for lm in (a, b):
+        lm.forward(ids(torch.Generator().manual_seed(1), 5), 1)
+        lm.truncate(8)
+        lm.keep([0, 1, 2, 3, 5, 7])
+    assert_same_cache(a, b)
+    long_prompt = ids(gen, 300)  # past the first column allocation (CONTEXT_STEP)
+    torch.testing.assert_close(a.forward(long_prompt, 3), b.forward(long_prompt, 3), atol=ATOL, rtol=0)
+    assert_same_cache(a, b)
+    for x, y in others:  # rows regrown under them kept their caches
+        assert_same_cache(x, y)
+    with pytest.raises(ValueError, match="truncate"):
+        b.truncate(b.cache_len + 1)
+
+
+def test_a_released_slot_is_reused_from_empty_and_an_ended_session_cannot_forward(model):
+    gen = torch.Generator().manual_seed(16)
+    pool = SlotPool(model.model, model.device)
+    first = pool.new_lm()
+    first.forward(ids(gen, 9), 1)
+    first.release()
+    with pytest.raises(ValueError, match="ended"):
+        first.forward([3], 1)
+    a, b = twins(model, ids(gen, 4), pool.new_lm)
+    assert b.slot == first.slot and b.cache_len == 4
+    assert_same_cache(a, b)
+    assert pool.rows_in_use == 1
+    del a, b
+    import gc
+    gc.collect()
+    assert pool.rows_in_use == 0  # a session dropped without release() gives its row back
 
 
 # ------------------------------------------------------------------------------------- scheduler
