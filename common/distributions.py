@@ -73,7 +73,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature == 0.0:
         # argmax on the original dtype: a cast could merge distinct maxima and move the argmax.
         top = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
-        return torch.zeros(logits.shape, dtype=torch.float32).scatter_(-1, top, 1.0)
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
     x = logits.to(torch.float32)
     # Subtracting the max first keeps exp() in range for any temperature.
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature
@@ -229,11 +229,12 @@ def sparsify(q: torch.Tensor, ids: torch.Tensor) -> SparseDist:
     return _renormalised(q, ids)
 
 
-def densify(sd: SparseDist) -> torch.Tensor:
-    """Scatter a SparseDist into a dense [V] float64 vector (0 off the support)."""
+def densify(sd: SparseDist, device: torch.device | str | None = None) -> torch.Tensor:
+    """Scatter a SparseDist into a dense [V] float64 vector (0 off the support), on ``device``
+    (default: the CPU); only the support travels there."""
     check_sparse_dist(sd)
-    dense = torch.zeros(sd.vocab_size, dtype=torch.float64)
-    dense[sd.ids] = sd.probs
+    dense = torch.zeros(sd.vocab_size, dtype=torch.float64, device=device)
+    dense[sd.ids.to(dense.device)] = sd.probs.to(dense.device)
     return dense
 
 
@@ -298,7 +299,7 @@ def sample_token_from_uniform(probs: torch.Tensor | SparseDist, u: float) -> int
 
 
 def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
-    return int(_inverse_cdf_many(probs, torch.tensor([u], dtype=torch.float64))[0])
+    return int(_inverse_cdf_many(probs, torch.tensor([u], dtype=torch.float64, device=probs.device))[0])
 
 
 def _inverse_cdf_many(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [V], [n] -> [n] int64
@@ -336,7 +337,7 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator, n: int) -> to
     check_int(n, "n", 0)
     check_probs(probs, "probs")
     u = torch.rand(n, dtype=torch.float64, generator=generator)  # [n], the stream n scalar draws read
-    return _inverse_cdf_many(probs, u)
+    return _inverse_cdf_many(probs, u.to(probs.device))
 
 
 def gumbel_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:  # [V] float64
@@ -364,8 +365,8 @@ def sample_token_gumbel(probs: torch.Tensor, noise: torch.Tensor) -> int:
     check_probs(probs, "probs")
     if not isinstance(noise, torch.Tensor) or noise.shape != probs.shape or torch.isnan(noise).any():
         raise ValueError(f"noise must be a tensor of shape {tuple(probs.shape)} without NaN")
-    scores = torch.where(probs > 0, torch.log(probs.to(torch.float64)) + noise.to(torch.float64),
-                         torch.tensor(-math.inf, dtype=torch.float64))
+    noise = noise.to(probs.device, torch.float64)  # drawn on the host (its stream), probs may be on a GPU
+    scores = (torch.log(probs.to(torch.float64)) + noise).masked_fill(probs <= 0, -math.inf)
     best = int(scores.argmax())
     return best if probs[best] > 0 else int(probs.argmax())  # every kept token drew u = 0 (p ~ 2^-53)
 

@@ -33,7 +33,9 @@ with ``torch.rand(..., generator=g, dtype=torch.float64)``: one per accept test,
 sampled token (``distributions.sample_token``: inverse CDF, first token whose cumulative mass
 exceeds ``u * total``; ``torch.rand(k)`` consumes the generator exactly like k single draws). Each
 docstring lists the exact order of the draws, so results are reproducible draw for draw. All
-arithmetic is float64.
+arithmetic is float64. ``p`` and ``q`` may live on a GPU (where the edge's target ran): the uniforms
+still come from the CPU generator, so a round draws the same numbers on any device, and only the
+verdict (a few ints) comes back to the host.
 Bad input raises ``ValueError`` (checks in validation.py); ``assert`` is used only for internal
 invariants.
 """
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +101,20 @@ def bonus_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [
     return gumbel_noise(stream(seed, Purpose.BONUS_NOISE, position), vocab_size)
 
 
+BonusNoise = torch.Tensor | Callable[[], torch.Tensor]  # [V] float64 Gumbel noise, or what makes it
+
+
+def _coupled_bonus(p_row: torch.Tensor, noise: BonusNoise) -> int:
+    """The coupled bonus token ``argmax log p + noise`` (:func:`sample_token_gumbel`). ``noise`` may be
+    a function that draws it: V Gumbels cost ~2-5 ms on a CPU core at V = 49-128k, and a one-hot
+    ``p`` (greedy) needs none, its only token wins whatever the noise."""
+    if callable(noise):
+        if int((p_row > 0).sum()) == 1:
+            return int(p_row.argmax())
+        noise = noise()
+    return sample_token_gumbel(p_row, noise)
+
+
 def _accepts(u: float, p_x: float, q_x: float) -> bool:
     """Rejection-sampling test ``u < min(1, p(x)/q(x))`` written as ``u * q(x) < p(x)``: equal for
     ``u`` in [0, 1) and ``q(x) > 0``, and it needs no division."""
@@ -146,7 +163,7 @@ def chain_verify(
     q: torch.Tensor,  # [L, V] float64, row i: the exact distribution draft_ids[i] was sampled from
     p: torch.Tensor,  # [L+1, V] float64, row i: target after prefix + draft_ids[:i]
     generator: torch.Generator,
-    bonus_noise: torch.Tensor | None = None,  # [V] float64 Gumbel noise for the bonus token, or None
+    bonus_noise: BonusNoise | None = None,  # [V] float64 Gumbel noise for the bonus token (or its maker), or None
 ) -> ChainResult:
     """Speculative sampling of a drafted chain (Leviathan et al. 2023 Alg. 1; TSLT Alg. 3 fixed).
 
@@ -180,7 +197,7 @@ def chain_verify(
         if not _accepts(draw_uniform(generator), p_of_draft[i], q_of_draft[i]):
             return ChainResult(num_accepted=i, next_token=sample_token(_residual(p[i], q[i]), generator))
     if bonus_noise is not None:
-        return ChainResult(num_accepted=L, next_token=sample_token_gumbel(p[L], bonus_noise))
+        return ChainResult(num_accepted=L, next_token=_coupled_bonus(p[L], bonus_noise))
     return ChainResult(num_accepted=L, next_token=sample_token(p[L], generator))
 
 
@@ -311,7 +328,7 @@ def dssd_edge_verify(
     p: torch.Tensor,  # [L+1, V] float64, row i: target after prefix + draft_ids[:i]
     generator: torch.Generator,
     num_samples: int,
-    bonus_noise: torch.Tensor | None = None,  # [V] float64 Gumbel noise for the bonus token, or None
+    bonus_noise: BonusNoise | None = None,  # [V] float64 Gumbel noise for the bonus token (or its maker), or None
 ) -> DssdEdgeResult:
     """Edge half of DSSD: the accept tests of chain verification, using only the scalars q_i(x_i).
 
@@ -347,7 +364,7 @@ def dssd_edge_verify(
                 reject_sample_probs=p[j][samples].clone(),
                 reject_p=p[j].clone(),
             )
-    bonus = sample_token_gumbel(p[L], bonus_noise) if bonus_noise is not None else sample_token(p[L], generator)
+    bonus = _coupled_bonus(p[L], bonus_noise) if bonus_noise is not None else sample_token(p[L], generator)
     return DssdEdgeResult(
         num_accepted=L,
         bonus_token=bonus,

@@ -8,7 +8,7 @@ import sys
 from specdec.common.modeling import DTYPES, ModelSpec
 from specdec.common.runtime import MAX_MESSAGE_BYTES, OneLineParser, apply_threads, bounded, is_loopback, run_async
 from specdec.edge.admission import AdmissionSettings
-from specdec.edge.batching import BatchSettings
+from specdec.edge.batching import DEVICE_DEFAULTS, KV_CACHES, BatchSettings
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
@@ -33,16 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=bounded(int, 1), default=4,
                    help="threads running sessions' work (decoding drafts, verification); with batching at "
                    "least --max-sessions, since each waits for its share of a shared forward (default: %(default)s)")
-    batch = BatchSettings()
+    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
     p.add_argument("--no-batching", action="store_true",
                    help="every session runs its own target forwards (one session per forward, as before "
                    "batching); default: the forwards of all sessions ready at once run as one")
-    p.add_argument("--max-batch-tokens", type=bounded(int, 1), default=batch.max_batch_tokens, metavar="N",
+    p.add_argument("--max-batch-tokens", type=bounded(int, 1), default=None, metavar="N",
                    help="new tokens (all sessions) per target forward; longer prompts are prefilled in "
-                   "chunks of this size (default: %(default)s)")
-    p.add_argument("--batch-wait-ms", type=bounded(float, 0.0), default=batch.wait_s * 1000, metavar="MS",
+                   f"chunks of this size (default: {cpu.max_batch_tokens} on CPU, {gpu.max_batch_tokens} on CUDA)")
+    p.add_argument("--batch-wait-ms", type=bounded(float, 0.0), default=None, metavar="MS",
                    help="longest a ready forward waits for sessions still decoding their round; it starts "
-                   "at once when every working session has handed in (default: %(default)g)")
+                   f"at once when every working session has handed in (default: {cpu.wait_s * 1e3:g} on CPU, "
+                   f"{gpu.wait_s * 1e3:g} on CUDA)")
+    p.add_argument("--kv-cache", choices=KV_CACHES, default="auto",
+                   help="where the sessions' target KV caches live with batching: 'slots' = one preallocated "
+                   "cache with a row per session, read in place by every forward; 'per-session' = each "
+                   "session's own, copied into each batched forward; auto = slots on CUDA, per-session on "
+                   "CPU (default: %(default)s)")
     p.add_argument("--max-sessions", type=bounded(int, 1), default=64,
                    help="sessions held at once, detached ones waiting for a resume included")
     admit = AdmissionSettings()
@@ -91,7 +97,8 @@ def config_from_args(a) -> EdgeConfig:
     admission = AdmissionSettings(max_sessions_per_principal=a.max_sessions_per_principal,
                                   queue=a.admission_queue, wait_s=a.admission_wait_ms / 1000)
     batching = BatchSettings(enabled=not a.no_batching, max_batch_tokens=a.max_batch_tokens,
-                             wait_s=a.batch_wait_ms / 1000)
+                             wait_s=None if a.batch_wait_ms is None else a.batch_wait_ms / 1000,
+                             kv_cache=a.kv_cache)
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
                       workers=a.workers, batching=batching, limits=limits, admission=admission, tls=tls,
                       auth_token_file=a.auth_token_file, max_message_bytes=a.max_message_bytes,

@@ -32,21 +32,39 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.common.batched import BatchWorkspace, ForwardRequest, batchable, forward_batch
+from specdec.common.batched import BatchWorkspace, ForwardRequest, batch_key, batchable, forward_batch
 from specdec.common.loadaware import CURVE_POINTS, CostCurve, best_draft_len
 from specdec.common.modeling import CachedLM
+from specdec.common.slots import SlotPool, slots_supported
 
 log = logging.getLogger("specdec.edge")
 
-# A forward of 256 new tokens costs the embedded target ~5x one of a single token on a CPU core,
-# so a batch that full has long stopped being cheap per token; on a GPU raise it.
-DEFAULT_MAX_BATCH_TOKENS = 256
-# Decoding a draft packet takes ~0.1-2 ms here; a session that needs longer is not waited for.
-DEFAULT_WAIT_S = 0.002
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """The scheduler's defaults on one kind of device (the CLI's help and docs/gpu.md list them)."""
+    max_batch_tokens: int
+    wait_s: float
+    kv_cache: str      # "slots" or "per-session" (common/slots.py, common/batched.py)
+
+
+DEVICE_DEFAULTS = {
+    # A forward of 256 new tokens costs the embedded target ~5x one of a single token on a CPU core,
+    # so a batch that full has long stopped being cheap per token. Decoding a draft packet takes
+    # ~0.1-2 ms here; a session that needs longer is not waited for. Per-session caches: memory
+    # follows each session's length, and copying them costs little next to a CPU forward.
+    "cpu": DeviceDefaults(max_batch_tokens=256, wait_s=0.002, kv_cache="per-session"),
+    # A GPU reads its weights once per forward whatever the batch: an 8B model's forward of 256
+    # tokens costs ~1.9x one of a single token (vLLM on an H100), so 64 sessions x 8 tokens fit in
+    # one forward; a prefill chunk of 512 tokens holds the others' rounds for ~2-3 forwards. KV
+    # slots: no per-session copy in a forward, which a GPU would pay in thousands of small kernels.
+    "cuda": DeviceDefaults(max_batch_tokens=512, wait_s=0.002, kv_cache="slots"),
+}
+KV_CACHES = ("auto", "slots", "per-session")
 # A session that ran a forward this recently is load: a round trip plus drafting is ~0.05-0.5 s.
 ACTIVE_WINDOW_S = 1.0
 # A session due back is waited for up to this share of its usual gap after it was due (jitter of
@@ -69,8 +87,35 @@ CALIBRATION_STABLE_TOKENS = 32
 class BatchSettings:
     enabled: bool = True                            # False: no scheduler, each session runs its own
                                                     # forwards on its worker thread (--no-batching)
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS  # new tokens per target forward
-    wait_s: float = DEFAULT_WAIT_S                  # longest wait of a ready forward for others
+    max_batch_tokens: int | None = None             # new tokens per target forward; None: the device's default
+    wait_s: float | None = None                     # longest wait of a ready forward for others; None: default
+    kv_cache: str = "auto"                          # slots | per-session | auto: the device's default
+
+    def resolved(self, device: torch.device | str) -> "BatchSettings":
+        """These settings with every default filled in for ``device`` (DEVICE_DEFAULTS)."""
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {list(KV_CACHES)}, got {self.kv_cache!r}")
+        d = DEVICE_DEFAULTS.get(torch.device(device).type, DEVICE_DEFAULTS["cpu"])
+        return replace(self, max_batch_tokens=self.max_batch_tokens or d.max_batch_tokens,
+                       wait_s=d.wait_s if self.wait_s is None else self.wait_s,
+                       kv_cache=d.kv_cache if self.kv_cache == "auto" else self.kv_cache)
+
+
+def wait_for_device(result: torch.Tensor) -> None:
+    """Wait until the device has computed ``result`` (a no-op on the CPU, where it already has)."""
+    if result.is_cuda:
+        torch.cuda.synchronize(result.device)
+
+
+def kv_slots(settings: BatchSettings, model: torch.nn.Module, device: torch.device) -> SlotPool | None:
+    """The KV slot pool resolved ``settings`` ask for, or None (per-session caches). A model slots
+    cannot hold (sliding-window layers) keeps per-session caches, with a warning if slots were asked."""
+    if settings.kv_cache != "slots":
+        return None
+    if not slots_supported(model):
+        log.warning("this model's cache has sliding-window layers: per-session KV caches instead of slots")
+        return None
+    return SlotPool(model, device)
 
 
 @dataclass(frozen=True)
@@ -93,10 +138,13 @@ class ForwardScheduler:
     """Runs the target forwards of many sessions, batched; thread-safe, blocking :meth:`forward`."""
 
     def __init__(self, settings: BatchSettings = BatchSettings(),
-                 observer: Callable[[BatchStats], None] | None = None):
+                 observer: Callable[[BatchStats], None] | None = None, pool: SlotPool | None = None,
+                 device: torch.device | str = "cpu"):
+        settings = settings.resolved(device)
         if settings.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         self.settings = settings
+        self.pool = pool  # the sessions' KV slots (None: each session keeps its own cache)
         self._observer = observer
         self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()
@@ -160,24 +208,31 @@ class ForwardScheduler:
             self._cond.notify_all()
         return future
 
-    def forget(self, lm: CachedLM) -> None:
-        """A session ended: it is not due back."""
+    def new_lm(self, model: torch.nn.Module, device: torch.device):
+        """A new session's model runner: a KV slot of the pool, or a cache of its own."""
+        return self.pool.new_lm() if self.pool is not None else CachedLM(model, device)
+
+    def forget(self, lm) -> None:
+        """A session ended: it is not due back, and its KV slot is free."""
         with self._cond:
             for table in (self._done, self._gap, self._size):
                 table.pop(id(lm), None)
+        release = getattr(lm, "release", None)
+        if release is not None:
+            release()
 
     # -- load-aware speculation -------------------------------------------------------------------------
     def calibrate(self, lm: CachedLM, vocab_size: int, max_context: int) -> None:
         """Time forwards of 1, 2, 4 .. max_batch_tokens tokens on the edge's own hardware (start-up)."""
         context = [i % vocab_size for i in range(CALIBRATION_CONTEXT)]
-        lm.forward(context, 1)  # also warms the kernels up
+        wait_for_device(lm.forward(context, 1))  # also warms the kernels up
         longest = min(self.settings.max_batch_tokens, max_context - CALIBRATION_CONTEXT)
         for tokens in (p for p in CURVE_POINTS if p <= longest):
             ids = [(7 * i + 3) % vocab_size for i in range(tokens)]
             best = float("inf")
             for _ in range(CALIBRATION_REPEATS if tokens < CALIBRATION_STABLE_TOKENS else 1):
                 start = time.perf_counter()
-                lm.forward(ids, 1)
+                wait_for_device(lm.forward(ids, 1))
                 best = min(best, time.perf_counter() - start)
                 lm.truncate(CALIBRATION_CONTEXT)
             with self._load_lock:
@@ -278,18 +333,17 @@ class ForwardScheduler:
             c = self.cost
             return c(pending_tokens) + c(joining_tokens) - c(pending_tokens + joining_tokens)
 
-
-
     def _take(self) -> list[_Pending]:
         """Oldest first, up to max_batch_tokens (at least one request); a cache that cannot be
         padded (sliding-window layers) goes alone."""
         batch = [self._pending.popleft()]
         if not batchable(batch[0].request.lm):
             return batch
-        tokens = batch[0].request.num_tokens
+        tokens, key = batch[0].request.num_tokens, batch_key(batch[0].request.lm)
         while self._pending:
             nxt = self._pending[0].request
-            if tokens + nxt.num_tokens > self.settings.max_batch_tokens or not batchable(nxt.lm):
+            if (tokens + nxt.num_tokens > self.settings.max_batch_tokens or not batchable(nxt.lm)
+                    or batch_key(nxt.lm) is not key):
                 break
             batch.append(self._pending.popleft())
             tokens += nxt.num_tokens
@@ -303,6 +357,7 @@ class ForwardScheduler:
         start = time.perf_counter()
         try:
             results = forward_batch([p.request for p in batch], self._workspace)
+            wait_for_device(results[0])  # the forward's time, not its launch's (GPU work is queued)
         except Exception as exc:  # noqa: BLE001 - one session's bad request must not fail the others
             if len(batch) == 1:
                 batch[0].future.set_exception(exc)

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import grpc
 
-from specdec.common.modeling import (CachedLM, LoadedModel, ModelSpec, load_model, target_fingerprint,
-                                     vocab_fingerprint)
+from specdec.common.modeling import LoadedModel, ModelSpec, load_model, target_fingerprint, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES, is_loopback
 from specdec.edge.admission import AdmissionSettings
 from specdec.edge.auth import Authenticator, load_tokens
-from specdec.edge.batching import BatchSettings, ForwardScheduler
+from specdec.edge.batching import BatchSettings, ForwardScheduler, kv_slots
 from specdec.edge.http import start_probe_server
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.servicer import SpeculativeDecodingServicer
@@ -78,11 +77,18 @@ async def start_server(cfg: EdgeConfig, target: LoadedModel, metrics: EdgeMetric
     scheduler = None
     workers = cfg.workers
     if cfg.batching.enabled:
-        scheduler = ForwardScheduler(cfg.batching, metrics.observe_batch if metrics else None)
+        batching = cfg.batching.resolved(target.device)
+        scheduler = ForwardScheduler(batching, metrics.observe_batch if metrics else None,
+                                     pool=kv_slots(batching, target.model, target.device), device=target.device)
+        log.info("batching: up to %d tokens per forward, wait %.1f ms, KV cache %s",
+                 scheduler.settings.max_batch_tokens, scheduler.settings.wait_s * 1e3,
+                 "slots" if scheduler.pool is not None else "per session")
         workers = max(workers, cfg.limits.max_sessions)  # waiting threads cost no CPU
+        probe = scheduler.new_lm(target.model, target.device)
         await asyncio.get_running_loop().run_in_executor(
-            None, scheduler.calibrate, CachedLM(target.model, target.device), target.vocab_size,
+            None, scheduler.calibrate, probe, target.vocab_size,
             min(cfg.limits.max_context or target.max_context, target.max_context))
+        scheduler.forget(probe)
     executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
     auth = authenticator(cfg)
     servicer = SpeculativeDecodingServicer(target, target_info(target), cfg.limits, executor, metrics, auth,

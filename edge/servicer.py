@@ -280,8 +280,15 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             await asyncio.wait_for(self._no_streams.wait(), timeout_s)
 
     def _new_session(self, hello: P.Hello, sid: str) -> VerifierSession:
-        forward = self.scheduler.forward if self.scheduler is not None else forward_alone
-        return VerifierSession(self.target, self.info, hello, self.limits, sid, forward=forward)
+        if self.scheduler is None:
+            return VerifierSession(self.target, self.info, hello, self.limits, sid)
+        lm = self.scheduler.new_lm(self.target.model, self.target.device)  # a KV slot where the edge has them
+        try:
+            return VerifierSession(self.target, self.info, hello, self.limits, sid,
+                                   forward=self.scheduler.forward, lm=lm)
+        except Exception:
+            self.scheduler.forget(lm)
+            raise
 
     def _release(self, state: dict, status: str | None) -> None:
         """End of a stream: free its session, or (stream broke, status None) detach it for a while."""

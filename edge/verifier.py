@@ -99,7 +99,7 @@ class VerifierSession:
     sessions' (:mod:`specdec.edge.batching`), or :func:`forward_alone`."""
 
     def __init__(self, target: LoadedModel, info: TargetInfo, hello: Hello, limits: EdgeLimits,
-                 session_id: str, forward: Forward = forward_alone):
+                 session_id: str, forward: Forward = forward_alone, lm: CachedLM | None = None):
         self._check_hello(info, hello, limits)
         self._forward = forward
         self.hello = hello
@@ -107,7 +107,8 @@ class VerifierSession:
         self.limits = limits
         self.session_id = session_id
         self.max_context = min(limits.max_context or info.max_context, info.max_context)
-        self.lm = CachedLM(target.model, target.device)
+        # the target's KV cache of this session: its own, or a slot of the edge's (common/slots.py)
+        self.lm = lm if lm is not None else CachedLM(target.model, target.device)
         self.eos_token_ids = frozenset(target.eos_token_ids)  # an edge-only round ends at one
         self.tokens: list[int] = []
         self.round_id = 0
@@ -240,7 +241,7 @@ class VerifierSession:
 
     def _edge_token(self) -> int:
         """Sample the next token from the target alone and append it (the cache stays one behind)."""
-        p = self._target_probs(self._feed_logits([], 1))[0]
+        p = self._target_probs(self._feed_logits([], 1))[0]  # on the target's device: one int comes back
         token = sample_token(p, stream(self.hello.seed, Purpose.EDGE_TOKEN, len(self.tokens)))
         self.tokens.append(token)
         return token
@@ -254,18 +255,23 @@ class VerifierSession:
     def _verify_chain(self, draft: DraftBlock, settings: DraftSettings, q: torch.Tensor,
                       generator: torch.Generator) -> Verdict:
         draft_ids = list(draft.token_ids)
+        # The math runs where the logits are (the target's device); only the verdict comes back.
         p = self._target_probs(self._feed_logits(draft_ids, len(draft_ids) + 1))
-        ids = torch.tensor(draft_ids, dtype=torch.long)
+        ids = torch.tensor(draft_ids, dtype=torch.long, device=p.device)
+        q = q.to(p.device)
         if settings.mode is Mode.DSSD:
             return self._finish_dssd(draft, settings, ids, q, p, generator)
-        noise = self._bonus_noise(len(draft_ids)) if settings.coupled_bonus else None
-        result = V.chain_verify(ids, q, p, generator, noise)
+        result = V.chain_verify(ids, q, p, generator, self._bonus_noise(len(draft_ids), settings))
         self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
         return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
 
-    def _bonus_noise(self, num_drafts: int) -> torch.Tensor:
-        """The coupled bonus's Gumbel noise for the position after this round's drafts."""
-        return V.bonus_noise(self.hello.seed, len(self.tokens) + num_drafts, self.info.vocab_size)
+    def _bonus_noise(self, num_drafts: int, settings: DraftSettings):
+        """What draws the coupled bonus's Gumbel noise for the position after this round's drafts (a
+        function: only a round whose drafts are all accepted needs it), or None without the coupling."""
+        if not settings.coupled_bonus:
+            return None
+        position = len(self.tokens) + num_drafts
+        return lambda: V.bonus_noise(self.hello.seed, position, self.info.vocab_size)
 
     def _verify_tree(self, draft: DraftBlock, spec: TreeSpec, q: torch.Tensor,
                      generator: torch.Generator) -> Verdict:
@@ -274,7 +280,7 @@ class VerifierSession:
         attend, positions = edge_tree_inputs(spec, self.lm.cache_len, len(tail))
         logits = self._forward(ForwardRequest(self.lm, tail + list(draft.token_ids), spec.num_nodes,
                                               attend=attend, positions=positions))
-        p = self._target_probs(logits)  # row 0: after the prefix; row n: after node n
+        p = self._target_probs(logits.cpu())  # row 0: after the prefix; row n: after node n (host math)
         node_tokens = torch.tensor([0, *draft.token_ids], dtype=torch.long)  # root entry unused
         result = tree_verify(spec, node_tokens, q, p, generator)
         prefix_len = len(self.tokens)
@@ -352,7 +358,9 @@ class VerifierSession:
         if len(draft.distributions) != expected:
             raise ValueError(f"{len(draft.distributions)} distributions, expected {expected}")
         codec = self._codecs[settings]
-        rows = [densify(decode_distribution(payload, codec)) for payload in draft.distributions]
+        # Chains verify where the target runs: only each packet's support travels there.
+        device = self.lm.device if spec is None else None
+        rows = [densify(decode_distribution(payload, codec), device) for payload in draft.distributions]
         return torch.stack(rows)
 
     def _feed_logits(self, draft_ids: list[int], num_logits: int) -> torch.Tensor:
@@ -360,7 +368,7 @@ class VerifierSession:
 
     def _target_probs(self, logits: torch.Tensor) -> torch.Tensor:
         h = self.hello
-        return model_probs(logits.cpu(), h.temperature, h.target_top_k, h.target_top_p)
+        return model_probs(logits, h.temperature, h.target_top_k, h.target_top_p)
 
     def _commit(self, accepted: list[int], num_accepted: int, next_token: int | None) -> None:
         """Keep KV only for the verified prefix; append the accepted tokens (and the next one)."""
@@ -371,17 +379,18 @@ class VerifierSession:
 
     def _finish_dssd(self, draft: DraftBlock, settings: DraftSettings, ids, q_of_draft, p,
                      generator: torch.Generator) -> Verdict:
-        noise = self._bonus_noise(len(ids)) if settings.coupled_bonus else None
-        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, settings.dssd_samples, noise)
+        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, settings.dssd_samples,
+                                 self._bonus_noise(len(ids), settings))
         n = res.num_accepted
         self._commit(list(draft.token_ids[:n]), n, res.bonus_token)
         if res.bonus_token is not None:
             return Verdict(round_id=draft.round_id, num_accepted=n, next_token=res.bonus_token)
-        self._pending_reject = _PendingReject(draft.round_id, res.reject_p, len(self.tokens) - n,
+        # p_j waits on the host for the device's fallback (rare), as the fallback's math runs there
+        self._pending_reject = _PendingReject(draft.round_id, res.reject_p.cpu(), len(self.tokens) - n,
                                               settings.dssd_fallback_top_k)
         return Verdict(round_id=draft.round_id, num_accepted=n, next_token=None,
-                       reject_samples=tuple(int(y) for y in res.reject_samples),
-                       reject_sample_probs=tuple(float(v) for v in res.reject_sample_probs))
+                       reject_samples=tuple(res.reject_samples.tolist()),
+                       reject_sample_probs=tuple(res.reject_sample_probs.tolist()))
 
 
 def _check_limits(settings: DraftSettings, info: TargetInfo, limits: EdgeLimits) -> None:

@@ -11,10 +11,12 @@ import asyncio
 import functools
 from collections import Counter
 
+import pytest
+
 from tests.support.harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common.modeling import encode_prompt
 from specdec.device.session import DraftSession
-from specdec.edge.batching import ForwardScheduler
+from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
 from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
@@ -41,12 +43,15 @@ def mean_batch(metrics: EdgeMetrics) -> tuple[float, float]:
     return count, total / max(count, 1)
 
 
-def test_every_mode_at_once_equals_target_greedy(tiny_pair_v512) -> None:
+@pytest.mark.parametrize("kv_cache", ["per-session", "slots"])
+def test_every_mode_at_once_equals_target_greedy(tiny_pair_v512, kv_cache) -> None:
+    """Both layouts of the sessions' KV caches (each session's own, or a row of one preallocated
+    cache: common/slots.py, the GPU's default)."""
     target_dir, drafter_dir = tiny_pair_v512
     metrics = EdgeMetrics()
 
     async def main():
-        async with edge(target_dir, metrics=metrics) as address:
+        async with edge(target_dir, metrics=metrics, batching=BatchSettings(kv_cache=kv_cache)) as address:
             jobs = [run_sessions(address, drafter_dir, device_config(temperature=0.0, max_new_tokens=MAX_NEW, **kw),
                                  prompt, [0]) for kw in MIXED.values() for prompt in PROMPTS]
             return await asyncio.gather(*jobs)
