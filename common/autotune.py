@@ -19,6 +19,7 @@ place of sigma_K, which covers K-SQS's lattice error).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -86,9 +87,18 @@ class Estimates:
     # this are predicted at UNTRUSTED_BPS at best: the controller grows its rounds step by step, as
     # TCP's slow start grows its window. inf = no limit.
     measured_up_bits: float = math.inf
+    # The edge's measured cost curve, seconds of one forward by its new tokens (all sessions'; the
+    # edge's common.loadaware.CostCurve), and the other sessions' tokens in the forwards this
+    # device's rounds join. Set, it replaces the affine fit: on a GPU a forward of 64 tokens costs
+    # ~1.2x one of a single token, which an affine fit of a few short rounds cannot tell.
+    verify_curve: Callable[[float], float] | None = None
+    edge_batch_tokens: float = 0.0
 
     def verify_s(self, tokens: int) -> float:
-        """The edge's time for a forward over ``tokens`` tokens (affine fit of its reports)."""
+        """The edge's time for a forward over ``tokens`` tokens of this device: its cost curve at
+        those plus the other sessions' tokens, else the affine fit of its reports."""
+        if self.verify_curve is not None:
+            return self.verify_curve(tokens + self.edge_batch_tokens)
         return self.verify_base_s + self.verify_per_token_s * max(0, tokens - 1)
 
     def alpha(self, c: Candidate) -> float:

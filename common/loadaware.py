@@ -47,6 +47,23 @@ class CostCurve:
         old = self.seconds.get(point)
         self.seconds[point] = scaled if old is None else (1 - CURVE_EWMA) * old + CURVE_EWMA * scaled
 
+    @classmethod
+    def affine(cls, fixed_s: float, per_token_s: float) -> "CostCurve":
+        """The curve of a forward costing ``fixed_s + per_token_s * T`` (a published fit, e.g. vLLM's
+        on an H100), at CURVE_POINTS."""
+        return cls({t: fixed_s + per_token_s * t for t in CURVE_POINTS})
+
+    def fit_affine(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token): the least-squares line through the curve's points."""
+        pts = sorted(self.seconds.items())
+        if len(pts) < 2:
+            raise ValueError("an affine fit needs two points")
+        n = len(pts)
+        mean_t = sum(t for t, _ in pts) / n
+        mean_s = sum(s for _, s in pts) / n
+        slope = sum((t - mean_t) * (s - mean_s) for t, s in pts) / sum((t - mean_t) ** 2 for t, _ in pts)
+        return mean_s - slope * mean_t, slope
+
     def __call__(self, tokens: float) -> float:
         if not self.seconds:
             raise ValueError("empty cost curve")

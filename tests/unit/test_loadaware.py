@@ -16,6 +16,12 @@ from specdec.edge.batching import BatchSettings, ForwardScheduler
 # measured curve with kinks.
 CPU = CostCurve({t: 1.0 + 0.15 * (t - 1) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
 FLAT = CostCurve({1: 1.0, 256: 1.05})  # a GPU far from saturation
+# vLLM serving an 8B Llama on an H100 (SpecDecode-Bench's simulator, Llama8BH100): 5.886 ms + 21.0 us
+# per batched token + 0.039 us per KV token, plus 1.21 ms per step; KV here: 32 sessions x 512 tokens.
+H100_8B = CostCurve.affine(5.886e-3 + 1.21e-3 + 0.039e-6 * 32 * 512, 21.0e-6)
+# The embedded target on one CPU core, as the edge calibrates it (issue 19's README figures: 56 ms for
+# one token, then ~6.5 ms per token): seconds, not the relative units of CPU above.
+CPU_135M = CostCurve.affine(0.0495, 6.5e-3)
 
 
 def test_expected_tokens_is_leviathan_eq1() -> None:
@@ -105,3 +111,54 @@ def test_scheduler_advises_the_longest_draft_until_the_edge_is_saturated(monkeyp
         assert scheduler.utilization() == 0.0 and scheduler.active_sessions() == 0
     finally:
         scheduler.stop()
+
+
+def test_the_h100_fit_is_gpu_shaped_and_fits_back() -> None:
+    """What the issue quotes: 5 tokens ~1.01x one token, 64 tokens ~1.2x, 256 tokens ~1.9x (here with
+    its KV and per-step terms in the fixed cost); the affine fit recovers the line."""
+    assert H100_8B(5) / H100_8B(1) < 1.02 and H100_8B(64) / H100_8B(1) < 1.25 and H100_8B(256) / H100_8B(1) < 1.9
+    fixed, per_token = H100_8B.fit_affine()
+    assert fixed == pytest.approx(7.7e-3, rel=0.01) and per_token == pytest.approx(21.0e-6, rel=1e-6)
+
+
+def test_on_an_h100_the_advice_drafts_long_and_stays_long_under_load() -> None:
+    """The same sessions and acceptance: on the GPU-shaped curve one session drafts as long as it may
+    and 32 sessions still draft long, where the CPU's curve sends 32 sessions to short drafts."""
+    gpu = [best_draft_len(n, 0.8, H100_8B, 32) for n in (1, 8, 32, 64)]  # [31, 14, 8, 6]
+    cpu = [best_draft_len(n, 0.8, CPU_135M, 32) for n in (1, 8, 32, 64)]  # [7, 2, 1, 0]
+    assert gpu == sorted(gpu, reverse=True), gpu
+    assert gpu[0] >= 24 and gpu[2] >= 6 and gpu[3] >= 4, gpu  # 32 sessions x 9 tokens: 1.3x one token
+    assert cpu[2] <= 2, cpu
+    assert all(g > 2 * max(c, 1) for g, c in zip(gpu, cpu)), (gpu, cpu)
+
+
+def test_on_an_h100_the_scheduler_waits_for_sessions_due_back() -> None:
+    """Batching wide: on a flat curve one shared forward saves nearly a whole forward (~7.5 ms here),
+    so a session due back sooner than that is waited for, and one due later is not."""
+    scheduler = ForwardScheduler(BatchSettings(wait_s=0.0))
+    try:
+        scheduler.cost = H100_8B
+        saving = scheduler._saving(31 * 8, 8)
+        assert saving == pytest.approx(H100_8B(1) - 21.0e-6, rel=1e-6)  # c(a) + c(b) - c(a + b)
+        now = time.perf_counter()
+        for due_in, waits in ((0.005, True), (0.020, False)):
+            gap = 0.010 + due_in  # its last forward ended 10 ms ago
+            scheduler._done, scheduler._gap, scheduler._size = {1: now - 0.010}, {1: gap}, {1: 8}
+            until = scheduler._worth_waiting_for(now, 31 * 8)
+            assert (until is not None) == waits, due_in
+            if waits:
+                assert until == pytest.approx(now + due_in + batching.DUE_TOLERANCE * gap)
+    finally:
+        scheduler.stop()
+
+
+def test_the_scheduler_defaults_follow_the_device() -> None:
+    cpu, gpu = BatchSettings().resolved("cpu"), BatchSettings().resolved("cuda")
+    assert (cpu.max_batch_tokens, cpu.kv_cache) == (256, "per-session")
+    assert (gpu.max_batch_tokens, gpu.kv_cache) == (512, "slots")
+    # 64 sessions x (7 drafts + 1) fit one GPU forward; the CPU's cap stays where its cost bends
+    assert gpu.max_batch_tokens >= 64 * (best_draft_len(64, 0.8, H100_8B, 32) + 1)
+    given = BatchSettings(max_batch_tokens=64, wait_s=0.0, kv_cache="slots").resolved("cpu")
+    assert (given.max_batch_tokens, given.wait_s, given.kv_cache) == (64, 0.0, "slots")
+    with pytest.raises(ValueError, match="kv_cache"):
+        BatchSettings(kv_cache="paged").resolved("cpu")
