@@ -79,3 +79,33 @@ def make_sharpened_drafter(target: Path, path: Path, *, scale: float) -> Path:
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(target).save_pretrained(path)
     return path
+
+
+def make_margin_model(path: Path, vocab_size: int, *, seed: int, hidden: int = 64, layers: int = 2,
+                      residual_scale: float = 0.02, max_positions: int = 256) -> Path:
+    """A random Llama whose greedy choice has a wide margin at every step, for bfloat16 identity
+    tests: the attention and MLP branches are scaled down (the last token's embedding dominates the
+    final hidden state; the context moves the logits, not the greedy choice) and the head reads the
+    embedding through a fixed permutation, so the next token is a fixed function of the last one with
+    a margin of ~20 % of the top logit or more, far above bfloat16 rounding. A near tie, which
+    rounding could flip between a batched and a single forward, does not occur (a random model has
+    them every few dozen tokens). Attention itself is tested in float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, eos_token_id=EOS_ID, bos_token_id=None,
+        pad_token_id=0, tie_word_embeddings=False, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(residual_scale)
+            layer.mlp.down_proj.weight.mul_(residual_scale)
+        perm = torch.randperm(vocab_size)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight[perm] * 4.0)
+    model.save_pretrained(path)
+    make_tokenizer(vocab_size).save_pretrained(path)
+    return path
