@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto system-deps test test-slow demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation bench-dssd-fallback clean
+.PHONY: venv proto system-deps test test-slow test-gpu gpu-check gpu-wheels demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation bench-dssd-fallback clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml setup.py
@@ -39,6 +39,28 @@ test: $(PB_OUT) system-deps
 
 test-slow: $(PB_OUT)
 	$(VENV)/bin/pytest -m "slow" tests
+
+# The edge's real paths on CUDA (tests/gpu; they skip without a GPU, saying so). `make gpu-check` runs
+# them on a lent GPU machine.
+test-gpu: $(PB_OUT)
+	$(VENV)/bin/pytest -m gpu tests/gpu
+
+# The edge on a GPU, measured (docs/gpu.md): the gpu tests, cost curves against the weight-read floor,
+# capacity against real edge-servers, phases of a batched round, per model (135M, ~1B, ~8B shapes):
+# gpu_check.json + gpu_check.png in $$OUT or results/gpu_check/<timestamp>/, <= 8 min on an H100 / H200.
+# ARGS=--cpu-smoke: tiny models on this CPU (~30 s; the default suite runs it). No .venv prerequisite:
+# a GPU machine runs it with its own python3 (bench/gpu_check_device.sh installs what it needs).
+GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(abspath $(PY)),python3)
+gpu-check:
+	PYTHON=$(GPU_CHECK_PY) sh bench/gpu_check_device.sh $(ARGS)
+
+# The grpcio / protobuf runtimes the generated code needs (pyproject.toml's floors), as wheels for a GPU
+# machine whose own are older (Python 3.12, x86-64): into .whl/ (git-ignored), carried with gpu-check's run.
+GPU_WHEELS := grpcio==1.85.1 protobuf==7.35.1
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 demo: $(PB_OUT)
 	$(PY) -m specdec.device.demo $(ARGS)

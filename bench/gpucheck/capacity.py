@@ -1,0 +1,270 @@
+"""Capacity on the device: bench-capacity's replay load generator against real ``edge-server``
+processes on loopback, batched vs --no-batching vs edge-only.
+
+A random model makes any drafter meaningless, so the devices' proposals are built from the target's
+own greedy path (what the edge itself generated, checked against transformers' greedy generate of the
+same weights): at each position, each drafted token is the path's with probability ``alpha`` and
+another token otherwise, so every position is accepted with probability ``alpha`` (T = 0: the edge
+accepts exactly the path's tokens). Replayed devices (bench/capacity/scripts.GreedyScript) follow the
+edge's load-aware advice, draft ahead on its clock, sleep ``draft_ms`` per drafted token, and check
+every verdict against the path (a verdict off it is a divergence: a wrong forward).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.common.codecs import encode_distribution
+from specdec.common.modeling import vocab_fingerprint
+from specdec.common.runtime import run_async
+from specdec.device.runner import DeviceConfig
+
+from capacity import analyze, replay
+from capacity.recording import PositionTable, Proposal
+from capacity.scripts import EdgeOnlyScript, GreedyScript
+
+READY = re.compile(r"edge-server ready on (\S+):(\d+)")
+EDGE_READY_TIMEOUT_S = 300.0   # an 8B model loads from memory in ~10-30 s; five minutes means it is stuck
+WARMUP_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class Settings:
+    ns: tuple[int, ...]              # devices at once, in the order measured (the goals' N first)
+    alphas: tuple[float, ...]        # per-position acceptance of the proposals
+    tokens: int                      # per session
+    prompts: int                     # distinct prompts (client i: prompt i mod prompts)
+    prompt_len: int
+    draft_len: int                   # the devices' own L (the edge's advice may shorten it)
+    draft_max: int                   # tokens per proposal (longest round the advice may allow)
+    draft_ms: float                  # device drafting time per token
+    edge_args: tuple[str, ...] = ()  # extra edge-server flags (e.g. --kv-cache slots on the CPU smoke run)
+
+
+class EdgeProcess:
+    """``python -m specdec.edge`` on loopback with /metrics, its log kept."""
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, extra: list[str], name: str):
+        self.name = name
+        self.metrics_port = _free_port()
+        cmd = [sys.executable, "-m", "specdec.edge", "--model", str(model_dir), "--device", device, "--dtype", dtype,
+               "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(self.metrics_port),
+               "--max-sessions", "160", "--max-sessions-per-principal", "0", *extra]
+        self.cmd = cmd
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.address: str | None = None
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            m = READY.search(line)
+            if m and self.address is None:
+                self.address = f"127.0.0.1:{m.group(2)}"
+                self._ready.set()
+        self._ready.set()  # ended: wait_ready reports it
+
+    def wait_ready(self, timeout: float = EDGE_READY_TIMEOUT_S) -> str:
+        if not self._ready.wait(timeout) or self.address is None:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start: " + " | ".join(self.lines[-15:]))
+        return self.address
+
+    def metrics(self) -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+                return r.read().decode()
+        except OSError:
+            return None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def log_tail(self, n: int = 20) -> list[str]:
+        return self.lines[-n:]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------- proposals
+def proposal_tables(prompts: list[list[int]], paths: list[list[int]], alpha: float, s: Settings, vocab: int,
+                    payload_of, seed: int) -> list[PositionTable]:
+    """One PositionTable per prompt: at every position the proposal of ``s.draft_max`` tokens, each the
+    path's token with probability ``alpha`` (else another), with its packet and drafting time."""
+    rng = random.Random(seed)
+    step = s.draft_ms / 1e3
+    tables = []
+    for prompt, path in zip(prompts, paths):
+        proposals = {}
+        for i in range(len(path)):
+            tokens = []
+            for right in path[i:i + s.draft_max]:
+                tokens.append(right if rng.random() < alpha else (right + 1 + rng.randrange(vocab - 1)) % vocab)
+            proposals[i] = Proposal(tokens, [payload_of(t) for t in tokens], [step] * len(tokens))
+        tables.append(PositionTable(prompt="", prompt_ids=list(prompt), path=list(path), proposals=proposals,
+                                    hello=b"", eos_ids=[], max_new_tokens=len(path)))
+    return tables
+
+
+class Payloads:
+    """Each token's packet: the greedy drafter's q is one-hot (TSLT, K = 1), encoded once per token."""
+
+    def __init__(self, codec):
+        self.codec, self.cache = codec, {}
+
+    def __call__(self, token: int) -> bytes:
+        if token not in self.cache:
+            q = torch.zeros(self.codec.vocab_size)
+            q[token] = 1.0
+            self.cache[token] = encode_distribution(q, self.codec).payload
+        return self.cache[token]
+
+
+# ---------------------------------------------------------------------------------- the run
+def run(model_dir: Path, tokenizer, device: str, dtype: str, prompts: list[list[int]], alone: list[list[int]],
+        s: Settings, deadline: float, log=print) -> dict:
+    """Start a batched and a --no-batching edge, check the edge's greedy path against ``alone``
+    (transformers' greedy generate of the same weights), then measure the cells until ``deadline``."""
+    vocab = len(tokenizer.get_vocab())
+    fingerprint = vocab_fingerprint(tokenizer)
+    hello = DeviceConfig.of(mode="tslt", top_k=1, draft_len=s.draft_len, temperature=0.0,
+                            max_new_tokens=s.tokens).hello(fingerprint, vocab, seed=0)
+    hello_none = DeviceConfig.of(mode="none", temperature=0.0, max_new_tokens=s.tokens).hello(fingerprint, vocab, seed=0)
+    t0 = time.perf_counter()
+    edges = {"batched": EdgeProcess(model_dir, device, dtype, list(s.edge_args), "batched edge"),
+             "unbatched": EdgeProcess(model_dir, device, dtype, ["--no-batching", *s.edge_args], "unbatched edge")}
+    out: dict = {"settings": s.__dict__, "cells": [], "edge_args": {k: e.cmd[3:] for k, e in edges.items()}}
+    try:
+        addresses = {k: e.wait_ready() for k, e in edges.items()}
+        out["edges_ready_s"] = time.perf_counter() - t0
+        log(f"  edges ready in {out['edges_ready_s']:.1f} s")
+        edge_paths = _edge_greedy_paths(addresses["batched"], hello_none, prompts, s.tokens)
+        out["identity"] = {"edge_only_equals_target_alone": edge_paths == [a[:s.tokens] for a in alone],
+                           "prompts": len(prompts)}
+        payloads = Payloads(hello.draft.codec(vocab))
+        tables = {a: proposal_tables(prompts, edge_paths, a, s, vocab, payloads, seed=int(a * 1000))
+                  for a in s.alphas}
+        _warm_up(addresses, edges, tables, hello, hello_none, prompts)
+        for cell in _cells(s):
+            if time.perf_counter() > deadline:
+                out["cells"].append({**cell, "skipped": "time budget"})
+                continue
+            out["cells"].append(_measure(cell, edges, addresses, tables, hello, hello_none, prompts, s))
+            log("  " + _line(out["cells"][-1]))
+    except Exception as exc:  # noqa: BLE001 - reported in the results, the rest of the check goes on
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        log(f"  capacity failed: {out['error']}")
+    finally:
+        for e in edges.values():
+            e.stop()
+        out["edge_logs"] = {k: e.log_tail() for k, e in edges.items()}
+    out["goals"] = goals(out["cells"])
+    return out
+
+
+def _edge_greedy_paths(address: str, hello_none, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    clients = [[lambda p=p: EdgeOnlyScript(hello_none, p, (), tokens)] for p in prompts]
+    _, results = run_async(replay.run_cell(address, clients, "edge-only"))
+    bad = [r.error for r in results if r.error]
+    if bad:
+        raise RuntimeError(f"edge-only path failed: {bad[0]}")
+    return [r.ids for r in sorted(results, key=lambda r: r.client)]
+
+
+def _cells(s: Settings) -> list[dict]:
+    """Per N (in ``s.ns`` order): batched and --no-batching at each acceptance, edge-only once."""
+    out = []
+    for n in s.ns:
+        for a in s.alphas:
+            out += [{"n": n, "mode": "batched", "alpha": a}, {"n": n, "mode": "unbatched", "alpha": a}]
+        out.append({"n": n, "mode": "edge-only", "alpha": None})
+    return out
+
+
+def _clients(cell: dict, tables, hello, hello_none, prompts, tokens: int) -> list[list]:
+    if cell["mode"] == "edge-only":
+        return [[lambda p=prompts[i % len(prompts)]: EdgeOnlyScript(hello_none, p, (), tokens)]
+                for i in range(cell["n"])]
+    chosen = tables[cell["alpha"]]
+    return [[lambda t=chosen[i % len(chosen)]: GreedyScript(t, hello, tokens)] for i in range(cell["n"])]
+
+
+def _warm_up(addresses, edges, tables, hello, hello_none, prompts) -> None:
+    """First-use costs (kernels, allocators, the slot pool's growth) land here, not in a cell."""
+    alpha = next(iter(tables))
+    for mode, edge in (("batched", "batched"), ("unbatched", "unbatched"), ("edge-only", "batched")):
+        clients = _clients({"n": 2, "mode": mode, "alpha": alpha}, tables, hello, hello_none, prompts, WARMUP_TOKENS)
+        run_async(replay.run_cell(addresses[edge], clients, "replay" if mode != "edge-only" else "edge-only"))
+
+
+def _measure(cell: dict, edges, addresses, tables, hello, hello_none, prompts, s: Settings) -> dict:
+    edge = "unbatched" if cell["mode"] == "unbatched" else "batched"
+    kind = "edge-only" if cell["mode"] == "edge-only" else "replay"
+    clients = _clients(cell, tables, hello, hello_none, prompts, s.tokens)
+    before = analyze.parse_metrics(edges[edge].metrics() or "")
+    t0, results = run_async(replay.run_cell(addresses[edge], clients, kind))
+    after = analyze.parse_metrics(edges[edge].metrics() or "")
+    sessions = [r.to_json(t0) for r in results]
+    stats = analyze.cell_stats(sessions, cell["n"], s.tokens)
+    return {**cell, "stats": stats, "batch": analyze.batch_stats(before, after),
+            "divergences": sum(1 for x in sessions if x["divergence"]), "errors": [x["error"] for x in sessions if x["error"]][:3],
+            "acceptance": _acceptance(sessions)}
+
+
+def _acceptance(sessions: list[dict]) -> float | None:
+    drafted = sum(x["drafted"] for x in sessions)
+    return sum(x["accepted"] for x in sessions) / drafted if drafted else None
+
+
+def _line(c: dict) -> str:
+    st, b = c.get("stats", {}), c.get("batch", {})
+    alpha = f" a={c['alpha']}" if c["alpha"] is not None else ""
+    batch = f", {b['mean_sessions']:.1f} sessions/{b['mean_tokens']:.0f} tokens per forward" if b.get("available") else ""
+    tps = st.get("aggregate_tps")
+    return (f"N={c['n']:<3} {c['mode']:<10}{alpha:<7} {tps if tps is None else round(tps, 1)} tok/s"
+            f"{batch}" + (f", {c['divergences']} divergences" if c.get("divergences") else "")
+            + (f", errors {c['errors']}" if c.get("errors") else ""))
+
+
+def goals(cells: list[dict], n: int = 32, alpha: float = 0.8) -> dict:
+    """The issue's capacity goals at N = 32, acceptance 0.8: batched >= 10x --no-batching, >= 3x edge-only."""
+    def tps(mode, a):
+        for c in cells:
+            if c["n"] == n and c["mode"] == mode and c["alpha"] == a and "stats" in c:
+                return c["stats"].get("aggregate_tps")
+        return None
+    batched, unbatched, edge_only = tps("batched", alpha), tps("unbatched", alpha), tps("edge-only", None)
+    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+    return {"batched_over_unbatched": {"value": ratio(batched, unbatched), "goal": 10.0},
+            "batched_over_edge_only": {"value": ratio(batched, edge_only), "goal": 3.0},
+            "where": f"N = {n}, acceptance {alpha}"}
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, default=str)

@@ -1,0 +1,220 @@
+"""What one forward costs on this device: the memory-bandwidth floor, the cost curves of both KV
+layouts, the phases of one batched round, and what a CUDA graph would save.
+
+Every time is wall time around work the device has finished (a synchronisation before and after),
+the median of ``repeats`` runs after ``warmup``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.common.batched import BatchWorkspace, ForwardRequest, PhaseTimer, forward_batch
+from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
+from specdec.common.distributions import densify
+from specdec.common.modeling import CachedLM
+from specdec.common.sampling import model_probs
+from specdec.common.settings import Mode
+from specdec.common.slots import SlotPool
+from specdec.common.streams import Purpose, stream
+from specdec.common.verification import chain_verify
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> dict:
+    """A device-to-device copy of ``nbytes``: bytes read plus written per second (the rate a forward
+    reads its weights at, at best)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, repeats, warmup=2)
+    del src, dst
+    return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": 2 * nbytes / seconds}
+
+
+# ------------------------------------------------------------------------------------ sessions
+class Sessions:
+    """``count`` sessions of one model, each holding ``context`` cached tokens of random keys and
+    values (a forward's cost does not depend on their values), in one of the two KV layouts."""
+
+    @torch.inference_mode()  # the pool's storage is made in a forward: an inference tensor
+    def __init__(self, model, device: torch.device, count: int, context: int, layout: str, room: int):
+        self.model, self.device, self.context, self.layout = model, device, context, layout
+        self.workspace = BatchWorkspace()
+        if layout == "slots":
+            self.pool = SlotPool(model, device)
+            self.lms = [self.pool.new_lm() for _ in range(count)]
+            self.lms[-1].forward([1], 1)  # makes every layer's storage, with room for all rows
+            self.pool._grow(count, context + room)
+            for store in (self.pool.keys, self.pool.values):
+                for t in store:
+                    t.normal_()
+            for lm in self.lms:
+                lm.length = context
+        else:
+            self.pool = None
+            probe = CachedLM(model, device)
+            probe.forward([1], 1)  # the layers' head counts and sizes, as the model writes them
+            shapes = [(*layer.keys.shape[:-2], context, layer.keys.shape[-1]) for layer in probe.cache.layers]
+            self.lms = [self._filled_cache(shapes, probe.cache.layers[0].keys.dtype) for _ in range(count)]
+
+    def _filled_cache(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> CachedLM:
+        lm = CachedLM(self.model, self.device)
+        for i, shape in enumerate(shapes):
+            k = torch.randn(shape, dtype=dtype, device=self.device)
+            lm.cache.update(k, torch.randn_like(k), i)
+        return lm
+
+    def forward(self, batch: int, tokens: int, timer: PhaseTimer | None = None) -> list[torch.Tensor]:
+        """``batch`` sessions x ``tokens`` new tokens, all logits; rolled back after."""
+        ids = [(7 * i + 3) % 50 + 1 for i in range(tokens)]
+        requests = [ForwardRequest(lm, ids, tokens) for lm in self.lms[:batch]]
+        out = forward_batch(requests, self.workspace, timer)
+        for lm in self.lms[:batch]:
+            lm.truncate(self.context)
+        return out
+
+
+@dataclass(frozen=True)
+class CurvePlan:
+    tokens: tuple[int, ...]          # c(T): one session, T new tokens
+    batches: tuple[int, ...]         # c(B x L): B sessions
+    batch_tokens: tuple[int, ...]    # L of each session in c(B x L)
+    contexts: tuple[int, ...]        # cached tokens of every session
+    per_session_batches: tuple[int, ...]  # the per-session layout, at these B only (copies cost memory)
+    repeats: int = 5
+    warmup: int = 2
+
+
+def cost_curves(model, device: torch.device, plan: CurvePlan) -> dict:
+    """{layout: {context: {"T": {T: s}, "BxL": {L: {B: s}}}}} (seconds per forward)."""
+    out: dict = {}
+    for layout in ("slots", "per-session"):
+        out[layout] = {}
+        batches = plan.batches if layout == "slots" else plan.per_session_batches
+        for context in plan.contexts:
+            sessions = Sessions(model, device, max(batches), context, layout, room=max(plan.tokens))
+            curve = {"T": {}, "BxL": {}}
+            if layout == "slots":
+                for t in plan.tokens:
+                    curve["T"][t] = median_seconds(lambda: sessions.forward(1, t), device, plan.repeats, plan.warmup)
+            for length in plan.batch_tokens:
+                curve["BxL"][length] = {b: median_seconds(lambda: sessions.forward(b, length), device,
+                                                          plan.repeats, plan.warmup) for b in batches}
+            out[layout][context] = curve
+            del sessions
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------ phases
+def phases(model, device: torch.device, batch: int, drafts: int, context: int, vocab: int,
+           repeats: int = 3) -> dict:
+    """Seconds per phase of one batched verification round (``batch`` sessions x ``drafts`` + 1
+    tokens) in both layouts: building the inputs, copying caches, the forward, appending keys, the
+    logits' conversion; then every session's verification (decoding its packets, the target's
+    probabilities at T = 0 and T = 1, the accept tests and the bonus) on the device with only the
+    verdict coming back, against the host path the edge had before (logits to the host, all there)."""
+    codec = CodecConfig(mode=Mode.TSLT, vocab_size=vocab, top_k=1)
+    out = {}
+    for layout in ("slots", "per-session"):
+        sessions = Sessions(model, device, batch, context, layout, room=drafts + 1)
+        first = sessions.forward(batch, drafts + 1)  # warm; the same inputs give the same drafts below
+        rounds = [_round(row, drafts, codec) for row in first]
+        timings = []
+        for _ in range(repeats):
+            timer = PhaseTimer(lambda: sync(device))
+            timer.start()
+            logits = sessions.forward(batch, drafts + 1, timer)
+            for temperature in (0.0, 1.0):
+                for place in ("device", "host"):
+                    target = device if place == "device" else torch.device("cpu")
+                    for b, (row, (ids, payloads)) in enumerate(zip(logits, rounds)):
+                        _verify(row, ids, payloads, codec, temperature, target, b)
+                    timer.mark(f"verify_{place}_T{temperature:g}")
+            timings.append(timer.seconds)
+        out[layout] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
+        del sessions
+    return out
+
+
+def _round(row: torch.Tensor, drafts: int, codec: CodecConfig) -> tuple[list[int], list[bytes]]:
+    """A session's drafts (the target's own tokens: all accepted, the bonus drawn) and their packets."""
+    ids = row[:drafts].argmax(-1).tolist()
+    payloads = []
+    for x in ids:
+        q = torch.zeros(codec.vocab_size)
+        q[x] = 1.0
+        payloads.append(encode_distribution(q, codec).payload)
+    return ids, payloads
+
+
+def _verify(row: torch.Tensor, ids: list[int], payloads: list[bytes], codec: CodecConfig, temperature: float,
+            place: torch.device, session: int) -> int:
+    """The edge's verification of one round (edge/verifier.py's chain path) where ``place`` says."""
+    p = model_probs(row if row.device == place else row.to(place), temperature)  # [L+1, V] float64
+    q = torch.stack([densify(decode_distribution(x, codec), place) for x in payloads])
+    result = chain_verify(torch.tensor(ids, dtype=torch.long, device=place), q, p,
+                          stream(session, Purpose.VERIFY, 0))
+    return result.next_token
+
+
+# ------------------------------------------------------------------------------------ CUDA graphs
+def graph_probe(model, device: torch.device, batch: int, tokens: int, context: int, repeats: int = 10) -> dict:
+    """What capturing one slot forward of ``batch`` x ``tokens`` in a CUDA graph would save: the eager
+    forward against replays of the same forward with its inputs, plan and cache held static (a
+    measurement of the headroom, not the serving path). CUDA only; failures are reported."""
+    if device.type != "cuda":
+        return {"available": False, "why": "CUDA only"}
+    from specdec.common import slots
+
+    sessions = Sessions(model, device, batch, context, "slots", room=tokens)
+    requests = [ForwardRequest(lm, [3] * tokens, tokens) for lm in sessions.lms[:batch]]
+    ids, positions, plan = slots._plan(requests, tokens, device)
+    cache = slots._slot_cache(sessions.pool, plan)
+    kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=plan.batch_mask, use_cache=True,
+                  logits_to_keep=tokens, **{slots.cache_argument(type(model)): cache})
+
+    def eager():
+        with torch.inference_mode(), slots._active(plan):
+            return model(**kwargs).logits
+
+    result = {"batch": batch, "tokens": tokens, "context": context,
+              "eager_s": median_seconds(eager, device, repeats, warmup=3)}
+    try:
+        stream_ = torch.cuda.Stream(device)
+        stream_.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream_):
+            for _ in range(3):
+                eager()
+        torch.cuda.current_stream(device).wait_stream(stream_)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = eager()
+        result["graph_s"] = median_seconds(graph.replay, device, repeats, warmup=2)
+        result["same_logits"] = bool(torch.allclose(static_out.float(), eager().float(), atol=1e-2, rtol=1e-2))
+        result["speedup"] = result["eager_s"] / result["graph_s"]
+    except Exception as exc:  # noqa: BLE001 - a measurement of headroom: its failure is a finding
+        result["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    del sessions
+    return result
