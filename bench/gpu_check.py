@@ -2,7 +2,7 @@
 
     make gpu-check                                   # on a lent GPU machine: ~6-8 min, one H100 / H200
     make gpu-check ARGS=--cpu-smoke                  # here: tiny models on the CPU, ~30 s (the default suite runs it)
-    python bench/gpu_check.py [--cpu-smoke] [--out DIR] [--models smollm2-135m,llama-1b,llama-8b]
+    python -m specdec.bench.gpu_check [--cpu-smoke] [--out DIR] [--models smollm2-135m,llama-1b,llama-8b]
         [--budget-s 450] [--skip-tests] [--ns 32,1,8,64,16,4,2] [--tokens 48] [--draft-ms 2]
 
 Per model (random-initialised from configs, bfloat16; bench/gpucheck/models.py says how and why):
@@ -36,15 +36,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))   # capacity (the replay load generator), gpucheck
+import torch
 
-import torch  # noqa: E402
+from specdec.bench.gpucheck import capacity as C
+from specdec.bench.gpucheck import measure as M
+from specdec.bench.gpucheck import models
 
-from gpucheck import capacity as C  # noqa: E402
-from gpucheck import measure as M  # noqa: E402
-from gpucheck import models  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]   # the checkout (installed editable): tests/gpu, results/
 
 RESULTS = ROOT / "results" / "gpu_check"
 GOAL_FLOOR = 1.5      # one session's 5-token forward at 256 cached tokens, over the weight-read floor
@@ -287,7 +285,7 @@ def _scratch() -> str | None:
 
 def figure(data: dict, out: Path) -> None:
     try:
-        from gpucheck import plots
+        from specdec.bench.gpucheck import plots
         plots.figure(data, out / "gpu_check.png")
     except Exception as exc:  # noqa: BLE001 - the JSON holds every number; say why the figure is missing
         data.setdefault("errors", []).append(f"figure: {type(exc).__name__}: {exc}")

@@ -6,7 +6,7 @@
 #    on PYTHONPATH for this run and its children;
 # 2. the project installs without dependencies and without build isolation (setup.py keeps the carried
 #    code where grpcio-tools is absent); the machine's torch stays, no .venv is built;
-# 3. bench/gpu_check.py with the arguments given.
+# 3. the check (python -m specdec.bench.gpu_check) with the arguments given.
 set -eu
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,4 +23,4 @@ if ! "$PY" bench/gpucheck/runtime_check.py; then
 fi
 "$PY" -c "import specdec.common.pb.speculative_pb2_grpc" 2>/dev/null ||
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
-exec "$PY" bench/gpu_check.py "$@"
+exec "$PY" -m specdec.bench.gpu_check "$@"

@@ -5,7 +5,7 @@ A random model makes any drafter meaningless, so the devices' proposals are buil
 own greedy path (what the edge itself generated, checked against transformers' greedy generate of the
 same weights): at each position, each drafted token is the path's with probability ``alpha`` and
 another token otherwise, so every position is accepted with probability ``alpha`` (T = 0: the edge
-accepts exactly the path's tokens). Replayed devices (bench/capacity/scripts.GreedyScript) follow the
+accepts exactly the path's tokens). Replayed devices (specdec.bench.capacity.scripts.GreedyScript) follow the
 edge's load-aware advice, draft ahead on its clock, sleep ``draft_ms`` per drafted token, and check
 every verdict against the path (a verdict off it is a divergence: a wrong forward).
 """
@@ -31,9 +31,9 @@ from specdec.common.modeling import vocab_fingerprint
 from specdec.common.runtime import run_async
 from specdec.device.runner import DeviceConfig
 
-from capacity import analyze, replay
-from capacity.recording import PositionTable, Proposal
-from capacity.scripts import EdgeOnlyScript, GreedyScript
+from specdec.bench.capacity import analyze, replay
+from specdec.bench.capacity.recording import PositionTable, Proposal
+from specdec.bench.capacity.scripts import EdgeOnlyScript, GreedyScript
 
 READY = re.compile(r"edge-server ready on (\S+):(\d+)")
 EDGE_READY_TIMEOUT_S = 300.0   # an 8B model loads from memory in ~10-30 s; five minutes means it is stuck

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiny_models
+from specdec.testbed import tiny_models
 
 DEVICE = os.environ.get("SPECDEC_GPU_TEST_DEVICE", "cuda")
 

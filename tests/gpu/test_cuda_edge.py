@@ -16,7 +16,6 @@ from functools import lru_cache
 import pytest
 import torch
 
-from harness import device_config, load, run_sessions
 from specdec.common.batched import ForwardRequest, forward_batch
 from specdec.common.modeling import CachedLM, LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.settings import Mode
@@ -30,8 +29,9 @@ from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 from specdec.edge.verifier import EdgeLimits
-from test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from unit.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.harness import device_config, load, run_sessions
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 PROMPTS = ["w1 w2 w3", "w40 w7", "w300 w301 w302 w303 w9"]
 MAX_NEW = 16
