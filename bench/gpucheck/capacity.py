@@ -12,15 +12,9 @@ every verdict against the path (a verdict off it is a divergence: a wrong forwar
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +28,10 @@ from specdec.device.runner import DeviceConfig
 from specdec.bench.capacity import analyze, replay
 from specdec.bench.capacity.recording import PositionTable, Proposal
 from specdec.bench.capacity.scripts import EdgeOnlyScript, GreedyScript
+from specdec.bench.harness.rig import Edge
 
-READY = re.compile(r"edge-server ready on (\S+):(\d+)")
-EDGE_READY_TIMEOUT_S = 300.0   # an 8B model loads from memory in ~10-30 s; five minutes means it is stuck
 WARMUP_TOKENS = 6
+EDGE_COMMON = ("--max-sessions", "160", "--max-sessions-per-principal", "0")  # all clients are one host
 
 
 @dataclass(frozen=True)
@@ -53,63 +47,24 @@ class Settings:
     edge_args: tuple[str, ...] = ()  # extra edge-server flags (e.g. --kv-cache slots on the CPU smoke run)
 
 
-class EdgeProcess:
-    """``python -m specdec.edge`` on loopback with /metrics, its log kept."""
-
-    def __init__(self, model_dir: Path, device: str, dtype: str, extra: list[str], name: str):
-        self.name = name
-        self.metrics_port = _free_port()
-        cmd = [sys.executable, "-m", "specdec.edge", "--model", str(model_dir), "--device", device, "--dtype", dtype,
-               "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(self.metrics_port),
-               "--max-sessions", "160", "--max-sessions-per-principal", "0", *extra]
-        self.cmd = cmd
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self.address: str | None = None
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            m = READY.search(line)
-            if m and self.address is None:
-                self.address = f"127.0.0.1:{m.group(2)}"
-                self._ready.set()
-        self._ready.set()  # ended: wait_ready reports it
-
-    def wait_ready(self, timeout: float = EDGE_READY_TIMEOUT_S) -> str:
-        if not self._ready.wait(timeout) or self.address is None:
-            self.stop()
-            raise RuntimeError(f"{self.name} did not start: " + " | ".join(self.lines[-15:]))
-        return self.address
-
-    def metrics(self) -> str | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-                return r.read().decode()
-        except OSError:
-            return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+def start_edges(model_dir: Path, device: str, dtype: str, s: Settings) -> dict[str, Edge]:
+    """A batched and a --no-batching edge-server of the model, started at once (loading an 8B
+    model takes each ~10-30 s), with /metrics; torch threads: the edge's own choice."""
+    common = ("--model", str(model_dir), "--device", device, "--dtype", dtype, *EDGE_COMMON, *s.edge_args)
+    kinds = {"batched": common, "unbatched": (*common, "--no-batching")}
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        futures = {k: pool.submit(Edge, *args, threads=0, metrics=True) for k, args in kinds.items()}
+        edges, failed = {}, None
+        for kind, future in futures.items():
             try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def log_tail(self, n: int = 20) -> list[str]:
-        return self.lines[-n:]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+                edges[kind] = future.result()
+            except Exception as exc:  # noqa: BLE001 - stop the other one, then report
+                failed = exc
+    if failed is not None:
+        for e in edges.values():
+            e.stop()
+        raise RuntimeError(f"an edge-server did not start: {failed}"[:2000])
+    return edges
 
 
 # ---------------------------------------------------------------------------------- proposals
@@ -157,11 +112,11 @@ def run(model_dir: Path, tokenizer, device: str, dtype: str, prompts: list[list[
                             max_new_tokens=s.tokens).hello(fingerprint, vocab, seed=0)
     hello_none = DeviceConfig.of(mode="none", temperature=0.0, max_new_tokens=s.tokens).hello(fingerprint, vocab, seed=0)
     t0 = time.perf_counter()
-    edges = {"batched": EdgeProcess(model_dir, device, dtype, list(s.edge_args), "batched edge"),
-             "unbatched": EdgeProcess(model_dir, device, dtype, ["--no-batching", *s.edge_args], "unbatched edge")}
-    out: dict = {"settings": s.__dict__, "cells": [], "edge_args": {k: e.cmd[3:] for k, e in edges.items()}}
+    out: dict = {"settings": s.__dict__, "cells": []}
+    edges: dict[str, Edge] = {}
     try:
-        addresses = {k: e.wait_ready() for k, e in edges.items()}
+        edges = start_edges(model_dir, device, dtype, s)
+        addresses = {k: e.address for k, e in edges.items()}
         out["edges_ready_s"] = time.perf_counter() - t0
         log(f"  edges ready in {out['edges_ready_s']:.1f} s")
         edge_paths = _edge_greedy_paths(addresses["batched"], hello_none, prompts, s.tokens)
@@ -183,7 +138,7 @@ def run(model_dir: Path, tokenizer, device: str, dtype: str, prompts: list[list[
     finally:
         for e in edges.values():
             e.stop()
-        out["edge_logs"] = {k: e.log_tail() for k, e in edges.items()}
+        out["edge_logs"] = {k: [line.rstrip() for line in list(e.lines)[-20:]] for k, e in edges.items()}
     out["goals"] = goals(out["cells"])
     return out
 
