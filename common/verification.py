@@ -134,7 +134,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """
     check_prob_vector(p, "p")
     check_prob_vector(q, "q", p.shape[0])
-    return _residual(p, q)
+    return _residual(p, q.to(p.device))  # a device's q (its drafter on a GPU) against the edge's p_j
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -534,7 +534,8 @@ def dssd_device_resolve_head(
     check_generator(generator)
     check_prob_vector(q_j, "q_j")
     _check_head(head, q_j.shape[0])
-    excess = torch.clamp(head.head_probs - q_j[head.head_ids], min=0.0)  # [K]
+    q_head = q_j[head.head_ids.to(q_j.device)].to(head.head_probs.device)  # q_j may be on the drafter's GPU
+    excess = torch.clamp(head.head_probs - q_head, min=0.0)  # [K]
     r_head = float(excess.sum())
     if r_head + head.tail_mass <= 0:
         probs = head.head_probs / head.head_probs.sum()

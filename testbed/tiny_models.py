@@ -23,24 +23,32 @@ def make_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
-def make_model(path: Path, vocab_size: int, *, seed: int, hidden: int = 32, layers: int = 2,
-               logit_scale: float = 4.0, max_positions: int = 256) -> Path:
-    """Save a random Llama with peaky, context-dependent next-token distributions to ``path``."""
+def _random_llama(vocab_size: int, seed: int, hidden: int, layers: int, max_positions: int):
+    """A random Llama (untied head, 4 heads over 2 key/value heads, wide initialisation)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=max_positions, eos_token_id=EOS_ID, bos_token_id=None,
         pad_token_id=0, tie_word_embeddings=False, initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # sharpen the head so distributions are far from uniform
-        model.lm_head.weight.mul_(logit_scale)
+    ))
+
+
+def _save(model, vocab_size: int, path: Path) -> Path:
     model.save_pretrained(path)
     make_tokenizer(vocab_size).save_pretrained(path)
     return path
+
+
+def make_model(path: Path, vocab_size: int, *, seed: int, hidden: int = 32, layers: int = 2,
+               logit_scale: float = 4.0, max_positions: int = 256) -> Path:
+    """Save a random Llama with peaky, context-dependent next-token distributions to ``path``."""
+    model = _random_llama(vocab_size, seed, hidden, layers, max_positions)
+    with torch.no_grad():  # sharpen the head so distributions are far from uniform
+        model.lm_head.weight.mul_(logit_scale)
+    return _save(model, vocab_size, path)
 
 
 def make_pair(root: Path, vocab_size: int, *, target_seed: int = 1, draft_seed: int = 2,
@@ -90,22 +98,11 @@ def make_margin_model(path: Path, vocab_size: int, *, seed: int, hidden: int = 6
     a margin of ~20 % of the top logit or more, far above bfloat16 rounding. A near tie, which
     rounding could flip between a batched and a single forward, does not occur (a random model has
     them every few dozen tokens). Attention itself is tested in float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, eos_token_id=EOS_ID, bos_token_id=None,
-        pad_token_id=0, tie_word_embeddings=False, initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config)
+    model = _random_llama(vocab_size, seed, hidden, layers, max_positions)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(residual_scale)
             layer.mlp.down_proj.weight.mul_(residual_scale)
         perm = torch.randperm(vocab_size)
         model.lm_head.weight.copy_(model.model.embed_tokens.weight[perm] * 4.0)
-    model.save_pretrained(path)
-    make_tokenizer(vocab_size).save_pretrained(path)
-    return path
+    return _save(model, vocab_size, path)
