@@ -15,7 +15,7 @@ import torch
 from specdec.common.batched import BatchWorkspace, ForwardRequest, PhaseTimer, forward_batch
 from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
 from specdec.common.distributions import densify
-from specdec.common.modeling import CachedLM
+from specdec.common.modeling import CachedLM, cache_kwargs
 from specdec.common.sampling import model_probs
 from specdec.common.settings import Mode
 from specdec.common.slots import SlotPool
@@ -193,7 +193,7 @@ def graph_probe(model, device: torch.device, batch: int, tokens: int, context: i
     ids, positions, plan = slots._plan(requests, tokens, device)
     cache = slots._slot_cache(sessions.pool, plan)
     kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=plan.batch_mask, use_cache=True,
-                  logits_to_keep=tokens, **{slots.cache_argument(type(model)): cache})
+                  logits_to_keep=tokens, **cache_kwargs(model, cache))
 
     def eager():
         with torch.inference_mode(), slots._active(plan):
