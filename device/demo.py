@@ -37,6 +37,7 @@ from specdec.device.runner import DeviceConfig, run_device
 
 PROMPT = "Explain speculative decoding in two sentences."
 MAX_NEW_TOKENS = 64    # two sentences: enough rounds for a rate, short enough for a demo
+EDGE_PLACEHOLDER = "127.0.0.1:1"  # replaced by the started edge's address
 WARMUP_TOKENS = 4      # an untimed first generate: the target alone's timing excludes one-time setup
 READY = re.compile(r"ready on ")
 STARTUP_TIMEOUT_S = 300  # the embedded GGUF is dequantized at first load: ~20-30 s on 2 CPU cores
@@ -146,8 +147,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     demo.add_argument("--target-model", help="edge-server --model (default: the embedded target)")
     demo.add_argument("--target-gguf-file", help="edge-server --gguf-file")
     ours, rest = demo.parse_known_args(argv)
-    # Later flags win in argparse: the user's --prompt / --max-new-tokens override the demo's.
-    device = build_parser().parse_args(["--edge", "127.0.0.1:0", "--prompt", PROMPT,
+    # Later flags win in argparse: the user's --prompt / --max-new-tokens override the demo's. The edge
+    # address is a placeholder (a valid one: --edge is checked) until the edge says its port.
+    device = build_parser().parse_args(["--edge", EDGE_PLACEHOLDER, "--prompt", PROMPT,
                                         "--max-new-tokens", str(MAX_NEW_TOKENS), *rest])
     return ours, device
 

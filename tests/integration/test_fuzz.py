@@ -266,6 +266,9 @@ class _RecordingChannel:
 
         return lambda *a, **kw: Call(multicallable(*a, **kw))
 
+    def __getattr__(self, name):  # the rest of the channel (get_state, channel_ready, ...) as it is
+        return getattr(self._channel, name)
+
 
 def _record_corpus(ctx: Fuzz) -> None:
     """Record one real session per CORPUS entry; replayed as raw bytes, each must answer the same."""
