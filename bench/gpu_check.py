@@ -3,7 +3,7 @@
     make gpu-check                                   # on a lent GPU machine: ~6-8 min, one H100 / H200
     make gpu-check ARGS=--cpu-smoke                  # here: tiny models on the CPU, ~30 s (the default suite runs it)
     python -m specdec.bench.gpu_check [--cpu-smoke] [--out DIR] [--models smollm2-135m,llama-1b,llama-8b]
-        [--budget-s 450] [--skip-tests] [--ns 32,1,8,64,16,4,2] [--tokens 48] [--draft-ms 2]
+        [--budget-s 420] [--skip-tests] [--ns 32,1,8,64,16,4,2] [--tokens 48] [--draft-ms 2]
 
 Per model (random-initialised from configs, bfloat16; bench/gpucheck/models.py says how and why):
 (a) the `gpu` tests (tests/gpu, once for all models) and the model's own greedy identity: the edge's
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]   # the checkout (installed editable)
 RESULTS = ROOT / "results" / "gpu_check"
 GOAL_FLOOR = 1.5      # one session's 5-token forward at 256 cached tokens, over the weight-read floor
 GOAL_BATCH = 1.5      # 32 sessions x 5 tokens over one session's 5 tokens
-TESTS_TIMEOUT_S = 240
+TESTS_TIMEOUT_S = 180   # the tier takes ~1-2 min on a GPU; the models need the rest of 8 minutes
 MODEL_WEIGHT = {"smollm2-135m": 0.2, "llama-1b": 0.3, "llama-8b": 0.5}  # shares of the time left
 
 
@@ -75,7 +75,7 @@ GPU = Plan(device="cuda", dtype="bfloat16", models=models.GPU_MODELS,
                               batch_tokens=(1, 5), contexts=(256, 2048), per_session_batches=(1, 8, 32)),
            capacity=C.Settings(ns=(32, 1, 8, 64, 16, 4, 2), alphas=(0.8, 0.6), tokens=48, prompts=8, prompt_len=32,
                                draft_len=8, draft_max=16, draft_ms=2.0),
-           phase_batch=32, graph_batches=(1, 32), bandwidth_bytes=2 << 30, budget_s=450.0, smoke=False)
+           phase_batch=32, graph_batches=(1, 32), bandwidth_bytes=2 << 30, budget_s=420.0, smoke=False)
 SMOKE = Plan(device="cpu", dtype="float32", models=models.SMOKE_MODELS,
              curves=M.CurvePlan(tokens=(1, 4, 16), batches=(1, 4), batch_tokens=(5,), contexts=(16, 64),
                                 per_session_batches=(1, 4), repeats=2, warmup=1),
@@ -114,13 +114,16 @@ def greedy_alone(model, prompts: list[list[int]], tokens: int) -> tuple[list[lis
     return out.sequences[:, ids.shape[1]:].tolist(), margin
 
 
-def measure_model(name: str, plan: Plan, deadline: float, workdir: Path, say) -> dict:
+def measure_model(result: dict, plan: Plan, deadline: float, workdir: Path, say, save) -> None:
+    """Fill ``result`` (already in the JSON) stage by stage, ``save()`` after each: a run cut short
+    keeps what it measured."""
+    name = result["name"]
     shape = models.SHAPES[name]
     device = torch.device(plan.device)
     dtype = getattr(torch, plan.dtype)
     t0 = time.perf_counter()
     model = models.build(shape, plan.device, dtype)
-    result = {"name": name, **models.describe(shape, model), "build_s": time.perf_counter() - t0}
+    result.update(models.describe(shape, model), build_s=time.perf_counter() - t0)
     say(f"{name}: {result['parameters'] / 1e6:.4g}M parameters, {result['weight_bytes'] / 2**20:.4g} MiB, "
         f"built in {result['build_s']:.1f} s")
     g = torch.Generator().manual_seed(7)
@@ -131,18 +134,20 @@ def measure_model(name: str, plan: Plan, deadline: float, workdir: Path, say) ->
     result["cost"] = M.cost_curves(model, device, plan.curves)
     result["cost_s"] = time.perf_counter() - t
     say(f"  cost curves in {result['cost_s']:.1f} s")
+    save()
     result["phases"] = M.phases(model, device, plan.phase_batch, 4, plan.curves.contexts[0], shape.vocab)
     result["graphs"] = [M.graph_probe(model, device, b, 5, plan.curves.contexts[0]) for b in plan.graph_batches]
+    save()
     model_dir = workdir / name
     result["checkpoint"] = models.save(model, shape, model_dir)
     tokenizer = models.tokenizer(shape.vocab)
     del model
     _free(device)
     say(f"  saved in {result['checkpoint']['seconds']:.1f} s; capacity until the budget's share")
-    result["capacity"] = C.run(model_dir, tokenizer, plan.device, plan.dtype, prompts, alone, plan.capacity,
-                               deadline, say)
+    result["capacity"] = {}
+    C.run(model_dir, tokenizer, plan.device, plan.dtype, prompts, alone, plan.capacity, deadline, say,
+          on_cell=save, out=result["capacity"])
     shutil.rmtree(model_dir, ignore_errors=True)
-    return result
 
 
 def _free(device: torch.device) -> None:
@@ -253,18 +258,19 @@ def main(argv=None) -> int:
             left = plan.budget_s - (time.perf_counter() - start)
             weights = [MODEL_WEIGHT.get(n, 1.0) for n in plan.models[i:]]
             deadline = time.perf_counter() + max(0.0, left) * weights[0] / sum(weights)
+            m = {"name": name}
+            data["models"].append(m)
             if left <= 0:
-                data["models"].append({"name": name, "skipped": "time budget"})
+                m["skipped"] = "time budget"
                 continue
             try:
-                m = measure_model(name, plan, deadline, workdir, say)
+                measure_model(m, plan, deadline, workdir, say, write)
             except Exception as exc:  # noqa: BLE001 - one model's failure is a finding; the others run
-                m = {"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                m["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 say(f"{name} failed: {m['error']}")
                 _free(torch.device(plan.device))
             m["floor_s"] = m.get("weight_bytes", 0) / data["bandwidth"]["bytes_per_s"] or None
             m["goals"] = model_goals(m, m["floor_s"])
-            data["models"].append(m)
             write()
             figure(data, out)
     finally:

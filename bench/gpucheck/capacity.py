@@ -103,16 +103,19 @@ class Payloads:
 
 # ---------------------------------------------------------------------------------- the run
 def run(model_dir: Path, tokenizer, device: str, dtype: str, prompts: list[list[int]], alone: list[list[int]],
-        s: Settings, deadline: float, log=print) -> dict:
+        s: Settings, deadline: float, log=print, on_cell=None, out: dict | None = None) -> dict:
     """Start a batched and a --no-batching edge, check the edge's greedy path against ``alone``
-    (transformers' greedy generate of the same weights), then measure the cells until ``deadline``."""
+    (transformers' greedy generate of the same weights), then measure the cells until ``deadline``;
+    Results go into ``out`` (a dict the caller may already hold), and ``on_cell()`` runs after each
+    cell (the caller saves what there is)."""
     vocab = len(tokenizer.get_vocab())
     fingerprint = vocab_fingerprint(tokenizer)
     hello = DeviceConfig.of(mode="tslt", top_k=1, draft_len=s.draft_len, temperature=0.0,
                             max_new_tokens=s.tokens).hello(fingerprint, vocab, seed=0)
     hello_none = DeviceConfig.of(mode="none", temperature=0.0, max_new_tokens=s.tokens).hello(fingerprint, vocab, seed=0)
     t0 = time.perf_counter()
-    out: dict = {"settings": s.__dict__, "cells": []}
+    out = {} if out is None else out
+    out.update(settings=s.__dict__, cells=[])
     edges: dict[str, Edge] = {}
     try:
         edges = start_edges(model_dir, device, dtype, s)
@@ -132,6 +135,8 @@ def run(model_dir: Path, tokenizer, device: str, dtype: str, prompts: list[list[
                 continue
             out["cells"].append(_measure(cell, edges, addresses, tables, hello, hello_none, prompts, s))
             log("  " + _line(out["cells"][-1]))
+            if on_cell is not None:
+                on_cell()
     except Exception as exc:  # noqa: BLE001 - reported in the results, the rest of the check goes on
         out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         log(f"  capacity failed: {out['error']}")
