@@ -133,6 +133,14 @@ bench-links: $(PB_OUT) $(BENCH_STAMP)
 # N = 1, 2 validate the replay (results/bench_capacity/<timestamp>/, results/bench_capacity/latest).
 # Every edge is pinned to the last core and the load generator to the others (ARGS="--edge-cpus all": unpinned).
 # ARGS=--quick (N = 1, 2, 8): ~2 min; the full run ~15 min on 2 shared cores (+3 min to record the drafts once).
+# Devices through HAProxy (deploy/haproxy) over 1, 2 and 3 edge-servers, then a SIGKILL and a drain mid-run
+# (issue 34): tokens/s, stalls of the sessions that moved, sessions moved, KV reused against re-prefilled,
+# the proxy's cost (results/bench_fleet/<timestamp>/, results/bench_fleet/latest). Needs haproxy
+# (make system-deps). Edges pinned to the last core, proxy and devices to the others. ~4 min here.
+.PHONY: bench-fleet
+bench-fleet: $(PB_OUT) $(BENCH_STAMP) system-deps
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_fleet $(ARGS)
+
 .PHONY: bench-capacity
 bench-capacity: $(PB_OUT) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_capacity $(ARGS)

@@ -188,10 +188,12 @@ class SessionTrail:
     moves: int = 0                # times it continued on another edge than the one before
     kv_resumes: int = 0           # resumes on an edge that still held it (KV cache reused)
     reprefills: int = 0           # resumes that started over on an edge (re-prefilling the prefix)
+    welcomes: list[tuple[float, str]] = field(default_factory=list)  # (time.monotonic(), edge) per stream
 
     def welcomed(self, welcome: P.Welcome, route: Route) -> tuple[str, str | None, bool]:
         """Record a Welcome; returns (edge, resume kind or None for the first stream, moved)."""
         edge = welcome.edge_name or route.target
+        self.welcomes.append((time.monotonic(), edge))
         if not self.edges:
             self.edges.append(edge)
             return edge, None, False

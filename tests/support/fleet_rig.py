@@ -13,19 +13,15 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from tests.support.harness import ROOT, EdgeProcess, device_config, load, run, target_greedy
+from tests.support.harness import EdgeProcess, device_config, load, run, target_greedy
+from specdec.testbed import haproxy, procs
 from specdec.common.modeling import ModelSpec, encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.runner import open_channel
@@ -33,10 +29,6 @@ from specdec.device.session import DraftSession
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 
-PROXY_CONFIG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
-PROXY_EDGES = 3                 # the committed config names three edges
-PROXY_READY_TIMEOUT_S = 30.0
-PROXY_STOP_TIMEOUT_S = 10.0
 LOG_LINES = 2000
 PROMPT = "w11 w12 w13"
 MAX_NEW = 32
@@ -46,12 +38,6 @@ POLICY = ConnectionPolicy(round_timeout_s=10.0, reconnect_timeout_s=30.0, backof
 ALICE = "s3cret-alice"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Edge:
     """One edge-server subprocess with a name, its probe/metrics port and a drained log."""
 
@@ -59,7 +45,7 @@ class Edge:
         self.name = name
         self.target_dir = str(target_dir)
         self.args = args
-        self.probe_port = free_port()
+        self.probe_port = procs.free_port()
         self.proc = EdgeProcess("--model", self.target_dir, "--threads", "1", "--name", name,
                                 "--metrics-port", str(self.probe_port), *args, port=port)
         self.port = self.proc.port
@@ -135,63 +121,11 @@ def start_edges(target_dir, names, *args: str) -> list[Edge]:
         return list(pool.map(lambda name: Edge(target_dir, name, *args), names))
 
 
-class Proxy:
-    """haproxy -f deploy/haproxy/haproxy.cfg in the foreground, in front of three edges."""
+class Proxy(haproxy.Proxy):
+    """The committed HAProxy config in front of three :class:`Edge` processes."""
 
     def __init__(self, edges: list[Edge]):
-        haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
-        if not os.path.exists(haproxy):
-            raise RuntimeError("haproxy is not installed: run .ci/system-deps.sh (Debian: apt-get install haproxy)")
-        assert len(edges) == PROXY_EDGES, "the committed config names three edges"
-        self.port = free_port()
-        env = {**os.environ, "SPECDEC_PROXY_BIND": f"127.0.0.1:{self.port}"}
-        for i, edge in enumerate(edges, 1):
-            env[f"SPECDEC_EDGE{i}"] = edge.address
-            env[f"SPECDEC_EDGE{i}_PROBE"] = str(edge.probe_port)
-        self.log: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
-        self.proc = subprocess.Popen([haproxy, "-db", "-f", str(PROXY_CONFIG)], env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        threading.Thread(target=self._drain, daemon=True).start()
-        self._wait_listening()
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    def _wait_listening(self) -> None:
-        deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("haproxy exited:\n" + "".join(self.log))
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("haproxy not listening:\n" + "".join(self.log))
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def wait_for(self, pattern: str, timeout: float = 10.0) -> bool:
-        """Whether a log line matching ``pattern`` appears within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        rx = re.compile(pattern)
-        while time.monotonic() < deadline:
-            if any(rx.search(line) for line in list(self.log)):
-                return True
-            time.sleep(0.05)
-        return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(PROXY_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__([(e.address, e.probe_port) for e in edges])
 
 
 # -- in-process edges ------------------------------------------------------------------------------
