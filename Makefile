@@ -136,7 +136,7 @@ bench-links: $(PB_OUT) $(BENCH_STAMP)
 # Devices through HAProxy (deploy/haproxy) over 1, 2 and 3 edge-servers, then a SIGKILL and a drain mid-run
 # (issue 34): tokens/s, stalls of the sessions that moved, sessions moved, KV reused against re-prefilled,
 # the proxy's cost (results/bench_fleet/<timestamp>/, results/bench_fleet/latest). Needs haproxy
-# (make system-deps). Edges pinned to the last core, proxy and devices to the others. ~4 min here.
+# (make system-deps). Edges pinned to the last core, proxy and devices to the others. ~8 min here.
 .PHONY: bench-fleet
 bench-fleet: $(PB_OUT) $(BENCH_STAMP) system-deps
 	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_fleet $(ARGS)

@@ -1,7 +1,7 @@
 """bench-fleet (issue 34): devices through HAProxy (deploy/haproxy/haproxy.cfg as committed) over
 1, 2 and 3 edge-servers, then a SIGKILL and a SIGTERM drain in the middle of a run.
 
-    make bench-fleet                       # ~4 min on 2 shared cores
+    make bench-fleet                       # ~8 min on 2 shared cores (--quick: ~3)
     python -m specdec.bench.bench_fleet [--devices 6] [--seconds 15] [--faults 24] [--tokens 160]
         [--repeats 6] [--quick]
 
@@ -21,6 +21,11 @@ last core; the proxy and the devices, one asyncio process, pinned to the others)
    (device trails and the edges' counters); tokens/s over time with the kill and the drain marked;
 3. proxy cost: one device, the same greedy session alternately through the proxy (one edge behind
    it) and straight to that edge, ``--repeats`` times each; tokens/s through the proxy over direct.
+
+The edges run ``--no-batching``: a batching edge advises devices to draft shorter as its load grows
+(load-aware speculation), so round boundaries, and with them which random numbers each T = 1 token
+uses, depend on timing; the law holds either way, but tokens identical to another run need the same
+rounds. Without batching every round is the device's own fixed choice.
 
 The models are tiny random Llamas made here (testbed/tiny_models, vocabulary 2048; the drafter a
 perturbed copy of the target): the benchmark measures the fleet, not the models, and short rounds
@@ -56,7 +61,7 @@ PROMPT = " ".join(f"w{i}" for i in range(10, 42))        # 32 prompt tokens
 DRAFT = dict(mode="tslt", top_k=64, draft_len=4)
 KILL_AT, DRAIN_AT = 0.3, 0.6       # shares of the fault phase's tokens delivered
 EDGE_DRAIN_S = 2.0                  # the drained edge's --drain-timeout: some sessions finish, the rest move
-TIMELINE_BIN_S = 0.25
+TIMELINE_BIN_S = 1.0
 POLICY = ConnectionPolicy(round_timeout_s=30.0, reconnect_timeout_s=60.0)
 DEAD_ADDRESS = "127.0.0.1:1"        # an edge slot of the proxy that is empty
 
@@ -71,6 +76,7 @@ class Settings:
     edge_cpus: tuple[int, ...] = ()
     device_cpus: tuple[int, ...] = ()
     quick: bool = False
+    replot: Path | None = None
 
 
 @dataclass
@@ -155,9 +161,10 @@ async def faults(sessions: Sessions, proxy_address: str, edges: list[Edge], s: S
 def _strike(edges: list[Edge], marks: dict, kind: str) -> dict:
     """SIGKILL (kill) or SIGTERM (drain) the edge running the most sessions now."""
     alive = [e for e in edges if e.proc.poll() is None and e.name not in [m["edge"] for m in marks.values()]]
-    victim = max(alive, key=lambda e: _sessions_active(e))
+    load = {e.name: _sessions_active(e) for e in alive}
+    victim = max(alive, key=lambda e: load[e.name])
     (victim.proc.kill if kind == "kill" else victim.proc.terminate)()
-    return {"edge": victim.name, "t": time.monotonic(), "sessions_active": _sessions_active(victim)}
+    return {"edge": victim.name, "t": time.monotonic(), "sessions_active": load}
 
 
 def _sessions_active(edge: Edge) -> float:
@@ -199,12 +206,16 @@ async def proxy_cost(sessions: Sessions, proxy_address: str, edge_address: str, 
 # ----------------------------------------------------------------------------- the run
 def main(argv=None) -> int:
     s = parse(argv)
+    if s.replot:
+        plot(json.loads((s.replot / "bench_fleet.json").read_text()), s.replot / "fleet_timeline.png")
+        return 0
     out = plan.run_dir(RESULTS, plan.stamp(s.quick))
     target_dir, drafter_dir = _models(out.parent / ".models")
     if s.device_cpus:
         os.sched_setaffinity(0, set(s.device_cpus))
     names = ["edge1", "edge2", "edge3"]
     edges = [Edge("--model", str(target_dir), "--name", n, "--drain-timeout", str(EDGE_DRAIN_S), "--workers", "8",
+                  "--no-batching",
                   log=out / "logs" / f"{n}.log", cpus=s.edge_cpus, metrics=True) for n in names]
     for e, n in zip(edges, names):
         e.name = n
@@ -351,11 +362,12 @@ def parse(argv) -> Settings:
     p.add_argument("--tokens", type=int, default=Settings.tokens, help="tokens per session")
     p.add_argument("--repeats", type=int, default=Settings.repeats, help="proxy-cost sessions per path")
     p.add_argument("--quick", action="store_true", help="3 devices x 5 s, 12 sessions of 64 tokens, 3 repeats")
+    p.add_argument("--replot", type=Path, help="redraw a finished run's plot from its bench_fleet.json")
     a = p.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0))
     # The edges share the last core; the proxy and the devices get the others (one core here).
     edge_cpus, device_cpus = (tuple(cores[-1:]), tuple(cores[:-1])) if len(cores) > 1 else ((), ())
-    s = Settings(a.devices, a.seconds, a.faults, a.tokens, a.repeats, edge_cpus, device_cpus, a.quick)
+    s = Settings(a.devices, a.seconds, a.faults, a.tokens, a.repeats, edge_cpus, device_cpus, a.quick, a.replot)
     if a.quick:
         s.devices, s.seconds, s.faults, s.tokens, s.repeats = 3, 5.0, 12, 64, 3
     return s

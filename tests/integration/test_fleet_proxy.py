@@ -41,7 +41,7 @@ def proxied_fleet(target_dir, tmp_dir):
     tokens = tmp_dir / "tokens"
     tokens.write_text(f"{ALICE}\n")
     es = start_edges(target_dir, ["edge1", "edge2", "edge3"], "--auth-token-file", str(tokens),
-                     "--drain-timeout", str(DRAIN_TIMEOUT_S), "--workers", "4")
+                     "--drain-timeout", str(DRAIN_TIMEOUT_S), "--workers", "4", "--no-batching")  # fleet_rig.NO_BATCHING
     proxy = None
     try:
         proxy = Proxy(es)

@@ -78,6 +78,7 @@ def _exported_names() -> set[str]:
     edge.set_model("m", 8)
     edge.session_started("tslt")
     device.session_started("tslt")
+    device.fleet_welcomed("edge1", None, False)  # the session's Welcome: the edge it runs on
     device.tokens_delivered("tslt", 2)
     edge.observe_round(edge_record(P.DraftBlock(1, (1, 2)), P.Verdict(1, 1, 3), "tslt", 20, 10))
     edge.request_done("tslt", 0.1, 2)

@@ -26,6 +26,7 @@ from specdec.common.modeling import ModelSpec, encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.runner import open_channel
 from specdec.device.session import DraftSession
+from specdec.edge.batching import BatchSettings
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 
@@ -36,6 +37,11 @@ MAX_NEW = 32
 POLICY = ConnectionPolicy(round_timeout_s=10.0, reconnect_timeout_s=30.0, backoff_initial_s=0.05,
                           backoff_max_s=0.5)
 ALICE = "s3cret-alice"
+# The fleets' edges do not batch: a batching edge advises shorter drafts as its load grows, so a T = 1
+# session's round boundaries (and which random numbers its tokens use) would depend on timing, and
+# "the same tokens as the unbroken run" would need the same load. The law holds either way
+# (test_fleet_lossless); without the advice every round is the device's own fixed choice.
+NO_BATCHING = BatchSettings(enabled=False)
 
 
 class Edge:
@@ -153,7 +159,7 @@ async def edges(*specs):
     started: list[InProcessEdge] = []
     try:
         for target_dir, name, kw in specs:
-            kw = {"host": "127.0.0.1", "port": 0, "workers": 2, **kw}
+            kw = {"host": "127.0.0.1", "port": 0, "workers": 2, "batching": NO_BATCHING, **kw}
             metrics = EdgeMetrics()
             cfg = EdgeConfig(model=ModelSpec(model=str(target_dir)), name=name, **kw)
             server, port = await start_server(cfg, load(str(target_dir)), metrics)
