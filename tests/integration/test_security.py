@@ -2,7 +2,6 @@
 sessions bound to their creator: nobody else can resume them."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -10,11 +9,9 @@ import pytest
 
 from tests.support.certs import TestCA
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
-from specdec.common import wire
+from tests.support.raw_stream import RawSession
 from specdec.common.settings import Mode
-from specdec.common.modeling import encode_prompt, vocab_fingerprint
-from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.common.protocol import DraftSettings, Hello, Prompt
+from specdec.common.modeling import encode_prompt
 from specdec.device.client import EdgeError
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, TlsConfig, start_server, stop_server
@@ -98,32 +95,19 @@ def test_bearer_token_is_checked_before_any_model_work(tiny_pair_v512, tokens) -
         assert metrics.registry.get_sample_value("specdec_edge_sessions_ended_total", {"status": "unauthenticated"}) == 1
 
 
-def _hello(drafter, **kw) -> Hello:
-    return Hello(vocab_fingerprint=vocab_fingerprint(drafter.tokenizer), vocab_size=drafter.vocab_size,
-                 temperature=0.0, draft=DraftSettings(mode=Mode.TSLT, top_k=16), **kw)
-
-
 async def _open_and_detach(address: str, drafter, metadata):
-    """Open a session, read its Welcome, then drop the stream without Close (as a link cut does)."""
-    channel = grpc.aio.insecure_channel(address)
-    call = pb_grpc.SpeculativeDecodingStub(channel).Generate(metadata=metadata)
-    await call.write(wire.hello_to_pb(_hello(drafter)))
-    welcome = wire.edge_message_from_pb(await call.read())
-    await call.write(wire.prompt_to_pb(Prompt((5, 6, 7))))  # sessions without a prompt are not kept
-    await asyncio.sleep(0.2)  # let the edge prefill before the stream breaks
-    await channel.close()
-    return welcome
+    """Open a session, then break its stream without Close (as a link cut does); its Welcome."""
+    session = await RawSession(address, drafter, metadata).open()
+    await session.drop()
+    return session.welcome
 
 
 async def _try_resume(address: str, drafter, metadata, session_id: str, token: bytes) -> grpc.StatusCode:
-    async with grpc.aio.insecure_channel(address) as channel:
-        call = pb_grpc.SpeculativeDecodingStub(channel).Generate(metadata=metadata)
-        await call.write(wire.hello_to_pb(_hello(drafter, resume_session_id=session_id, resume_token=token)))
-        try:
-            await call.read()
-        except grpc.aio.AioRpcError as exc:
-            return exc.code()
-        return await call.code() if call.done() else grpc.StatusCode.OK
+    """OK if the edge welcomes the resume, else the status it refused it with."""
+    session = await RawSession(address, drafter, metadata, resume_session_id=session_id, resume_token=token).open(
+        prompt=False)
+    await session.channel.close()
+    return session.code or grpc.StatusCode.OK
 
 
 def test_nobody_else_can_resume_a_session(tiny_pair_v512, tokens) -> None:

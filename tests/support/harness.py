@@ -39,10 +39,21 @@ async def edge(target_dir, limits: EdgeLimits | None = None, metrics: EdgeMetric
     cfg = EdgeConfig(model=ModelSpec(model=str(target_dir)), host="127.0.0.1", port=0,
                      limits=limits or EdgeLimits(), workers=2, **cfg_kw)
     server, port = await start_server(cfg, load(str(target_dir)), metrics)
+    address = f"127.0.0.1:{port}"
+    _SERVICERS[address] = server._specdec_servicer
     try:
-        yield f"127.0.0.1:{port}"
+        yield address
     finally:
+        _SERVICERS.pop(address, None)
         await stop_server(server, grace=0)
+
+
+_SERVICERS: dict = {}  # address -> servicer of the edges running now (what a test may wait on)
+
+
+def servicer_of(address: str):
+    """The servicer of the in-process edge at ``address`` (its session table, attached streams)."""
+    return _SERVICERS[address]
 
 
 def device_config(**kw) -> DeviceConfig:

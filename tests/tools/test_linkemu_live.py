@@ -18,8 +18,15 @@ from specdec.testbed.linkemu import LinkEmulator, LinkSpec, send_control
 
 PING_BYTES = 32
 PINGS = 6
-# The emulator on loopback adds well under a millisecond per chunk to the configured delay.
-DELAY_SLACK_S = 0.010
+# A delay measured through the emulator is at least the one configured, and at most that by a ratio
+# and a slack a shared 2-core machine allows (its event loop may wait for a core); the emulator itself
+# adds well under a millisecond per chunk.
+DELAY_RATIO = 1.5
+DELAY_SLACK_S = 0.030
+
+
+def _delayed(measured: float, configured: float) -> bool:
+    return configured <= measured <= configured * DELAY_RATIO + DELAY_SLACK_S
 
 
 async def _echo(reader, writer) -> None:
@@ -86,11 +93,11 @@ def test_live_change_applies_to_open_and_new_connections() -> None:
     print({k: v for k, v in m.items() if isinstance(v, float)})
     assert m["reply"]["ok"] and m["reply"]["connections"] == 1
     assert m["reply"]["uplink"]["delay_s"] == 0.05 and m["reply"]["uplink"]["rate_bps"] == 1e6
-    assert 0.010 <= m["before"] <= 0.010 + DELAY_SLACK_S
-    assert 0.080 <= m["after"] <= 0.080 + DELAY_SLACK_S
-    assert 0.080 <= m["fresh"] <= 0.080 + DELAY_SLACK_S
+    assert _delayed(m["before"], 0.010)
+    assert _delayed(m["after"], 0.080) and m["after"] > 2 * m["before"]   # the open connection changed
+    assert _delayed(m["fresh"], 0.080)
     assert m["bulk"] >= 0.080 + 25_000 * 8 / 1e6 * 0.9
-    assert m["restored"] <= DELAY_SLACK_S
+    assert _delayed(m["restored"], 0.0) and m["restored"] < m["after"] / 2   # and changed back
     assert m["back"]["uplink"] == LinkSpec().to_json()
     assert m["bad"] and "invalid link" in m["bad"]
     assert m["query"]["uplink"] == LinkSpec().to_json()  # the refused change left the link as it was
@@ -126,7 +133,7 @@ def test_command_line_control_on_a_unix_socket(tmp_path) -> None:
                            capture_output=True, text=True, timeout=60, env=procs.child_env())
         assert r.returncode == 0, r.stderr
         up_delay = json.loads(r.stdout)["up_delay_s"]
-        assert 0.04 <= up_delay <= 0.04 + DELAY_SLACK_S, up_delay
+        assert _delayed(up_delay, 0.04), up_delay
     finally:
         for p in (emu, server):
             if p is not None:

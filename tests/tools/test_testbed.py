@@ -20,6 +20,8 @@ from specdec.testbed import netns, procs
 from specdec.testbed.linkemu import LinkClock, LinkSpec
 from specdec.testbed.units import parse_percent, parse_rate, parse_time
 
+WIRE_TIME_MARGIN = 1.15   # a device's network time over what its wire bytes need at the rate, at most
+ROUND_SLACK_S = 0.020     # per round: loopback round trips and scheduling stalls on shared cores
 RATE_TOLERANCE = 0.10
 DELAY_TOLERANCE = 0.10  # on the least one-way delay of the probes (see testbed.probe.measure)
 # Goodput is the rate times the payload share of a frame: TCP payload 1448 of 1514 bytes tc counts.
@@ -195,8 +197,8 @@ def _check_device_run(stats: dict, wire: int, rate: float, shaper: str) -> None:
     acks of the downlink) is at least the serialized bytes the device reports and at most ~15% more.
     Time: the device's network time (round trips net of edge time) must cover the reported uplink
     bytes at the rate, less at most one token bucket per round (tbf lets a bucket out at line speed
-    after an idle pause), and cannot exceed the wire bytes' serialization by more than 10% + 5 ms per
-    round of loopback round trips.
+    after an idle pause), and cannot exceed the wire bytes' serialization by more than 15% + 20 ms per
+    round (loopback round trips, and the scheduling stalls of a shared 2-core machine).
     """
     uplink, rounds, network = stats["uplink_bytes"], stats["rounds"], stats["time"]["network"]
     print(f"shaper={shaper} rounds={rounds} uplink_bytes={uplink} wire_bytes={wire} "
@@ -205,7 +207,7 @@ def _check_device_run(stats: dict, wire: int, rate: float, shaper: str) -> None:
     assert uplink <= wire <= 1.15 * (uplink + stats["setup_bytes"])
     bucket = netns.TBF_MIN_BURST_BYTES
     lower = (uplink - rounds * bucket) * 8 / rate
-    upper = wire * 8 / rate * 1.10 + rounds * 0.005
+    upper = wire * 8 / rate * WIRE_TIME_MARGIN + rounds * ROUND_SLACK_S
     assert lower <= network <= upper, (lower, network, upper)
     assert network <= stats["wall_seconds"]
 

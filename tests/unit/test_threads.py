@@ -37,6 +37,10 @@ def test_omp_num_threads_keeps_torch_default_silently() -> None:
     assert choose_threads(0, 2, True, "1").reason == ""
 
 
+def _unresolvable(host, *args, **kwargs):
+    raise socket.gaierror(socket.EAI_NONAME, f"{host}: Name or service not known")
+
+
 @pytest.mark.parametrize("host, expected", [
     ("127.0.0.1", True), ("127.0.1.1", True), ("::1", True), ("[::1]", True), ("localhost", True),
     ("LocalHost", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("edge.example", False),
@@ -45,10 +49,12 @@ def test_is_loopback(host, expected) -> None:
     assert is_loopback(host) is expected
 
 
-def test_local_address_is_loopback_or_an_address_of_this_host() -> None:
+def test_local_address_is_loopback_or_an_address_of_this_host(monkeypatch) -> None:
     assert is_local_address("127.0.0.1") and is_local_address("localhost")
-    assert not is_local_address("192.0.2.1")  # TEST-NET-1: never assigned to a host
-    assert not is_local_address("no-such-host.invalid")  # unresolvable: treated as remote
+    assert not is_local_address("192.0.2.1")  # TEST-NET-1 (a literal: no lookup): never assigned to a host
+    with monkeypatch.context() as m:  # a name the resolver cannot find, without asking a real resolver
+        m.setattr(socket, "getaddrinfo", _unresolvable)
+        assert not is_local_address("edge.example")  # unresolvable: treated as remote
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("192.0.2.1", 9))  # picks the outgoing interface, sends nothing
