@@ -53,13 +53,18 @@ CANCEL_GRACE_S = 2.0          # an abandoned session gets this long to reach a r
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}  # reverse proxies must not buffer the token stream
 
-# Edge statuses -> (HTTP status, OpenAI error type). Anything else is the edge failing: 502.
+# Edge statuses -> (HTTP status, OpenAI error type). The request's own fault is 400; an edge that is
+# full or away is 503 (retry later) and one that ran out of time 504. The edge refusing the daemon's
+# credentials (UNAUTHENTICATED, PERMISSION_DENIED) is the daemon's configuration failing upstream, not
+# the client's key (the daemon answers that with 401 itself): 502, as is anything else the edge says.
 _EDGE_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (502, "server_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (502, "server_error"),
 }
 
 

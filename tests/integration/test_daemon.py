@@ -21,18 +21,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
 import openai
 import pytest
 
 from specdec.testbed import tiny_models
 from tests.support.harness import VENV_BIN, edge, load, target_greedy
+from tests.support.raw_stream import RawSession
 from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.device import openai_schema
-from specdec.device.daemon import DaemonConfig, start_daemon
+from specdec.device.client import EdgeError
+from specdec.device.daemon import DaemonConfig, edge_api_error, start_daemon
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.runner import DeviceConfig
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
+from specdec.edge.admission import AdmissionSettings
 from specdec.edge.verifier import EdgeLimits
 
 MODEL = "specdec-test"
@@ -89,9 +93,9 @@ class Stack:
     def start_edge(self, target, **kw) -> str:
         return self.lt.call(self.exits.enter_async_context(edge(target, **kw)))
 
-    def start_daemon(self, edge_address: str, connect_timeout: float = 2.0, **kw) -> str:
+    def start_daemon(self, edge_address: str, connect_timeout: float = 2.0, device_kw=None, **kw) -> str:
         device = DeviceConfig.of(edge=edge_address, draft_model=self.drafter, draft_len=3, temperature=1.0,
-                              max_new_tokens=16, timeout=60.0)
+                              max_new_tokens=16, timeout=60.0, **(device_kw or {}))
         cfg = DaemonConfig(device=device, port=0, model_name=MODEL, connect_timeout=connect_timeout)
         daemon = self.lt.call(start_daemon(cfg, drafter=load(self.drafter), **kw))
         self.exits.push_async_callback(daemon.stop)
@@ -414,6 +418,48 @@ def test_context_filling_up_ends_the_answer_with_length(stack, chat_pair) -> Non
     n = r.usage.completion_tokens
     assert limit - len(prompt_ids) - 8 < n < limit - len(prompt_ids)  # within one round of the limit
     assert r.choices[0].model_extra["specdec"]["token_ids"] == _greedy(chat_pair, prompt_ids, n)
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    (grpc.StatusCode.OUT_OF_RANGE, 400, "invalid_request_error"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "server_error"),
+    (grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error"),
+    (grpc.StatusCode.UNAUTHENTICATED, 502, "server_error"),     # the daemon's credentials, not the client's
+    (grpc.StatusCode.PERMISSION_DENIED, 502, "server_error"),
+    (grpc.StatusCode.INTERNAL, 502, "server_error"),
+])
+def test_edge_statuses_map_to_http(code, status, kind) -> None:
+    err = edge_api_error(EdgeError(code, "why"))
+    assert (err.status, err.type, err.code) == (status, kind, code.name.lower())
+    assert err.message == f"edge: {code.name}: why"
+
+
+def test_an_edge_refusing_the_daemons_token_is_a_502_naming_it(stack, chat_pair, tmp_path) -> None:
+    (tmp_path / "edge.tokens").write_text("right\n")
+    (tmp_path / "daemon.token").write_text("wrong\n")
+    edge_address = stack.start_edge(chat_pair[0], auth_token_file=str(tmp_path / "edge.tokens"))
+    url = stack.start_daemon(edge_address, device_kw={"auth_token_file": str(tmp_path / "daemon.token")})
+    status, body = _post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    assert status == 502 and body["error"]["code"] == "unauthenticated", body
+    assert body["error"]["message"].startswith("edge: UNAUTHENTICATED:")
+
+
+def test_a_full_edge_is_a_503_naming_the_limit(stack, chat_pair) -> None:
+    edge_address = stack.start_edge(chat_pair[0], limits=EdgeLimits(max_sessions=1),
+                                    admission=AdmissionSettings(max_sessions_per_principal=0, queue=0))
+    url = stack.start_daemon(edge_address)
+    async def open_holder():  # the channel is made in the loop that runs it
+        return await RawSession(edge_address, load(stack.drafter)).open()
+
+    holder = stack.lt.call(open_holder())  # holds the only slot
+    try:
+        status, body = _post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    finally:
+        stack.lt.call(holder.close())
+    assert status == 503 and body["error"]["code"] == "resource_exhausted", body
+    assert "limit of 1 session" in body["error"]["message"]
 
 
 # -- the command -----------------------------------------------------------------------------------
