@@ -28,6 +28,20 @@ def tiny_pair_v512(tmp_path_factory) -> tuple[Path, Path]:
     return tiny_models.make_pair(tmp_path_factory.mktemp("tiny512"), 512, logit_scale=2.0)
 
 
+# Perturbing the target's weights by this x their std leaves ~2/3 of its greedy tokens (argmax) as
+# they were: greedy rounds over gRPC both accept drafts (and roll the KV back past the rest) and reject.
+GREEDY_DRAFT_NOISE = 0.05
+
+
+@pytest.fixture(scope="session")
+def accepting_pair_v512(tiny_pair_v512, tmp_path_factory) -> tuple[Path, Path]:
+    """tiny_pair_v512's target and a drafter made from it that agrees with its greedy choice ~2/3 of
+    the time (greedy tests that must see drafts accepted as well as rejected)."""
+    target = tiny_pair_v512[0]
+    root = tmp_path_factory.mktemp("accepting512")
+    return target, tiny_models.make_close_drafter(target, root / "draft-v512", noise=GREEDY_DRAFT_NOISE)
+
+
 @pytest.fixture(scope="session")
 def twin(tmp_path_factory):
     """A helper process that runs half of a statistical test's seeded sessions while this process

@@ -16,8 +16,8 @@ def edge_proc(tiny_pair_v512):
     assert proc.stop() == 0  # SIGTERM: graceful shutdown, exit status 0
 
 
-def test_device_client_json_greedy_matches_target(edge_proc, tiny_pair_v512) -> None:
-    target_dir, drafter_dir = tiny_pair_v512
+def test_device_client_json_greedy_matches_target(edge_proc, accepting_pair_v512) -> None:
+    target_dir, drafter_dir = accepting_pair_v512  # edge_proc serves this target
     r = device_cli("--edge", edge_proc.address, "--draft-model", str(drafter_dir), "--prompt", "w5 w6 w7",
                    "--raw", "--mode", "ksqs", "--top-k", "32", "--lattice", "100", "--max-new-tokens", "10",
                    "--temperature", "0", "--json", "--num-samples", "2")
@@ -30,7 +30,7 @@ def test_device_client_json_greedy_matches_target(edge_proc, tiny_pair_v512) -> 
         assert rec["token_ids"] == expected
         stats = rec["stats"]
         for key in ("rounds", "draft_tokens", "accepted_tokens", "uplink_bytes", "downlink_bytes", "wall_seconds"):
-            assert stats[key] > 0 or key == "accepted_tokens", key
+            assert stats[key] > 0, key
         assert set(stats["time"]) == {"draft", "encode", "network", "verify"}
         assert rec["text"] == tok.decode(expected, skip_special_tokens=True)
 

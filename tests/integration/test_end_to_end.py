@@ -22,8 +22,8 @@ def _mode_kwargs(mode: Mode) -> dict:
 
 
 @pytest.mark.parametrize("mode", ALL_MODES, ids=lambda m: m.value)
-def test_greedy_output_equals_target_alone(tiny_pair_v512, mode) -> None:
-    target_dir, drafter_dir = tiny_pair_v512
+def test_greedy_output_equals_target_alone(accepting_pair_v512, mode) -> None:
+    target_dir, drafter_dir = accepting_pair_v512
     cfg = device_config(mode=mode, temperature=0.0, max_new_tokens=MAX_NEW, **_mode_kwargs(mode))
 
     async def main():
@@ -37,12 +37,15 @@ def test_greedy_output_equals_target_alone(tiny_pair_v512, mode) -> None:
         assert tokens == expected, f"{mode.value} prompt {prompt!r}"
         assert session.stats.rounds >= 1
         assert mode is Mode.NONE or session.stats.draft_tokens >= session.stats.rounds  # none drafts nothing
+    if mode is not Mode.NONE:  # the accept path (and the KV rolled back past a rejection) ran at T = 0
+        stats = [session.stats for [(_, _, session)] in results]
+        assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats), mode
 
 
-def test_greedy_with_settings_changed_every_round_equals_target(tiny_pair_v512) -> None:
+def test_greedy_with_settings_changed_every_round_equals_target(accepting_pair_v512) -> None:
     """A device that changes mode / K / lattice / tree between rounds of one session (per-round
     settings on the wire): still the target's greedy decode, and the edge saw several modes."""
-    target_dir, drafter_dir = tiny_pair_v512
+    target_dir, drafter_dir = accepting_pair_v512
     cfg = device_config(temperature=0.0, max_new_tokens=MAX_NEW, top_k=16)
     metrics = EdgeMetrics()
 
@@ -52,9 +55,11 @@ def test_greedy_with_settings_changed_every_round_equals_target(tiny_pair_v512) 
                     for i, prompt in enumerate(PROMPTS)]
 
     tok = load(str(drafter_dir)).tokenizer
-    for prompt, [(tokens, _, session)] in zip(PROMPTS, run(main())):
+    results = run(main())
+    for prompt, [(tokens, _, session)] in zip(PROMPTS, results):
         assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), MAX_NEW), prompt
         assert session.stats.rounds >= 3
+    assert sum(session.stats.accepted_tokens for [(_, _, session)] in results) > 0
     modes = [m.value for m in Mode if metrics.registry.get_sample_value("specdec_edge_rounds_total", {"mode": m.value})]
     assert len(modes) >= 3, modes
 

@@ -48,8 +48,8 @@ def _once_after(n: int, action):
     return on_tokens
 
 
-def test_link_cut_for_5s_resumes_the_same_session(tiny_pair_v512) -> None:
-    target_dir, drafter_dir = tiny_pair_v512
+def test_link_cut_for_5s_resumes_the_same_session(accepting_pair_v512) -> None:
+    target_dir, drafter_dir = accepting_pair_v512
     metrics = EdgeMetrics()
 
     async def main():
@@ -65,14 +65,15 @@ def test_link_cut_for_5s_resumes_the_same_session(tiny_pair_v512) -> None:
 
     result, elapsed = run(main())
     assert result.token_ids == _expected(target_dir, drafter_dir)
+    assert result.stats.accepted_tokens > 0  # drafts accepted, before and after the resume
     assert result.reconnects >= 1 and elapsed >= LINK_DOWN_S
     # The edge still had the session: it was resumed (KV reused), not re-created.
     assert metrics.registry.get_sample_value("specdec_edge_sessions_resumed_total") >= 1
     assert metrics.registry.get_sample_value("specdec_edge_sessions_started_total", {"mode": "tslt"}) == 1
 
 
-def test_edge_killed_and_restarted_mid_generation(tiny_pair_v512) -> None:
-    target_dir, drafter_dir = tiny_pair_v512
+def test_edge_killed_and_restarted_mid_generation(accepting_pair_v512) -> None:
+    target_dir, drafter_dir = accepting_pair_v512
     first = EdgeProcess("--model", str(target_dir))
     port = first.port
     state = {"second": None}
@@ -92,5 +93,6 @@ def test_edge_killed_and_restarted_mid_generation(tiny_pair_v512) -> None:
             if proc is not None and proc.proc.poll() is None:
                 proc.stop()
     assert result.token_ids == _expected(target_dir, drafter_dir)
+    assert result.stats.accepted_tokens > 0
     assert result.reconnects >= 1
     assert state["second"] is not None

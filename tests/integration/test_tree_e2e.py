@@ -21,8 +21,8 @@ TREE_SESSIONS = 1200  # statistical tree runs: ~30 s each here
 
 @pytest.mark.parametrize("tree", [(2, 2, 2), (3, 1, 1), (1, 1, 1, 1)], ids=str)
 @pytest.mark.parametrize("mode", [Mode.TSLT, Mode.DENSE], ids=lambda m: m.value)
-def test_tree_greedy_equals_target_alone(tiny_pair_v512, tree, mode) -> None:
-    target_dir, drafter_dir = tiny_pair_v512
+def test_tree_greedy_equals_target_alone(accepting_pair_v512, tree, mode) -> None:
+    target_dir, drafter_dir = accepting_pair_v512
     cfg = device_config(mode=mode, temperature=0.0, max_new_tokens=MAX_NEW, tree=tree, top_k=16)
 
     async def main():
@@ -30,10 +30,12 @@ def test_tree_greedy_equals_target_alone(tiny_pair_v512, tree, mode) -> None:
             return [await run_sessions(address, drafter_dir, cfg, prompt, [0]) for prompt in PROMPTS]
 
     tok = load(str(drafter_dir)).tokenizer
-    for prompt, [(tokens, _, session)] in zip(PROMPTS, run(main())):
+    results = run(main())
+    for prompt, [(tokens, _, session)] in zip(PROMPTS, results):
         assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), MAX_NEW)
         nodes_per_round = TreeSpec.from_config(tree).num_nodes - 1
         assert session.stats.draft_tokens <= session.stats.rounds * nodes_per_round
+    assert sum(session.stats.accepted_tokens for [(_, _, session)] in results) > 0  # paths were accepted
 
 
 def test_chain_shaped_tree_is_the_chain_draw_for_draw(tiny_pair_v512) -> None:
