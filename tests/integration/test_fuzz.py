@@ -51,6 +51,7 @@ from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.device.client import ConnectionPolicy, generate
+from specdec.edge.servicer import RESUME_TOKEN_BYTES, SESSION_ID_RE
 from specdec.device.session import DraftSession
 from specdec.device.runner import open_channel
 from specdec.testbed import procs
@@ -141,7 +142,7 @@ _COUNT_LOCK = threading.Lock()
 class Outcome:
     code: grpc.StatusCode
     details: str
-    replies: list            # EdgeMessages received before the status
+    replies: list            # EdgeMessages received before the status (an End announcing it left out)
     seconds: float
 
 
@@ -177,6 +178,9 @@ class Fuzz:
             code, details = grpc.StatusCode.OK, ""
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
+        if replies and replies[-1].HasField("end"):  # the edge's status announced first (Hello.wants_end);
+            end = replies.pop().end                  # gRPC itself may still end the call otherwise (an
+            assert end.code and end.details, end     # oversized message the device goes on sending)
         seconds = time.monotonic() - t0
         self.slowest = max(self.slowest, seconds)
         self.stream_seconds += seconds
@@ -629,7 +633,10 @@ def _hijack(ctx: Fuzz, rounds: int) -> None:
             msg.hello.resume_session_id, msg.hello.resume_token = resume_id, resume_token
             chunks = [msg.SerializeToString(), prompt, close]
             out = ctx.send(chunks, metadata)
-            if resume_id != sid:  # an id nobody holds: a fresh session of the caller's own
+            malformed = not SESSION_ID_RE.fullmatch(resume_id) or len(resume_token) != RESUME_TOKEN_BYTES
+            if malformed and metadata in (AUTH_A, AUTH_B):  # not an id or token of this protocol's form
+                _check(ctx, "hijack", chunks, out, metadata, allowed=frozenset({grpc.StatusCode.INVALID_ARGUMENT}))
+            elif resume_id != sid:  # an id nobody holds: a fresh session of the caller's own
                 _check(ctx, "hijack", chunks, out, metadata, allowed=frozenset({grpc.StatusCode.OK}))
                 assert out.replies[0].welcome.session_id != sid and not out.replies[0].welcome.resumed
             elif metadata == AUTH_A or metadata == AUTH_B:
