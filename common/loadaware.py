@@ -53,9 +53,14 @@ class CostCurve:
         on an H100), at CURVE_POINTS."""
         return cls({t: fixed_s + per_token_s * t for t in CURVE_POINTS})
 
-    def fit_affine(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token): the least-squares line through the curve's points."""
-        pts = sorted(self.seconds.items())
+    def points(self) -> tuple[tuple[int, float], ...]:
+        """(tokens, seconds) at each calibrated point, fewest tokens first."""
+        return tuple(sorted(list(self.seconds.items())))  # list(): one step, while forwards refresh it
+
+    def fit_affine(self, up_to: int | None = None) -> tuple[float, float]:
+        """(fixed seconds, seconds per token): the least-squares line through the curve's points (those
+        of at most ``up_to`` tokens)."""
+        pts = [(t, s) for t, s in sorted(self.seconds.items()) if up_to is None or t <= up_to]
         if len(pts) < 2:
             raise ValueError("an affine fit needs two points")
         n = len(pts)

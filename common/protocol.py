@@ -81,6 +81,8 @@ class Welcome:
     dssd_max_samples: int = 0     # the most dssd_samples a round may ask for (0: an edge that does not say)
     target_fingerprint: str = ""  # the target's weights and vocabulary ("": an edge that does not say)
     edge_name: str = ""           # which edge of a fleet serves the session
+    # the edge's calibrated seconds of one target forward by its new tokens (empty: not calibrated)
+    forward_cost: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

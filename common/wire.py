@@ -86,6 +86,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
         vocab_size=w.vocab_size, max_context=w.max_context, max_draft_len=w.max_draft_len,
         max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed, dssd_max_samples=w.dssd_max_samples,
         target_fingerprint=w.target_fingerprint, edge_name=w.edge_name,
+        forward_cost=[pb.CostPoint(tokens=t, seconds=sec) for t, sec in w.forward_cost],
     ))
 
 
@@ -95,6 +96,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         vocab_size=m.vocab_size, max_context=m.max_context, max_draft_len=m.max_draft_len,
         max_k=m.max_k, resume_token=m.resume_token, resumed=m.resumed, dssd_max_samples=m.dssd_max_samples,
         target_fingerprint=m.target_fingerprint, edge_name=m.edge_name,
+        forward_cost=tuple((c.tokens, c.seconds) for c in m.forward_cost),
     )
 
 

@@ -35,6 +35,7 @@ from typing import Mapping
 import torch
 
 from specdec.common import autotune as A
+from specdec.common.loadaware import CostCurve
 from specdec.common.settings import Mode
 from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K, DraftSettings,
                                      Hello, Welcome)
@@ -77,6 +78,10 @@ PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's
 PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
 VERIFY_PRIOR_WEIGHT = 4.0     # forwards' worth of spread behind that prior slope
 PRIOR_VERIFY_BASE_S = 0.05    # a one-token forward before any verdict reported one
+# ... unless the edge's Welcome states its calibrated cost curve: its line over forwards of at most
+# this many tokens (a round's forward is at most the longest draft plus one) replaces both, so that a
+# GPU edge, whose forwards hardly grow with their tokens, is priced as one from the first round.
+EDGE_CURVE_UP_TO = 64
 REVISIT_AFTER_EDGE_TOKENS = 48  # edge-only tokens before one drafted round re-measures drafting (tokens,
                                 # not rounds: at 150 ms an edge-only round asks for 27+ tokens)
 EDGE_CHUNK_OVERHEAD = 0.1     # an edge-only round's round trip may cost at most this share of it
@@ -234,6 +239,7 @@ class LinkTracker:
         self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
         self.fallback_bytes = self._ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
         self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
+        self.verify_prior = (PRIOR_VERIFY_BASE_S, PRIOR_VERIFY_SLOPE)  # (one-token s, relative slope)
         self.draft_s = self._ewma()
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
@@ -312,8 +318,20 @@ class LinkTracker:
 
     def verify_fit(self) -> tuple[float, float]:
         """(seconds of a one-token forward, seconds per further token) of the edge's recent forwards
-        (:func:`~specdec.common.autotune.fit_verify`)."""
-        return A.fit_verify(list(self.verify), PRIOR_VERIFY_SLOPE, VERIFY_PRIOR_WEIGHT, PRIOR_VERIFY_BASE_S)
+        (:func:`~specdec.common.autotune.fit_verify`), shrunk toward the edge's stated curve."""
+        base, slope = self.verify_prior
+        return A.fit_verify(list(self.verify), slope, VERIFY_PRIOR_WEIGHT, base)
+
+    def observe_edge_cost(self, points: tuple[tuple[int, float], ...]) -> None:
+        """The edge's calibrated cost curve (Welcome.forward_cost) becomes the prior of the verify fit:
+        its one-token cost and its slope relative to it, over the forwards a round makes."""
+        usable = [(t, s) for t, s in points if t <= EDGE_CURVE_UP_TO and s > 0]
+        if len(usable) < 2:
+            return
+        fixed, per_token = CostCurve(dict(usable)).fit_affine()
+        one = max(1e-4, fixed + per_token)
+        with self.lock:
+            self.verify_prior = (one, max(0.0, per_token) / one)
 
     # -- encoded distributions ---------------------------------------------------------------------------
     def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings,
@@ -544,6 +562,7 @@ class AutoPolicy:
         self.dssd_samples = max(1, min(self.tracker.config.dssd_samples, cap))
         if self.current not in self.candidates:
             self.current = None
+        self.tracker.observe_edge_cost(welcome.forward_cost)
 
     def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> QStats | None:
         return self.tracker.measure_q(q, q_hat, settings, self.hello.temperature)

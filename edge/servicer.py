@@ -170,7 +170,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     async def _stream(self, context, entry: _Entry, resumed: bool) -> bool:
         """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close."""
         welcome = replace(entry.session.welcome(), session_id=entry.session.session_id,
-                          resume_token=entry.resume_token, resumed=resumed, edge_name=self.name)
+                          resume_token=entry.resume_token, resumed=resumed, edge_name=self.name,
+                          forward_cost=self.scheduler.cost.points() if self.scheduler is not None else ())
         await context.write(wire.welcome_to_pb(welcome))
         prompt = await self._read(context)
         if prompt is None and resumed:

@@ -68,6 +68,9 @@ def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache) 
     forwards, sessions = mean_batch(metrics)
     print(f"{forwards:.0f} forwards, {sessions:.2f} sessions per forward")
     assert sessions > 1.5, "the 18 sessions never shared a forward: batching did not run"
+    # every Welcome states the edge's calibrated cost curve (mode auto's prior for its verify fit)
+    curve = done[0][0][1].welcome.forward_cost
+    assert len(curve) >= 5 and all(seconds > 0 for _, seconds in curve) and curve[0][0] == 1, curve
 
 
 def test_target_law_holds_with_eight_sessions_per_forward(tiny_pair_v8) -> None:

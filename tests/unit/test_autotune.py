@@ -14,7 +14,7 @@ from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
 from specdec.device.auto import (LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig,
-                                 AutoPolicy, LinkTracker)
+                                 AutoPolicy, LinkTracker, SessionAcceptance)
 from specdec.device.rounds import RoundEvent, RoundPlan
 
 TSLT_256 = (Mode.TSLT, 256)
@@ -497,3 +497,36 @@ def test_the_verify_fit_recovers_an_affine_cost_and_keeps_its_prior_slope_for_on
     base, slope = A.fit_verify(one_size, 0.15, 4.0, 0.05)
     assert base + 4 * slope == pytest.approx(0.04) and slope == pytest.approx(0.15 * base)
     assert A.fit_verify([], 0.15, 4.0, 0.05) == (0.05, 0.05 * 0.15)
+
+
+H100_8B = [(t, 5.886e-3 + 1.21e-3 + 21.0e-6 * t) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256)]  # vLLM's fit
+CPU_135M = [(t, 0.03 * (1 + 0.18 * (t - 1))) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+
+
+def _welcomed(points, rtt_s: float) -> AutoPolicy:
+    """A drafting-only policy (edge-only rounds aside: a GPU target alone streams fast too) that has
+    seen a Welcome with ``points`` and nothing else but a link and a fast drafter."""
+    policy = AutoPolicy(LinkTracker(AutoConfig(edge_only=False)), HELLO, 49152)
+    policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,
+                                   max_draft_len=32, max_k=8192, forward_cost=tuple(points)))
+    policy.tracker.draft_s.add(0.002)
+    policy.tracker._link = (rtt_s, 100e6)
+    policy.acceptance = SessionAcceptance(0.9)
+    return policy
+
+
+def test_the_edge_s_stated_cost_curve_makes_auto_draft_long_on_a_gpu() -> None:
+    """Before any verdict, the edge's calibrated curve (Welcome.forward_cost) is the verify fit's
+    prior: a GPU's flat curve prices a long draft at almost one token's forward, a CPU's does not, so
+    over a link the GPU's rounds are longer (each round trip amortized over more tokens)."""
+    gpu, cpu = _welcomed(H100_8B, 0.06), _welcomed(CPU_135M, 0.06)
+    e_gpu, e_cpu = (p.tracker.estimates(1.0, 49152, p.acceptance) for p in (gpu, cpu))
+    assert e_gpu.verify_s(17) < 1.1 * e_gpu.verify_s(1) and e_cpu.verify_s(17) > 3 * e_cpu.verify_s(1)
+    assert gpu.choose().settings.draft_len == 16 > cpu.choose().settings.draft_len
+    assert _welcomed(H100_8B, 0.02).choose().settings.draft_len >= _welcomed(CPU_135M, 0.02).choose().settings.draft_len
+    # forwards the device measures still move the fit (the curve is its prior only)
+    for _ in range(24):
+        gpu.tracker.add_verify(9, 0.05)
+        gpu.tracker.add_verify(2, 0.01)
+    _, slope = gpu.tracker.verify_fit()
+    assert slope > 0.004  # (0.05 - 0.01) / 7 s per token measured, far above the curve's 21 us

@@ -37,3 +37,16 @@ def test_whole_reply_of_an_old_edge_reads_as_whole() -> None:
     p = torch.full((10,), 0.1, dtype=torch.float64)
     back = _through_wire(P.ResidualReply(2, target_probs=encode_target_probs(p)))
     assert not back.is_head and back.target_probs == encode_target_probs(p) and back.tail_mass == 0.0
+
+
+def test_welcome_round_trips_with_every_field() -> None:
+    """Paired transform: a Welcome with every field set survives protobuf and back, the edge's
+    calibrated cost curve included; an edge before it leaves the curve empty."""
+    welcome = P.Welcome(session_id="s1", model_name="m", vocab_size=49152, max_context=2048, max_draft_len=16,
+                        max_k=512, resume_token=b"\x01\x02", resumed=True, dssd_max_samples=32,
+                        target_fingerprint="fp", edge_name="edge-a",
+                        forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)))
+    msg = pb.EdgeMessage.FromString(wire.welcome_to_pb(welcome).SerializeToString())
+    assert wire.welcome_from_pb(msg.welcome) == welcome
+    old = pb.Welcome(session_id="s1", model_name="m", vocab_size=8, max_context=64, max_draft_len=4, max_k=8)
+    assert wire.welcome_from_pb(old).forward_cost == ()
