@@ -61,3 +61,20 @@ def parse_address(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)
+
+
+_QUEUE_UNITS = {"b": (1, 0), "kb": (1000, 0), "kib": (1024, 0), "mb": (1000 ** 2, 0), "pkt": (0, 1),
+                "packets": (0, 1), "p": (0, 1)}
+
+
+def parse_queue(text: str) -> tuple[float, float]:
+    """A drop-tail queue limit: ``'150kb'`` -> (150000 bytes, 0), ``'100pkt'`` -> (0, 100 packets);
+    ``'0'`` -> no limit."""
+    m = _QUANTITY.match(text.lower())
+    if not m or (m.group(2) or "b") not in _QUEUE_UNITS:
+        raise ValueError(f"not a queue limit: {text!r} (e.g. 150kb, 64kib, 100pkt)")
+    per_byte, per_packet = _QUEUE_UNITS[m.group(2) or "b"]
+    n = float(m.group(1))
+    if per_packet and n != int(n):
+        raise ValueError(f"a queue limit in packets is a whole number, got {text!r}")
+    return n * per_byte, n * per_packet
