@@ -127,6 +127,15 @@ bench: $(PB_OUT) $(BENCH_STAMP)
 bench-links: $(PB_OUT) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_links $(ARGS)
 
+# The pair over recorded LTE links (issue 35): every Mahimahi trace pair (NAME.up / NAME.down) of
+# ../shared/traces (ARGS="--traces DIR"), base RTT 40 and 80 ms, T = 0 and 1, sessions started at several
+# offsets into each trace; edge-only, the fixed default, the links grid's best fixed and auto interleaved
+# (results/bench_traces/<timestamp>/, results/bench_traces/latest). Needs root (namespaces).
+# ARGS=--quick: a few minutes, ending with the goals as [PASS] / [MISS].
+.PHONY: bench-traces
+bench-traces: $(PB_OUT) $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_traces $(ARGS)
+
 # N = 1, 2, 4, 8, 16, 32 devices against one edge-server (issue 19): the default drafter's real drafts,
 # recorded once (cached in $SPECDEC_CACHE_DIR/capacity), replayed by asyncio gRPC clients with their
 # drafting time; batched, --no-batching and edge-only serving interleaved, then real device-clients at

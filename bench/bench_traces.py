@@ -1,0 +1,280 @@
+"""bench-traces: the pair over recorded cellular links (Mahimahi traces), edge-only vs the fixed default
+vs the links grid's best fixed configuration vs ``mode auto`` (issue 35, item 2).
+
+    make bench-traces                        # every trace of ../shared/traces, RTT 40 and 80 ms, T = 0 and 1
+    make bench-traces ARGS=--quick           # a few minutes: RTT 80 ms, 2 prompts x 48 tokens per cell
+    .venv/bin/python -m specdec.bench.bench_traces [--quick] [--traces DIR] [--only NAME,...] [--rtts 40,80]
+        [--temperatures 0,1] [--prompts N] [--max-new-tokens N] [--queue 150kb|100pkt] [--check-seconds S]
+        [--replot DIR]
+
+Needs root (network namespaces). One edge-server and one device driver for the whole run, in two
+namespaces (the harness rig's "emulated" link, bench/harness/rig.py) with no tbf: the userspace
+emulator (testbed/linkemu.py) in the device namespace replays each trace pair (``NAME.up`` device to
+edge, ``NAME.down`` back) with the base round trip on top. Before each session the emulator is
+restarted at that session's offset into the trace, so every configuration of a prompt meets the same
+stretch of the recording; the configurations run interleaved on the same prompts and seeds
+(bench/traces/plan.py). First, unless ``--check-seconds 0``, a saturating stream through the
+emulator on loopback checks each uplink trace's capacity per second (testbed/tracecheck.py).
+
+Writes results/bench_traces/<timestamp>/ (and results/bench_traces/latest): bench_traces.json.gz
+(every session with its round timeline, per cell and per trace numbers, the emulator check, the
+goals), summary.txt (what it prints), trace_<NAME>.png (tokens/s under the capacity, auto's choices),
+logs/. Ends with the issue's goals as [PASS] / [MISS] lines.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gzip
+import io
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from specdec.bench.harness import plan as harness_plan  # noqa: E402
+from specdec.bench.harness.analyze import fmt, print_goals  # noqa: E402
+from specdec.bench.harness.rig import Rig, shaping_available  # noqa: E402
+from specdec.bench.traces import analyze, plan  # noqa: E402
+from specdec.testbed.units import parse_queue  # noqa: E402
+
+RESULTS = harness_plan.RESULTS / "bench_traces"
+WARMUP_TOKENS = 8
+
+
+class Run:
+    def __init__(self, s: plan.Settings, recs: list[plan.Recording], configs: list[str], extra: dict, out: Path):
+        self.s, self.recs, self.configs, self.extra, self.out = s, recs, configs, extra, out
+        self.prompts = harness_plan.sample_texts(s.prompts)
+        self.sessions: list[dict] = []
+        self.errors: list[dict] = []
+        self.cells: dict[str, dict] = {}
+
+    def warm_up(self, rig: Rig) -> None:
+        rec = self.recs[0]
+        rig.set_emulator(rec.emulator(rec.offsets_s[0], self.s.rtts_ms[0], self.s.queue))
+        for name in self.configs:
+            job = plan.Session("warmup", rec.name, 0, self.s.temperatures[0], name, 0, 0.0,
+                               plan.links_plan.config_device(name, self.extra.get(name)))
+            rig.run([job.to_driver(self.prompts, WARMUP_TOKENS)],
+                    lambda line: self.errors.append(line) if "error" in line else None)
+
+    def one(self, rig: Rig, rec: plan.Recording, sess: plan.Session) -> None:
+        reply = rig.set_emulator(rec.emulator(sess.offset_s, sess.rtt_ms, self.s.queue))
+
+        def on_line(line: dict) -> None:
+            if "record" in line:
+                entry = {**vars(sess), "up": rec.up, "down": rec.down, "applied_wall": reply["applied_wall"],
+                         "seed": line["seed"], "record": line["record"], "extra": line["extra"]}
+                self.sessions.append(entry)
+                st = line["record"]["stats"]
+                print(f"  {sess.cell:<32} {sess.config:<11} p{sess.prompt} @{sess.offset_s:6.1f} s "
+                      f"{st['generated_tokens']:>4} tok {st['wall_seconds']:6.2f} s "
+                      f"{st['tokens_per_second']:6.1f} tok/s", flush=True)
+            elif "error" in line:
+                self.errors.append({**vars(sess), **line})
+                print(f"  ERROR {sess.id}: {line['error']}", flush=True)
+        rig.run([sess.to_driver(self.prompts, self.s.max_new_tokens)], on_line)
+
+    def cells_of(self, rec: plan.Recording):
+        for rtt in self.s.rtts_ms:
+            for temp in self.s.temperatures:
+                yield rtt, temp, plan.cell_sessions(rec, rtt, temp, self.configs, self.extra)
+
+    def run(self, rig: Rig, best_fixed: str) -> None:
+        for rec in self.recs:
+            for rtt, temp, sessions in self.cells_of(rec):
+                name = plan.cell_name(rec.name, rtt, temp)
+                print(f"[{name}] {len(sessions)} sessions, offsets {', '.join(f'{o:g}' for o in rec.offsets_s)} s",
+                      flush=True)
+                for sess in sessions:
+                    self.one(rig, rec, sess)
+                got = [x for x in self.sessions if x["cell"] == name]
+                stats = analyze.config_stats(got)
+                self.cells[name] = {"name": name, "trace": rec.name, "rtt_ms": rtt, "temperature": temp,
+                                    "stats": stats, "summary": analyze.cell_summary(stats, best_fixed, plan.DEFAULT)}
+
+
+def check_traces(recs: list[plan.Recording], seconds: float) -> dict:
+    """The emulator against each uplink trace: a saturating stream per second, from its first offset."""
+    from specdec.testbed.tracecheck import measure
+    out = {}
+    for rec in recs:
+        r = asyncio.run(measure(rec.up, seconds, rec.offsets_s[0], 1.0))
+        out[rec.name] = r
+        print(f"  {rec.name}.up from {rec.offsets_s[0]:g} s, {seconds:g} s: delivered / capacity "
+              f"{r['ratio_total']:.3f}, mean |error| per second {r['mean_abs_error_share']:.3f} of it", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- reporting
+def print_tables(data: dict) -> None:
+    configs, best = data["configs"], data["best_fixed"]
+    print(f"\nper cell: tokens/s | TTFT s (mean) | gap p50/p95/max ms | bytes/token up/down "
+          f"(best fixed of the links grid: {best})")
+    for name, c in data["cells"].items():
+        print(f"{name}")
+        for cfg in configs:
+            v = c["stats"].get(cfg)
+            if not v:
+                continue
+            ms = lambda x: fmt(x * 1e3 if x is not None else None, ".0f")  # noqa: E731
+            print(f"  {cfg:<12}{fmt(v['tps'], '.1f'):>7} tok/s  TTFT {fmt(v['ttft_mean'], '.2f'):>5}  "
+                  f"gap {ms(v['gap_p50']):>4}/{ms(v['gap_p95']):>5}/{ms(v['gap_max']):>5} ms  "
+                  f"{fmt(v['up_bytes_per_token'], '.0f'):>6}/{fmt(v['down_bytes_per_token'], '.0f'):>4} B")
+        s = c["summary"]
+        print(f"  auto / best fixed {fmt(s['auto_vs_best_fixed'])}, / edge-only {fmt(s['auto_vs_edge_only'])}, "
+              f"/ default {fmt(s['auto_vs_default'])}")
+    print("\nper trace and temperature (geometric mean over round trips; p95 gap over both round trips' sessions)")
+    for key, t in data["traces"].items():
+        gaps = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t["gap_p95"].items() if v is not None)
+        print(f"  {key:<28} auto/best {fmt(t['auto_vs_best_fixed'])}  auto/edge-only {fmt(t['auto_vs_edge_only'])}  "
+              f"auto/default {fmt(t['auto_vs_default'])}  p95 gap ms: {gaps}")
+
+
+def analyze_all(data: dict) -> None:
+    best = data["best_fixed"]
+    for c in data["cells"].values():
+        c["stats"] = analyze.config_stats([s for s in data["sessions"] if s["cell"] == c["name"]])
+        c["summary"] = analyze.cell_summary(c["stats"], best, plan.DEFAULT)
+    data["traces"] = analyze.per_trace(data["cells"], data["sessions"], best)
+    data["goals"] = analyze.goals(data["cells"], data["traces"])
+
+
+def make_plots(data: dict, out: Path) -> list[str]:
+    from specdec.bench.traces import plots
+    note = (f"bench-traces {data['started']}, {data['settings']['prompts']} prompt(s) x "
+            f"{data['settings']['max_new_tokens']} tokens per config and cell; rev {str(data['git']['revision'])[:10]}")
+    paths = []
+    for trace in sorted({c["trace"] for c in data["cells"].values()}):
+        cells = [c for c in data["cells"].values() if c["trace"] == trace]
+        p = plots.trace_figure(trace, cells, data["sessions"], out / f"trace_{trace}.png", note)
+        if p:
+            paths.append(p.name)
+    return paths
+
+
+def write(data: dict, out: Path) -> None:
+    with gzip.open(out / "bench_traces.json.gz", "wt") as f:
+        json.dump(data, f, default=str)
+
+
+def finish(data: dict, out: Path) -> None:
+    analyze_all(data)
+    data["plots"] = make_plots(data, out)
+    write(data, out)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_tables(data)
+        print_goals("issue 35 goals", data["goals"])
+    text = buf.getvalue()
+    print(text)
+    (out / "summary.txt").write_text(text)
+    print(f"results: {out}")
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--traces", type=Path, default=None, help="folder of Mahimahi NAME.up / NAME.down pairs "
+                   "(default: ../shared/traces)")
+    p.add_argument("--only", default="", help="comma-separated trace names (substrings)")
+    p.add_argument("--rtts", default="", help="base round trips in ms, e.g. 40,80")
+    p.add_argument("--temperatures", default="", help="e.g. 0,1")
+    p.add_argument("--prompts", type=int, default=None, help="prompts (and offsets) per cell")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--queue", default="", help="drop-tail queue limit of each direction, e.g. 150kb or 100pkt")
+    p.add_argument("--check-seconds", type=float, default=None, help="emulator check per trace (0: skip)")
+    p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
+    return p.parse_args(argv)
+
+
+def settings_from(a) -> plan.Settings:
+    s = plan.Settings.preset(a.quick)
+    kw: dict = {}
+    if a.only:
+        kw["only"] = tuple(x for x in a.only.split(",") if x)
+    if a.rtts:
+        kw["rtts_ms"] = tuple(float(x) for x in a.rtts.split(","))
+    if a.temperatures:
+        kw["temperatures"] = tuple(float(x) for x in a.temperatures.split(","))
+    if a.prompts:
+        kw["prompts"] = a.prompts
+    if a.max_new_tokens:
+        kw["max_new_tokens"] = a.max_new_tokens
+    if a.queue:
+        kw["queue"] = parse_queue(a.queue)
+    if a.check_seconds is not None:
+        kw["check_seconds"] = a.check_seconds
+    return replace(s, **kw)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.replot:
+        data = json.loads(gzip.open(a.replot / "bench_traces.json.gz").read())
+        finish(data, a.replot)
+        return 0
+    try:
+        s = settings_from(a)
+    except ValueError as exc:
+        print(f"bench-traces: {exc}", file=sys.stderr)
+        return 2
+    folder = plan.find_traces(a.traces)
+    if folder is None:
+        where = a.traces or " or ".join(str(p) for p in plan.DEFAULT_TRACES)
+        print(f"bench-traces: no trace pairs (NAME.up with NAME.down) in {where}", file=sys.stderr)
+        return 2
+    why = shaping_available()
+    if why:
+        print(f"bench-traces needs the namespaces: {why}", file=sys.stderr)
+        return 2
+    recs = plan.recordings(folder, s)
+    if not recs:
+        print(f"bench-traces: no trace in {folder} matches --only {a.only}", file=sys.stderr)
+        return 2
+    best, best_why = plan.best_fixed_of_links_grid()
+    configs = ["none", plan.DEFAULT, best, "auto"]
+    extra = {"auto": {"round_log": True}}
+    stamp = harness_plan.stamp(s.quick)
+    out = harness_plan.run_dir(RESULTS, stamp)
+    n = len(recs) * len(s.rtts_ms) * len(s.temperatures) * s.prompts * len(configs)
+    print(f"bench-traces {'quick' if s.quick else 'full'}: traces {', '.join(r.name for r in recs)} from {folder}; "
+          f"RTT {', '.join(f'{x:g}' for x in s.rtts_ms)} ms; T {', '.join(f'{x:g}' for x in s.temperatures)}; "
+          f"{s.prompts} prompt(s) x {s.max_new_tokens} tokens; configs {', '.join(configs)} "
+          f"({best}: {best_why}); {n} sessions", flush=True)
+    run = Run(s, recs, configs, extra, out)
+    data = {"started": stamp, "settings": s.to_json(), "traces_folder": str(folder), "configs": configs,
+            "best_fixed": best, "best_fixed_why": best_why, "default": plan.DEFAULT,
+            "recordings": [vars(r) for r in recs], "machine": harness_plan.machine_info(),
+            "git": harness_plan.git_info(), "cells": run.cells, "sessions": run.sessions, "errors": run.errors,
+            "timing": {}}
+    t0 = time.perf_counter()
+    try:
+        if s.check_seconds > 0:
+            print("emulator check (loopback, saturating stream):", flush=True)
+            data["trace_check"] = check_traces(recs, s.check_seconds)
+        with Rig(out / "logs", link="emulated") as rig:
+            data["timing"]["setup"] = time.perf_counter() - t0
+            data["draft_model"] = rig.draft_model
+            rig.set_rates(0.0, 0.0)  # the traces carry the capacity
+            print(f"rig up in {data['timing']['setup']:.0f} s (drafter {rig.draft_model})", flush=True)
+            run.warm_up(rig)
+            run.run(rig, best)
+    finally:
+        data["timing"]["total"] = time.perf_counter() - t0
+        data["machine"]["loadavg_end"] = list(os.getloadavg())
+        write(data, out)
+    finish(data, out)
+    print(f"wall {data['timing']['total'] / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

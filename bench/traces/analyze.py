@@ -1,0 +1,116 @@
+"""From session records to bench-traces' numbers: per configuration and cell tokens/s, time to first
+token, the gaps between streamed tokens and bytes per token; the ratios and the issue's goals. Pure.
+
+Definitions:
+  * tokens/s of a configuration over some sessions = their generated tokens / their wall seconds;
+  * time to first token (TTFT) = from the session's start on the device (before its Hello) to the
+    arrival of its first token;
+  * the gap before a token = the time since the token before it arrived (0 for tokens that arrive
+    in the same verdict as the one before; edge-only rounds stream, each token at its own arrival);
+    p50 / p95 / max over every token but the first of the sessions pooled;
+  * the links grid's best fixed = the one fixed configuration run here beside the default (the one
+    best in most cells of the committed links run); ratios compare auto with it, with edge-only
+    (mode none) and with the default;
+  * per (trace, temperature): a ratio's geometric mean over the round trips, and the p95 gap over the
+    sessions of both round trips pooled.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from specdec.bench.harness.analyze import geomean, goal, percentile, ratio
+from specdec.bench.links.analyze import token_events
+
+GOALS = {
+    "auto_vs_best_geomean": ("auto >= 1.0x the links grid's best fixed, geometric mean over traces and round trips", 1.0),
+    "auto_vs_best_every_trace": ("auto >= 0.95x the links grid's best fixed on every trace", 0.95),
+    "auto_vs_edge_only": ("auto >= 1.5x edge-only on every LTE trace", 1.5),
+    "auto_p95_gap_vs_best": ("auto's p95 gap between streamed tokens / the best fixed's, on every trace", 1.0),
+}
+
+
+def session_metrics(sess: dict) -> dict:
+    """One session's tokens, wall, TTFT, token gaps and bytes (from its record and timeline)."""
+    st, extra = sess["record"]["stats"], sess["extra"]
+    arrivals = [t for t, n in token_events(extra.get("timeline", [])) for _ in range(n)]
+    t0 = extra.get("session_t0")
+    return {"tokens": st["generated_tokens"], "wall": st["wall_seconds"],
+            "ttft": arrivals[0] - t0 if arrivals and t0 is not None else None,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "up_bytes": st["uplink_bytes"], "down_bytes": st["downlink_bytes"]}
+
+
+def config_stats(sessions: list[dict]) -> dict[str, dict]:
+    """{config: tokens/s, TTFT (mean, max), gap p50/p95/max, bytes per token up/down, sessions}."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for s in sessions:
+        by[s["config"]].append(session_metrics(s))
+    out = {}
+    for name, ms in by.items():
+        tokens, wall = sum(m["tokens"] for m in ms), sum(m["wall"] for m in ms)
+        gaps = [g for m in ms for g in m["gaps"]]
+        ttfts = [m["ttft"] for m in ms if m["ttft"] is not None]
+        out[name] = {"sessions": len(ms), "tokens": tokens, "wall": wall, "tps": ratio(tokens, wall),
+                     "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None, "ttft_max": max(ttfts, default=None),
+                     "gap_p50": percentile(gaps, 50), "gap_p95": percentile(gaps, 95), "gap_max": max(gaps, default=None),
+                     "up_bytes_per_token": ratio(sum(m["up_bytes"] for m in ms), tokens),
+                     "down_bytes_per_token": ratio(sum(m["down_bytes"] for m in ms), tokens)}
+    return out
+
+
+def cell_summary(stats: dict[str, dict], best_fixed: str, default: str) -> dict:
+    tps = {n: v["tps"] for n, v in stats.items()}
+    auto = tps.get("auto")
+    return {"tps": tps, "auto_vs_best_fixed": ratio(auto, tps.get(best_fixed)),
+            "auto_vs_edge_only": ratio(auto, tps.get("none")), "auto_vs_default": ratio(auto, tps.get(default)),
+            "best_fixed_vs_edge_only": ratio(tps.get(best_fixed), tps.get("none"))}
+
+
+def per_trace(cells: dict[str, dict], sessions: list[dict], best_fixed: str) -> dict[str, dict]:
+    """Per (trace, temperature): the ratios' geometric means over round trips and the pooled gaps."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for c in cells.values():
+        groups[f"{c['trace']}@T{c['temperature']:g}"].append(c)
+    pooled: dict[str, list[dict]] = defaultdict(list)
+    for s in sessions:
+        pooled[f"{s['trace']}@T{s['temperature']:g}"].append(s)
+    out = {}
+    for key, cs in groups.items():
+        stats = config_stats(pooled[key])
+        out[key] = {"trace": cs[0]["trace"], "temperature": cs[0]["temperature"],
+                    "auto_vs_best_fixed": geomean([c["summary"]["auto_vs_best_fixed"] for c in cs]),
+                    "auto_vs_edge_only": geomean([c["summary"]["auto_vs_edge_only"] for c in cs]),
+                    "auto_vs_default": geomean([c["summary"]["auto_vs_default"] for c in cs]),
+                    "gap_p95": {n: v["gap_p95"] for n, v in stats.items()},
+                    "auto_gap_p95_vs_best": ratio(stats.get("auto", {}).get("gap_p95"),
+                                                  stats.get(best_fixed, {}).get("gap_p95"))}
+    return out
+
+
+def _worst(values: dict[str, float | None], highest: bool = False) -> tuple[float | None, str]:
+    vals = {k: v for k, v in values.items() if v is not None}
+    if not vals:
+        return None, ""
+    k = (max if highest else min)(vals, key=vals.get)
+    return vals[k], k
+
+
+def goals(cells: dict[str, dict], traces: dict[str, dict]) -> dict[str, dict]:
+    """The issue's goals, each measured over every trace at both temperatures of this run."""
+    out = {}
+    value = geomean([c["summary"]["auto_vs_best_fixed"] for c in cells.values()])
+    by_t = {f"T={t:g}": geomean([c["summary"]["auto_vs_best_fixed"] for c in cells.values() if c["temperature"] == t])
+            for t in sorted({c["temperature"] for c in cells.values()})}
+    out["auto_vs_best_geomean"] = (value, f"{len(cells)} cells; " + ", ".join(
+        f"{k}: {v:.2f}" for k, v in by_t.items() if v is not None))
+    v, where = _worst({k: t["auto_vs_best_fixed"] for k, t in traces.items()})
+    out["auto_vs_best_every_trace"] = (v, f"worst {where}")
+    v, where = _worst({k: t["auto_vs_edge_only"] for k, t in traces.items()})
+    out["auto_vs_edge_only"] = (v, f"worst {where}")
+    v, where = _worst({k: t["auto_gap_p95_vs_best"] for k, t in traces.items()}, highest=True)
+    edge = traces.get(where, {}).get("gap_p95", {})
+    out["auto_p95_gap_vs_best"] = (v, f"worst {where}" + (
+        f" (p95 gap: auto {edge.get('auto', 0) * 1e3:.0f} ms, edge-only {edge.get('none', 0) * 1e3:.0f} ms)"
+        if edge.get("auto") is not None and edge.get("none") is not None else ""))
+    return {key: goal(GOALS[key][0], value, GOALS[key][1], where, at_most=key == "auto_p95_gap_vs_best")
+            for key, (value, where) in out.items()}
