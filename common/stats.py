@@ -37,6 +37,9 @@ class RoundRecord:
     draft_forwards: int = 0         # drafter forwards its "draft" phase took (0: not counted, trees)
     residual_trips: int = 0         # DSSD fallback round trips (1: p_j's head or whole; 2: head, then whole)
     residual_bytes: int = 0         # of downlink_bytes: the fallback's ResidualReplies
+    first_reply_s: float = 0.0      # network seconds until the first reply (edge-only rounds: the first
+                                    # streamed token; a round trip, where the whole round's network
+                                    # time also holds every further token's per-message costs)
 
     def to_json(self) -> dict:
         """The round's numbers for a JSON round log (settings are the caller's to add)."""
@@ -44,7 +47,8 @@ class RoundRecord:
                 "generated": self.generated, "uplink_bytes": self.uplink_bytes,
                 "downlink_bytes": self.downlink_bytes, "phases": dict(self.phases),
                 "drafted_ahead": self.drafted_ahead, "draft_forwards": self.draft_forwards,
-                "residual_trips": self.residual_trips, "residual_bytes": self.residual_bytes}
+                "residual_trips": self.residual_trips, "residual_bytes": self.residual_bytes,
+                "first_reply_s": self.first_reply_s}
 
     @property
     def tested(self) -> int:

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="draft each round only after the last verdict (default: draft the next round "
                         "while the edge verifies; tokens are identical either way)")
+    p.add_argument("--no-edge-memory", dest="edge_memory", action="store_false",
+                   help="mode auto: start cold and keep nothing (default: start from what this device "
+                        "learned about the edge in earlier runs, $SPECDEC_CACHE_DIR/edges)")
     p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0)
     p.add_argument("--target-top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=0.0,
                    help="top-p of the target distribution itself (default: off)")

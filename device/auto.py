@@ -70,6 +70,8 @@ BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every c
 OBSERVE_Q_EVERY = 4           # encoded q per one whose dropped masses are measured: a top-K over the
                               # vocabulary per drafted token is a few % of a drafter forward, inline
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
+REMEMBERED_POSITIONS = 32.0   # the most a remembered long-run acceptance weighs: a few sessions' rounds
+                              # move it (the drafter or its texts may have changed since)
 MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
 DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
 DEPTH_DECAY = 0.95            # per round reaching a depth (~20 rounds: one sample a round)
@@ -82,8 +84,6 @@ PRIOR_VERIFY_BASE_S = 0.05    # a one-token forward before any verdict reported 
 # this many tokens (a round's forward is at most the longest draft plus one) replaces both, so that a
 # GPU edge, whose forwards hardly grow with their tokens, is priced as one from the first round.
 EDGE_CURVE_UP_TO = 64
-REVISIT_AFTER_EDGE_TOKENS = 48  # edge-only tokens before one drafted round re-measures drafting (tokens,
-                                # not rounds: at 150 ms an edge-only round asks for 27+ tokens)
 EDGE_CHUNK_OVERHEAD = 0.1     # an edge-only round's round trip may cost at most this share of it
 EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
 
@@ -108,6 +108,15 @@ class AutoConfig:
     dssd_samples: int = DEFAULT_DSSD_MAX_SAMPLES
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
+    # While edge-only rounds look best, a drafted round now and then re-measures the drafter and its
+    # acceptance (in edge-only rounds nothing teaches them): one is run once the edge-only rounds since
+    # the last drafted one took 1 / explore_cost times what it is predicted to lose against edge-only,
+    # so exploring costs at most this share of the time (and a hopeless drafter explores rarely).
+    explore_cost: float = 0.05
+    # The first round of a session on a link the device knows nothing of (no round seen, nothing
+    # remembered) is edge-only: it cannot lose to edge-only, and while it streams the drafter reads
+    # the prompt.
+    cold_start: bool = True
     # Weight of what was learned before each new observation, relative to the decays above: 1 keeps
     # them; 0 makes every estimate its latest observation (tests: a controller as sensitive to each
     # round as it can be, so that a choice that could see a round's own draws would show it).
@@ -248,9 +257,109 @@ class LinkTracker:
         self.rounds_since_rate = 0
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
+        self.rounds_seen = 0      # committed rounds observed (by any session)
+        self.restored = False     # started from a remembered state (device/edge_memory.py)
+
+    @property
+    def known(self) -> bool:
+        """Whether the device has measured this link (a committed round, or a remembered one)."""
+        return self.rounds_seen > 0 or self.restored
 
     def _ewma(self, prior: float | None = None) -> _Ewma:
         return _Ewma(prior, DECAY * self.config.memory)
+
+    # -- remembered across processes (device/edge_memory.py) ------------------------------------------------
+    def export_state(self) -> dict:
+        """What this tracker knows, as plain JSON: ``link`` (the link and the edge: round trip,
+        goodput, forward times, learned time scales) and ``models`` (the drafter with this edge's
+        target: per temperature acceptance, codec estimates; the drafter's own speed)."""
+        with self.lock:
+            keys = lambda d: {_key_str(k): e.value for k, e in d.items() if e.value is not None}  # noqa: E731
+            link = {"rtt_s": self.rtt_s(), "uplink_bps": self.uplink_bps(),
+                    "measured_up_bits": max(self.sizes_sent, default=0.0),
+                    "downlink_bps": self.rate(self.down) if self.down else None,
+                    "verify": [list(x) for x in self.verify], "queue_s": self.queue_s.value,
+                    "decode_s": {m.value: e.value for m, e in self.decode_s.items() if e.value is not None},
+                    "time_scale": keys(self.time_scale)}
+            temps = {}
+            for t, side in self.models.items():
+                temps[repr(t)] = {"long": [side.long.hits, side.long.trials], "sigma": keys(side.sigma),
+                                  "packet_bytes": keys(side.packet_bytes), "encoded": side.encoded,
+                                  "guess": [side.guess.hits, side.guess.trials],
+                                  "fallback": [side.fallback.hits, side.fallback.trials]}
+            models = {"draft_s": self.draft_s.value, "fallback_bytes": self.fallback_bytes.value,
+                      "encode_s": {m.value: e.value for m, e in self.encode_s.items() if e.value is not None},
+                      "temperatures": temps}
+            return {"link": link, "models": models}
+
+    def import_state(self, link: dict | None, models: dict | None) -> None:
+        """Start from a remembered state (either part may be left out: too old, or never saved). A
+        remembered acceptance weighs at most REMEMBERED_POSITIONS positions, so that this device's new
+        rounds move it. ValueError (and nothing changed) if a part is malformed."""
+        updates = []
+        if link is not None:
+            updates.append(self._link_updates(link))
+        if models is not None:
+            updates.append(self._model_updates(models))
+        with self.lock:
+            for apply in updates:
+                apply()
+            self.restored = self.restored or link is not None
+
+    def _link_updates(self, d: dict):
+        rtt, bps = _num(d["rtt_s"], 0.0, 60.0), _num(d["uplink_bps"], 1.0, FAST_LINK_BPS)
+        up_bits = _num(d.get("measured_up_bits", 0.0), 0.0, 1e12)
+        down = None if d.get("downlink_bps") is None else _num(d["downlink_bps"], 1.0, FAST_LINK_BPS)
+        verify = [(int(_num(n, 1, 1e6)), _num(x, 0.0, 60.0)) for n, x in d.get("verify", [])][-VERIFY_WINDOW:]
+        queue = None if d.get("queue_s") is None else _num(d["queue_s"], 0.0, 60.0)
+        decode = {Mode(m): _num(v, 0.0, 60.0) for m, v in d.get("decode_s", {}).items()}
+        scale = {_key_of(k): _num(v, TIME_SCALE_MIN, TIME_SCALE_MAX) for k, v in d.get("time_scale", {}).items()}
+
+        def apply():
+            self._link = (rtt, bps)
+            if up_bits:
+                self.sizes_sent.append(up_bits)
+            if down is not None:
+                self.down.append((down, 1.0))
+            self.verify.extend(verify)
+            if queue is not None:
+                self.queue_s.value = queue
+            for m, v in decode.items():
+                self.decode_s.setdefault(m, self._ewma()).value = v
+            for k, v in scale.items():
+                self.time_scale.setdefault(k, self._ewma()).value = v
+        return apply
+
+    def _model_updates(self, d: dict):
+        draft = None if d.get("draft_s") is None else _num(d["draft_s"], 0.0, 60.0)
+        fb = None if d.get("fallback_bytes") is None else _num(d["fallback_bytes"], 0.0, 1e9)
+        encode = {Mode(m): _num(v, 0.0, 60.0) for m, v in d.get("encode_s", {}).items()}
+        sides = {}
+        for t, m in d.get("temperatures", {}).items():
+            ratio = lambda pair: (_num(pair[0], 0.0, 1e9), _num(pair[1], 0.0, 1e9))  # noqa: E731
+            sides[_num(float(t), 0.0, 1e3)] = (
+                ratio(m["long"]), {_key_of(k): _num(v, 0.0, 1.0) for k, v in m.get("sigma", {}).items()},
+                {_key_of(k): _num(v, 0.0, 1e9) for k, v in m.get("packet_bytes", {}).items()},
+                int(_num(m.get("encoded", 0), 0, 1e12)), ratio(m["guess"]), ratio(m["fallback"]))
+
+        def apply():
+            if draft is not None:
+                self.draft_s.value = draft
+            if fb is not None:
+                self.fallback_bytes.value = fb
+            for mode, v in encode.items():
+                self.encode_s.setdefault(mode, self._ewma()).value = v
+            for t, (long, sigma, sizes, encoded, guess, fallback) in sides.items():
+                side = self.model(t)
+                weight = min(1.0, REMEMBERED_POSITIONS / long[1]) if long[1] > 0 else 0.0
+                side.long.hits, side.long.trials = long[0] * weight, long[1] * weight
+                for k, v in sigma.items():
+                    side.sigma.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
+                for k, v in sizes.items():
+                    side.packet_bytes.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
+                side.encoded = encoded
+                (side.guess.hits, side.guess.trials), (side.fallback.hits, side.fallback.trials) = guess, fallback
+        return apply
 
     def model(self, temperature: float) -> _ModelSide:
         if temperature not in self.models:
@@ -390,18 +499,23 @@ class LinkTracker:
 
     # -- rounds ------------------------------------------------------------------------------------------
     def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,
-                      acceptance: SessionAcceptance | None = None, catching_up: bool = False) -> None:
+                      acceptance: SessionAcceptance | None = None, catching_up: bool = False,
+                      first: bool = False) -> None:
         """One round's record; its acceptance also goes to ``acceptance``, its session's. ``catching_up``:
         the session's first drafted round, or the first after edge-only rounds: its drafting includes
         feeding the drafter the tokens it has not seen, and its network time the edge's prefill, so
-        neither says anything about a round in steady state."""
+        neither says anything about a round in steady state. ``first``: the session's first round (its
+        network time holds the edge's prefill)."""
         forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
         with self.lock:
+            self.rounds_seen += 1
             # An edge-only round's network time also holds every streamed token's per-message costs
-            # (their sum grows with the round): not a round-trip sample. Its kind's learned time
-            # scale covers those costs instead.
+            # (their sum grows with the round): its first token's is the round-trip sample. Its kind's
+            # learned time scale covers those costs instead.
             if not catching_up and settings.mode is not Mode.NONE:
                 self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes, r.residual_trips)
+            elif settings.mode is Mode.NONE and not first and r.generated:
+                self.add_network(r.first_reply_s, r.uplink_bytes, 0)
             if settings.mode is Mode.NONE:
                 if r.generated:
                     self.add_verify(1, forward / r.generated)
@@ -479,6 +593,23 @@ def _codec_key(s: DraftSettings) -> tuple[Mode, int]:
     return s.mode, s.top_k if s.mode in (Mode.TSLT, Mode.KSQS) else 0
 
 
+def _key_str(key: tuple[Mode, int]) -> str:
+    return f"{key[0].value}:{key[1]}"
+
+
+def _key_of(text: str) -> tuple[Mode, int]:
+    mode, _, k = str(text).partition(":")
+    return Mode(mode), int(k)
+
+
+def _num(x, lo: float, hi: float) -> float:
+    """A remembered number, checked: ValueError unless finite and within [lo, hi]."""
+    v = float(x)
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise ValueError(f"remembered value {x!r} outside [{lo}, {hi}]")
+    return v
+
+
 @dataclass(frozen=True)
 class AutoDecision:
     """What a choice was based on, handed back with the round's event: the time the model predicted
@@ -506,17 +637,26 @@ class AutoPolicy:
         self.current: A.Candidate | None = None  # the candidate of the round drafted last
         self.last: dict = {}          # that round's choice and the estimates behind it (JSON-able)
         self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
-        self.edge_only_tokens = 0     # tokens of the edge-only rounds since the last drafted one
+        self.rounds = 0               # committed rounds of this session
+        self.edge_only_tokens = 0     # tokens of the edge-only rounds since the last drafted one ...
+        self.edge_only_s = 0.0        # ... and their seconds
 
     def choose(self) -> RoundPlan:
         """The next round's plan, from what committed rounds taught the tracker."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
                                    self.hello.draft.dssd_fallback_top_k, self.dssd_samples)
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
-        probe = self._probe(pick, e) or self._revisit(pick, ranking)
-        chosen = probe or pick
-        return RoundPlan(self.settings_for(chosen.candidate, e.edge_chunk),
-                         choice=_explain(chosen, e, ranking, probe is not None),
+        cold = (self.rounds == 0 and self.tracker.config.cold_start and not self.tracker.known
+                and A.Candidate(Mode.NONE) in self.candidates)
+        if cold:
+            pick = next(p for p in ranking if p.candidate.mode is Mode.NONE)
+        probe = None if cold else self._probe(pick, e)
+        explore = None if cold or probe else self._explore(pick, ranking)
+        chosen = probe or explore or pick
+        chunk, catch_up = self._edge_chunk(chosen, ranking, e, cold)
+        why = "cold" if cold else "probe" if probe else "explore" if explore else None
+        return RoundPlan(self.settings_for(chosen.candidate, chunk),
+                         choice=_explain(chosen, e, ranking, why, chunk, catch_up),
                          decision=AutoDecision(chosen.candidate, e))
 
     def begin(self, plan: RoundPlan) -> None:
@@ -535,13 +675,40 @@ class AutoPolicy:
                        if A.uplink_bytes(p.candidate, e) >= MIN_RATE_SAMPLE_BYTES]
         return informative[0] if informative else None
 
-    def _revisit(self, pick: A.Prediction, ranking: list[A.Prediction]) -> A.Prediction | None:
-        """After a run of edge-only rounds, draft one round with the best drafting candidate: the
-        drafter's speed and the acceptance are measured only by drafting, and a stale estimate must
-        not keep the session edge-only for good."""
-        if pick.candidate.mode is not Mode.NONE or self.edge_only_tokens < REVISIT_AFTER_EDGE_TOKENS:
+    def _explore(self, pick: A.Prediction, ranking: list[A.Prediction]) -> A.Prediction | None:
+        """While edge-only rounds look best, the best drafted round once the edge-only rounds since the
+        last drafted one have paid for it (:meth:`_explore_wait_s`): the drafter's speed and the
+        acceptance are measured only by drafting, and a stale estimate must not keep the session
+        edge-only for good. Decided from committed rounds only (their count and time)."""
+        if pick.candidate.mode is not Mode.NONE:
             return None
-        return next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
+        spec = next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
+        if spec is None or self.edge_only_s < self._explore_wait_s(pick, spec):
+            return None
+        return spec
+
+    def _explore_wait_s(self, edge: A.Prediction, spec: A.Prediction) -> float:
+        """Edge-only seconds that pay for one drafted round: what it is predicted to lose against
+        edge-only (its seconds beyond edge-only's for its expected tokens), over explore_cost."""
+        loss = max(0.0, spec.seconds - spec.tokens / edge.rate) if edge.rate > 0 else spec.seconds
+        return loss / max(1e-6, self.tracker.config.explore_cost)
+
+    def _edge_chunk(self, chosen: A.Prediction, ranking: list[A.Prediction], e: A.Estimates,
+                    cold: bool) -> tuple[int, bool]:
+        """(tokens an edge-only round asks for, whether the drafter should catch up while it streams).
+        A chunk ends where the next exploration becomes due, so that one long edge-only round cannot
+        take the rest of a session; the drafter reads the tokens when a drafted round is expected next."""
+        if chosen.candidate.mode is not Mode.NONE:
+            return e.edge_chunk, False
+        if cold:
+            return EDGE_CHUNK_MIN, True
+        spec = next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
+        if spec is None or chosen.rate <= 0:
+            return e.edge_chunk, False
+        due = math.ceil((self._explore_wait_s(chosen, spec) - self.edge_only_s) * chosen.rate)
+        if due >= e.edge_chunk:
+            return e.edge_chunk, False
+        return max(EDGE_CHUNK_MIN, due), True
 
     def settings_for(self, c: A.Candidate, edge_chunk: int) -> DraftSettings:
         base = replace(self.hello.draft, tree=(), bit_budget=0, top_p=0.0)
@@ -572,7 +739,8 @@ class AutoPolicy:
         r, settings, t = event.record, event.settings, self.hello.temperature
         drafted = settings.mode is not Mode.NONE
         d = event.plan.decision
-        if isinstance(d, AutoDecision) and d.estimates is not None and self._drafted_last == drafted:
+        if (isinstance(d, AutoDecision) and d.estimates is not None and self._drafted_last == drafted
+                and self.rounds > 0):
             # the round's wall time against the model's (not a round that catches the drafter up)
             modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead)
             self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
@@ -582,17 +750,22 @@ class AutoPolicy:
         if event.guess is not None:
             self.tracker.observe_guess(t, event.guess)
         self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
-                                   catching_up=drafted and not self._drafted_last)
+                                   catching_up=drafted and not self._drafted_last, first=self.rounds == 0)
         self._drafted_last = drafted
+        self.rounds += 1
         self.edge_only_tokens = 0 if drafted else self.edge_only_tokens + r.generated
+        self.edge_only_s = 0.0 if drafted else self.edge_only_s + event.elapsed_s
 
 
-def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], probe: bool) -> dict:
-    """The choice and the estimates behind it, for the JSON round log and the metrics."""
+def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], why: str | None, chunk: int,
+             catch_up: bool) -> dict:
+    """The choice and the estimates behind it, for the JSON round log and the metrics. ``why``: what
+    overrode the best-predicted choice (cold, probe, explore), if anything."""
     return {
         "choice": chosen.candidate.key, "mode": chosen.candidate.mode.value, "draft_len": chosen.candidate.draft_len,
         "top_k": chosen.candidate.top_k, "predicted_tokens_per_s": chosen.rate, "alpha": chosen.alpha,
-        "probe": probe, "runner_up": ranking[1].candidate.key if len(ranking) > 1 else None,
+        "probe": why == "probe", "why": why, "edge_tokens": chunk if chosen.candidate.mode is Mode.NONE else 0,
+        "catch_up": catch_up, "runner_up": ranking[1].candidate.key if len(ranking) > 1 else None,
         "rtt_s": e.rtt_s, "uplink_bps": _finite(e.uplink_bps), "downlink_bps": _finite(e.downlink_bps),
         "draft_s": e.draft_s, "verify_base_s": e.verify_base_s, "verify_per_token_s": e.verify_per_token_s,
         "alpha_base": e.alpha_base, "guess_rate": e.guess_rate, "edge_chunk": e.edge_chunk,

@@ -38,11 +38,11 @@ from specdec.common.runtime import is_loopback
 from specdec.device import openai_schema
 from specdec.device.client import EdgeError, generate
 from specdec.device.detokenize import Detokenizer
-from specdec.device.auto import LinkTracker
 from specdec.device.fleet import Fleet
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.openai_schema import ApiError, Choice
-from specdec.device.runner import DeviceConfig, choose_drafter, connection_policy, edge_fleet, new_session
+from specdec.device.runner import (DeviceConfig, choose_drafter, connection_policy, device_tracker, edge_fleet,
+                                   new_session, remember)
 
 log = logging.getLogger("specdec.device.daemon")
 
@@ -180,7 +180,7 @@ class DeviceEngine:
         self.fingerprint = vocab_fingerprint(drafter.tokenizer)
         self.policy = connection_policy(cfg.device)  # auth metadata, round timeout, resume after a broken stream
         self.operating_point = operating_point  # the drafter's recorded draft settings
-        self.tracker = LinkTracker()  # mode auto: what the device learns about its link, across requests
+        self.tracker = device_tracker(cfg.device, drafter)  # mode auto: what the device knows of its link
         self.started = int(time.time())
 
     async def check_edge(self) -> None:
@@ -254,6 +254,8 @@ class DeviceEngine:
             if exc.reason != P.CONTEXT_FULL or not text.ids:
                 raise edge_api_error(exc) from None
             log.info("choice %d ended at the edge's limit after %d tokens: %s", index, len(text.ids), exc.details)
+        if cfg.auto:
+            await asyncio.to_thread(remember, cfg, self.drafter, self.tracker)
         tail = text.flush()
         if tail and emit:
             emit(index, tail)

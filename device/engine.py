@@ -53,7 +53,7 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
     try:
         verdict, received = await link.recv()
     finally:
-        await _stop_draft_ahead(ahead)  # the worker must be off the drafter before anyone touches it
+        await _stop_worker(ahead)  # the worker must be off the drafter before anyone touches it
     elapsed = time.perf_counter() - t0
     if not isinstance(verdict, P.Verdict) or verdict.round_id != rd.block.round_id:
         raise ProtocolError(f"expected the Verdict of round {rd.block.round_id}")
@@ -75,22 +75,39 @@ async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remain
     rd = session.edge_round(plan, remaining)
     t0 = time.perf_counter()
     sent = await link.send(rd.block)
-    received, edge_verify, edge_queue = 0, 0.0, 0.0
-    while True:
-        verdict, size = await link.recv()
-        if not isinstance(verdict, P.Verdict):
-            raise ProtocolError("expected a Verdict of the edge-only round")
-        received += size
-        edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
-        try:
-            deliver([session.take_edge_token(rd, verdict)])
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
-        if not verdict.more:
-            break
+    catch_up = _start_catch_up(session, plan)
+    received, edge_verify, edge_queue, first = 0, 0.0, 0.0, None
+    try:
+        while True:
+            verdict, size = await link.recv()
+            if not isinstance(verdict, P.Verdict):
+                raise ProtocolError("expected a Verdict of the edge-only round")
+            received += size
+            edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
+            if first is None:
+                first = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
+            try:
+                deliver([session.take_edge_token(rd, verdict)])
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            if catch_up is not None:
+                catch_up[2].set()
+            if not verdict.more:
+                break
+    finally:
+        await _stop_worker(catch_up)  # the worker must be off the drafter before anyone touches it
     network = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
     totals = replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
-    return session.finish_edge_round(rd, totals, RoundIO(sent, received, network))
+    return session.finish_edge_round(rd, totals, RoundIO(sent, received, network, first_reply_s=first))
+
+
+def _start_catch_up(session: DraftSession, plan: RoundPlan):
+    """While an edge-only round streams, feed the drafter the tokens it has not seen (its plan says
+    whether a drafted round is expected soon); no random number is drawn."""
+    if not (plan.choice or {}).get("catch_up"):
+        return None
+    stop, arrived = threading.Event(), threading.Event()
+    return stop, asyncio.ensure_future(asyncio.to_thread(session.catch_up, stop, arrived)), arrived
 
 
 def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):
@@ -106,10 +123,13 @@ def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):
     return stop, task
 
 
-async def _stop_draft_ahead(ahead) -> None:
-    if ahead is not None:
-        stop, task = ahead
+async def _stop_worker(worker) -> None:
+    """Stop a worker thread started by the round loop (drafting ahead, catching up) and wait for it."""
+    if worker is not None:
+        stop, task = worker[0], worker[1]
         stop.set()
+        if len(worker) > 2:
+            worker[2].set()
         await task
 
 

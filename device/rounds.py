@@ -66,6 +66,7 @@ class RoundIO:
     network_s: float = 0.0          # wall time of the round trips minus the edge's reported time
     residual_trips: int = 0         # DSSD fallback round trips
     residual_bytes: int = 0         # of downlink_bytes: the fallback's replies
+    first_reply_s: float | None = None  # network seconds until the first reply (None: network_s)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ def round_record(rd: RoundDraft, verdict: Verdict, generated: int, io: RoundIO, 
         theoretical_bits=rd.theoretical_bits, support_sizes=tuple(rd.support_sizes), phases=phases,
         drafted_ahead=rd.drafted_ahead, ahead_tokens=drafted if rd.drafted_ahead else 0,
         ahead_discarded=ahead_discarded, threshold=threshold, draft_forwards=rd.draft_forwards,
-        residual_trips=io.residual_trips, residual_bytes=io.residual_bytes)
+        residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
+        first_reply_s=io.network_s if io.first_reply_s is None else io.first_reply_s)
 
 
 def round_settings_json(s: DraftSettings) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, TextIO
@@ -14,6 +15,7 @@ from specdec.common import settings as S
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.protocol import DraftSettings, Hello
+from specdec.device import edge_memory
 from specdec.device.auto import AutoPolicy, LinkTracker
 from specdec.device.client import ConnectionPolicy, GenerationResult, generate
 from specdec.device.fleet import Fleet, Selection, parse_edges
@@ -21,6 +23,8 @@ from specdec.device.lean_drafter import default_drafter_spec, drafter_meta, has_
 from specdec.device.session import DraftSession
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.detokenize import Detokenizer
+
+log = logging.getLogger("specdec.device")
 
 # The default drafter for the embedded target ships in device/drafter_weights (lean_drafter.py).
 # Without those files, or with --draft-layers N, the drafter is the target's own first N layers with
@@ -69,6 +73,8 @@ class DeviceConfig:
     round_timeout: float = 30.0         # a verdict later than this = dead link: reconnect and resume
     reconnect_timeout: float = 60.0     # give up after this long without a working stream
     round_log: bool = False             # JSON output: one entry per round (settings, counts, times, auto's choice)
+    edge_memory: bool = True            # mode auto starts from what this device learned about the edge in
+                                        # earlier processes, and keeps it ($SPECDEC_CACHE_DIR/edges)
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, S.GivenSettings):  # hashable, and checked against the table
@@ -127,6 +133,23 @@ def new_session(cfg: DeviceConfig, drafter: LoadedModel, hello: Hello,
     if cfg.auto:
         policy = AutoPolicy(tracker or LinkTracker(), hello, drafter.vocab_size, draft_ahead=cfg.draft_ahead)
     return session_class(drafter, hello, draft_ahead=cfg.draft_ahead, policy=policy, round_log=cfg.round_log)
+
+
+def device_tracker(cfg: DeviceConfig, drafter: LoadedModel) -> LinkTracker:
+    """Mode auto's memory of the link for this device's sessions: from what earlier processes learned
+    about ``cfg.edge`` with this drafter (device/edge_memory.py), unless ``cfg.edge_memory`` is off."""
+    tracker = LinkTracker()
+    if cfg.edge_memory:
+        restored = edge_memory.load(tracker, cfg.edge, drafter.name)
+        if restored:
+            log.info("mode auto starts from what this device remembers of %s: %s", cfg.edge, ", ".join(restored))
+    return tracker
+
+
+def remember(cfg: DeviceConfig, drafter: LoadedModel, tracker: LinkTracker) -> None:
+    """Keep what ``tracker`` learned for later processes (after each session: I/O)."""
+    if cfg.edge_memory and tracker.rounds_seen:
+        edge_memory.save(tracker, cfg.edge, drafter.name)
 
 
 def connection_policy(cfg: DeviceConfig) -> ConnectionPolicy:
@@ -274,7 +297,7 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.registry)
     results = []
     policy = connection_policy(cfg)
-    tracker = LinkTracker()  # mode auto: what this device learns about its link, across its sessions
+    tracker = device_tracker(cfg, drafter)  # mode auto: what this device knows of its link, across sessions
     async with edge_fleet(cfg) as fleet:
         for i in range(cfg.num_samples):
             hello = cfg.hello(fingerprint, drafter.vocab_size, seed=cfg.seed + i,
@@ -283,6 +306,8 @@ async def run_device(cfg: DeviceConfig, out: TextIO) -> list[dict]:
             streamer = None if cfg.json else _TextStreamer(drafter.tokenizer, out)
             r = await generate(fleet, session, hello, prompt_ids, drafter.eos_token_ids,
                                on_tokens=streamer, timeout=cfg.timeout, metrics=metrics, policy=policy)
+            if cfg.auto:
+                await asyncio.to_thread(remember, cfg, drafter, tracker)
             record = result_json(hello.draft, drafter, session, r)
             results.append(record)
             if streamer is not None:

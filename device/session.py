@@ -38,6 +38,9 @@ from specdec.device.draft_model import DraftModel, DraftStep, EncodedQ, encode_q
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan, round_record, round_settings_json
 
 Listener = Callable[[RoundEvent], None]
+# Tokens fed to the drafter at once while an edge-only round streams: a forward over a few tokens costs
+# about one over a single token, and the tokens arrive one at a time.
+CATCH_UP_MIN = 8
 
 
 class DraftSession:
@@ -161,6 +164,18 @@ class DraftSession:
                            settings=None if s == self.hello.draft else s, **payload)
         self.pending_correction = None
         return block
+
+    def catch_up(self, stop, arrived) -> None:
+        """In a worker thread during an edge-only round: feed the drafter the verified tokens it has not
+        seen, CATCH_UP_MIN or more at a time (all but the last: the next forward needs an input), so the
+        next drafted round need not. Deterministic: no random number is drawn."""
+        while not stop.is_set():
+            target = len(self.tokens) - 1
+            if target - self.model.cache_len >= CATCH_UP_MIN:
+                self.model.feed(self.tokens[:target])
+                continue
+            arrived.wait()
+            arrived.clear()
 
     def take_edge_token(self, rd: RoundDraft, verdict: Verdict) -> int:
         """One streamed token of an edge-only round, committed as it arrives."""

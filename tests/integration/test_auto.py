@@ -33,14 +33,16 @@ class RandomAuto(AutoPolicy):
     """The real controller's plumbing (its settings, its observations) with choices drawn at random
     from every candidate, seeded by the session: many more transitions than a measured link gives
     (edge-only <-> drafted, DSSD <-> drafted ahead, K up and down), each a chance to get one wrong.
-    Half the plans keep the last round's choice."""
+    Half the plans keep the last round's choice; half the edge-only rounds let the drafter catch up
+    while they stream (a drafter cache fed in another thread, between rounds)."""
 
     def choose(self):
         rng = random.Random(self.hello.seed * 1000 + len(self.last_choices))
         keep = self.current is not None and rng.random() < 0.5
         c = self.current if keep else rng.choice(self.candidates)
         self.last_choices.append(c.key)
-        return RoundPlan(self.settings_for(c, rng.choice((1, 2))), decision=AutoDecision(c, None))
+        return RoundPlan(self.settings_for(c, rng.choice((1, 2, 9))), choice={"catch_up": rng.random() < 0.5},
+                         decision=AutoDecision(c, None))
 
 
 def random_auto_session(drafter, hello, session_class=DraftSession):
@@ -168,21 +170,33 @@ def test_control_auto_with_a_device_sampling_another_q_is_detected(twin, tiny_pa
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
 
 
-def test_cli_auto_round_log_names_each_choice_and_its_estimates(tiny_pair_v512) -> None:
+def test_cli_auto_round_log_names_each_choice_and_remembers_the_edge(tiny_pair_v512, tmp_path) -> None:
+    """Each round's choice and estimates in the round log; a device-client process on an edge this
+    device never used starts with an edge-only round, the next process starts from what the first
+    learned ($SPECDEC_CACHE_DIR/edges), and --no-edge-memory starts cold again."""
     target_dir, drafter_dir = tiny_pair_v512
     proc = EdgeProcess("--model", str(target_dir))
+    env = {"SPECDEC_CACHE_DIR": str(tmp_path)}
+    args = ("--edge", proc.address, "--draft-model", str(drafter_dir), "--prompt", "w1 w2 w3", "--raw",
+            "--mode", "auto", "--json", "--round-log", "--max-new-tokens", "16", "--temperature", "1")
     try:
-        out = device_cli("--edge", proc.address, "--draft-model", str(drafter_dir), "--prompt", "w1 w2 w3", "--raw",
-                         "--mode", "auto", "--json", "--round-log", "--max-new-tokens", "16", "--temperature", "1")
+        runs = [device_cli(*args, env=env), device_cli(*args, env=env), device_cli(*args, "--no-edge-memory", env=env)]
         bad = device_cli("--edge", proc.address, "--prompt", "x", "--mode", "automatic")
     finally:
         assert proc.stop() == 0
-    assert out.returncode == 0, out.stderr
-    record = json.loads(out.stdout)
-    assert record["mode"] == "auto" and record["rounds"]
-    assert sum(r["generated"] for r in record["rounds"]) >= 16
-    for entry in record["rounds"]:
+    for out in runs:
+        assert out.returncode == 0, out.stderr
+    first, second, forgetful = (json.loads(out.stdout) for out in runs)
+    assert first["mode"] == "auto" and first["rounds"]
+    assert sum(r["generated"] for r in first["rounds"]) >= 16
+    for entry in first["rounds"] + second["rounds"]:
         auto = entry["auto"]
         assert auto["mode"] == entry["mode"] and auto["predicted_tokens_per_s"] > 0
-        assert {"rtt_s", "uplink_bps", "alpha_base", "draft_s", "verify_base_s"} <= set(auto)
+        assert {"rtt_s", "uplink_bps", "alpha_base", "draft_s", "verify_base_s", "why"} <= set(auto)
+    assert first["rounds"][0]["auto"]["why"] == "cold" and first["rounds"][0]["mode"] == "none"
+    assert forgetful["rounds"][0]["auto"]["why"] == "cold"
+    assert second["rounds"][0]["auto"]["why"] != "cold"
+    # the second starts from the first's measurements, not from the priors a cold start has
+    assert second["rounds"][0]["auto"]["verify_base_s"] != first["rounds"][0]["auto"]["verify_base_s"]
+    assert len(list((tmp_path / "edges").glob("*.json"))) == 1
     assert bad.returncode != 0 and "auto" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

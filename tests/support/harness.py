@@ -125,9 +125,9 @@ def assert_edge_flags_rejected(capsys, bad_argvs) -> None:
         assert len(err.strip().splitlines()) == 1 and err.startswith("edge-server: error:"), (argv, err)
 
 
-def device_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def device_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(VENV_BIN / "device-client"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=procs.child_env())
+                          timeout=timeout, env=procs.child_env(extra=env))
 
 
 ALL_MODES = [m for m in Mode]

@@ -31,9 +31,9 @@ def estimates(**kw) -> A.Estimates:
     return A.Estimates(**{**base, **kw})
 
 
-def event(r: RoundRecord, s: DraftSettings) -> RoundEvent:
+def event(r: RoundRecord, s: DraftSettings, elapsed_s: float = 0.0) -> RoundEvent:
     """A committed round as the session hands it to the policy."""
-    return RoundEvent(record=r, plan=RoundPlan(s), new_tokens=(), q_stats=(), guess=None, elapsed_s=0.0,
+    return RoundEvent(record=r, plan=RoundPlan(s), new_tokens=(), q_stats=(), guess=None, elapsed_s=elapsed_s,
                       edge_hint=None, t=0.0)
 
 
@@ -415,7 +415,7 @@ def test_policy_leaves_speculation_when_the_drafter_is_slow_and_comes_back_to_ch
                             phases={"network": 0.05, "queue": 0.0, "decode": 0.0, "verify": 0.05 * s.edge_tokens})
         else:  # a drafter as slow as the target, accepting little
             r = record(drafted=s.draft_len, accepted=0, up=300, network=0.05, verify=0.05, draft=0.1 * s.draft_len)
-        policy.observe(event(r, s))
+        policy.observe(event(r, s, sum(r.phases.values())))
     assert modes[-10:].count(Mode.NONE) >= 8, modes
     assert Mode.NONE in modes and any(m is not Mode.NONE for m in modes[10:]), "never re-checked drafting"
 

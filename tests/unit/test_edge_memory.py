@@ -1,0 +1,210 @@
+"""Mode auto across sessions and processes (issue 35, item 4): what a device remembers of an edge
+(device/edge_memory.py), a session's first round on a link it knows nothing of, and exploring while
+edge-only rounds look best, priced against them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from specdec.common.protocol import DraftSettings, Hello
+from specdec.common.settings import Mode, resolve
+from specdec.common.stats import RoundRecord
+from specdec.device import edge_memory
+from specdec.device.auto import REMEMBERED_POSITIONS, AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.rounds import RoundEvent, RoundPlan
+
+V = 49152
+HELLO = Hello(vocab_fingerprint="x", vocab_size=V, temperature=1.0, draft=resolve({}, vocab_size=V), seed=0,
+              max_new_tokens=512)
+EDGE = "edge.example:50051"
+
+
+def drafted(s: DraftSettings, accepted: int, network=0.08, verify=0.06, draft=0.03, up=1500) -> RoundRecord:
+    return RoundRecord(mode=s.mode.value, drafted_tokens=s.draft_len, positions=s.draft_len, accepted=accepted,
+                       generated=accepted + 1, uplink_bytes=up, downlink_bytes=40,
+                       phases={"draft": draft * s.draft_len, "encode": 0.0, "network": network, "queue": 0.0,
+                               "decode": 0.0, "verify": verify}, draft_forwards=s.draft_len)
+
+
+def edge_only(n: int, first=0.08, per_token=0.05) -> RoundRecord:
+    return RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=n, uplink_bytes=30,
+                       downlink_bytes=40 * n, phases={"network": first + 0.002 * n, "queue": 0.0, "decode": 0.0,
+                                                      "verify": per_token * n}, first_reply_s=first)
+
+
+def commit(policy: AutoPolicy, s: DraftSettings, r: RoundRecord) -> None:
+    plan = RoundPlan(s)
+    policy.observe(RoundEvent(record=r, plan=plan, new_tokens=(), q_stats=(), guess=None,
+                              elapsed_s=sum(r.phases.values()), edge_hint=None, t=0.0))
+
+
+def warm_tracker(accepted: int = 3) -> LinkTracker:
+    tracker = LinkTracker()
+    policy = AutoPolicy(tracker, HELLO, V)
+    s = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
+    for i in range(12):
+        commit(policy, s, drafted(s, accepted, up=1500 + 700 * (i % 3), network=0.08 + 0.0005 * (i % 3)))
+    return tracker
+
+
+# -- the memory file ------------------------------------------------------------------------------
+def test_a_new_process_starts_from_what_the_last_one_learned(tmp_path) -> None:
+    before = warm_tracker()
+    edge_memory.save(before, EDGE, "drafter-a", tmp_path)
+    after = LinkTracker()
+    assert edge_memory.load(after, EDGE, "drafter-a", tmp_path) == ["link", "models"]
+    e0, e1 = before.estimates(1.0, V), after.estimates(1.0, V)
+    assert after.known and not LinkTracker().known
+    assert e1.rtt_s == pytest.approx(e0.rtt_s) and e1.uplink_bps == pytest.approx(e0.uplink_bps)
+    assert (e1.verify_base_s, e1.verify_per_token_s) == pytest.approx((e0.verify_base_s, e0.verify_per_token_s))
+    assert e1.draft_s == pytest.approx(e0.draft_s)
+    # the long-run acceptance comes back, weighing at most REMEMBERED_POSITIONS positions
+    assert after.model(1.0).long.rate == pytest.approx(before.model(1.0).long.rate)
+    assert after.model(1.0).long.trials == pytest.approx(min(REMEMBERED_POSITIONS, before.model(1.0).long.trials))
+    # another drafter, or another edge, starts cold
+    assert edge_memory.load(LinkTracker(), EDGE, "drafter-b", tmp_path) == ["link"]
+    assert edge_memory.load(LinkTracker(), "other:1", "drafter-a", tmp_path) == []
+
+
+def test_an_old_link_is_forgotten_before_the_models(tmp_path) -> None:
+    now = time.time()
+    edge_memory.save(warm_tracker(), EDGE, "d", tmp_path, now=now)
+    assert edge_memory.load(LinkTracker(), EDGE, "d", tmp_path, now=now + edge_memory.LINK_TTL_S + 1) == ["models"]
+    assert edge_memory.load(LinkTracker(), EDGE, "d", tmp_path, now=now + edge_memory.MODEL_TTL_S + 1) == []
+    t = LinkTracker()
+    edge_memory.load(t, EDGE, "d", tmp_path, now=now + edge_memory.LINK_TTL_S + 1)
+    assert not t.known  # acceptance remembered, the link not: the first round is still a cold one
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: "{not json",
+    lambda d: json.dumps({**d, "version": 99}),
+    lambda d: json.dumps({**d, "link": {**d["link"], "state": {**d["link"]["state"], "rtt_s": float("nan")}}}),
+    lambda d: json.dumps({**d, "link": {**d["link"], "state": {**d["link"]["state"], "uplink_bps": -5}}}),
+    lambda d: json.dumps({**d, "drafters": {"d": {**d["drafters"]["d"], "state": {"temperatures": {"1.0": {}}}}}}),
+    lambda d: json.dumps({**d, "link": {**d["link"], "state": {**d["link"]["state"], "verify": [[1]]}}}),
+    lambda d: json.dumps({**d, "link": {**d["link"], "state": {**d["link"]["state"], "time_scale": {"warp:1": 1}}}}),
+    lambda d: json.dumps([1, 2, 3]),
+    lambda d: "x" * (edge_memory.MAX_FILE_BYTES + 1),
+])
+def test_a_damaged_memory_is_ignored_and_replaced(tmp_path, damage) -> None:
+    edge_memory.save(warm_tracker(), EDGE, "d", tmp_path)
+    path = edge_memory.memory_path(EDGE, tmp_path)
+    path.write_text(damage(json.loads(path.read_text())))
+    t = LinkTracker()
+    assert edge_memory.load(t, EDGE, "d", tmp_path) == []
+    assert not t.known and t.estimates(1.0, V) == LinkTracker().estimates(1.0, V)  # nothing half-applied
+    edge_memory.save(warm_tracker(), EDGE, "d", tmp_path)  # the next save writes a good one
+    assert edge_memory.load(LinkTracker(), EDGE, "d", tmp_path) == ["link", "models"]
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from specdec.common.protocol import DraftSettings
+from specdec.common.settings import Mode
+from specdec.common.stats import RoundRecord
+from specdec.device import edge_memory
+from specdec.device.auto import LinkTracker
+root, drafter, edge = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+t = LinkTracker()
+s = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
+for i in range(int(sys.argv[4])):
+    t.observe_round(RoundRecord(mode="tslt", drafted_tokens=4, positions=4, accepted=i % 5, generated=i % 5 + 1,
+                                uplink_bytes=1500 + 100 * i, phases={"network": 0.05 + 1e-4 * i, "verify": 0.06}),
+                    s, 1.0, 49152)
+    edge_memory.save(t, edge, drafter, root)
+"""
+
+
+def test_concurrent_writers_never_leave_a_broken_file_and_keep_each_drafter(tmp_path) -> None:
+    """Four processes save at once while this one reads: every read finds a whole file, and the
+    merge under the lock keeps every writer's drafter."""
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), f"drafter-{i}", EDGE, "40"],
+                                stderr=subprocess.PIPE, text=True) for i in range(4)]
+    reads = 0
+    while any(w.poll() is None for w in writers):
+        if edge_memory.memory_path(EDGE, tmp_path).exists():
+            assert edge_memory.load(LinkTracker(), EDGE, "drafter-0", tmp_path) in (["link"], ["link", "models"])
+            reads += 1
+    for w in writers:
+        assert w.wait() == 0, w.stderr.read()
+    data = json.loads(edge_memory.memory_path(EDGE, tmp_path).read_text())
+    assert sorted(data["drafters"]) == [f"drafter-{i}" for i in range(4)] and reads > 0
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# -- the first rounds ------------------------------------------------------------------------------
+def test_the_first_round_on_an_unknown_link_is_edge_only_and_the_drafter_catches_up() -> None:
+    plan = AutoPolicy(LinkTracker(), HELLO, V).choose()
+    assert plan.settings.mode is Mode.NONE and plan.settings.edge_tokens == 8
+    assert plan.choice["why"] == "cold" and plan.choice["catch_up"]
+    # a device that knows the link (this process, or remembered) starts as its estimates say
+    known = AutoPolicy(warm_tracker(), HELLO, V).choose()
+    assert known.settings.mode is not Mode.NONE and known.choice["why"] is None
+    assert AutoPolicy(LinkTracker(AutoConfig(cold_start=False)), HELLO, V).choose().settings.mode is not Mode.NONE
+
+
+def test_edge_only_rounds_measure_the_round_trip_by_their_first_token() -> None:
+    tracker = LinkTracker()
+    policy = AutoPolicy(tracker, HELLO, V)
+    commit(policy, policy.choose().settings, edge_only(8, first=0.5))  # the session's first: the prefill's too
+    assert tracker.rtt_s() == 0.0
+    for _ in range(3):
+        commit(policy, replace(DraftSettings(), mode=Mode.NONE, edge_tokens=16), edge_only(16, first=0.12))
+    assert tracker.rtt_s() == pytest.approx(0.12, abs=0.005)
+
+
+# -- exploring -------------------------------------------------------------------------------------
+def poor_session(explore_cost: float = 0.05) -> tuple[AutoPolicy, list]:
+    """A session whose drafter is never right, driven for 60 rounds: (policy, [(settings, choice)])."""
+    tracker = warm_tracker(accepted=0)
+    tracker.config = replace(tracker.config, explore_cost=explore_cost)
+    policy = AutoPolicy(tracker, HELLO, V)
+    log = []
+    for _ in range(60):
+        plan = policy.choose()
+        s = plan.settings
+        log.append((s, plan.choice))
+        commit(policy, s, edge_only(s.edge_tokens) if s.mode is Mode.NONE else drafted(s, 0))
+    return policy, log
+
+
+def test_edge_only_sessions_keep_exploring_at_a_bounded_cost() -> None:
+    """A drafter that is never right: the session settles on edge-only rounds but drafts one now and
+    then, once the edge-only time since the last drafted round paid for it; an edge-only round ends
+    where the next exploration is due, and the drafter catches up during the round before it."""
+    policy, log = poor_session()
+    kinds = [s.mode for s, _ in log]
+    explores = [i for i, (_, c) in enumerate(log) if c["why"] == "explore"]
+    assert kinds[-20:].count(Mode.NONE) >= 15 and len(explores) >= 2, kinds
+    for i in explores[1:]:
+        before = [log[j] for j in range(i - 1, -1, -1)]
+        run = next(k for k, (s, _) in enumerate(before) if s.mode is not Mode.NONE)
+        assert run >= 1 and before[0][1]["catch_up"]  # the round before an exploration reads the tokens
+    edge_s = sum(sum(edge_only(s.edge_tokens).phases.values()) for s, _ in log if s.mode is Mode.NONE)
+    explore_s = sum(sum(drafted(s, 0).phases.values()) for s, c in log if c["why"] == "explore")
+    assert explore_s <= 0.15 * (edge_s + explore_s)  # the price: a few % of the time, not half of it
+    # pricier exploring is rarer
+    _, cheap = poor_session(explore_cost=0.2)
+    assert sum(c["why"] == "explore" for _, c in cheap) > len(explores)
+
+
+def test_exploring_is_a_function_of_committed_rounds_only() -> None:
+    """The same committed rounds give the same plans (no clock, no randomness of the rounds)."""
+    a = [(s, c["why"]) for s, c in poor_session()[1]]
+    b = [(s, c["why"]) for s, c in poor_session()[1]]
+    assert a == b
+
+
+def test_a_drafter_that_turns_good_brings_drafting_back() -> None:
+    policy, log = poor_session()
+    for _ in range(80):
+        s = policy.choose().settings
+        commit(policy, s, edge_only(s.edge_tokens) if s.mode is Mode.NONE else drafted(s, s.draft_len))
+    assert policy.choose().settings.mode is not Mode.NONE
