@@ -42,6 +42,27 @@ def accepting_pair_v512(tiny_pair_v512, tmp_path_factory) -> tuple[Path, Path]:
     return target, tiny_models.make_close_drafter(target, root / "draft-v512", noise=GREEDY_DRAFT_NOISE)
 
 
+# The default drafter's construction on the tiny target: int4 decoder layers (bfloat16 activations)
+# with a head that leaves out "<unk>" and "w5" (ids 0 and 7), which the target does emit: q = 0
+# there, so those tokens only ever come from the edge's residual.
+INT4_HEAD_IDS = (1, 2, 3, 4, 5, 6)
+
+
+@pytest.fixture(scope="session")
+def int4_reduced_head_drafter(tiny_pair_v8, tmp_path_factory):
+    """The int4 reduced-head drafter of tiny_pair_v8's target, as a ModelSpec (each process of a test
+    loads it from there)."""
+    from specdec.common.modeling import ModelSpec
+    from specdec.device import lean_drafter
+    from tests.support.harness import load_spec
+
+    delta = tmp_path_factory.mktemp("int4_drafter")
+    lean_drafter.save_drafter(delta, torch.tensor(INT4_HEAD_IDS), {"name": "tiny-int4", "num_layers": 2, "int4": True})
+    spec = ModelSpec(model=str(tiny_pair_v8[0]), delta=str(delta), builder=lean_drafter.DELTA_BUILDER)
+    assert isinstance(load_spec(spec).model.layers[0].qkv, lean_drafter.Int4Linear)  # int4 really runs
+    return spec
+
+
 @pytest.fixture(scope="session")
 def twin(tmp_path_factory):
     """A helper process that runs half of a statistical test's seeded sessions while this process

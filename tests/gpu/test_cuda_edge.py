@@ -29,7 +29,7 @@ from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 from specdec.edge.verifier import EdgeLimits
-from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.harness import device_config, load, run_sessions
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 

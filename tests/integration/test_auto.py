@@ -1,15 +1,17 @@
 """mode auto end to end: a device whose controller changes mode, K and draft length (edge-only rounds
-included) between rounds stays lossless, greedy and sampled, over real gRPC with tiny models."""
+included) between rounds stays lossless, greedy and sampled, with tiny models: its exact law in
+process (over real gRPC in the slow tier), its negative control and the rest over real gRPC."""
 from __future__ import annotations
 
 import json
 import random
 from collections import Counter
 
+import pytest
 import torch
 
-from tests.support.harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, split_sessions,
-                     target_greedy)
+from tests.support.harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions,
+                                  target_greedy)
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.auto import AutoConfig, AutoDecision, AutoPolicy, LinkTracker
@@ -19,12 +21,10 @@ from specdec.device.session import DraftSession
 from specdec.device.openai_schema import parse_overrides
 from specdec.device.runner import DeviceConfig
 from specdec.edge.verifier import EdgeLimits
-from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, exact_law
+from tests.support.laws import CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, N_TOKENS, PROMPT, law_counts
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
-NUM_SESSIONS = 1500
-CONTROL_SESSIONS = 600
-CONCURRENCY = 4
+AHEAD_KEPT_PER_SESSION = 20 / 1500  # at least: rounds drafted ahead and kept (> 20 at 1500 sessions)
 # Candidates small enough for the 8-token vocabulary: supports 1-8, K-SQS on a coarse lattice.
 TINY = AutoConfig(top_ks=(1, 3, 8), ksqs_ks=(3,), lattice=8, draft_lens=(1, 2, 3), dssd=True)  # every mode
 
@@ -98,14 +98,11 @@ def test_greedy_auto_equals_the_target_greedy_decode(tiny_pair_v512) -> None:
             assert len(modes) >= 3, modes  # the test exercised switches between modes
 
 
-def _counts(twin, tiny_pair, factory, sessions: int) -> tuple[Counter, dict, list]:
-    """Sequence counts of seeded sessions over real gRPC, half in the ``twin`` process (harness)."""
-    target_dir, drafter_dir = tiny_pair
+def _counts(twin, tiny_pair, factory, sessions: int, over_grpc: bool = False) -> tuple[Counter, dict, list]:
+    """Sequence counts of seeded sessions (in process or over gRPC), half in the ``twin`` process."""
     # Sessions run past the tokens the law covers, so that rounds drafted ahead land inside them.
-    cfg_kw = dict(temperature=1.0, max_new_tokens=N_TOKENS + 3, mode="auto")
-    law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
-    results = split_sessions(twin, range(sessions), target_dir, drafter_dir, cfg_kw, PROMPT, factory, CONCURRENCY)
-    return Counter(tuple(tokens[:N_TOKENS]) for tokens, _, _ in results), law, results
+    return law_counts(twin, *tiny_pair, num_sessions=sessions, over_grpc=over_grpc, session_factory=factory,
+                      max_new_tokens=N_TOKENS + 3, draft_len=None, mode="auto")
 
 
 def test_random_auto_covers_every_kind_of_round(tiny_pair_v8) -> None:
@@ -140,9 +137,13 @@ def test_auto_stays_within_the_limits_of_a_smaller_edge(tiny_pair_v8) -> None:
     assert all(s.policy.dssd_samples == 2 for _, _, s in results)
 
 
-def test_auto_switching_every_round_is_lossless(twin, tiny_pair_v8) -> None:
-    counts, law, results = _counts(twin, tiny_pair_v8, random_auto_session, NUM_SESSIONS)
-    assert sum(s.stats.ahead_rounds_used for _, _, s in results) > 20  # rounds drafted ahead were kept too
+@pytest.mark.parametrize("sessions", [LAW_SESSIONS, pytest.param(HIGH_POWER_SESSIONS, marks=pytest.mark.slow)],
+                         ids=["default", "high-power"])
+def test_auto_switching_every_round_is_lossless(twin, tiny_pair_v8, sessions) -> None:
+    """Over gRPC: rounds are drafted ahead while the edge verifies (in process nothing waits for a verdict)."""
+    counts, law, results = _counts(twin, tiny_pair_v8, random_auto_session, sessions, over_grpc=True)
+    kept_ahead = sum(s.stats.ahead_rounds_used for _, s in results)
+    assert kept_ahead > sessions * AHEAD_KEPT_PER_SESSION, kept_ahead  # rounds drafted ahead were kept too
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     print(f"mode auto, random choices: {fit}")
@@ -164,7 +165,7 @@ def random_auto_sampling_another_q(drafter, hello):
 
 
 def test_control_auto_with_a_device_sampling_another_q_is_detected(twin, tiny_pair_v8) -> None:
-    counts, law, _ = _counts(twin, tiny_pair_v8, random_auto_sampling_another_q, CONTROL_SESSIONS)
+    counts, law, _ = _counts(twin, tiny_pair_v8, random_auto_sampling_another_q, CONTROL_SESSIONS, over_grpc=True)
     fit = goodness_of_fit(counts, law)
     print(f"control under auto: {fit}")
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"

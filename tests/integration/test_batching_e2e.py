@@ -18,7 +18,7 @@ from specdec.common.modeling import encode_prompt
 from specdec.device.session import DraftSession
 from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
-from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import HIGH_POWER_SESSIONS, LAW_SESSIONS, N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 PROMPTS = ["w1 w2 w3", "w40 w7", "w300 w301 w302 w303 w9"]
@@ -32,7 +32,6 @@ MIXED = {
     "tree": dict(mode="tslt", top_k=16, tree=(2, 2)),
     "none": dict(mode="none"),
 }
-LAW_SESSIONS = 1000
 LAW_CONCURRENCY = 8
 
 
@@ -73,14 +72,16 @@ def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache) 
     assert len(curve) >= 5 and all(seconds > 0 for _, seconds in curve) and curve[0][0] == 1, curve
 
 
-def test_target_law_holds_with_eight_sessions_per_forward(tiny_pair_v8) -> None:
+@pytest.mark.parametrize("num_sessions", [LAW_SESSIONS, pytest.param(HIGH_POWER_SESSIONS, marks=pytest.mark.slow)],
+                         ids=["default", "high-power"])
+def test_target_law_holds_with_eight_sessions_per_forward(tiny_pair_v8, num_sessions) -> None:
     target_dir, drafter_dir = tiny_pair_v8
     metrics = EdgeMetrics()
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=2, mode="tslt", top_k=3)
 
     async def main():
         async with edge(target_dir, metrics=metrics) as address:
-            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(LAW_SESSIONS),
+            return await run_sessions(address, drafter_dir, cfg, PROMPT, range(num_sessions),
                                       concurrency=LAW_CONCURRENCY)
 
     counts = Counter(tuple(tokens) for tokens, _, _ in run(main()))
@@ -88,7 +89,7 @@ def test_target_law_holds_with_eight_sessions_per_forward(tiny_pair_v8) -> None:
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     forwards, sessions = mean_batch(metrics)
-    print(f"{LAW_SESSIONS} sessions, {forwards:.0f} forwards, {sessions:.2f} sessions per forward: {fit}")
+    print(f"{num_sessions} sessions, {forwards:.0f} forwards, {sessions:.2f} sessions per forward: {fit}")
     assert sessions > 1.5, "sessions did not share forwards: the law was not tested under batching"
     assert fit.p_value > P_VALUE_CUT, str(fit)
 

@@ -25,7 +25,7 @@ from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.session import DraftSession
 from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
-from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.harness import device_config, load
 from tests.support.inprocess import run_seeds
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit

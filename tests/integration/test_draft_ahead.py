@@ -26,7 +26,7 @@ from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.session import DraftSession
 from specdec.device.runner import edge_channel
-from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, PROMPT, TEMPERATURE, law_counts
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 SEEDS = range(40)
@@ -187,30 +187,28 @@ def guessing_pair(tiny_pair_v8, tmp_path_factory) -> tuple[Path, Path]:
     return target, make_close_drafter(target, tmp_path_factory.mktemp("guessing") / "draft", noise=0.05)
 
 
-AHEAD_SESSIONS = 1500
-MIN_KEPT_AHEAD = 900  # measured ~1140 of 1500
+MIN_KEPT_SHARE = 0.6  # of sessions keeping a round drafted ahead: measured ~1140 of 1500
 
 
-def _ahead_counts(twin, pair, num_sessions=AHEAD_SESSIONS, patches=()):
+def _ahead_counts(twin, pair, num_sessions=LAW_SESSIONS, patches=(), over_grpc=False):
     """(sequence counts, exact law, rounds drafted ahead and kept) with every round drafted ahead;
     half of the sessions in the twin process (``patches`` apply in both)."""
-    target_dir, drafter_dir = pair
     # L = 1: a round drafted ahead is still inside the first N_TOKENS tokens the law covers
-    cfg_kw = dict(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=1, mode=Mode.TSLT, top_k=3)
-    law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
-    results = split_sessions(twin, range(num_sessions), target_dir, drafter_dir, cfg_kw, PROMPT, AheadToTheEnd,
-                             concurrency=4, patches=patches)
-    kept = sum(s.stats.ahead_rounds_used for _, _, s in results)
-    return Counter(tuple(t) for t, _, _ in results), law, kept
+    counts, law, results = law_counts(twin, *pair, num_sessions=num_sessions, over_grpc=over_grpc,
+                                      session_factory=AheadToTheEnd, patches=patches, draft_len=1, mode=Mode.TSLT,
+                                      top_k=3)
+    return counts, law, sum(s.stats.ahead_rounds_used for _, s in results)
 
 
-def test_drafting_ahead_is_lossless(twin, guessing_pair) -> None:
-    """The statistical test of test_lossless_e2e with every round drafted ahead where possible, on a
-    pair where most rounds drafted ahead (on the coupled bonus's guess) are kept."""
-    counts, law, kept = _ahead_counts(twin, guessing_pair)
+@pytest.mark.parametrize("num_sessions, over_grpc", [
+    (LAW_SESSIONS, False), pytest.param(HIGH_POWER_SESSIONS, True, marks=pytest.mark.slow)], ids=["in-process", "grpc"])
+def test_drafting_ahead_is_lossless(twin, guessing_pair, num_sessions, over_grpc) -> None:
+    """The exact-law test with every round drafted ahead where possible, on a pair where most rounds
+    drafted ahead (on the coupled bonus's guess) are kept."""
+    counts, law, kept = _ahead_counts(twin, guessing_pair, num_sessions, over_grpc=over_grpc)
     fit = goodness_of_fit(counts, law)
-    print(f"drafting ahead: {kept} of {AHEAD_SESSIONS} sessions kept a round drafted ahead; {fit}")
-    assert kept >= MIN_KEPT_AHEAD, f"only {kept} rounds drafted ahead were kept: the test has little power"
+    print(f"drafting ahead: {kept} of {num_sessions} sessions kept a round drafted ahead; {fit}")
+    assert kept >= MIN_KEPT_SHARE * num_sessions, f"only {kept} rounds drafted ahead were kept: little power"
     assert fit.p_value > P_VALUE_CUT, f"drafting ahead: {fit}"
 
 
@@ -221,7 +219,8 @@ def _uniform_not_gumbel(generator, vocab_size):
 def test_control_coupled_bonus_with_uniform_noise_is_detected(twin, guessing_pair) -> None:
     """Negative control: the coupled bonus drawn as argmax(log p + u) with uniform u (the Gumbel
     transform forgotten) on both sides. The guesses still succeed, but the bonus is no draw from p."""
-    counts, law, kept = _ahead_counts(twin, guessing_pair, num_sessions=600, patches=[(V, "gumbel_noise", _uniform_not_gumbel)])
+    counts, law, kept = _ahead_counts(twin, guessing_pair, num_sessions=CONTROL_SESSIONS, over_grpc=True,
+                                      patches=[(V, "gumbel_noise", _uniform_not_gumbel)])
     fit = goodness_of_fit(counts, law)
     print(f"control, uniform bonus noise: {kept} kept; {fit}")
     assert kept > 0 and fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"

@@ -24,7 +24,7 @@ from specdec.device.runner import open_channel
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
 from specdec.edge.verifier import EdgeLimits
-from tests.integration.test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.integration.test_resume_lossless import OneGeneratorPerSession
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 

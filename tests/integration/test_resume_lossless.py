@@ -41,7 +41,7 @@ from specdec.edge import servicer
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import target_info
 from specdec.edge.verifier import EdgeLimits, VerifierSession
-from tests.integration.test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 NUM_SESSIONS = 1200  # the control falls far below the cut at this size (p ~ 1e-10 expected)

@@ -1,22 +1,25 @@
-"""Token trees (MC-DSD, TSLT §4) end to end over real gRPC, and the tree attention they rely on."""
+"""Token trees (MC-DSD, TSLT §4) end to end over real gRPC, and the tree attention they rely on.
+
+The tree transport path's exact law runs here over gRPC (TSLT trees; dense and K-SQS trees in
+process, test_lossless_in_process.py; all three here in the slow tier), with a negative control."""
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 
-from tests.support.harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
+from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
+from specdec.common import verification
 from specdec.common.settings import Mode
 from specdec.common.modeling import CachedLM, encode_prompt
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from tests.integration.test_lossless_e2e import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
-from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.support.laws import (CONTROL_SESSIONS, LAW_SESSIONS, TREE_LAW, TREE_MODES, assert_lossless,
+                                assert_rejected, law_counts)
 
 PROMPTS = ["w1 w2 w3", "w300 w301 w302 w303 w9"]
 MAX_NEW = 12
-TREE_SESSIONS = 1200  # statistical tree runs: ~30 s each here
+TREE_SESSIONS = 1200  # the slow tier's statistical tree runs: ~30 s each here
 
 
 @pytest.mark.parametrize("tree", [(2, 2, 2), (3, 1, 1), (1, 1, 1, 1)], ids=str)
@@ -53,19 +56,34 @@ def test_chain_shaped_tree_is_the_chain_draw_for_draw(tiny_pair_v512) -> None:
     assert [t for t, _, _ in tree] == [t for t, _, _ in chain]
 
 
-@pytest.mark.parametrize("kw", [dict(mode=Mode.DENSE, dense_dtype="fp32"), dict(mode=Mode.TSLT, top_k=3),
-                                dict(mode=Mode.KSQS, top_k=3, lattice=8)], ids=lambda kw: kw["mode"].value)
-def test_branching_tree_is_lossless(twin, tiny_pair_v8, kw) -> None:
-    target_dir, drafter_dir = tiny_pair_v8
-    cfg_kw = dict(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, tree=(2, 2), **kw)
-    tok = load(str(drafter_dir)).tokenizer
-    law = exact_law(str(target_dir), tuple(encode_prompt(tok, PROMPT, raw=True)))
-    # half of the sessions in the twin process (harness.Twin): same seeds, same tokens, both cores
-    results = split_sessions(twin, range(TREE_SESSIONS), target_dir, drafter_dir, cfg_kw, PROMPT,
-                             concurrency=CONCURRENCY)
-    counts = Counter(tuple(tokens) for tokens, _, _ in results)
-    fit = goodness_of_fit(counts, law)
-    assert fit.p_value > P_VALUE_CUT, str(fit)
+def test_branching_tree_is_lossless_over_grpc(twin, tiny_pair_v8) -> None:
+    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=LAW_SESSIONS, over_grpc=True, **TREE_LAW,
+                                **TREE_MODES["tslt"])
+    assert_lossless(counts, law, "tree <2,2>, tslt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TREE_MODES))
+def test_branching_tree_is_lossless_high_power(twin, tiny_pair_v8, name) -> None:
+    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=TREE_SESSIONS, over_grpc=True, **TREE_LAW,
+                                **TREE_MODES[name])
+    assert_lossless(counts, law, f"tree <2,2>, {name}")
+
+
+_IID_CANDIDATES = verification.sample_candidates
+
+
+def candidates_without_replacement(q, k, generator, with_replacement=True):
+    """BROKEN (the classic multi-candidate slip): siblings drawn without replacement while the edge
+    verifies them as i.i.d. draws (recursive rejection sampling is exact for i.i.d. candidates only)."""
+    return _IID_CANDIDATES(q, k, generator, with_replacement=False)
+
+
+def test_control_tree_siblings_drawn_without_replacement_are_detected(twin, tiny_pair_v8) -> None:
+    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=CONTROL_SESSIONS, over_grpc=True,
+                                patches=[(verification, "sample_candidates", candidates_without_replacement)],
+                                **TREE_LAW, **TREE_MODES["tslt"])
+    assert_rejected(counts, law, "tree siblings without replacement")
 
 
 def _fresh_logits(model, ids: list[int]) -> torch.Tensor:
