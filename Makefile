@@ -34,11 +34,14 @@ proto: $(PB_OUT)
 system-deps:
 	@.ci/system-deps.sh
 
+# The default tier (what CI runs; docs/testing.md): at most 10 minutes on 2 cores. It ends with the
+# slowest tests and their seconds, so a test that grows shows up where it is.
 test: $(PB_OUT) system-deps
-	$(VENV)/bin/pytest -m "not slow and not gpu" tests
+	$(VENV)/bin/pytest -m "not slow and not gpu" --durations=25 tests
 
+# The slow tier: the high-power exact-law runs over gRPC, full fuzzing, the other resume paths.
 test-slow: $(PB_OUT)
-	$(VENV)/bin/pytest -m "slow" tests
+	$(VENV)/bin/pytest -m "slow" --durations=25 tests
 
 # The edge's real paths on CUDA (tests/gpu; they skip without a GPU, saying so). `make gpu-check` runs
 # them on a lent GPU machine.
