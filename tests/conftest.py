@@ -64,6 +64,18 @@ def int4_reduced_head_drafter(tiny_pair_v8, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def bearer_tokens(tmp_path_factory) -> Path:
+    """Bearer-token files: the edge's accepted tokens (alice's and bob's, after a comment line), each
+    device's own, and one the edge does not know."""
+    d = tmp_path_factory.mktemp("tokens")
+    (d / "edge.tokens").write_text("# accepted device tokens\ns3cret-alice\ns3cret-bob\n")
+    (d / "alice.token").write_text("s3cret-alice\n")
+    (d / "bob.token").write_text("s3cret-bob\n")
+    (d / "wrong.token").write_text("guess\n")
+    return d
+
+
+@pytest.fixture(scope="session")
 def twin(tmp_path_factory):
     """A helper process that runs half of a statistical test's seeded sessions while this process
     runs the other half (harness.Twin): the suite's long statistical runs use both cores. The merged

@@ -32,15 +32,6 @@ ALICE_PRINCIPAL = f"token:{token_digest('s3cret-alice')[:16]}"
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    d = tmp_path_factory.mktemp("admission-tokens")
-    (d / "edge.tokens").write_text("s3cret-alice\ns3cret-bob\n")
-    (d / "alice.token").write_text("s3cret-alice\n")
-    (d / "bob.token").write_text("s3cret-bob\n")
-    return d
-
-
 def _greedy(pair) -> list[int]:
     return target_greedy(pair[0], encode_prompt(load(str(pair[1])).tokenizer, PROMPT, raw=True), MAX_NEW)
 
@@ -64,7 +55,7 @@ async def _device_session(address, pair, **kw):
 
 # -- the per-principal cap --------------------------------------------------------------------------
 
-def test_cap_per_bearer_token_principal(tiny_pair_v512, tokens) -> None:
+def test_cap_per_bearer_token_principal(tiny_pair_v512, bearer_tokens) -> None:
     """Alice at her cap of 2 is refused a third session (device client: RESOURCE_EXHAUSTED, the
     principal and the cap in the message, not retried); Bob is not affected, nor are Alice's two,
     and once one of hers closes she gets a session again."""
@@ -72,17 +63,17 @@ def test_cap_per_bearer_token_principal(tiny_pair_v512, tokens) -> None:
     metrics = EdgeMetrics()
 
     async def main():
-        async with edge(tiny_pair_v512[0], metrics=metrics, auth_token_file=str(tokens / "edge.tokens"),
+        async with edge(tiny_pair_v512[0], metrics=metrics, auth_token_file=str(bearer_tokens / "edge.tokens"),
                         limits=EdgeLimits(max_sessions=8),
                         admission=AdmissionSettings(max_sessions_per_principal=2)) as address:
             held = [await RawSession(address, drafter, ALICE).open() for _ in range(2)]
             t0 = time.monotonic()
-            refused = await _device_session(address, tiny_pair_v512, auth_token_file=str(tokens / "alice.token"))
+            refused = await _device_session(address, tiny_pair_v512, auth_token_file=str(bearer_tokens / "alice.token"))
             refused_after = time.monotonic() - t0
             raw_refused = await RawSession(address, drafter, ALICE).open()
-            bob = await _device_session(address, tiny_pair_v512, auth_token_file=str(tokens / "bob.token"))
+            bob = await _device_session(address, tiny_pair_v512, auth_token_file=str(bearer_tokens / "bob.token"))
             closed = [await h.close() for h in held[:1]]
-            again = await _device_session(address, tiny_pair_v512, auth_token_file=str(tokens / "alice.token"))
+            again = await _device_session(address, tiny_pair_v512, auth_token_file=str(bearer_tokens / "alice.token"))
             closed.append(await held[1].close())
             return held, refused, refused_after, raw_refused, bob, closed, again
 
@@ -135,14 +126,14 @@ def test_cap_per_peer_host_without_auth(tiny_pair_v512) -> None:
     assert _sample(metrics, "specdec_edge_admission_rejected_total", {"reason": "principal_cap"}) == 1
 
 
-def test_resuming_own_detached_session_is_not_refused(tiny_pair_v512, tokens) -> None:
+def test_resuming_own_detached_session_is_not_refused(tiny_pair_v512, bearer_tokens) -> None:
     """A detached session (stream broken, within the resume window) counts against its principal:
     a new session over the cap is refused, but resuming that session is not."""
     drafter = load(str(tiny_pair_v512[1]))
     metrics = EdgeMetrics()
 
     async def main():
-        async with edge(tiny_pair_v512[0], metrics=metrics, auth_token_file=str(tokens / "edge.tokens"),
+        async with edge(tiny_pair_v512[0], metrics=metrics, auth_token_file=str(bearer_tokens / "edge.tokens"),
                         admission=AdmissionSettings(max_sessions_per_principal=1)) as address:
             first = await RawSession(address, drafter, ALICE).open()
             await first.drop()  # returns once the edge has seen the break and detached the session

@@ -30,15 +30,6 @@ def pki(tmp_path_factory):
             "mallory": other_ca.issue("mallory", server=False), "dir": d}
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tokens")
-    (d / "edge.tokens").write_text("# accepted device tokens\ns3cret-alice\ns3cret-bob\n")
-    (d / "alice.token").write_text("s3cret-alice\n")
-    (d / "wrong.token").write_text("guess\n")
-    return d
-
-
 def _greedy(pair) -> list[int]:
     tok = load(str(pair[1])).tokenizer
     return target_greedy(pair[0], encode_prompt(tok, PROMPT, raw=True), MAX_NEW)
@@ -83,11 +74,11 @@ def test_mutual_tls_needs_a_client_certificate_from_the_trusted_ca(tiny_pair_v51
         assert metrics.registry.get_sample_value("specdec_edge_sessions_started_total", {"mode": "tslt"}) is None
 
 
-def test_bearer_token_is_checked_before_any_model_work(tiny_pair_v512, tokens) -> None:
-    edge_kw = {"auth_token_file": str(tokens / "edge.tokens")}
-    ok, _ = _session(tiny_pair_v512, edge_kw, auth_token_file=str(tokens / "alice.token"))
+def test_bearer_token_is_checked_before_any_model_work(tiny_pair_v512, bearer_tokens) -> None:
+    edge_kw = {"auth_token_file": str(bearer_tokens / "edge.tokens")}
+    ok, _ = _session(tiny_pair_v512, edge_kw, auth_token_file=str(bearer_tokens / "alice.token"))
     assert ok == _greedy(tiny_pair_v512)
-    for device_kw in ({}, {"auth_token_file": str(tokens / "wrong.token")}):
+    for device_kw in ({}, {"auth_token_file": str(bearer_tokens / "wrong.token")}):
         out, metrics = _session(tiny_pair_v512, edge_kw, **device_kw)
         assert isinstance(out, EdgeError) and out.code == grpc.StatusCode.UNAUTHENTICATED
         # Refused before a session (and its KV cache) existed.
@@ -110,13 +101,13 @@ async def _try_resume(address: str, drafter, metadata, session_id: str, token: b
     return session.code or grpc.StatusCode.OK
 
 
-def test_nobody_else_can_resume_a_session(tiny_pair_v512, tokens) -> None:
+def test_nobody_else_can_resume_a_session(tiny_pair_v512, bearer_tokens) -> None:
     drafter = load(str(tiny_pair_v512[1]))
     alice = (("authorization", "Bearer s3cret-alice"),)
     bob = (("authorization", "Bearer s3cret-bob"),)
 
     async def main():
-        async with edge(tiny_pair_v512[0], auth_token_file=str(tokens / "edge.tokens")) as address:
+        async with edge(tiny_pair_v512[0], auth_token_file=str(bearer_tokens / "edge.tokens")) as address:
             welcome = await _open_and_detach(address, drafter, alice)
             assert len(welcome.session_id) == 32 and len(welcome.resume_token) == 32
             wrong_token = await _try_resume(address, drafter, alice, welcome.session_id, b"x" * 32)
