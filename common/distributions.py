@@ -371,6 +371,35 @@ def sample_token_gumbel(probs: torch.Tensor, noise: torch.Tensor) -> int:
     return best if probs[best] > 0 else int(probs.argmax())  # every kept token drew u = 0 (p ~ 2^-53)
 
 
+def race_token(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """The Gumbel-max draw with exponential noise: ``argmin_x noise(x) / probs(x)`` over ``probs > 0``,
+    which is ``argmax_x log probs(x) + g(x)`` with Gumbel noise ``g = -log noise`` (the exponential
+    race; Daliri, Musco and Suresh, "Coupling without Communication and Drafter-Invariant Speculative
+    Decoding", arXiv 2408.07978, §2: Gumbel sampling).
+
+    With ``noise`` i.i.d. standard exponential and independent of ``probs``, the token is distributed
+    exactly as ``probs``; a token with probability 0 is never
+    returned. Two laws raced with the same noise pick the same token with probability at least
+    ``(1 - TV) / (1 + TV)`` (their Theorem 2). A one-hot ``probs`` (temperature 0) returns its token
+    whatever the noise.
+
+    Args:
+        probs: [V] float probabilities.
+        noise: [V] float64 positive exponential noise (streams.exponentials).
+    """
+    check_probs(probs, "probs")
+    if not isinstance(noise, torch.Tensor) or noise.shape != probs.shape or not bool((noise > 0).all()):
+        raise ValueError(f"noise must be a positive tensor of shape {tuple(probs.shape)}")
+    return race_token_unchecked(probs, noise)
+
+
+def race_token_unchecked(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """:func:`race_token` without its checks ([V] each, validated by the caller)."""
+    # the noise is drawn on the host (its stream); probs may be on a GPU, where the race then runs
+    keys = noise.to(probs.device, torch.float64) / probs.to(torch.float64)  # [V]; probs 0 -> inf, never the minimum
+    return int(keys.argmin())
+
+
 # ----------------------------------------------------------------------------- target filtering
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.common.settings import DraftSettings
+from specdec.common.settings import DraftSettings, Mode
 
 # Version 1 still: per-round settings (Draft.settings) and DraftSettings.mode are additions that a
 # device which never sends them does not notice, and an edge which ignores them is never sent them.
@@ -17,6 +17,12 @@ from specdec.common.settings import DraftSettings
 # So are the fleet fields: an older edge ignores Hello.target_fingerprint and leaves Welcome's
 # target_fingerprint and edge_name empty, which a newer device reads as "not said"; and End, which an
 # edge sends only to a device that asked for it (Hello.wants_end).
+# So is mode gumbel: a device sends gumbel rounds only to an edge whose Welcome lists MODE_GUMBEL in
+# `modes` (mode auto leaves it out of its candidates otherwise); an older edge refuses a Hello or a
+# Draft naming mode 7 with INVALID_ARGUMENT ("unknown or unspecified draft mode 7"), and never sees
+# packed_ids. An edge that lists it draws mode none's tokens by the same race as gumbel rounds (an
+# older one by inverse CDF: the same law, other tokens), so a session that moves between the two
+# keeps its law but not its tokens.
 PROTOCOL_VERSION = 1
 
 __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
@@ -83,6 +89,11 @@ class Welcome:
     edge_name: str = ""           # which edge of a fleet serves the session
     # the edge's calibrated seconds of one target forward by its new tokens (empty: not calibrated)
     forward_cost: tuple[tuple[int, float], ...] = ()
+    modes: tuple[Mode, ...] = ()  # the draft modes it verifies; () = an edge before the field (all but gumbel)
+
+    def verifies(self, mode: Mode) -> bool:
+        """Whether this edge takes rounds of ``mode`` (an edge that does not say: every mode but gumbel)."""
+        return mode in self.modes if self.modes else mode is not Mode.GUMBEL
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,7 @@ class DraftBlock:
     correction_token: int | None = None        # DSSD: device-sampled token for the last rejection
     tree_depth: int = 0                        # tree: layers drafted this round (config prefix)
     settings: DraftSettings | None = None      # how this round was drafted; None = the session's (Hello)
+    id_bits: int = 0                           # > 0: token_ids travel packed at this width (gumbel rounds)
 
 
 @dataclass(frozen=True)

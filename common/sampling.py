@@ -31,6 +31,16 @@ def model_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def filter_probs(q: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
+    """``q`` [V] float64 with transformers' top-k / top-p warpers applied (0 = off) and renormalised:
+    the warpers are invariant to a shift of the scores, so filtering ``log q`` keeps what filtering the
+    tempered logits that made ``q`` keeps."""
+    if not (top_k or top_p):
+        return q
+    scores = filter_target_logits(torch.log(q.float()), top_k or None, top_p or None)
+    return torch.softmax(scores, dim=-1).double()
+
+
 def validate_hello(hello: Hello) -> None:
     """Checks on a session's sampling settings and its first rounds' draft settings that do not
     depend on the edge's limits (ValueError)."""

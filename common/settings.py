@@ -33,6 +33,9 @@ class Mode(str, enum.Enum):
     CSQS = "csqs"  # conformal threshold + lattice, SQS section 3
     DSSD = "dssd"  # split verification, uplink scalars only (DSSD, Method; see verification.py)
     NONE = "none"  # no speculation: the edge generates the round's tokens alone and streams them
+    # token ids only: both sides race each position's shared noise (Gumbel sampling, Daliri et al. 2024,
+    # arXiv 2408.07978), the edge accepts a draft iff it is the target's own draw (see verification.py)
+    GUMBEL = "gumbel"
 
 
 ALL_MODES = frozenset(Mode)
@@ -41,6 +44,11 @@ DRAFTING_MODES = ALL_MODES - {Mode.NONE}  # modes whose rounds carry drafts (non
 # policy, not a way of drafting: it is accepted wherever a user gives settings, and never reaches the
 # wire, where every round says how it was actually drafted.
 AUTO = "auto"
+# Modes whose rounds send no distribution (DSSD: q(x) scalars; gumbel: nothing but ids; none: no draft).
+NO_CODEC_MODES = frozenset({Mode.DSSD, Mode.GUMBEL, Mode.NONE})
+# Modes whose every emitted token is the target's own Gumbel-max draw with the position's noise
+# (verification.token_noise): their tokens depend on neither the drafter nor the draft length.
+RACE_MODES = frozenset({Mode.GUMBEL, Mode.NONE})
 TOP_K_MODES = frozenset({Mode.TSLT, Mode.KSQS})
 LATTICE_MODES = frozenset({Mode.KSQS, Mode.CSQS})
 CHAIN_ONLY = "chain"  # a setting read only by chain rounds (not trees)
@@ -97,19 +105,22 @@ class DraftSettings:
             "rest and samples of it (about 11 bytes per entry) instead of the whole p_j (8 bytes per "
             "vocabulary entry); 0 = the whole p_j", low=1, zero_is_off=True, modes=frozenset({Mode.DSSD}))
     tree: tuple[int, ...] = setting((), "token tree expansion configuration <k1..kL>, e.g. 2,2,2; "
-                                        "() = a chain of draft_len", modes=DRAFTING_MODES - {Mode.DSSD})
+                                        "() = a chain of draft_len",
+                                    modes=DRAFTING_MODES - {Mode.DSSD, Mode.GUMBEL})
     coupled_bonus: bool = setting(True, "chain rounds: the edge draws the bonus token with noise both "
                                         "sides derive from the seed and its position, so the device can "
-                                        "guess it and draft ahead at T > 0 (lossless either way)",
-                                  modes=DRAFTING_MODES)
+                                        "guess it and draft ahead at T > 0 (lossless either way; gumbel "
+                                        "rounds always do)",
+                                  modes=DRAFTING_MODES - {Mode.GUMBEL})
     edge_tokens: int = setting(0, "mode none: tokens the edge generates and streams per round; 0 = all "
                                   "that remain", low=1, high=UINT32_MAX, zero_is_off=True,
                                modes=frozenset({Mode.NONE}))
 
     def codec(self, vocab_size: int) -> CodecConfig | None:
-        """The codec both sides build for this round's payloads (None in DSSD and none: they send none)."""
+        """The codec both sides build for this round's payloads (None in DSSD, gumbel and none: they
+        send none)."""
         from specdec.common.codecs import CodecConfig  # the codecs depend on this table, not it on them
-        if self.mode in (Mode.DSSD, Mode.NONE):
+        if self.mode in NO_CODEC_MODES:
             return None
         # Settings this mode does not read may arrive as 0 from a device: the codec gets the defaults.
         used = {name: getattr(self, name) if self.mode in _INFO[name].modes else getattr(_DEFAULTS, name)
@@ -125,7 +136,11 @@ class DraftSettings:
 
     @property
     def coupled(self) -> bool:
-        """Whether this round's bonus token is the coupled Gumbel-max draw."""
+        """Whether this round's bonus token is a Gumbel-max draw with noise both sides derive from the
+        seed and its position (the coupled bonus; in gumbel rounds always, with the position's token
+        noise), so that the device can guess it."""
+        if self.mode is Mode.GUMBEL:
+            return True
         return self.coupled_bonus and not self.tree and self.mode is not Mode.NONE
 
 
@@ -275,5 +290,5 @@ def validate(s: DraftSettings) -> None:
             check_value(name, getattr(s, name))
     if s.coupled_bonus and not s.coupled:
         raise ValueError("coupled_bonus applies to chain rounds only")
-    if s.tree and s.mode in (Mode.DSSD, Mode.NONE):
+    if s.tree and s.mode in NO_CODEC_MODES:
         raise ValueError(f"token trees need draft distributions; {s.mode.value} sends none")

@@ -27,6 +27,15 @@ References
   whole ``p_j``: the edge sends its K largest entries, the mass of the rest and a few samples of the
   rest, and the device rejection-samples the residual from those (``dssd_edge_head`` /
   ``dssd_device_resolve_head``); the whole ``p_j`` only if that runs out of tail samples too.
+- Gumbel verification (mode gumbel): Daliri, Musco and Suresh, "Coupling without Communication and
+  Drafter-Invariant Speculative Decoding" (arXiv 2408.07978), §2 (Gumbel sampling, Theorem 2) and
+  §4 (drafter-invariant speculative decoding). Both sides share the exponential noise ``E_t`` of
+  each position ``t`` (keyed by seed and position only); the device drafts ``x_t = argmin E_t / q_t``,
+  the edge computes the target's own draw ``y_t = argmin E_t / p_t`` and accepts while ``x_t == y_t``;
+  every emitted token is a ``y_t``, so the output is the target's own Gumbel-max sample whatever the
+  drafter: lossless, and identical token for token for every drafter and draft length. Nothing of
+  ``q`` is sent. Verifying such drafts with ``u < p/q`` and the shared noise instead biases the output
+  (the uniform behind ``E_t(x_t)`` is not independent of ``x_t`` having won the race).
 
 Randomness: every function takes a CPU ``torch.Generator`` and draws float64 uniforms in ``[0, 1)``
 with ``torch.rand(..., generator=g, dtype=torch.float64)``: one per accept test, and one per
@@ -50,9 +59,9 @@ import torch
 
 # Inverse-CDF sampling with one float64 uniform, shared with the device's drafting code so both
 # sides sample identically (re-exported here for callers of the verification API).
-from specdec.common.distributions import (gumbel_noise, sample_token, sample_token_from_uniform,
+from specdec.common.distributions import (gumbel_noise, race_token_unchecked, sample_token, sample_token_from_uniform,
                                           sample_token_gumbel, sample_tokens)
-from specdec.common.streams import Purpose, stream
+from specdec.common.streams import Purpose, exponentials, stream
 from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_generator, check_int,
                                        check_prob_rows, check_prob_scalars, check_prob_vector, check_token_ids)
 
@@ -62,6 +71,7 @@ __all__ = [
     "DssdHead",
     "bonus_noise",
     "chain_verify",
+    "gumbel_verify",
     "draw_uniform",
     "dssd_device_residual",
     "dssd_device_resolve",
@@ -76,6 +86,7 @@ __all__ = [
     "sample_token",
     "sample_token_from_uniform",
     "sample_token_gumbel",
+    "token_noise",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +124,14 @@ def _coupled_bonus(p_row: torch.Tensor, noise: BonusNoise) -> int:
             return int(p_row.argmax())
         noise = noise()
     return sample_token_gumbel(p_row, noise)
+
+
+def token_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [V] float64
+    """The exponential noise ``E_t`` of sequence index ``position`` (prompt included): the token a gumbel
+    or none round emits there is ``argmin E_t / p`` (:func:`gumbel_verify`), the one a gumbel round
+    drafts there ``argmin E_t / q``. Keyed by the seed and the position only (``Purpose.TOKEN_NOISE``),
+    so every round, mode, drafter and retry that reaches a position races with the same noise."""
+    return exponentials(seed, Purpose.TOKEN_NOISE, position, vocab_size)
 
 
 def _accepts(u: float, p_x: float, q_x: float) -> bool:
@@ -199,6 +218,53 @@ def chain_verify(
     if bonus_noise is not None:
         return ChainResult(num_accepted=L, next_token=_coupled_bonus(p[L], bonus_noise))
     return ChainResult(num_accepted=L, next_token=sample_token(p[L], generator))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gumbel verification (Daliri, Musco and Suresh 2024, arXiv 2408.07978, §4)
+# ---------------------------------------------------------------------------------------------
+
+
+def gumbel_verify(
+    draft_ids: torch.Tensor,  # [L] int64, L >= 1: x_i = argmin noise(i) / q_i, drafted on the device
+    p: torch.Tensor,  # [L+1, V] float64, row i: target (after temperature, top-k, top-p) after prefix + draft_ids[:i]
+    noise: Callable[[int], torch.Tensor],  # noise(i): [V] float64 exponential noise of row i's position
+) -> ChainResult:
+    """Accept-iff-equal verification of a chain drafted by Gumbel sampling (Daliri et al. §4).
+
+    For i = 0..L: the target's own draw ``y_i = argmin_v noise(i)(v) / p_i(v)`` (the exponential race,
+    a Gumbel-max draw: exactly a sample of ``p_i``); accept ``x_i`` iff ``x_i == y_i``; at the first
+    mismatch emit ``y_i`` and stop; if all ``L`` are accepted emit the bonus ``y_L``. Every emitted
+    token is a ``y``, so the output is the target's Gumbel-max chain, whatever drafted it: distributed
+    exactly as the target alone as long as each position's noise is independent of the prefix that
+    reaches it (keyed by position: :func:`token_noise`), and identical for every drafter. A draft is
+    accepted with probability >= (1 - TV(p_i, q_i)) / (1 + TV(p_i, q_i)) (their Theorem 2).
+
+    ``noise`` is called for i = 0..n in order, once each (n accepted): rows past the first mismatch
+    are never drawn. No accept uniform, no residual: nothing of q is needed.
+
+    Raises:
+        ValueError: on malformed input (shapes, dtypes, NaN, negative or unnormalised rows, ids out
+            of range, empty draft, noise of the wrong shape or not positive).
+    """
+    check_token_ids(draft_ids, "draft_ids")  # [L]; the range once V is known
+    L = draft_ids.numel()
+    check_prob_rows(p, "p", rows=L + 1)
+    V = p.shape[1]
+    check_token_ids(draft_ids, "draft_ids", V)
+    for i, x in enumerate(draft_ids.tolist()):
+        y = _race(p[i], noise, i)
+        if x != y:
+            return ChainResult(num_accepted=i, next_token=y)
+    return ChainResult(num_accepted=L, next_token=_race(p[L], noise, L))
+
+
+def _race(p_i: torch.Tensor, noise: Callable[[int], torch.Tensor], i: int) -> int:
+    """The target's draw at row i: p_i [V] raced with noise(i), checked."""
+    e = noise(i)  # [V]
+    if not isinstance(e, torch.Tensor) or e.shape != p_i.shape or e.dtype != torch.float64 or not bool((e > 0).all()):
+        raise ValueError(f"noise({i}) must be a positive float64 tensor of shape {tuple(p_i.shape)}")
+    return race_token_unchecked(p_i, e)
 
 
 # ---------------------------------------------------------------------------------------------

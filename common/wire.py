@@ -6,6 +6,7 @@ with a message that the servicer turns into ``INVALID_ARGUMENT``.
 from __future__ import annotations
 
 from specdec.common import protocol as P
+from specdec.common.idpack import pack_ids, unpack_ids
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.settings import Mode, setting_names
 
@@ -16,6 +17,7 @@ _MODE_TO_PB = {
     Mode.CSQS: pb.MODE_CSQS,
     Mode.DSSD: pb.MODE_DSSD,
     Mode.NONE: pb.MODE_NONE,
+    Mode.GUMBEL: pb.MODE_GUMBEL,
 }
 _PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
 _DTYPE_TO_PB = {"fp32": pb.DENSE_DTYPE_FP32, "fp16": pb.DENSE_DTYPE_FP16, "bf16": pb.DENSE_DTYPE_BF16}
@@ -87,6 +89,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
         max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed, dssd_max_samples=w.dssd_max_samples,
         target_fingerprint=w.target_fingerprint, edge_name=w.edge_name,
         forward_cost=[pb.CostPoint(tokens=t, seconds=sec) for t, sec in w.forward_cost],
+        modes=[_MODE_TO_PB[m] for m in w.modes],
     ))
 
 
@@ -97,6 +100,8 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         max_k=m.max_k, resume_token=m.resume_token, resumed=m.resumed, dssd_max_samples=m.dssd_max_samples,
         target_fingerprint=m.target_fingerprint, edge_name=m.edge_name,
         forward_cost=tuple((c.tokens, c.seconds) for c in m.forward_cost),
+        # a mode this device does not know is one it never sends: left out
+        modes=tuple(_PB_TO_MODE[v] for v in m.modes if v in _PB_TO_MODE),
     )
 
 
@@ -109,9 +114,12 @@ def prompt_from_pb(m: pb.Prompt) -> P.Prompt:
 
 
 def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
-    msg = pb.Draft(round_id=d.round_id, token_ids=list(d.token_ids),
-                   distributions=list(d.distributions), dssd_scalars=d.dssd_scalars,
+    msg = pb.Draft(round_id=d.round_id, distributions=list(d.distributions), dssd_scalars=d.dssd_scalars,
                    tree_depth=d.tree_depth)
+    if d.id_bits:
+        msg.packed_ids, msg.id_bits = pack_ids(d.token_ids, d.id_bits), d.id_bits
+    else:
+        msg.token_ids.extend(d.token_ids)
     if d.correction_token is not None:
         msg.correction_token = d.correction_token
     if d.settings is not None:
@@ -120,8 +128,13 @@ def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
 
 
 def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
+    if m.id_bits and m.token_ids:
+        raise ValueError("a Draft carries its ids either packed or as token_ids, not both")
+    if m.packed_ids and not m.id_bits:
+        raise ValueError("packed_ids without id_bits")
     return P.DraftBlock(
-        round_id=m.round_id, token_ids=tuple(m.token_ids), distributions=tuple(m.distributions),
+        round_id=m.round_id, token_ids=unpack_ids(m.packed_ids, m.id_bits) if m.id_bits else tuple(m.token_ids),
+        distributions=tuple(m.distributions), id_bits=m.id_bits,
         dssd_scalars=m.dssd_scalars,
         correction_token=m.correction_token if m.HasField("correction_token") else None,
         tree_depth=m.tree_depth,

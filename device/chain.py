@@ -22,6 +22,7 @@ from specdec.common import verification as V
 from specdec.common.budget import MIN_DRAFT_LEN, fits_budget
 from specdec.common.codecs import dssd_theoretical_bits
 from specdec.common.distributions import sample_token_gumbel
+from specdec.common.idpack import id_bits
 from specdec.common.protocol import DraftSettings, Verdict
 from specdec.common.sampling import model_probs
 from specdec.common.settings import Mode
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
 # Modes whose chain rounds carry no state but the cache and the tokens: their rounds can be drafted
 # ahead (C-SQS updates its threshold while drafting, trees and bit budgets shape the round: those
 # draft after each verdict). DSSD too: a round drafted ahead guesses a full accept, where DSSD needs
-# nothing of the device but the bonus, drawn coupled as in the other chains.
-DRAFT_AHEAD_MODES = (Mode.DENSE, Mode.TSLT, Mode.KSQS, Mode.DSSD)
+# nothing of the device but the bonus, drawn coupled as in the other chains; and gumbel, whose bonus
+# is the race of its position like every token it emits.
+DRAFT_AHEAD_MODES = (Mode.DENSE, Mode.TSLT, Mode.KSQS, Mode.DSSD, Mode.GUMBEL)
 
 
 def can_draft_ahead(s: DraftSettings) -> bool:
@@ -109,7 +111,11 @@ def draft_step(session: "DraftSession", part: ChainRound, base: list[int]) -> bo
     q = session.model.q_after(base + part.ids, one_token_per_forward=can_draft_ahead(part.settings))
     t1 = time.perf_counter()
     part.forwards += session.model.forwards - n0
-    step = session.sample(session.encode(q, part.settings), part.generator)
+    encoded = session.encode(q, part.settings)
+    if part.settings.mode is Mode.GUMBEL:  # the race of the position's shared noise, not the round's stream
+        step = session.sample_gumbel(encoded, part.start, len(part.steps))
+    else:
+        step = session.sample(encoded, part.generator)
     measured = session.measure(q, step.encoded, part.settings)
     t2 = time.perf_counter()
     part.t_draft += t1 - t0
@@ -127,12 +133,15 @@ def draft_step(session: "DraftSession", part: ChainRound, base: list[int]) -> bo
 def _round_draft(session: "DraftSession", plan: RoundPlan, part: ChainRound, ahead_steps: int) -> RoundDraft:
     s, ids = plan.settings, part.ids
     q_rows = [st.encoded.q_hat for st in part.steps]
+    packed = 0
     if s.mode is Mode.DSSD:
         payloads, scalars = (), dssd.draft_scalars(q_rows, ids)
         bits = dssd_theoretical_bits(len(ids), session.vocab_size)
+    elif s.mode is Mode.GUMBEL:  # the ids alone, each at ceil(log2 V) bits
+        payloads, scalars, bits, packed = (), b"", part.bits, id_bits(session.vocab_size)
     else:
         payloads, scalars, bits = tuple(st.encoded.payload for st in part.steps), b"", part.bits
-    block = session.block(tuple(ids), s, distributions=payloads, dssd_scalars=scalars)
+    block = session.block(tuple(ids), s, distributions=payloads, dssd_scalars=scalars, id_bits=packed)
     return RoundDraft(block=block, plan=plan, q_rows=q_rows, theoretical_bits=bits,
                       support_sizes=[st.encoded.support_size for st in part.steps],
                       draft_seconds=part.t_draft, encode_seconds=part.t_encode, start=part.start,
@@ -157,8 +166,7 @@ def draft_ahead(session: "DraftSession", rd: RoundDraft, plan: RoundPlan, max_to
     logits = session.model.feed(seq)   # feeds the last draft token
     part.t_draft += time.perf_counter() - t0
     part.forwards += 1
-    guess = guess_bonus(logits, len(seq), session.hello.temperature, session.hello.seed,
-                        rd.settings.coupled, session.vocab_size)
+    guess = session.guess_bonus(logits, rd, len(seq))
     session.ahead = Ahead(plan=plan, guess=guess, round=part)
     base = seq + [guess]
     limit = chain_limit(s, max_tokens)

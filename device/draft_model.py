@@ -12,7 +12,9 @@ import torch
 from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
 from specdec.common.distributions import densify, sample_token
 from specdec.common.modeling import CachedLM, LoadedModel
-from specdec.common.sampling import model_probs
+from specdec.common.idpack import id_bits
+from specdec.common.protocol import Hello
+from specdec.common.sampling import filter_probs, model_probs
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import draft_layer_inputs, layer_node_ids
 
@@ -92,6 +94,14 @@ class DraftStep:
     """One drafted position: the token and the packet it was sampled from."""
     token: int
     encoded: EncodedQ
+
+
+def gumbel_q(q: torch.Tensor, hello: Hello, vocab_size: int) -> EncodedQ:
+    """A gumbel round's q [V]: the drafter's, with the target's own top-k / top-p applied (the coupling
+    is tighter the closer q is to the filtered target; the output never depends on q). Nothing of it is
+    sent: the packet is the token id alone."""
+    q_hat = filter_probs(q, hello.target_top_k, hello.target_top_p) if hello.temperature > 0 else q
+    return EncodedQ(b"", q_hat, id_bits(vocab_size), 0, 0.0)
 
 
 def sample_step(encoded: EncodedQ, generator: torch.Generator) -> DraftStep:

@@ -1,9 +1,10 @@
 """Edge-only rounds (mode none): no draft; the edge generates the round's tokens from the target alone
 and streams each in its own Verdict, which the device commits as it arrives.
 
-Each token at sequence index t is drawn with the uniform of stream (seed, EDGE_TOKEN, t), so the
-tokens do not depend on how rounds are cut: a round broken after k tokens is retried as a round
-asking for the rest.
+Each token at sequence index t is the target's race with the noise of position t
+(verification.token_noise), the token a gumbel round emits there too, so the tokens do not depend on
+how rounds are cut (nor on which of the two modes cut them): a round broken after k tokens is retried
+as a round asking for the rest.
 """
 from __future__ import annotations
 

@@ -26,15 +26,17 @@ from typing import Any, Callable
 import torch
 
 from specdec.common import settings as S
+from specdec.common import verification as V
 from specdec.common.codecs import CodecConfig
 from specdec.common.conformal import ConformalController
+from specdec.common.distributions import race_token_unchecked
 from specdec.common.modeling import LoadedModel
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict, Welcome
 from specdec.common.settings import Mode
 from specdec.common.stats import SpecStats
 from specdec.common.tree import TreeSpec
 from specdec.device import chain, dssd, edge_only, tree_round
-from specdec.device.draft_model import DraftModel, DraftStep, EncodedQ, encode_q, sample_step
+from specdec.device.draft_model import DraftModel, DraftStep, EncodedQ, encode_q, gumbel_q, sample_step
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan, round_record, round_settings_json
 
 Listener = Callable[[RoundEvent], None]
@@ -112,11 +114,35 @@ class DraftSession:
 
     # -- per-position hooks (tests and benchmarks override them to log or to break things) ----------
     def encode(self, q: torch.Tensor, settings: DraftSettings) -> EncodedQ:
+        if settings.mode is Mode.GUMBEL:
+            return gumbel_q(q, self.hello, self.vocab_size)
         threshold = self.controller.beta if settings.mode is Mode.CSQS else None
         return encode_q(q, self._codec(settings), threshold)
 
     def sample(self, encoded: EncodedQ, generator: torch.Generator) -> DraftStep:
         return sample_step(encoded, generator)
+
+    def sample_gumbel(self, encoded: EncodedQ, start: int, offset: int) -> DraftStep:
+        """A gumbel round's draft at sequence index ``start + offset``: q raced with the position's noise,
+        the draw the edge makes on p with the same noise."""
+        return DraftStep(race_token_unchecked(encoded.q_hat, self.token_noise(start, offset)), encoded)
+
+    def token_noise(self, start: int, offset: int) -> torch.Tensor:  # [V] float64
+        """The noise of sequence index ``start + offset`` (a round starting at ``start``): keyed by the
+        position alone, as the edge's (VerifierSession.token_noise). At T = 0 q is one-hot: none drawn."""
+        if self.hello.temperature == 0:
+            return torch.ones(self.vocab_size, dtype=torch.float64)
+        return V.token_noise(self.hello.seed, start + offset, self.vocab_size)
+
+    def guess_bonus(self, logits: torch.Tensor, rd: RoundDraft, position: int) -> int:
+        """The edge's likely bonus token after ``rd`` (at sequence index ``position``): in gumbel
+        rounds the race of the drafter's q with the position's noise, as every gumbel draft; in the
+        other chains the coupled bonus's guess (chain.guess_bonus)."""
+        if rd.settings.mode is Mode.GUMBEL:
+            encoded = gumbel_q(self.model.probs(logits), self.hello, self.vocab_size)
+            return self.sample_gumbel(encoded, rd.start, position - rd.start).token
+        return chain.guess_bonus(logits, position, self.hello.temperature, self.hello.seed, rd.settings.coupled,
+                                 self.vocab_size)
 
     def draft_step(self, part: chain.ChainRound, base: list[int]) -> bool:
         """One more position of a chain round after ``base + part.ids`` (chain.draft_step)."""
@@ -202,6 +228,10 @@ class DraftSession:
             new = tree_round.commit(self, rd, verdict, next_token)
         else:
             new, guess, discarded = chain.commit(self, rd, verdict, next_token)
+        if rd.settings.mode is Mode.GUMBEL:
+            # A draft past the first mismatch was raced with the noise of a position the next round
+            # races with again: what was measured after it must not reach the plan of that round.
+            rd.q_stats = rd.q_stats[:verdict.num_accepted + 1]
         if dssd_correction:
             self.pending_correction = int(next_token)
         threshold = self.controller.beta if self.controller is not None and rd.settings.mode is Mode.CSQS else None

@@ -22,7 +22,7 @@ from specdec.common import settings as S
 from specdec.common.batched import ForwardRequest, forward_batch
 from specdec.common.codecs import CodecConfig, decode_distribution, decode_dssd_scalars, encode_target_probs
 from specdec.common.settings import Mode
-from specdec.common.distributions import densify, sample_token
+from specdec.common.distributions import densify, race_token_unchecked
 from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.sampling import model_probs, validate_hello
@@ -141,7 +141,7 @@ class VerifierSession:
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
                        max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
                        dssd_max_samples=self.limits.dssd_max_samples,
-                       target_fingerprint=self.info.target_fingerprint)
+                       target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode))
 
     # -- prompt ----------------------------------------------------------------------------------
     def prefill(self, prompt: Prompt) -> None:
@@ -216,9 +216,10 @@ class VerifierSession:
         """An edge-only round: up to ``edge_tokens`` tokens sampled from the target alone, one Verdict
         each as soon as it exists (``more`` on all but the last), so the device can stream them.
 
-        Each token at sequence index t is drawn from p_t by inverse CDF with the uniform of stream
-        (seed, EDGE_TOKEN, t): exactly the target's law, and a resumed round redraws the same token.
-        The round ends early at an end-of-sequence token or when the context is full."""
+        Each token at sequence index t is the race of p_t with the position's noise
+        (verification.token_noise): exactly the target's law, the very token a gumbel round emits
+        there, and a resumed round redraws the same token. The round ends early at an end-of-sequence
+        token or when the context is full."""
         settings = self.round_settings(draft)
         if settings.mode is not Mode.NONE:
             raise ValueError(f"generate() takes edge-only rounds, got mode {settings.mode.value}")
@@ -228,23 +229,32 @@ class VerifierSession:
         self._apply_correction(draft)
         self.round_id = draft.round_id
         want = settings.edge_tokens or 1
+        round_start = len(self.tokens)
         for i in range(want):
             start = time.perf_counter()
             if len(self.tokens) + 1 > self.max_context:
                 raise LimitError(f"context limit {self.max_context} tokens reached", CONTEXT_FULL)
-            token = self._edge_token()
+            token = self._edge_token(round_start)
             last = i + 1 == want or token in self.eos_token_ids or len(self.tokens) + 1 > self.max_context
             yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=token, more=not last,
                           verify_seconds=time.perf_counter() - start)
             if last:
                 return
 
-    def _edge_token(self) -> int:
-        """Sample the next token from the target alone and append it (the cache stays one behind)."""
+    def _edge_token(self, round_start: int) -> int:
+        """The target's next token alone, appended (the cache stays one behind)."""
         p = self._target_probs(self._feed_logits([], 1))[0]  # on the target's device: one int comes back
-        token = sample_token(p, stream(self.hello.seed, Purpose.EDGE_TOKEN, len(self.tokens)))
+        token = race_token_unchecked(p, self.token_noise(round_start, len(self.tokens) - round_start))
         self.tokens.append(token)
         return token
+
+    def token_noise(self, start: int, offset: int) -> torch.Tensor:  # [V] float64
+        """The exponential noise of sequence index ``start + offset`` in a round starting at ``start``:
+        keyed by the position alone (verification.token_noise), whatever the round. At T = 0 the
+        target is one-hot and any noise gives its argmax: none is drawn."""
+        if self.hello.temperature == 0:
+            return torch.ones(self.info.vocab_size, dtype=torch.float64)
+        return V.token_noise(self.hello.seed, start + offset, self.info.vocab_size)
 
     def _round_generator(self) -> torch.Generator:
         """The numbers of the round that starts at ``len(self.tokens)``, from its own stream: a retry
@@ -258,6 +268,11 @@ class VerifierSession:
         # The math runs where the logits are (the target's device); only the verdict comes back.
         p = self._target_probs(self._feed_logits(draft_ids, len(draft_ids) + 1))
         ids = torch.tensor(draft_ids, dtype=torch.long, device=p.device)
+        if settings.mode is Mode.GUMBEL:  # no q: accept iff each draft is the target's own race
+            start = len(self.tokens)
+            result = V.gumbel_verify(ids, p, lambda i: self.token_noise(start, i))
+            self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
+            return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
         q = q.to(p.device)
         if settings.mode is Mode.DSSD:
             return self._finish_dssd(draft, settings, ids, q, p, generator)
@@ -350,10 +365,14 @@ class VerifierSession:
         elif draft.correction_token is not None:
             raise ValueError("unexpected correction token: no rejection is pending")
 
-    def _decode_q(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> torch.Tensor:
+    def _decode_q(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> torch.Tensor | None:
         n = len(draft.token_ids)
         if settings.mode is Mode.DSSD:
             return decode_dssd_scalars(draft.dssd_scalars, n)
+        if settings.mode is Mode.GUMBEL:
+            if draft.distributions or draft.dssd_scalars:
+                raise ValueError("a gumbel round carries token ids only")
+            return None
         expected = spec.num_internal if spec is not None else n  # trees: one q per internal node
         if len(draft.distributions) != expected:
             raise ValueError(f"{len(draft.distributions)} distributions, expected {expected}")

@@ -77,8 +77,8 @@ class RecordingSession(DraftSession):
         drafted ahead on a wrong guess, nor past a bit budget). Fixed settings only: mode auto's
         measurements travel the same way."""
         assert self.policy is None, "RecordingSession records fixed-settings sessions"
-        if settings.mode is Mode.DSSD:
-            return None  # DSSD sends no distribution: nothing to log
+        if settings.mode in (Mode.DSSD, Mode.GUMBEL):
+            return None  # DSSD and gumbel send no distribution: nothing to log
         return encoded.support_size, encoded.dropped_mass, self._topk_masses(q)
 
     def _topk_masses(self, q) -> list[float]:

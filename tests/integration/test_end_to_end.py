@@ -18,7 +18,8 @@ MAX_NEW = 12
 def _mode_kwargs(mode: Mode) -> dict:
     """Settings that make every mode actually compress on a 512-token vocabulary."""
     return {Mode.DENSE: {"dense_dtype": "fp16"}, Mode.TSLT: {"top_k": 16}, Mode.KSQS: {"top_k": 16, "lattice": 64},
-            Mode.CSQS: {"csqs_beta0": 0.01, "lattice": 64, "max_k": 64}, Mode.DSSD: {"dssd_samples": 2}, Mode.NONE: {}}[mode]
+            Mode.CSQS: {"csqs_beta0": 0.01, "lattice": 64, "max_k": 64}, Mode.DSSD: {"dssd_samples": 2}, Mode.NONE: {},
+            Mode.GUMBEL: {}}[mode]
 
 
 @pytest.mark.parametrize("mode", ALL_MODES, ids=lambda m: m.value)

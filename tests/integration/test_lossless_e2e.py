@@ -18,15 +18,15 @@ from tests.support.harness import SwitchesEveryRound, load, split_sessions
 from tests.support.laws import (CONTROL_SESSIONS, HIGH_POWER_SESSIONS, MODES, N_TOKENS, PROMPT, TEMPERATURE,
                                 assert_lossless, assert_rejected, exact_law, law_counts)
 from specdec.common import verification
-from specdec.common.distributions import filter_target_logits, sample_token
+from specdec.common.distributions import filter_target_logits
 from specdec.common.modeling import encode_prompt
-from specdec.common.streams import Purpose, stream
 from specdec.device.draft_model import DraftStep
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
 from specdec.edge.verifier import VerifierSession
 
-TRANSPORT_PATHS = ("tslt", "dssd", "none")  # a chain, DSSD's uplink scalars and fallback trips, edge-only streaming
+# a chain, DSSD's uplink scalars and fallback trips, edge-only streaming, gumbel's packed ids
+TRANSPORT_PATHS = ("tslt", "dssd", "none", "gumbel")
 PATCHES = {"dssd": [(verification, "DSSD_TAIL_SAMPLES", 1)]}
 
 
@@ -108,19 +108,12 @@ def test_control_target_filter_before_temperature_is_detected(twin, tiny_pair_v8
 
 
 class EdgeTokensShareOneUniform(VerifierSession):
-    """Negative control for mode none: every edge-only token drawn with the uniform of the round's
-    start instead of its own position's (a stream keyed by the wrong position): each token is still a
-    draw from its p, but the tokens of a round are coupled, so the joint law is wrong."""
+    """Negative control for mode none: every edge-only token raced with the noise of the round's start
+    instead of its own position's (noise keyed by the round): each token is still a draw from its p,
+    but the tokens of a round are coupled, so the joint law is wrong."""
 
-    def _edge_token(self) -> int:
-        p = self._target_probs(self._feed_logits([], 1))[0]
-        token = sample_token(p, stream(self.hello.seed, Purpose.EDGE_TOKEN, self._round_start))
-        self.tokens.append(token)
-        return token
-
-    def generate(self, draft):
-        self._round_start = len(self.tokens)
-        return super().generate(draft)
+    def token_noise(self, start: int, offset: int):
+        return super().token_noise(start, 0)
 
 
 def test_control_mode_none_with_one_uniform_per_round_is_detected(twin, tiny_pair_v8) -> None:

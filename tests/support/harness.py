@@ -141,7 +141,7 @@ class SwitchesEveryRound(DraftSession):
     PLAN: tuple[dict, ...] = (
         dict(mode="tslt", top_k=3), dict(mode="dssd", dssd_samples=1), dict(mode="dense", dense_dtype="bf16"),
         dict(mode="ksqs", top_k=3, lattice=8), dict(mode="csqs", csqs_beta0=0.05, lattice=8, max_k=8),
-        dict(mode="tslt", top_k=4, tree=(2,)), dict(mode="none", edge_tokens=1))
+        dict(mode="tslt", top_k=4, tree=(2,)), dict(mode="none", edge_tokens=1), dict(mode="gumbel"))
 
     def choose(self):
         plan = self.PLAN[(self.hello.seed + self.round_id) % len(self.PLAN)]

@@ -46,6 +46,7 @@ MODES = {
     # the rest run out and fetch the whole p_j, so both fallback replies are exercised
     "dssd": dict(mode=Mode.DSSD, dssd_samples=1, dssd_fallback_top_k=1),
     "none": dict(mode=Mode.NONE),  # the edge alone, streaming: the baseline every link benchmark uses
+    "gumbel": dict(mode=Mode.GUMBEL),  # ids only; every token the target's own race (Daliri et al.)
 }
 
 

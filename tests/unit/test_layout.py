@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"common": "specdec.common", "device": "specdec.device", "edge": "specdec.edge"}  # pyproject's package-dir
 TOOLS = {"bench": "specdec.bench", "testbed": "specdec.testbed", "drafter_build": "specdec.drafter_build"}
 MATH_MODULES = ["distributions", "lattice", "codecs", "verification", "tree", "treeplan", "conformal", "budget",
-                "latency", "sampling", "settings", "stats", "streams", "validation"]
+                "latency", "sampling", "settings", "stats", "streams", "validation", "idpack"]
 MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typing", "collections",
                 "functools", "itertools", "bisect", "__future__", "specdec", "abc", "operator", "hashlib"}
 

@@ -27,7 +27,7 @@ from specdec.common.codecs import (
     encode_dssd_scalars,
 )
 from specdec.common.conformal import ConformalController
-from specdec.common.distributions import densify, gumbel_noise, sample_token_gumbel
+from specdec.common.distributions import densify, gumbel_noise, race_token, sample_token_gumbel
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.verification import (
     ChainResult,
@@ -38,10 +38,12 @@ from specdec.common.verification import (
     dssd_device_resolve_head,
     dssd_edge_head,
     dssd_edge_verify,
+    gumbel_verify,
     mc_verify,
     residual_distribution,
     sample_candidates,
     sample_token,
+    token_noise,
 )
 
 from tests.support import toy_models as tm
@@ -567,3 +569,90 @@ def test_control_dssd_fallback_to_p_is_rejected(pair, exact) -> None:
     g = torch.Generator().manual_seed(800)
     round_fn = dssd_round(pair, 2, 1, g, stats, residual_fallback=residual_fallback_to_p)
     assert_rejected(fit(round_fn, exact, num_seqs=2_000))  # only the rarer fallback path is broken
+
+
+# --- gumbel: ids only, accept iff the draft is the target's own race (Daliri et al. 2024) ------------
+
+# noise(session seed, round start, offset) -> [V] exponential noise of position start + offset
+RaceNoise = Callable[[int, int, int], torch.Tensor]
+
+
+def by_position(seed: int, start: int, offset: int) -> torch.Tensor:
+    return token_noise(seed, start + offset, VOCAB)
+
+
+def by_round(seed: int, start: int, offset: int) -> torch.Tensor:
+    """BROKEN: keyed by the round's start, so every position of a round races with the same noise."""
+    return token_noise(seed, start, VOCAB)
+
+
+def gumbel_round(pair, L: int, g: torch.Generator, noise: RaceNoise = by_position, verify=None):
+    """The device races q with each position's noise, the edge verifies accept-iff-equal
+    (``verify(draft, q_rows, p, noise_at)`` replaces it in controls); a new session seed per sequence."""
+    session = {"seed": 0}
+
+    def round_fn(seq: list[int]) -> list[int]:
+        if len(seq) == len(PROMPT):  # a new sequence: a new session
+            session["seed"] = int(torch.randint(2**62, (1,), generator=g))
+        seed, start = session["seed"], len(seq)
+
+        def noise_at(i: int) -> torch.Tensor:
+            return noise(seed, start, i)
+
+        draft: list[int] = []
+        for i in range(L):
+            draft.append(race_token(pair.q(seq + draft), noise_at(i)))
+        p = torch.stack([pair.p(seq + draft[:i]) for i in range(L + 1)])  # [L+1, V]
+        if verify is None:
+            res = gumbel_verify(torch.tensor(draft), p, noise_at)
+        else:
+            res = verify(draft, [pair.q(seq + draft[:i]) for i in range(L)], p, noise_at)
+        return draft[: res.num_accepted] + [res.next_token]
+
+    return round_fn
+
+
+def verify_by_ratio_with_the_shared_noise(draft, q_rows, p, noise_at) -> ChainResult:
+    """BROKEN, the known trap: race-drafted tokens verified by speculative sampling whose accept
+    uniform is the one behind the draft's own noise (u = exp(-E(x))) and whose residual races with the
+    same noise. Having won q's race, x's noise is small, its uniform large: x is accepted too rarely."""
+    for i, x in enumerate(draft):
+        e = noise_at(i)
+        if not float(torch.exp(-e[x])) * float(q_rows[i][x]) < float(p[i][x]):
+            return ChainResult(i, race_token(residual_distribution(p[i], q_rows[i]), e))
+    return ChainResult(len(draft), race_token(p[len(draft)], noise_at(len(draft))))
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_gumbel_is_lossless(pair, exact, L: int) -> None:
+    g = torch.Generator().manual_seed(900 + L)
+    assert_lossless(fit(gumbel_round(pair, L, g), exact))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("L", [1, 3])
+def test_gumbel_is_lossless_high_power(pair, exact, L: int) -> None:
+    g = torch.Generator().manual_seed(910 + L)
+    assert_lossless(fit(gumbel_round(pair, L, g), exact, num_seqs=HIGH_POWER_SEQS))
+
+
+def test_gumbel_greedy_is_the_target_argmax(pair) -> None:
+    """At T = 0 both laws are one-hot: every token is the target's argmax, whatever the noise."""
+    greedy = tm.greedy_pair(pair)
+    g = torch.Generator().manual_seed(920)
+    round_fn = gumbel_round(greedy, 3, g)
+    seq = list(PROMPT)
+    while len(seq) < len(PROMPT) + 8:
+        seq += round_fn(seq)
+    assert seq[len(PROMPT):len(PROMPT) + 8] == tm.argmax_decode(greedy, PROMPT, 8)
+
+
+def test_control_gumbel_verified_by_ratio_with_shared_noise_is_rejected(pair, exact) -> None:
+    g = torch.Generator().manual_seed(930)
+    assert_rejected(fit(gumbel_round(pair, 2, g, verify=verify_by_ratio_with_the_shared_noise), exact,
+                        num_seqs=CONTROL_SEQS))
+
+
+def test_control_gumbel_noise_keyed_by_round_is_rejected(pair, exact) -> None:
+    g = torch.Generator().manual_seed(940)
+    assert_rejected(fit(gumbel_round(pair, 3, g, noise=by_round), exact, num_seqs=CONTROL_SEQS))

@@ -70,3 +70,18 @@ def test_generator_state_is_the_hashed_twister_key() -> None:
 def test_bad_keys_are_refused(args) -> None:
     with pytest.raises(ValueError):
         stream(*args)
+
+
+def test_exponentials_are_the_documented_derivation() -> None:
+    """Pinned so that every peer computes the same noise: PCG64DXSM seeded by SeedSequence with the
+    key's digest, the top 53 bits of each raw word centred in their interval, then -log."""
+    from specdec.common.streams import exponentials
+    seed, purpose, position = 2**40 + 9, Purpose.TOKEN_NOISE, 77
+    entropy = int.from_bytes(stream_key(seed, purpose, position), "little")
+    raw = np.random.PCG64DXSM(np.random.SeedSequence(entropy)).random_raw(6)
+    expected = -np.log(((raw >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53)
+    got = exponentials(seed, purpose, position, 6)
+    assert got.dtype == torch.float64 and got.tolist() == expected.tolist()
+    assert exponentials(seed, purpose, position, 3).tolist() == expected[:3].tolist()  # a prefix: V does not reshuffle
+    assert bool((exponentials(seed, purpose, position, 100_000) > 0).all())
+    assert exponentials(seed, purpose, position + 1, 6).tolist() != expected.tolist()

@@ -20,12 +20,15 @@ from specdec.common.verification import (
     dssd_edge_head,
     dssd_edge_verify,
     dssd_fallback_bytes,
+    gumbel_verify,
     mc_verify,
     residual_distribution,
     sample_candidates,
     sample_token,
     sample_tokens,
+    token_noise,
 )
+from specdec.common.distributions import race_token
 
 V = 5
 
@@ -377,6 +380,100 @@ def test_coupled_bonus_uses_the_noise_and_no_uniform() -> None:
     reference = torch.Generator().manual_seed(1)
     torch.rand((), generator=reference, dtype=torch.float64)           # the one accept test
     assert torch.equal(g.get_state(), reference.get_state())
+
+
+# --- gumbel: accept iff the draft is the target's own race -----------------------------------------
+
+
+def noise_rows(*rows) -> list[torch.Tensor]:
+    return [torch.tensor(r, dtype=torch.float64) for r in rows]
+
+
+def test_race_is_argmin_noise_over_p() -> None:
+    p = dist(4, 2, 1, 1, 0)
+    e = torch.tensor([2.0, 0.5, 0.4, 9.0, 1e-9], dtype=torch.float64)  # ratios 2.5, 1.25, 1.6, 36, inf
+    assert race_token(p, e) == 1
+    assert race_token(one_hot(3), e) == 3  # T = 0: the one token, whatever the noise
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_race_samples_p_exactly(seed: int) -> None:
+    """Exponential race over many noise draws: the empirical law is p (chi-square, 20k draws)."""
+    from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
+    from collections import Counter
+    p = dist(5, 1, 1, 2, 1)
+    e = -torch.log(torch.rand(20_000, V, dtype=torch.float64, generator=gen(seed)))  # [n, V] Exp(1)
+    tokens = (e / p).argmin(dim=1).tolist()
+    assert all(race_token(p, e[i]) == tokens[i] for i in range(50))
+    fit = goodness_of_fit(Counter((t,) for t in tokens), {(i,): float(p[i]) for i in range(V)})
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+def test_gumbel_verify_accepts_while_equal_and_emits_the_target_draw() -> None:
+    p = torch.stack([one_hot(1), one_hot(2), one_hot(4)])  # [3, V]: the target's draws are 1, 2, then 4
+    ones = lambda i: torch.ones(V, dtype=torch.float64)
+    assert gumbel_verify(ids(1, 2), p, ones) == ChainResult(2, 4)  # all accepted, bonus y_2
+    assert gumbel_verify(ids(1, 3), p, ones) == ChainResult(1, 2)  # mismatch at 1: y_1 emitted
+    assert gumbel_verify(ids(0, 2), p, ones) == ChainResult(0, 1)
+
+
+def test_gumbel_verify_races_with_each_rows_noise_and_stops_drawing_at_the_mismatch() -> None:
+    p = torch.stack([dist(1, 1, 1, 1, 1)] * 4)  # [4, V] uniform: the noise alone decides
+    rows = noise_rows([1, 2, 3, 0.5, 4], [3, 0.1, 2, 2, 2], [1, 1, 0.2, 1, 1], [1, 1, 1, 1, 0.3])
+    asked: list[int] = []
+
+    def noise(i: int) -> torch.Tensor:
+        asked.append(i)
+        return rows[i]
+
+    assert gumbel_verify(ids(3, 1, 0), p, noise) == ChainResult(2, 2)  # y = 3, 1, 2: mismatch at 2
+    assert asked == [0, 1, 2]                                          # row 3 never drawn
+    asked.clear()
+    assert gumbel_verify(ids(3, 1, 2), p, noise) == ChainResult(3, 4)  # all accepted: bonus y_3 = 4
+    assert asked == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda i: torch.ones(V + 1, dtype=torch.float64), "noise"),
+    (lambda i: torch.zeros(V, dtype=torch.float64), "noise"),
+    (lambda i: torch.ones(V, dtype=torch.float32), "noise"),
+])
+def test_gumbel_verify_refuses_bad_noise(bad, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        gumbel_verify(ids(1), torch.stack([P_ROW, P_ROW]), bad)
+
+
+def test_gumbel_verify_refuses_bad_drafts() -> None:
+    ones = lambda i: torch.ones(V, dtype=torch.float64)
+    with pytest.raises(ValueError):
+        gumbel_verify(ids(V), torch.stack([P_ROW, P_ROW]), ones)   # id out of range
+    with pytest.raises(ValueError):
+        gumbel_verify(ids(1, 2), torch.stack([P_ROW, P_ROW]), ones)  # L + 1 rows needed
+    with pytest.raises(ValueError):
+        gumbel_verify(ids(), P_ROW.unsqueeze(0), ones)               # empty draft
+
+
+def test_token_noise_is_a_function_of_seed_and_position_only() -> None:
+    a = token_noise(7, 40, 16)
+    assert a.shape == (16,) and a.dtype == torch.float64 and bool((a > 0).all()) and torch.isfinite(a).all()
+    assert torch.equal(a, token_noise(7, 40, 16))
+    assert not torch.equal(a, token_noise(7, 41, 16)) and not torch.equal(a, token_noise(8, 40, 16))
+    assert not torch.equal(a, token_noise(7 + 2**32, 40, 16))
+    assert not torch.equal(-torch.log(a), bonus_noise(7, 40, 16))  # another stream than the coupled bonus's
+    with pytest.raises(ValueError):
+        token_noise(7, -1, 16)
+
+
+def test_the_race_agrees_at_least_as_often_as_the_coupling_bound() -> None:
+    """Daliri et al. Theorem 2: the same noise makes the races of p and q agree with probability
+    >= (1 - TV) / (1 + TV), and at most 1 - TV (no coupling does better). 20k noise draws."""
+    p, q = dist(5, 1, 1, 2, 1), Q_ROW
+    tv = 0.5 * float((p - q).abs().sum())
+    e = -torch.log(torch.rand(20_000, V, dtype=torch.float64, generator=gen(5)))
+    agree = float(((e / p).argmin(1) == (e / q).argmin(1)).double().mean())
+    sd = math.sqrt(agree * (1 - agree) / 20_000)
+    assert (1 - tv) / (1 + tv) - 4 * sd < agree < 1 - tv + 4 * sd
+    assert agree > (1 - tv) / (1 + tv) + 4 * sd  # strictly better than the worst case here
 
 
 # --- DSSD head fallback --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.codecs import encode_target_probs
 from specdec.common.pb import speculative_pb2 as pb
+from specdec.common.settings import Mode
 from specdec.common.verification import DssdHead, dssd_edge_head
 
 
@@ -45,8 +46,60 @@ def test_welcome_round_trips_with_every_field() -> None:
     welcome = P.Welcome(session_id="s1", model_name="m", vocab_size=49152, max_context=2048, max_draft_len=16,
                         max_k=512, resume_token=b"\x01\x02", resumed=True, dssd_max_samples=32,
                         target_fingerprint="fp", edge_name="edge-a",
-                        forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)))
+                        forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)), modes=tuple(Mode))
     msg = pb.EdgeMessage.FromString(wire.welcome_to_pb(welcome).SerializeToString())
     assert wire.welcome_from_pb(msg.welcome) == welcome
     old = pb.Welcome(session_id="s1", model_name="m", vocab_size=8, max_context=64, max_draft_len=4, max_k=8)
     assert wire.welcome_from_pb(old).forward_cost == ()
+# --- gumbel rounds: ids only, packed ---------------------------------------------------------------
+
+def _draft_through_wire(block: P.DraftBlock) -> tuple[P.DraftBlock, int]:
+    msg = wire.draft_to_pb(block)
+    return wire.device_message_from_pb(pb.DeviceMessage.FromString(msg.SerializeToString())), msg.ByteSize()
+
+
+def test_a_gumbel_draft_carries_packed_ids_and_nothing_else() -> None:
+    from specdec.common.idpack import id_bits
+    from specdec.common.settings import DraftSettings, Mode
+    ids = (49151, 0, 16384, 40000)
+    block = P.DraftBlock(round_id=3, token_ids=ids, id_bits=id_bits(49152))
+    back, size = _draft_through_wire(block)
+    assert back == block
+    m = wire.draft_to_pb(block).draft
+    assert len(m.packed_ids) == 2 * len(ids) and not m.token_ids and not m.distributions
+    assert size <= 4 * len(ids) + 4  # whole message: 8 bytes of ids, their length, the width, round id, framing
+    with_settings, _ = _draft_through_wire(P.DraftBlock(round_id=1, token_ids=ids, id_bits=16,
+                                                        settings=DraftSettings(mode=Mode.GUMBEL, draft_len=4)))
+    assert with_settings.settings.mode is Mode.GUMBEL and with_settings.token_ids == ids
+
+
+def test_a_draft_with_ids_both_ways_or_packed_without_width_is_refused() -> None:
+    import pytest
+    both = pb.Draft(round_id=1, token_ids=[1], packed_ids=b"\x01", id_bits=8)
+    with pytest.raises(ValueError, match="not both"):
+        wire.draft_from_pb(both)
+    with pytest.raises(ValueError, match="without id_bits"):
+        wire.draft_from_pb(pb.Draft(round_id=1, packed_ids=b"\x01"))
+    with pytest.raises(ValueError):
+        wire.draft_from_pb(pb.Draft(round_id=1, packed_ids=b"\x01\xff", id_bits=12))  # padding set
+
+
+def test_an_edge_refuses_a_mode_it_does_not_know_with_a_clear_error() -> None:
+    """What an edge from before mode gumbel does with MODE_GUMBEL (7), shown with a number this one
+    does not know: INVALID_ARGUMENT naming the mode, in the Hello or in a round's settings."""
+    import pytest
+    unknown = max(pb.Mode.values()) + 1
+    with pytest.raises(ValueError, match=f"unknown or unspecified draft mode {unknown}"):
+        wire.draft_from_pb(pb.Draft(round_id=1, token_ids=[1], settings=pb.DraftSettings(mode=unknown)))
+
+
+def test_welcome_lists_the_modes_an_edge_verifies() -> None:
+    from specdec.common.settings import Mode
+    base = dict(session_id="s", model_name="m", vocab_size=8, max_context=64, max_draft_len=4, max_k=8)
+    new = P.Welcome(**base, modes=tuple(Mode))
+    back = wire.welcome_from_pb(wire.welcome_to_pb(new).welcome)
+    assert back == new and back.verifies(Mode.GUMBEL)
+    old = wire.welcome_from_pb(pb.Welcome(**base))  # an edge before the field
+    assert old.modes == () and not old.verifies(Mode.GUMBEL) and old.verifies(Mode.DSSD) and old.verifies(Mode.NONE)
+    future = pb.Welcome(**base, modes=[pb.MODE_TSLT, max(pb.Mode.values()) + 1])  # a mode this device does not know
+    assert wire.welcome_from_pb(future).modes == (Mode.TSLT,)
