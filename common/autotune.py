@@ -14,7 +14,10 @@ edge-only rounds (the target alone, streamed). Acceptance for a support size not
 the top-K relation of TSLT Theorem 1, eq. (20)-(22): truncating q to its top K moves the acceptance
 rate by at most the dropped mass sigma_K; we use that bound as a first-order estimate,
 alpha_K = alpha_base - sigma_K (Lemma 2, eq. (19): the same holds for any packet with TV(q_hat, q) in
-place of sigma_K, which covers K-SQS's lattice error).
+place of sigma_K, which covers K-SQS's lattice error). Gumbel rounds keep a draft iff it is the
+target's own draw with the shared noise, which happens with probability between (1 - TV) / (1 + TV)
+(Daliri et al., arXiv 2408.07978, Theorem 2) and 1 - TV = alpha_base: their acceptance is measured on
+their own rounds, with a prior from alpha_base (:func:`gumbel_prior`) until they have run.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from specdec.common.latency import expected_tokens_by_depth, oracle_time_draftin
 
 # Modes whose rounds the device can draft ahead (device/chain.py DRAFT_AHEAD_MODES, stated here as
 # data so that this module stays free of device code).
-AHEAD_MODES = frozenset({Mode.DENSE, Mode.TSLT, Mode.KSQS, Mode.DSSD})
+AHEAD_MODES = frozenset({Mode.DENSE, Mode.TSLT, Mode.KSQS, Mode.DSSD, Mode.GUMBEL})
 TRUST_FACTOR = 4.0             # rounds up to this x the largest measured one are predicted at the estimate
 UNTRUSTED_BPS = 1e6            # ... and the bits beyond it at most this fast
 PROTO_BYTES_PER_TOKEN = 6      # a draft token's id and its packet's length prefix on the wire
@@ -93,6 +96,11 @@ class Estimates:
     # ~1.2x one of a single token, which an affine fit of a few short rounds cannot tell.
     verify_curve: Callable[[float], float] | None = None
     edge_batch_tokens: float = 0.0
+    # Gumbel rounds' acceptance per tested position and per depth, as their own rounds measured it
+    # (None / empty: the prior :func:`gumbel_prior` of alpha_base and of each alpha_depth)
+    gumbel_alpha: float | None = None
+    gumbel_depth: tuple[float, ...] = ()
+    greedy: bool = False                    # temperature 0: the race agrees exactly when the argmaxes do
 
     def verify_s(self, tokens: int) -> float:
         """The edge's time for a forward over ``tokens`` tokens of this device: its cost curve at
@@ -102,16 +110,39 @@ class Estimates:
         return self.verify_base_s + self.verify_per_token_s * max(0, tokens - 1)
 
     def alpha(self, c: Candidate) -> float:
-        """Per-position acceptance with c's packets: alpha_base - TV(q_hat, q) (TSLT eq. 22)."""
+        """Per-position acceptance with c's packets: alpha_base - TV(q_hat, q) (TSLT eq. 22); gumbel
+        rounds': their own (module docstring)."""
+        if c.mode is Mode.GUMBEL:
+            return self.gumbel_alpha if self.gumbel_alpha is not None else gumbel_prior(self.alpha_base, self.greedy)
         return min(1.0, max(0.0, self.alpha_base - self.sigma.get(c.codec_key, 0.0)))
 
     def depth_alphas(self, c: Candidate) -> list[float]:
         """Acceptance at each depth of c's round with c's packets: alpha_depth - TV(q_hat, q) (eq. 22
-        per position)."""
+        per position); gumbel rounds': their own per depth, else the prior of alpha_depth's."""
+        if c.mode is Mode.GUMBEL:
+            depths = self.gumbel_depth or tuple(gumbel_prior(a, self.greedy)
+                                                for a in (self.alpha_depth or (self.alpha_base,)))
+            return [depths[min(d, len(depths) - 1)] for d in range(c.draft_len)]
         if not self.alpha_depth:
             return [self.alpha(c)] * c.draft_len
         sigma, last = self.sigma.get(c.codec_key, 0.0), len(self.alpha_depth) - 1
         return [min(1.0, max(0.0, self.alpha_depth[min(d, last)] - sigma)) for d in range(c.draft_len)]
+
+
+# Gumbel rounds' acceptance before they have run: 1 - GUMBEL_TV_FACTOR x TV with TV = 1 - alpha, the
+# exact q's acceptance. Daliri et al.'s Theorem 2 puts it between (1 - TV) / (1 + TV) ~ 1 - 2 TV and
+# 1 - TV; on the default pair at T = 1 the race agrees at 1 - 1.26 TV on average over 384 positions
+# (make bench-coupling, docs/bench/coupling.json).
+GUMBEL_TV_FACTOR = 1.26
+
+
+def gumbel_prior(alpha: float, greedy: bool = False) -> float:
+    """Expected gumbel acceptance per position from the exact q's acceptance ``alpha`` = 1 - TV, within
+    Theorem 2's bounds; at temperature 0 both are one-hot and the race agrees iff the argmaxes do."""
+    if greedy:
+        return alpha
+    tv = 1.0 - alpha
+    return max((1.0 - tv) / (1.0 + tv), 1.0 - GUMBEL_TV_FACTOR * tv)
 
 
 @dataclass(frozen=True)
@@ -236,7 +267,8 @@ def probe_pays(candidates: list[Candidate], e: Estimates, pick: Candidate, fast_
 
 
 def candidate_grid(top_ks: tuple[int, ...], draft_lens: tuple[int, ...], ksqs_ks: tuple[int, ...],
-                   dense: bool = True, dssd: bool = True, edge_only: bool = True) -> list[Candidate]:
+                   dense: bool = True, dssd: bool = True, edge_only: bool = True,
+                   gumbel: bool = True) -> list[Candidate]:
     """The candidates a controller chooses among: each mode at each draft length, plus edge-only."""
     out: list[Candidate] = [Candidate(Mode.NONE)] if edge_only else []
     for L in draft_lens:
@@ -246,6 +278,8 @@ def candidate_grid(top_ks: tuple[int, ...], draft_lens: tuple[int, ...], ksqs_ks
             out.append(Candidate(Mode.DENSE, L))
         if dssd:
             out.append(Candidate(Mode.DSSD, L))
+        if gumbel:
+            out.append(Candidate(Mode.GUMBEL, L))
     return out
 
 

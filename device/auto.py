@@ -19,6 +19,10 @@ What is measured, per round (all from what the device already sees):
     is correlated along a round), per session (:class:`SessionAcceptance`: sessions at once draft
     different texts) and over the device's sessions (where a new one starts), and every encoded q
     adds its dropped mass for each candidate K, so a K never sent still gets an estimate;
+  * gumbel rounds' acceptance (a draft kept iff it is the target's own draw): their own rate per
+    tested position and per depth (:class:`GumbelAcceptance`), shrunk toward a prior from alpha_base
+    (:func:`~specdec.common.autotune.gumbel_prior`) until they have run; gumbel rounds do not feed
+    alpha_base (theirs is another event);
   * the share of drafted-ahead rounds kept (bonus guessed), DSSD's fallback share.
 Model-side estimates are kept per temperature (acceptance depends on it), link-side ones once.
 
@@ -106,6 +110,10 @@ class AutoConfig:
     # with probability 1 - TV(p_j, q_j), most of the time for a close drafter at small m; 12 bytes a
     # sample, and the edge's default cap.
     dssd_samples: int = DEFAULT_DSSD_MAX_SAMPLES
+    # Gumbel rounds send token ids only (2 bytes a position at V = 49152), accepted a little less often
+    # than the exact q's rejection sampling (make bench-coupling). Only against edges that verify them
+    # (Welcome.modes).
+    gumbel: bool = True
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
     # While edge-only rounds look best, a drafted round now and then re-measures the drafter and its
@@ -128,7 +136,7 @@ class AutoConfig:
         ks = tuple(sorted({min(k, cap) for k in self.top_ks}))
         lens = tuple(L for L in self.draft_lens if L <= max_draft_len)
         return A.candidate_grid(ks, lens, tuple(sorted({min(k, cap) for k in self.ksqs_ks})), self.dense,
-                                self.dssd, self.edge_only)
+                                self.dssd, self.edge_only, self.gumbel)
 
 
 class _Ewma:
@@ -186,6 +194,27 @@ class SessionAcceptance:
         return tuple(min(1.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT)) for d in self.depth)
 
 
+class GumbelAcceptance:
+    """One session's gumbel rounds: kept drafts per tested position, overall and per depth, decayed per
+    round as :class:`SessionAcceptance` is. Measured on gumbel rounds only: their acceptance is the race's
+    agreement, not the exact q's; before any, and shrunk toward it after, a prior."""
+
+    def __init__(self, memory: float = 1.0):
+        self.accept = _Ratio(decay=ACCEPT_DECAY * memory)
+        self.depth = [_Ratio(decay=DEPTH_DECAY * memory) for _ in range(MAX_DEPTH)]
+
+    def add(self, accepted: int, tested: int) -> None:
+        self.accept.add(accepted, tested)
+        for d in range(min(tested, MAX_DEPTH)):
+            self.depth[d].add(d < accepted)
+
+    def estimate(self, prior: float) -> tuple[float, tuple[float, ...]]:
+        """(acceptance per position, per depth): the counts shrunk toward ``prior`` (PRIOR_WEIGHT
+        positions' worth), each depth's toward that (DEPTH_PRIOR_WEIGHT rounds' worth)."""
+        base = min(1.0, self.accept.shrunk(prior, PRIOR_WEIGHT))
+        return base, tuple(min(1.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT)) for d in self.depth)
+
+
 class _ModelSide:
     """Estimates that depend on the two models and the temperature, not on the link or the text."""
 
@@ -194,6 +223,8 @@ class _ModelSide:
         self.memory = memory
         # (accepted + TV) per tested position over many sessions: where each new session starts
         self.long = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, LONG_ACCEPT_DECAY * memory)
+        # the same over gumbel rounds (their own event), no prior of its own: gumbel_prior's of the above
+        self.long_gumbel = _Ratio(decay=LONG_ACCEPT_DECAY * memory)
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
         # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
         # whatever K), so per temperature; from sample encodings and from the rounds actually sent
@@ -209,6 +240,11 @@ class _ModelSide:
         rejection means q_j missed p_j's one token, and that token is always kept."""
         prior = 0.0 if self.greedy else alpha ** samples  # T = 0: y = argmax p always survives
         return self.fallback.shrunk(prior, PRIOR_FALLBACK_WEIGHT)
+
+    def gumbel_prior(self, alpha_base: float) -> float:
+        """Where a session's gumbel estimate starts: the device's long-run gumbel rate, shrunk toward
+        the prior from ``alpha_base`` (all prior until gumbel rounds have run)."""
+        return self.long_gumbel.shrunk(A.gumbel_prior(alpha_base, self.greedy), PRIOR_WEIGHT)
 
     def session(self) -> SessionAcceptance:
         """A new text's acceptance, starting from the device's long-run rate (PRIOR_WEIGHT positions'
@@ -286,7 +322,8 @@ class LinkTracker:
                 temps[repr(t)] = {"long": [side.long.hits, side.long.trials], "sigma": keys(side.sigma),
                                   "packet_bytes": keys(side.packet_bytes), "encoded": side.encoded,
                                   "guess": [side.guess.hits, side.guess.trials],
-                                  "fallback": [side.fallback.hits, side.fallback.trials]}
+                                  "fallback": [side.fallback.hits, side.fallback.trials],
+                                  "long_gumbel": [side.long_gumbel.hits, side.long_gumbel.trials]}
             models = {"draft_s": self.draft_s.value, "fallback_bytes": self.fallback_bytes.value,
                       "encode_s": {m.value: e.value for m, e in self.encode_s.items() if e.value is not None},
                       "temperatures": temps}
@@ -340,7 +377,8 @@ class LinkTracker:
             sides[_num(float(t), 0.0, 1e3)] = (
                 ratio(m["long"]), {_key_of(k): _num(v, 0.0, 1.0) for k, v in m.get("sigma", {}).items()},
                 {_key_of(k): _num(v, 0.0, 1e9) for k, v in m.get("packet_bytes", {}).items()},
-                int(_num(m.get("encoded", 0), 0, 1e12)), ratio(m["guess"]), ratio(m["fallback"]))
+                int(_num(m.get("encoded", 0), 0, 1e12)), ratio(m["guess"]), ratio(m["fallback"]),
+                ratio(m.get("long_gumbel", (0.0, 0.0))))
 
         def apply():
             if draft is not None:
@@ -349,10 +387,11 @@ class LinkTracker:
                 self.fallback_bytes.value = fb
             for mode, v in encode.items():
                 self.encode_s.setdefault(mode, self._ewma()).value = v
-            for t, (long, sigma, sizes, encoded, guess, fallback) in sides.items():
+            for t, (long, sigma, sizes, encoded, guess, fallback, long_gumbel) in sides.items():
                 side = self.model(t)
-                weight = min(1.0, REMEMBERED_POSITIONS / long[1]) if long[1] > 0 else 0.0
-                side.long.hits, side.long.trials = long[0] * weight, long[1] * weight
+                for ratio_, (hits, trials) in ((side.long, long), (side.long_gumbel, long_gumbel)):
+                    weight = min(1.0, REMEMBERED_POSITIONS / trials) if trials > 0 else 0.0
+                    ratio_.hits, ratio_.trials = hits * weight, trials * weight
                 for k, v in sigma.items():
                     side.sigma.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
                 for k, v in sizes.items():
@@ -500,8 +539,9 @@ class LinkTracker:
     # -- rounds ------------------------------------------------------------------------------------------
     def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,
                       acceptance: SessionAcceptance | None = None, catching_up: bool = False,
-                      first: bool = False) -> None:
-        """One round's record; its acceptance also goes to ``acceptance``, its session's. ``catching_up``:
+                      first: bool = False, gumbel: GumbelAcceptance | None = None) -> None:
+        """One round's record; its acceptance also goes to ``acceptance``, its session's (a gumbel
+        round's to ``gumbel``, the session's gumbel estimate). ``catching_up``:
         the session's first drafted round, or the first after edge-only rounds: its drafting includes
         feeding the drafter the tokens it has not seen, and its network time the edge's prefill, so
         neither says anything about a round in steady state. ``first``: the session's first round (its
@@ -533,10 +573,15 @@ class LinkTracker:
                 self.encode_s.setdefault(settings.mode, self._ewma()).add(per_token["encode"])
                 self.decode_s.setdefault(settings.mode, self._ewma()).add(per_token["decode"])
             side = self.model(temperature)
-            tv = side.tv(_codec_key(settings))
-            side.long.add(r.accepted + r.tested * tv, r.tested)
-            if acceptance is not None:
-                acceptance.add(r.accepted, r.tested, tv)
+            if settings.mode is Mode.GUMBEL:
+                side.long_gumbel.add(r.accepted, r.tested)
+                if gumbel is not None:
+                    gumbel.add(r.accepted, r.tested)
+            else:
+                tv = side.tv(_codec_key(settings))
+                side.long.add(r.accepted + r.tested * tv, r.tested)
+                if acceptance is not None:
+                    acceptance.add(r.accepted, r.tested, tv)
             if r.drafted_tokens and settings.mode is not Mode.DSSD:
                 sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
                 side.add_bytes(_codec_key(settings), max(0.0, sent))
@@ -563,11 +608,13 @@ class LinkTracker:
 
     def estimates(self, temperature: float, vocab_size: int, acceptance: SessionAcceptance | None = None,
                   fallback_top_k: int = DraftSettings().dssd_fallback_top_k,
-                  dssd_samples: int | None = None) -> A.Estimates:
-        """What the choice needs, with ``acceptance`` a session's (by default: a new session's)."""
+                  dssd_samples: int | None = None, gumbel: GumbelAcceptance | None = None) -> A.Estimates:
+        """What the choice needs, with ``acceptance`` and ``gumbel`` a session's (by default: a new
+        session's)."""
         with self.lock:
             side = self.model(temperature)
             acceptance = acceptance or side.session()
+            gumbel_alpha, gumbel_depth = (gumbel or GumbelAcceptance()).estimate(side.gumbel_prior(acceptance.alpha_base))
             base, slope = self.verify_fit()
             return A.Estimates(
                 rtt_s=self.rtt_s(), uplink_bps=self.uplink_bps(),
@@ -586,6 +633,7 @@ class LinkTracker:
                                      else float(dssd_fallback_bytes(fallback_top_k, vocab_size))),
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
                 measured_up_bits=max(self.sizes_sent, default=8.0 * MIN_RATE_SAMPLE_BYTES),
+                gumbel_alpha=gumbel_alpha, gumbel_depth=gumbel_depth, greedy=side.greedy,
                 edge_chunk=A.edge_chunk(self.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
 
 
@@ -634,6 +682,7 @@ class AutoPolicy:
         self.dssd_samples = tracker.config.dssd_samples  # within the edge's cap once its Welcome says it
         # its own text's acceptance (sessions running at once share the link, not the text)
         self.acceptance = tracker.session_acceptance(hello.temperature)
+        self.gumbel = GumbelAcceptance(tracker.config.memory)  # its gumbel rounds' (their own event)
         self.current: A.Candidate | None = None  # the candidate of the round drafted last
         self.last: dict = {}          # that round's choice and the estimates behind it (JSON-able)
         self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
@@ -644,7 +693,7 @@ class AutoPolicy:
     def choose(self) -> RoundPlan:
         """The next round's plan, from what committed rounds taught the tracker."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
-                                   self.hello.draft.dssd_fallback_top_k, self.dssd_samples)
+                                   self.hello.draft.dssd_fallback_top_k, self.dssd_samples, self.gumbel)
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
         cold = (self.rounds == 0 and self.tracker.config.cold_start and not self.tracker.known
                 and A.Candidate(Mode.NONE) in self.candidates)
@@ -721,10 +770,12 @@ class AutoPolicy:
 
     def observe_welcome(self, welcome: Welcome) -> None:
         """Choose within the edge's limits: a round past its longest draft, largest K or most DSSD
-        samples would fail the session (an edge that does not state its sample cap had 64)."""
-        self.candidates = self.tracker.config.candidates(self.vocab_size,
-                                                         welcome.max_draft_len or DEFAULT_MAX_DRAFT_LEN,
-                                                         welcome.max_k or DEFAULT_MAX_K)
+        samples, or of a mode it does not verify (gumbel, before Welcome.modes), would fail the session
+        (an edge that does not state its sample cap had 64)."""
+        self.candidates = [c for c in self.tracker.config.candidates(self.vocab_size,
+                                                                     welcome.max_draft_len or DEFAULT_MAX_DRAFT_LEN,
+                                                                     welcome.max_k or DEFAULT_MAX_K)
+                           if welcome.verifies(c.mode)]
         cap = welcome.dssd_max_samples or DEFAULT_DSSD_MAX_SAMPLES
         self.dssd_samples = max(1, min(self.tracker.config.dssd_samples, cap))
         if self.current not in self.candidates:
@@ -750,7 +801,8 @@ class AutoPolicy:
         if event.guess is not None:
             self.tracker.observe_guess(t, event.guess)
         self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
-                                   catching_up=drafted and not self._drafted_last, first=self.rounds == 0)
+                                   catching_up=drafted and not self._drafted_last, first=self.rounds == 0,
+                                   gumbel=self.gumbel)
         self._drafted_last = drafted
         self.rounds += 1
         self.edge_only_tokens = 0 if drafted else self.edge_only_tokens + r.generated

@@ -131,7 +131,8 @@ def test_auto_stays_within_the_limits_of_a_smaller_edge(tiny_pair_v8) -> None:
             return await run_sessions(address, load(str(drafter_dir)), cfg, PROMPT, range(30), random_auto_session)
 
     results = run(main())
-    assert all(len(tokens) >= N_TOKENS for tokens, _, _ in results)
+    eos = set(load(str(drafter_dir)).eos_token_ids)
+    assert all(len(tokens) >= N_TOKENS or tokens[-1] in eos for tokens, _, _ in results)  # none failed
     chosen = {c for _, _, s in results for c in s.policy.candidates}
     assert chosen and all(c.draft_len <= 2 and (c.top_k or 0) <= 3 for c in chosen), chosen
     assert all(s.policy.dssd_samples == 2 for _, _, s in results)

@@ -46,7 +46,7 @@ def observe_q(t: LinkTracker, q, q_hat, s: DraftSettings, temperature: float) ->
 
 CANDIDATES = A.candidate_grid((16, 64, 256, 1024), (1, 2, 3, 4, 6, 8, 12, 16), (64,))
 # the codecs that send q (DSSD sends 12 bytes a token whatever the link, and drafts ahead like them)
-SENDING_Q = A.candidate_grid((16, 64, 256, 1024), (1, 2, 3, 4, 6, 8, 12, 16), (64,), dssd=False)
+SENDING_Q = A.candidate_grid((16, 64, 256, 1024), (1, 2, 3, 4, 6, 8, 12, 16), (64,), dssd=False, gumbel=False)
 
 
 def test_edge_only_round_is_its_tokens_over_one_round_trip_and_their_forwards() -> None:

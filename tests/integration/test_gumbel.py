@@ -1,0 +1,295 @@
+"""Mode gumbel end to end in process (the device's real round loop against a real edge session,
+inprocess.py): drafter invariance token for token, the exact law, and its controls.
+
+Every token a gumbel or none round emits is the target's own race with the noise of its position
+(keyed by seed and position only), so a session's tokens are a function of (target, prompt, seed,
+temperature, filters): two drafters, any draft length, rounds drafted ahead, a controller switching
+between gumbel and edge-only rounds, and a resume on a fresh edge all give the edge-only session's
+tokens. The law tests use a six-token target whose first three tokens' law is enumerated; the
+controls (the known trap of verifying race-drafted tokens by u < p/q with the shared noise, and noise
+keyed by the round instead of the position) are rejected by the same test. The same mode over real
+gRPC: test_lossless_e2e.py (law) and test_end_to_end.py (greedy identity).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specdec.common import protocol as P
+from specdec.common import settings as S
+from specdec.common import verification as V
+from specdec.common.distributions import race_token_unchecked
+from specdec.common.modeling import encode_prompt, vocab_fingerprint
+from specdec.common.streams import Purpose, exponentials
+from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.draft_model import DraftStep
+from specdec.device.rounds import RoundPlan
+from specdec.device.session import DraftSession
+from specdec.edge.verifier import VerifierSession
+from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
+from tests.integration.test_decisions_see_only_the_past import AheadToTheEnd
+from tests.integration.test_lossless_e2e import N_TOKENS, PROMPT, exact_law
+from tests.support.harness import device_config, load
+from tests.support.inprocess import run_seeds
+from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
+from tests.unit.test_lossless import verify_by_ratio_with_the_shared_noise
+
+# -- drafter invariance ---------------------------------------------------------------------------------
+INVARIANCE_PROMPTS = ("w1 w2", "w7 w3 w30", "w12")
+INVARIANCE_SEEDS = (0, 1, 2**40 + 3)
+INVARIANCE_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A 64-token target with mild logits (many likely continuations at T = 1), a close drafter (most
+    drafts accepted, rounds drafted ahead kept) and the target sharpened (a different drafter that
+    misses more)."""
+    root = tmp_path_factory.mktemp("gumbel")
+    target = make_model(root / "target", 64, seed=5, logit_scale=1.5)
+    return {"target": target, "close": make_close_drafter(target, root / "close", noise=0.05),
+            "sharp": make_sharpened_drafter(target, root / "sharp", scale=2.0)}
+
+
+def _tokens(models, drafter: str, factory=DraftSession, temperature: float = 1.0, max_new: int = INVARIANCE_TOKENS,
+            prompts=INVARIANCE_PROMPTS, seeds=INVARIANCE_SEEDS, settings: dict | None = None, **kw):
+    """{(prompt, seed): tokens} of one configuration, and its sessions."""
+    target, model = load(str(models["target"])), load(str(models[drafter]))
+    filters = {k: kw.pop(k) for k in ("target_top_k", "target_top_p") if k in kw}
+    out, sessions = {}, []
+    for prompt in prompts:
+        ids = encode_prompt(model.tokenizer, prompt, raw=True)
+        hello = device_config(temperature=temperature, max_new_tokens=max_new, **filters, **(settings or {})).hello(
+            vocab_fingerprint(model.tokenizer), model.vocab_size, seed=0)
+        for seed, (tokens, session) in zip(seeds, run_seeds(target, model, hello, ids, max_new, seeds, factory, **kw)):
+            out[(prompt, seed)] = tokens
+            sessions.append(session)
+    return out, sessions
+
+
+@pytest.fixture(scope="module")
+def edge_only(models):
+    return _tokens(models, "close", settings=dict(mode="none"))[0]
+
+
+class AlternatesGumbelAndNone(DraftSession):
+    """Switches every round between a gumbel round (L from 1 to 5) and an edge-only round (1 to 3
+    tokens), as mode auto may: each round's settings travel with it."""
+
+    def choose(self):
+        i = self.hello.seed + self.round_id
+        s = dict(mode="gumbel", draft_len=1 + i % 5) if i % 2 else dict(mode="none", edge_tokens=1 + i % 3)
+        return RoundPlan(S.resolve(s, vocab_size=self.vocab_size))
+
+
+def _breaks_every_third_round():
+    """The stream breaks before every third Draft (and inside edge-only rounds, after their first
+    token), once per position: the device resumes on a fresh edge, which re-prefills its prefix."""
+    seen: set = set()
+
+    def fault(direction, msg, device) -> bool:
+        key = (id(device), len(device.tokens), direction)
+        if key in seen:
+            return False
+        seen.add(key)
+        if direction == "send" and isinstance(msg, P.DraftBlock):
+            return len(seen) % 3 == 0
+        return direction == "recv" and isinstance(msg, P.Verdict) and msg.more
+    return fault, seen
+
+
+@pytest.mark.parametrize("drafter, draft_len", list(itertools.product(("close", "sharp"), (1, 4, 8))))
+def test_gumbel_tokens_are_the_edge_only_tokens(models, edge_only, drafter, draft_len) -> None:
+    tokens, sessions = _tokens(models, drafter, AheadToTheEnd, settings=dict(mode="gumbel", draft_len=draft_len))
+    assert tokens == edge_only
+    accepted = sum(s.stats.accepted_tokens for s in sessions)
+    print(f"{drafter} L={draft_len}: {accepted} drafts accepted of {sum(s.stats.draft_tokens for s in sessions)}; "
+          f"{sum(s.stats.ahead_rounds_used for s in sessions)} rounds drafted ahead kept")
+    assert accepted > 0
+    assert drafter == "sharp" or sum(s.stats.ahead_rounds_used for s in sessions) > 0
+
+
+def test_rounds_switching_between_gumbel_and_none_give_the_same_tokens(models, edge_only) -> None:
+    tokens, sessions = _tokens(models, "sharp", AlternatesGumbelAndNone)
+    assert tokens == edge_only
+    assert all(s.stats.rounds > 2 for s in sessions)  # both kinds of round in every session
+
+
+def test_mode_auto_choosing_gumbel_or_none_gives_the_same_tokens(models, edge_only) -> None:
+    """The real controller, every estimate its latest observation, among gumbel rounds of any length
+    and edge-only rounds."""
+    def factory(drafter, hello):
+        config = AutoConfig(top_ks=(), ksqs_ks=(), dense=False, dssd=False, memory=0.0, hysteresis=0.0)
+        policy = AutoPolicy(LinkTracker(config), hello, drafter.vocab_size, draft_ahead=True)
+        session = DraftSession(drafter, hello, draft_ahead=True, policy=policy)
+        session.modes = Counter()
+        session.listeners.append(lambda event: session.modes.update([event.settings.mode.value]))
+        return session
+
+    tokens, sessions = _tokens(models, "close", factory, settings=dict(mode="auto"))
+    assert tokens == edge_only
+    print(f"auto's rounds by mode: {dict(sum((s.modes for s in sessions), Counter()))}")
+    assert sum(s.modes["gumbel"] for s in sessions) > 0
+
+
+def test_a_resume_on_a_fresh_edge_gives_the_same_tokens(models, edge_only) -> None:
+    fault, seen = _breaks_every_third_round()
+    tokens, _ = _tokens(models, "sharp", AlternatesGumbelAndNone, fault=fault)
+    assert len(seen) > 20
+    assert tokens == edge_only
+    fault, seen = _breaks_every_third_round()
+    tokens, _ = _tokens(models, "close", AheadToTheEnd, settings=dict(mode="gumbel", draft_len=4), fault=fault)
+    assert tokens == edge_only
+
+
+def test_with_the_targets_top_k_and_top_p_the_drafter_still_changes_no_token(models) -> None:
+    filters = dict(target_top_k=20, target_top_p=0.9)
+    reference, _ = _tokens(models, "close", settings=dict(mode="none"), **filters)
+    for drafter in ("close", "sharp"):
+        tokens, _ = _tokens(models, drafter, settings=dict(mode="gumbel", draft_len=4), **filters)
+        assert tokens == reference, drafter
+    unfiltered, _ = _tokens(models, "close", settings=dict(mode="none"))
+    assert unfiltered != reference  # the filters mattered
+
+
+class KeyedByRoundDevice(DraftSession):
+    """Control for invariance: noise keyed by the round's start, a fresh vector per offset (lossless:
+    no emitted token shares noise with another) but a function of where rounds start, so of the
+    drafter and the draft length."""
+
+    def token_noise(self, start, offset):
+        return _round_keyed(self.hello.seed, start, offset, self.vocab_size)
+
+
+class KeyedByRoundEdge(VerifierSession):
+    def token_noise(self, start, offset):
+        return _round_keyed(self.hello.seed, start, offset, self.info.vocab_size)
+
+
+def _round_keyed(seed: int, start: int, offset: int, vocab: int) -> torch.Tensor:
+    return exponentials(seed, Purpose.TOKEN_NOISE, start, (offset + 1) * vocab)[offset * vocab:]
+
+
+def test_control_noise_keyed_by_round_breaks_invariance(models, edge_only) -> None:
+    tokens, _ = _tokens(models, "close", KeyedByRoundDevice, settings=dict(mode="gumbel", draft_len=4),
+                        edge_cls=KeyedByRoundEdge)
+    differ = sum(tokens[key] != edge_only[key] for key in edge_only)
+    print(f"control, noise keyed by round: {differ} of {len(edge_only)} sessions differ from edge-only")
+    assert differ >= len(edge_only) // 2
+
+
+# -- the exact law --------------------------------------------------------------------------------------
+LAW_SESSIONS = 500
+CONTROL_SESSIONS = 300   # each control below falls under p = 1e-9 at this size
+
+
+@pytest.fixture(scope="module")
+def law_models(tmp_path_factory):
+    """Six tokens with mild logits (several likely continuations per position) and a close drafter."""
+    root = tmp_path_factory.mktemp("gumbel_law")
+    target = make_model(root / "target", 6, seed=1, logit_scale=1.5)
+    return target, make_close_drafter(target, root / "close", noise=0.3)
+
+
+def _law_fit(law_models, factory, sessions: int, draft: dict, max_new: int = N_TOKENS, **kw):
+    """The fit of the first N_TOKENS of ``sessions`` seeded sessions to the exact law (sessions may run
+    to ``max_new`` so that later rounds' choices land inside), and the sessions."""
+    target_dir, drafter_dir = law_models
+    drafter = load(str(drafter_dir))
+    ids = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    hello = device_config(temperature=1.0, max_new_tokens=max_new, **draft).hello(
+        vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+    results = run_seeds(load(str(target_dir)), drafter, hello, ids, max_new, range(sessions), factory, **kw)
+    fit = goodness_of_fit(Counter(tuple(t[:N_TOKENS]) for t, _ in results), exact_law(str(target_dir), tuple(ids)))
+    return fit, [s for _, s in results]
+
+
+GUMBEL_L2 = dict(mode="gumbel", draft_len=2)
+
+
+def test_gumbel_sessions_follow_the_targets_exact_law(law_models) -> None:
+    fit, sessions = _law_fit(law_models, AheadToTheEnd, LAW_SESSIONS, GUMBEL_L2)
+    accepted = sum(s.stats.accepted_tokens for s in sessions) / sum(s.stats.positions_verified for s in sessions)
+    print(f"gumbel L = 2, drafting ahead: acceptance {accepted:.2f}; {fit}")
+    assert 0.3 < accepted < 0.95  # both outcomes of every test are exercised
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+def test_control_noise_keyed_by_round_start_is_rejected(law_models) -> None:
+    """Both sides key the noise by the round's start: every position of a round races with the same."""
+    class Device(DraftSession):
+        def token_noise(self, start, offset):
+            return super().token_noise(start, 0)
+
+    class Edge(VerifierSession):
+        def token_noise(self, start, offset):
+            return super().token_noise(start, 0)
+
+    fit, _ = _law_fit(law_models, Device, CONTROL_SESSIONS, GUMBEL_L2, edge_cls=Edge)
+    print(f"control, noise keyed by round start: {fit}")
+    assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
+
+
+class DraftsDenseByTheSharedNoise(DraftSession):
+    """The trap's device: dense rounds (q sent) whose drafts are q's race with the position's shared
+    noise."""
+
+    def draft_step(self, part, base):
+        self._position = part.start + len(part.steps)
+        return super().draft_step(part, base)
+
+    def sample(self, encoded, generator):
+        noise = V.token_noise(self.hello.seed, self._position, self.vocab_size)
+        return DraftStep(race_token_unchecked(encoded.q_hat, noise), encoded)
+
+
+class VerifiesByRatioWithTheSharedNoise(VerifierSession):
+    """The trap's edge: u < p/q with u the uniform behind the draft's own noise, the residual raced with
+    the same noise (test_lossless.verify_by_ratio_with_the_shared_noise)."""
+
+    def _verify_chain(self, draft, settings, q, generator):
+        ids = list(draft.token_ids)
+        p = self._target_probs(self._feed_logits(ids, len(ids) + 1))
+        start = len(self.tokens)
+        result = verify_by_ratio_with_the_shared_noise(ids, list(q), p, lambda i: self.token_noise(start, i))
+        self._commit(ids[:result.num_accepted], result.num_accepted, result.next_token)
+        return P.Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
+
+
+def test_control_accept_by_ratio_with_the_shared_noise_is_rejected(law_models) -> None:
+    fit, _ = _law_fit(law_models, DraftsDenseByTheSharedNoise, CONTROL_SESSIONS,
+                      dict(mode="dense", dense_dtype="fp32", draft_len=2), edge_cls=VerifiesByRatioWithTheSharedNoise)
+    print(f"control, u < p/q with the shared noise: {fit}")
+    assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
+
+
+def test_auto_with_gumbel_among_its_candidates_keeps_the_law(law_models) -> None:
+    """The real controller, as sensitive as it gets, choosing every round between gumbel and TSLT-1
+    rounds of length 1 (in process edge-only rounds cost nothing and would win every round), every
+    round drafted ahead in full. A gumbel round's event carries no measurement past its first mismatch
+    (those drafts raced with noise the next round uses)."""
+    def factory(drafter, hello):
+        config = AutoConfig(top_ks=(1,), ksqs_ks=(), dense=False, dssd=False, edge_only=False, draft_lens=(1,),
+                            memory=0.0, hysteresis=0.0, lattice=8)
+        policy = AutoPolicy(LinkTracker(config), hello, drafter.vocab_size, draft_ahead=True)
+        session = AheadToTheEnd(drafter, hello, policy=policy)
+        session.modes, session.measured_past_mismatch = Counter(), 0
+
+        def on_round(event):
+            session.modes.update([event.settings.mode.value])
+            if event.settings.mode is S.Mode.GUMBEL and len(event.q_stats) > event.record.accepted + 1:
+                session.measured_past_mismatch += 1
+        session.listeners.append(on_round)
+        return session
+
+    fit, sessions = _law_fit(law_models, factory, LAW_SESSIONS, dict(mode="auto"), max_new=2 * N_TOKENS)
+    modes = sum((s.modes for s in sessions), Counter())
+    print(f"sensitive auto with gumbel: rounds by mode {dict(modes)}; {fit}")
+    assert sum(n > LAW_SESSIONS // 10 for n in modes.values()) >= 2, f"auto hardly changed its mind: {modes}"
+    assert modes["gumbel"] > 0
+    assert sum(s.measured_past_mismatch for s in sessions) == 0
+    assert fit.p_value > P_VALUE_CUT, str(fit)
