@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto system-deps test test-slow test-gpu gpu-check gpu-wheels demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation bench-dssd-fallback clean
+.PHONY: venv proto system-deps test test-slow test-gpu gpu-check gpu-wheels demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation bench-dssd-fallback bench-coupling clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml setup.py
@@ -121,6 +121,12 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(PB_OUT) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.run_bench $(ARGS)
+
+# Acceptance per draft position against uplink bits per position on the real pair, T = 0 and 1: gumbel
+# (ids only), DSSD, TSLT over K, K-SQS over (K, lattice), dense, with (1 - TV) / (1 + TV) and 1 - TV of
+# the same positions (exact expectations on texts the target samples): results/bench_coupling.{json,png}.
+bench-coupling: $(PB_OUT) $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_coupling $(ARGS)
 
 # The pair over emulated real links (issue 18): uplink {100, 10, 2, 0.5} Mbit/s x RTT {0, 20, 60, 150} ms
 # plus jitter / loss variants and a link that changes mid-session, at T = 0 and 1; edge-only, fixed

@@ -68,12 +68,14 @@ def acceptance(p: torch.Tensor, q_hat: torch.Tensor) -> float:  # [V], [V] -> P(
 
 def positions(target, drafter, prompts: list[str], temperature: float, max_new_tokens: int):
     """(p, q) [V], [V] at every position of texts the target samples at ``temperature`` from
-    ``prompts``: the target's and the drafter's distributions given the same prefix."""
+    ``prompts`` (its greedy decode at 0): the target's and the drafter's distributions given the same
+    prefix."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
     for text in prompts:
         ids = encode_prompt(target.tokenizer, text, raw=False)
         with torch.no_grad():
-            out = target.model.generate(torch.tensor([ids]), do_sample=True, temperature=temperature, top_k=0,
-                                        top_p=1.0, max_new_tokens=max_new_tokens)
+            out = target.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, **sampling)
             logits = target.model(out).logits[0]  # [len, V]
         seq, draft = out[0].tolist(), DraftModel(drafter, temperature)
         for i in range(len(ids), len(seq)):

@@ -47,12 +47,15 @@ from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
 from specdec.common.settings import Mode, setting_names
 from specdec.device import runner
-from specdec.device.auto import LinkTracker
+from specdec.device.auto import AutoConfig, LinkTracker
 from specdec.device.client import generate
 from specdec.device.runner import DeviceConfig
 from specdec.device.session import DraftSession
 
 WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the channel warm up
+# A job's config key: AutoConfig fields for mode auto (e.g. {"gumbel": false}); each distinct one has
+# its own memory of the link, as another device would.
+AUTO_CONFIG = "auto_config"
 
 
 class RecordingSession(DraftSession):
@@ -109,7 +112,9 @@ class RecordingSession(DraftSession):
 
 
 def device_config(edge: str, overrides: dict) -> DeviceConfig:
-    """A job's config: DeviceConfig fields and draft settings (checked by the settings table) by name."""
+    """A job's config: DeviceConfig fields and draft settings (checked by the settings table) by name
+    (``auto_config``, mode auto's candidates, is the driver's: :meth:`Device.tracker_for`)."""
+    overrides = {k: v for k, v in overrides.items() if k != AUTO_CONFIG}
     names = {f.name for f in fields(DeviceConfig)} | set(setting_names())
     unknown = set(overrides) - names
     if unknown:
@@ -187,16 +192,27 @@ class Device:
     def __init__(self, channel, drafter, edge: str, operating_point=()):
         self.channel, self.drafter, self.edge, self.operating_point = channel, drafter, edge, operating_point
         self.tracker = LinkTracker()
+        self.trackers: dict[str, LinkTracker] = {}  # per job AUTO_CONFIG
 
-    async def session(self, cfg: DeviceConfig, prompt: str, seed: int, extras=(), topk_grid=None) -> tuple[dict, dict]:
+    def tracker_for(self, auto_config: dict | None) -> LinkTracker:
+        if not auto_config:
+            return self.tracker
+        key = json.dumps(auto_config, sort_keys=True)
+        if key not in self.trackers:
+            self.trackers[key] = LinkTracker(AutoConfig(**auto_config))
+        return self.trackers[key]
+
+    async def session(self, cfg: DeviceConfig, prompt: str, seed: int, extras=(), topk_grid=None,
+                      tracker: LinkTracker | None = None) -> tuple[dict, dict]:
         return await run_session(self.channel, self.drafter, cfg, prompt, seed, topk_grid, self.operating_point,
-                                 extras=extras, tracker=self.tracker)
+                                 extras=extras, tracker=tracker or self.tracker)
 
     async def run_jobs(self, jobs: list[dict]) -> None:
         for job in jobs:
             cfg = device_config(self.edge, job["config"])
+            tracker = self.tracker_for(job["config"].get(AUTO_CONFIG))
             extras, grid = job.get("extras", ()), job.get("topk_grid")
-            await run_job(job, lambda prompt, seed: self.session(cfg, prompt, seed, extras, grid))
+            await run_job(job, lambda prompt, seed: self.session(cfg, prompt, seed, extras, grid, tracker))
 
 
 async def run_job(job: dict, session) -> None:

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 DPI = 110
 MODE_COLOURS = {"dense": "tab:red", "tslt": "tab:blue", "ksqs": "tab:green", "csqs": "tab:olive",
-                "dssd": "tab:purple", "none": "tab:gray"}
+                "dssd": "tab:purple", "none": "tab:gray", "gumbel": "tab:orange"}
 
 
 def finite(x) -> bool:

@@ -59,7 +59,8 @@ def cell_summary(stats: dict[str, dict]) -> dict:
     return {"tps": tps, "best_fixed": best, "best_fixed_tps": fixed.get(best),
             "auto_vs_best_fixed": ratio(auto, fixed.get(best)), "auto_vs_edge_only": ratio(auto, none),
             "auto_vs_default": ratio(auto, default), "best_fixed_vs_edge_only": ratio(fixed.get(best), none),
-            "default_vs_best_fixed": ratio(default, fixed.get(best)), "default_vs_edge_only": ratio(default, none)}
+            "default_vs_best_fixed": ratio(default, fixed.get(best)), "default_vs_edge_only": ratio(default, none),
+            "auto_vs_auto_nogumbel": ratio(auto, tps.get("auto-nogumbel"))}
 
 
 BOOTSTRAP_DRAWS = 2000
@@ -199,6 +200,11 @@ def goals(cells: dict[str, dict], changing: dict[str, dict]) -> dict[str, dict]:
     keep = {k: v for k, v in keep.items() if v is not None}
     worst = min(keep, key=keep.get) if keep else None
     out["auto_60ms_vs_0ms_10mbit"] = {"value": keep.get(worst), "where": worst, "all": keep}
+    with_gumbel = vals("auto_vs_auto_nogumbel")
+    if with_gumbel:  # issue 37's A/B, where the run had auto-nogumbel: not one of issue 18's goals
+        out["auto_vs_auto_nogumbel_geomean"] = {
+            **goal("auto with gumbel >= 1.0x auto without it, geometric mean over the cells",
+                   geomean(list(with_gumbel.values())), 1.0, f"{len(with_gumbel)} cells"), "all": with_gumbel}
     for key, (text, threshold) in GOALS.items():
         found = out[key]
         out[key] = {**found, **goal(text, found["value"], threshold, found["where"], found.get("detail"),

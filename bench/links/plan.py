@@ -31,9 +31,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "dense-L4": ("fixed", {"mode": "dense", "dense_dtype": "fp16", "draft_len": 4}),
     "ksqs64-L4": ("fixed", {"mode": "ksqs", "top_k": 64, "lattice": 1000, "draft_len": 4}),
     "dssd-L4": ("fixed", {"mode": "dssd", "draft_len": 4}),
+    "gumbel-L4": ("fixed", {"mode": "gumbel", "draft_len": 4}),
+    "gumbel-L8": ("fixed", {"mode": "gumbel", "draft_len": 8}),
     "auto": ("auto", {"mode": "auto"}),
+    # mode auto without gumbel among its candidates (its own memory of the link): the A/B of issue 37
+    "auto-nogumbel": ("auto", {"mode": "auto", "auto_config": {"gumbel": False}}),
 }
-FULL_CONFIGS = ("none", "tslt256-L4", "tslt64-L6", "tslt256-L8", "dense-L4", "ksqs64-L4", "dssd-L4", "auto")
+FULL_CONFIGS = ("none", "tslt256-L4", "tslt64-L6", "tslt256-L8", "dense-L4", "ksqs64-L4", "dssd-L4", "gumbel-L4",
+                "auto")
 QUICK_CONFIGS = ("none", "tslt256-L4", "tslt64-L6", "dssd-L4", "auto")
 
 
