@@ -64,7 +64,7 @@ DRAFT_NOISE = 0.02
 MODE_SETTINGS = {Mode.DENSE: {"dense_dtype": "fp16"}, Mode.TSLT: {"top_k": 16},
                  Mode.KSQS: {"top_k": 16, "lattice": 64},
                  Mode.CSQS: {"csqs_beta0": 0.01, "lattice": 64, "max_k": 64},
-                 Mode.DSSD: {"dssd_samples": 2}, Mode.NONE: {}}
+                 Mode.DSSD: {"dssd_samples": 2}, Mode.NONE: {}, Mode.GUMBEL: {}}
 PROMPT_WORDS = (4, 16)            # prompt length range, words of the tiny vocabulary
 SESSION_TIMEOUT_S = 300.0         # one session longer than this is a failure, not a soak
 RSS_PERIOD_S = 1.0                # RSS sampling period

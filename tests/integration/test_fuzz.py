@@ -50,6 +50,7 @@ from tests.support.harness import EdgeProcess, device_config, load, target_greed
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb
+from specdec.common import wire
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.edge.servicer import RESUME_TOKEN_BYTES, SESSION_ID_RE
 from specdec.device.session import DraftSession
@@ -81,7 +82,7 @@ UNDECODABLE = (grpc.StatusCode.INVALID_ARGUMENT, "undecodable message")
 MODE_SETTINGS = {Mode.DENSE: {"dense_dtype": "fp16"}, Mode.TSLT: {"top_k": 16},
                  Mode.KSQS: {"top_k": 16, "lattice": 64},
                  Mode.CSQS: {"csqs_beta0": 0.01, "lattice": 64, "max_k": 64},
-                 Mode.DSSD: {"dssd_samples": 1}, Mode.NONE: {}}
+                 Mode.DSSD: {"dssd_samples": 1}, Mode.NONE: {}, Mode.GUMBEL: {}}
 # Recorded sessions: (mode, temperature, extra settings); sampled DSSD brings rejections/fallbacks.
 CORPUS = [(m, t, {}) for m in Mode for t in (0.0, 1.0)] + [
     (Mode.TSLT, 0.0, {"tree": (2, 2)}), (Mode.CSQS, 1.0, {"tree": (3, 1)}),
@@ -343,7 +344,7 @@ def _check_well_formed(ctx: Fuzz, msgs: list, replies: list) -> None:
         if req.HasField("draft"):
             d, v = req.draft, rep.verdict
             assert rep.HasField("verdict") and v.round_id == d.round_id, (req, rep)
-            assert v.num_accepted <= len(d.token_ids), (req, rep)
+            assert v.num_accepted <= len(wire.draft_from_pb(d).token_ids), (req, rep)  # ids plain or packed
             assert not v.HasField("next_token") or v.next_token < ctx.vocab_size, rep
             assert all(t < ctx.vocab_size for t in v.reject_samples), rep
             assert all(0.0 < p <= 1.0 for p in v.reject_sample_probs), rep
