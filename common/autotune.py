@@ -136,13 +136,25 @@ class Estimates:
 GUMBEL_TV_FACTOR = 1.30
 
 
+def race_from_exact(alpha: float, greedy: bool = False) -> float:
+    """The relation GUMBEL_TV_FACTOR measures, 1 - alpha_gumbel = GUMBEL_TV_FACTOR (1 - alpha), applied to
+    one position's (expected) exact-q acceptance; linear, so that its average over positions is the
+    relation's (a rejected position maps below 0). At temperature 0 the two events are one."""
+    return alpha if greedy else 1.0 - GUMBEL_TV_FACTOR * (1.0 - alpha)
+
+
+def exact_from_race(alpha_gumbel: float, greedy: bool = False) -> float:
+    """Inverse of :func:`race_from_exact`."""
+    return alpha_gumbel if greedy else 1.0 - (1.0 - alpha_gumbel) / GUMBEL_TV_FACTOR
+
+
 def gumbel_prior(alpha: float, greedy: bool = False) -> float:
     """Expected gumbel acceptance per position from the exact q's acceptance ``alpha`` = 1 - TV, within
     Theorem 2's bounds; at temperature 0 both are one-hot and the race agrees iff the argmaxes do."""
     if greedy:
         return alpha
     tv = 1.0 - alpha
-    return max((1.0 - tv) / (1.0 + tv), 1.0 - GUMBEL_TV_FACTOR * tv)
+    return max((1.0 - tv) / (1.0 + tv), race_from_exact(alpha))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every c
 OBSERVE_Q_EVERY = 4           # encoded q per one whose dropped masses are measured: a top-K over the
                               # vocabulary per drafted token is a few % of a drafter forward, inline
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
+CROSS_WEIGHT = 0.5            # a tested position of the other kind (gumbel / exact q), mapped, counts half:
+                              # each kind's own rounds say most about it
 REMEMBERED_POSITIONS = 32.0   # the most a remembered long-run acceptance weighs: a few sessions' rounds
                               # move it (the drafter or its texts may have changed since)
 MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
@@ -166,22 +168,34 @@ class _Ratio:
         return (self.hits + weight * prior) / (self.trials + weight)
 
 
-class SessionAcceptance:
-    """One session's acceptance: (accepted + TV) per tested position, overall and per depth, decayed per
-    round so that it follows the session's text. Each session has its own (sessions running at once
-    draft different texts); it starts from the device's long-run rate (``start``)."""
+class _Acceptance:
+    """Acceptance per tested position, overall and per depth in the round, decayed per round so that it
+    follows a session's text."""
 
-    def __init__(self, start: float = PRIOR_ALPHA, memory: float = 1.0):
-        self.accept = _Ratio(start * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY * memory)
+    def __init__(self, accept: _Ratio, memory: float):
+        self.accept = accept
         # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
         # round (a draft accepted at depth 1 makes the next likelier), which eq. (8)'s one rate misses,
         # and with it how often a long round is accepted whole
         self.depth = [_Ratio(decay=DEPTH_DECAY * memory) for _ in range(MAX_DEPTH)]
 
+    def add_positions(self, values: list[float], weight: float = 1.0) -> None:
+        """One round's tested positions, each its (expected) acceptance, with ``weight`` trials each."""
+        self.accept.add(weight * sum(values), weight * len(values))
+        for d, v in enumerate(values[:MAX_DEPTH]):  # one sample per depth the round reached
+            self.depth[d].add(weight * v, weight)
+
+
+class SessionAcceptance(_Acceptance):
+    """One session's acceptance with the exact q: (accepted + TV) per tested position, overall and per
+    depth. Each session has its own (sessions running at once draft different texts); it starts from
+    the device's long-run rate (``start``)."""
+
+    def __init__(self, start: float = PRIOR_ALPHA, memory: float = 1.0):
+        super().__init__(_Ratio(start * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY * memory), memory)
+
     def add(self, accepted: int, tested: int, tv: float) -> None:
-        self.accept.add(accepted + tested * tv, tested)
-        for d in range(min(tested, MAX_DEPTH)):  # one sample per depth the round reached
-            self.depth[d].add((d < accepted) + tv)
+        self.add_positions([(d < accepted) + tv for d in range(tested)])
 
     @property
     def alpha_base(self) -> float:
@@ -194,25 +208,20 @@ class SessionAcceptance:
         return tuple(min(1.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT)) for d in self.depth)
 
 
-class GumbelAcceptance:
-    """One session's gumbel rounds: kept drafts per tested position, overall and per depth, decayed per
-    round as :class:`SessionAcceptance` is. Measured on gumbel rounds only: their acceptance is the race's
-    agreement, not the exact q's; before any, and shrunk toward it after, a prior."""
+class GumbelAcceptance(_Acceptance):
+    """One session's gumbel acceptance (a draft kept iff it is the target's own race, another event than
+    the exact q's acceptance): kept drafts per tested position of its gumbel rounds, and the other
+    rounds' through :func:`~specdec.common.autotune.race_from_exact` at CROSS_WEIGHT; no prior of its
+    own (:meth:`estimate` shrinks toward one)."""
 
     def __init__(self, memory: float = 1.0):
-        self.accept = _Ratio(decay=ACCEPT_DECAY * memory)
-        self.depth = [_Ratio(decay=DEPTH_DECAY * memory) for _ in range(MAX_DEPTH)]
-
-    def add(self, accepted: int, tested: int) -> None:
-        self.accept.add(accepted, tested)
-        for d in range(min(tested, MAX_DEPTH)):
-            self.depth[d].add(d < accepted)
+        super().__init__(_Ratio(decay=ACCEPT_DECAY * memory), memory)
 
     def estimate(self, prior: float) -> tuple[float, tuple[float, ...]]:
         """(acceptance per position, per depth): the counts shrunk toward ``prior`` (PRIOR_WEIGHT
         positions' worth), each depth's toward that (DEPTH_PRIOR_WEIGHT rounds' worth)."""
-        base = min(1.0, self.accept.shrunk(prior, PRIOR_WEIGHT))
-        return base, tuple(min(1.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT)) for d in self.depth)
+        base = min(1.0, max(0.0, self.accept.shrunk(prior, PRIOR_WEIGHT)))
+        return base, tuple(min(1.0, max(0.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT))) for d in self.depth)
 
 
 class _ModelSide:
@@ -572,16 +581,8 @@ class LinkTracker:
                     self.draft_s.add(r.phases.get("draft", 0.0) / (r.draft_forwards or r.drafted_tokens))
                 self.encode_s.setdefault(settings.mode, self._ewma()).add(per_token["encode"])
                 self.decode_s.setdefault(settings.mode, self._ewma()).add(per_token["decode"])
+            self._observe_acceptance(r, settings, self.model(temperature), acceptance, gumbel)
             side = self.model(temperature)
-            if settings.mode is Mode.GUMBEL:
-                side.long_gumbel.add(r.accepted, r.tested)
-                if gumbel is not None:
-                    gumbel.add(r.accepted, r.tested)
-            else:
-                tv = side.tv(_codec_key(settings))
-                side.long.add(r.accepted + r.tested * tv, r.tested)
-                if acceptance is not None:
-                    acceptance.add(r.accepted, r.tested, tv)
             if r.drafted_tokens and settings.mode is not Mode.DSSD:
                 sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
                 side.add_bytes(_codec_key(settings), max(0.0, sent))
@@ -589,6 +590,30 @@ class LinkTracker:
                 side.fallback.add(r.residual_trips > 0)
             if r.residual_trips:
                 self.fallback_bytes.add(r.residual_bytes)
+
+    @staticmethod
+    def _observe_acceptance(r: RoundRecord, settings: DraftSettings, side: "_ModelSide",
+                            acceptance: SessionAcceptance | None, gumbel: GumbelAcceptance | None) -> None:
+        """A round's acceptance teaches both estimates, the exact q's and gumbel's, since both follow the
+        same TV of the same text: its own kind's directly, the other through the measured relation
+        1 - alpha_gumbel = GUMBEL_TV_FACTOR (1 - alpha) at CROSS_WEIGHT, so that neither goes stale
+        while only the other kind runs (a session on gumbel rounds kept DSSD at a stale 0.90 while its
+        text accepted 0.97: the links A/B, docs/benchmarks.md)."""
+        if settings.mode is Mode.GUMBEL:
+            raced = [float(d < r.accepted) for d in range(r.tested)]
+            exact = [A.exact_from_race(v, side.greedy) for v in raced]
+        else:
+            tv = side.tv(_codec_key(settings))
+            exact = [(d < r.accepted) + tv for d in range(r.tested)]
+            raced = [A.race_from_exact(min(1.0, v), side.greedy) for v in exact]
+        own_exact = settings.mode is not Mode.GUMBEL
+        for ratio, values, own in ((side.long, exact, own_exact), (side.long_gumbel, raced, not own_exact)):
+            w = 1.0 if own else CROSS_WEIGHT
+            ratio.add(w * max(0.0, sum(values)), w * len(values))  # a round all rejected maps below 0
+        if acceptance is not None:
+            acceptance.add_positions(exact, 1.0 if own_exact else CROSS_WEIGHT)
+        if gumbel is not None:
+            gumbel.add_positions(raced, CROSS_WEIGHT if own_exact else 1.0)
 
     def add_round_time(self, key: tuple[Mode, int], measured_s: float, modelled_s: float) -> None:
         """A round took ``measured_s`` where the model said ``modelled_s`` (before any scale)."""

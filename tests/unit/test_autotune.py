@@ -13,7 +13,7 @@ from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
-from specdec.device.auto import (LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig,
+from specdec.device.auto import (LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, GumbelAcceptance,
                                  AutoPolicy, LinkTracker, SessionAcceptance)
 from specdec.device.rounds import RoundEvent, RoundPlan
 
@@ -530,3 +530,62 @@ def test_the_edge_s_stated_cost_curve_makes_auto_draft_long_on_a_gpu() -> None:
         gpu.tracker.add_verify(2, 0.01)
     _, slope = gpu.tracker.verify_fit()
     assert slope > 0.004  # (0.05 - 0.01) / 7 s per token measured, far above the curve's 21 us
+
+
+# -- gumbel rounds -----------------------------------------------------------------------------------------
+
+GUMBEL = DraftSettings(mode=Mode.GUMBEL, draft_len=8)
+
+
+def test_gumbel_starts_from_the_prior_of_the_exact_qs_acceptance() -> None:
+    """Before any round: (1 - TV)/(1 + TV) <= gumbel_prior <= 1 - TV; at T = 0 the two events are one."""
+    for alpha in (0.5, 0.8, 0.95, 0.99):
+        tv = 1 - alpha
+        assert (1 - tv) / (1 + tv) - 1e-12 <= A.gumbel_prior(alpha) <= alpha
+        assert A.gumbel_prior(alpha, greedy=True) == alpha
+        assert A.exact_from_race(A.race_from_exact(alpha)) == pytest.approx(alpha)
+    e = LinkTracker().estimates(1.0, 49152)
+    assert e.alpha(A.Candidate(Mode.GUMBEL, 4)) == pytest.approx(A.gumbel_prior(e.alpha_base))
+
+
+def test_gumbel_rounds_give_gumbel_its_own_rate_and_keep_the_exact_estimate_fresh() -> None:
+    """A session on gumbel rounds that accept 31 of 32 tested positions: gumbel is estimated at its own
+    rate, and the exact q's estimate follows through the measured relation, instead of staying where
+    the session started (a DSSD candidate would otherwise be priced at a stale rate forever)."""
+    t = LinkTracker()
+    acc, gum = t.session_acceptance(1.0), GumbelAcceptance()
+    for i in range(300):
+        accepted = 7 if i % 4 == 3 else 8
+        t.observe_round(record(mode=Mode.GUMBEL, drafted=8, accepted=accepted, up=40, network=0.01), GUMBEL,
+                        1.0, 49152, acc, gumbel=gum)
+    e = t.estimates(1.0, 49152, acc, gumbel=gum)
+    rate = 31 / 32
+    assert e.alpha(A.Candidate(Mode.GUMBEL, 8)) == pytest.approx(rate, abs=0.01)
+    assert e.alpha_base == pytest.approx(A.exact_from_race(rate), abs=0.01)  # not the start's 0.8
+
+
+def test_exact_rounds_keep_the_gumbel_estimate_fresh() -> None:
+    t = LinkTracker()
+    acc, gum = t.session_acceptance(1.0), GumbelAcceptance()
+    for _ in range(100):
+        t.observe_round(record(mode=Mode.GUMBEL, drafted=4, accepted=0, up=40, network=0.01), GUMBEL, 1.0, 49152,
+                        acc, gumbel=gum)  # a text gumbel rounds did badly on ...
+    for _ in range(300):  # ... then one the exact q accepts whole
+        t.observe_round(record(drafted=8, accepted=8, up=300, network=0.01), SETTINGS, 1.0, 49152, acc, gumbel=gum)
+    e = t.estimates(1.0, 49152, acc, gumbel=gum)
+    assert e.alpha_base > 0.99 and e.alpha(A.Candidate(Mode.GUMBEL, 8)) > 0.95
+
+
+def test_the_long_run_gumbel_rate_is_remembered_with_the_rest() -> None:
+    t = LinkTracker()
+    for _ in range(20):
+        t.observe_round(record(mode=Mode.GUMBEL, drafted=8, accepted=6, up=40, network=0.01), GUMBEL, 1.0, 49152)
+    state = t.export_state()
+    other = LinkTracker()
+    other.import_state(None, state["models"])
+    assert other.model(1.0).long_gumbel.rate == pytest.approx(t.model(1.0).long_gumbel.rate)
+    assert other.estimates(1.0, 49152).alpha(A.Candidate(Mode.GUMBEL, 8)) == pytest.approx(
+        t.estimates(1.0, 49152).alpha(A.Candidate(Mode.GUMBEL, 8)), abs=0.01)  # remembered at a capped weight
+    old = {**state["models"], "temperatures": {k: {n: v for n, v in m.items() if n != "long_gumbel"}
+                                               for k, m in state["models"]["temperatures"].items()}}
+    LinkTracker().import_state(None, old)  # a memory from before gumbel reads as none of it
