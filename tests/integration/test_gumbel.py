@@ -23,11 +23,11 @@ import torch
 from specdec.common import protocol as P
 from specdec.common import settings as S
 from specdec.common import verification as V
-from specdec.common.distributions import race_token_unchecked
+from specdec.common.distributions import race_token, race_token_unchecked
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.streams import Purpose, exponentials
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
-from specdec.device.draft_model import DraftStep
+from specdec.device.draft_model import DraftModel, DraftStep
 from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from specdec.edge.verifier import VerifierSession
@@ -183,6 +183,45 @@ def test_control_noise_keyed_by_round_breaks_invariance(models, edge_only) -> No
     differ = sum(tokens[key] != edge_only[key] for key in edge_only)
     print(f"control, noise keyed by round: {differ} of {len(edge_only)} sessions differ from edge-only")
     assert differ >= len(edge_only) // 2
+
+
+class NoiseOneAhead(AheadToTheEnd):
+    """Control for the coupling: the device races with the next position's noise (the two sides off by
+    one position). Its tokens are still the edge's, so the law and invariance tests cannot see it; only
+    its acceptance falls."""
+
+    def token_noise(self, start, offset):
+        return super().token_noise(start, offset + 1)
+
+
+def _drafts_off_the_race(models, factory, prompts=INVARIANCE_PROMPTS) -> tuple[int, int]:
+    """(tested drafts, those that are not the drafter's race with their position's noise on the verified
+    prefix) over gumbel sessions of L = 4, every round drafted ahead."""
+    drafter = load(str(models["close"]))
+    rounds = []
+    _tokens(models, "close", factory, settings=dict(mode="gumbel", draft_len=4), prompts=prompts,
+            on_round=lambda prefix, msg, verdict, edge: rounds.append(
+                (edge.hello.seed, list(prefix), msg.token_ids, verdict.num_accepted)))
+    tested = off = 0
+    for seed, seq, drafts, accepted in rounds:
+        offline = DraftModel(drafter, 1.0)  # fed this round's verified prefix from scratch
+        for x in drafts[:accepted + 1]:    # the accepted drafts and the first rejected one
+            q = offline.probs(offline.feed(seq))
+            off += x != race_token(q, V.token_noise(seed, len(seq), drafter.vocab_size))
+            tested += 1
+            seq.append(x)
+    return tested, off
+
+
+def test_every_draft_is_the_drafters_race_with_its_positions_noise(models) -> None:
+    """The coupling that makes gumbel fast: each tested draft, drafted ahead or not, is argmin E_t / q_t
+    with the noise of its own position, the edge's, so a draft is rejected only where the two races
+    disagree (an off-by-one between the sides keeps every token and loses most drafts: the control)."""
+    tested, off = _drafts_off_the_race(models, AheadToTheEnd)
+    assert tested > 50 and off == 0
+    tested, off = _drafts_off_the_race(models, NoiseOneAhead, prompts=INVARIANCE_PROMPTS[:1])
+    print(f"control, noise one position ahead: {off} of {tested} tested drafts off the race")
+    assert off > tested // 4
 
 
 # -- the exact law --------------------------------------------------------------------------------------
