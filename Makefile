@@ -145,6 +145,20 @@ bench-links: $(PB_OUT) $(BENCH_STAMP)
 bench-traces: $(PB_OUT) $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_traces $(ARGS)
 
+# Mode auto as a new user meets it (issue 35): one device-client process per session over the testbed's
+# emulated link (10 Mbit/s, RTT 0 / 60 / 150 ms, T = 1, 2 prompts x 96 tokens): edge-only, auto starting
+# cold in every process, auto remembering the edge (results/bench_coldstart/<timestamp>/). Root; ~6 min.
+.PHONY: bench-coldstart
+bench-coldstart: $(PB_OUT) $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_coldstart $(ARGS)
+
+# Eight devices whose drafters almost never guess right (tiny random models sharing the target's
+# tokenizer, --mode tslt --top-k 8 --draft-len 4, T = 0, 2 x 48 tokens each) at one edge (issue 35):
+# batched, --no-batching, edge-only and auto (results/bench_poor_drafters/<timestamp>/). ~6 min.
+.PHONY: bench-poor-drafters
+bench-poor-drafters: $(PB_OUT) $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_poor_drafters $(ARGS)
+
 # N = 1, 2, 4, 8, 16, 32 devices against one edge-server (issue 19): the default drafter's real drafts,
 # recorded once (cached in $SPECDEC_CACHE_DIR/capacity), replayed by asyncio gRPC clients with their
 # drafting time; batched, --no-batching and edge-only serving interleaved, then real device-clients at

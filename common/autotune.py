@@ -296,11 +296,13 @@ def candidate_grid(top_ks: tuple[int, ...], draft_lens: tuple[int, ...], ksqs_ks
 
 
 def edge_chunk(rtt_s: float, token_s: float, overhead: float, lo: int, hi: int) -> int:
-    """Tokens an edge-only round should ask for so that its one round trip costs at most ``overhead``
-    of the round: n t >= rtt (1 - overhead) / overhead, within [lo, hi]."""
+    """Tokens an edge-only round should ask for so that its boundary costs at most ``overhead`` of
+    the round: n t >= b (1 - overhead) / overhead, within [lo, hi], where the boundary b is the round
+    trip plus one token's forward (while the next round's request travels the edge computes nothing
+    for it; at a busy batching edge the session misses that forward)."""
     if token_s <= 0:
         return hi
-    n = math.ceil(rtt_s * (1.0 - overhead) / (overhead * token_s))
+    n = math.ceil((rtt_s + token_s) * (1.0 - overhead) / (overhead * token_s))
     return max(lo, min(hi, n))
 
 

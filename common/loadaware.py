@@ -112,11 +112,23 @@ class Acceptance:
     positions tested (a round of L that accepted k tested k + 1 positions if k < L, else k),
     shrunk toward a prior worth PRIOR_POSITIONS positions and decayed so it follows the text."""
     PRIOR = 0.7
-    PRIOR_POSITIONS = 8.0
+    # A few positions: two rounds of a drafter that is never right (tested one position each) bring
+    # it below what pays for a draft on a busy CPU edge, where eight positions took five rounds.
+    PRIOR_POSITIONS = 4.0
     DECAY = 0.95  # per round: ~20 rounds of memory
+    # Per edge-only token the estimate moves this much back toward PRIOR: a session the advice sent
+    # edge-only teaches nothing of its drafts, and must not stay there on an old estimate for good
+    # (~140 tokens halve what its drafted rounds taught).
+    RELAX = 0.995
 
     accepted: float = PRIOR * PRIOR_POSITIONS
     tested: float = PRIOR_POSITIONS
+
+    @classmethod
+    def starting_at(cls, alpha: float) -> "Acceptance":
+        """A new session's estimate starting from ``alpha`` (the edge's recent drafts': a device's
+        first drafts are likeliest as good as those before it), at the prior's weight."""
+        return cls(accepted=min(1.0, max(0.0, alpha)) * cls.PRIOR_POSITIONS, tested=cls.PRIOR_POSITIONS)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted < 1:
@@ -124,6 +136,23 @@ class Acceptance:
         self.accepted = self.DECAY * self.accepted + accepted
         self.tested = self.DECAY * self.tested + accepted + (1 if accepted < drafted else 0)
 
+    def relax(self, tokens: int) -> None:
+        """``tokens`` came from edge-only rounds: back toward PRIOR by RELAX per token."""
+        keep = self.RELAX ** max(0, tokens)
+        self.accepted = keep * self.accepted + (1 - keep) * self.PRIOR * self.PRIOR_POSITIONS
+        self.tested = keep * self.tested + (1 - keep) * self.PRIOR_POSITIONS
+
     @property
     def alpha(self) -> float:
         return min(1.0, self.accepted / self.tested)
+
+
+@dataclass
+class RecentAcceptance(Acceptance):
+    """The acceptance of all the edge's recent drafts (every session's), where a new session's
+    estimate starts: a busy edge whose devices draft badly advises the next one from its first round."""
+    PRIOR_POSITIONS = 1.0  # many sessions' rounds soon outweigh it
+    DECAY = 0.99           # per round of any session: ~100 rounds
+
+    accepted: float = Acceptance.PRIOR * PRIOR_POSITIONS
+    tested: float = PRIOR_POSITIONS

@@ -90,6 +90,7 @@ class Welcome:
     # the edge's calibrated seconds of one target forward by its new tokens (empty: not calibrated)
     forward_cost: tuple[tuple[int, float], ...] = ()
     modes: tuple[Mode, ...] = ()  # the draft modes it verifies; () = an edge before the field (all but gumbel)
+    draft_len_hint: int | None = None  # the load-aware advice for the first round (None: no advice)
 
     def verifies(self, mode: Mode) -> bool:
         """Whether this edge takes rounds of ``mode`` (an edge that does not say: every mode but gumbel)."""

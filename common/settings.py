@@ -266,15 +266,14 @@ def resolve(given: Mapping[str, Any], operating_point: Mapping[str, Any] = (), v
 EDGE_ONLY_CHUNK = 8
 
 
-def within_draft_len(s: DraftSettings, limit: int | None) -> DraftSettings:
+def within_draft_len(s: DraftSettings, limit: int | None, edge_tokens: int = EDGE_ONLY_CHUNK) -> DraftSettings:
     """``s`` drafting at most ``limit`` tokens per round (a tree at most ``limit`` deep); ``limit``
-    0 makes it an edge-only round of EDGE_ONLY_CHUNK tokens, None leaves it as it is. The edge's
+    0 makes it an edge-only round of ``edge_tokens`` tokens, None leaves it as it is. The edge's
     load-aware advice, applied to whatever the device chose (issue 19: the smaller of the two)."""
     if limit is None or s.mode is Mode.NONE:
         return s
     if limit == 0:
-        return replace(s, mode=Mode.NONE, edge_tokens=EDGE_ONLY_CHUNK, tree=(), bit_budget=0,
-                       coupled_bonus=False)
+        return replace(s, mode=Mode.NONE, edge_tokens=edge_tokens, tree=(), bit_budget=0, coupled_bonus=False)
     if s.tree:
         return replace(s, tree=s.tree[:limit])
     return replace(s, draft_len=min(s.draft_len, limit))

@@ -83,14 +83,17 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
 
 
 def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
-    return pb.EdgeMessage(welcome=pb.Welcome(
+    msg = pb.Welcome(
         session_id=w.session_id, protocol_version=w.protocol_version, model_name=w.model_name,
         vocab_size=w.vocab_size, max_context=w.max_context, max_draft_len=w.max_draft_len,
         max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed, dssd_max_samples=w.dssd_max_samples,
         target_fingerprint=w.target_fingerprint, edge_name=w.edge_name,
         forward_cost=[pb.CostPoint(tokens=t, seconds=sec) for t, sec in w.forward_cost],
         modes=[_MODE_TO_PB[m] for m in w.modes],
-    ))
+    )
+    if w.draft_len_hint is not None:
+        msg.draft_len_hint = w.draft_len_hint
+    return pb.EdgeMessage(welcome=msg)
 
 
 def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
@@ -102,6 +105,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         forward_cost=tuple((c.tokens, c.seconds) for c in m.forward_cost),
         # a mode this device does not know is one it never sends: left out
         modes=tuple(_PB_TO_MODE[v] for v in m.modes if v in _PB_TO_MODE),
+        draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
     )
 
 

@@ -58,6 +58,9 @@ MIN_EXCESS_S = 2e-4           # below this the serialization is lost in timer no
 LINK_WINDOW = 6               # rounds in the round-trip / goodput fit ...
 LINK_DECAY = 0.7              # ... newest weighted most
 CHANGE_REL, CHANGE_ABS_S = 0.5, 0.01   # a round this far off the fit (relative and absolute) is an outlier
+STALL_REL, STALL_ABS_S = 2.0, 0.3      # ... and this far beyond it a stall: an outage met in flight (recorded
+                                       # cellular links stop for hundreds of ms; a lost segment's timeout,
+                                       # 0.2 s, stays a cost rounds expect to pay)
 RATE_WINDOW = 6               # downlink goodput samples (DSSD's full p_j replies)
 VERIFY_WINDOW = 24            # (tokens, seconds) points in the verify-time fit
 DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
@@ -90,7 +93,7 @@ PRIOR_VERIFY_BASE_S = 0.05    # a one-token forward before any verdict reported 
 # this many tokens (a round's forward is at most the longest draft plus one) replaces both, so that a
 # GPU edge, whose forwards hardly grow with their tokens, is priced as one from the first round.
 EDGE_CURVE_UP_TO = 64
-EDGE_CHUNK_OVERHEAD = 0.1     # an edge-only round's round trip may cost at most this share of it
+EDGE_CHUNK_OVERHEAD = 0.05    # an edge-only round's boundary (round trip + a forward) may cost this share of it
 EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
 
 
@@ -290,6 +293,8 @@ class LinkTracker:
         self.sizes_sent = collections.deque(maxlen=TRUST_MEMORY)   # uplink bits of recent rounds
         self._link = (0.0, PRIOR_UPLINK_BPS)                       # fitted (round trip s, uplink bits/s)
         self._last_off = 0.0                                       # the last round's miss, if an outlier
+        self._held: tuple[float, float] | None = None              # the last round, if it stalled
+        self.stalls = 0                                            # rounds held out as stalled
         self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
         self.fallback_bytes = self._ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
         self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
@@ -425,17 +430,28 @@ class LinkTracker:
     def uplink_bps(self) -> float:
         return self._link[1]
 
-    def add_network(self, network: float, up_bytes: int, down_bytes: int, residual_trips: int = 0) -> None:
+    def add_network(self, network: float, up_bytes: int, down_bytes: int, residual_trips: int = 0) -> bool:
         """One round's network time. Round trip and uplink goodput are fitted jointly over recent rounds
         (:func:`~specdec.common.autotune.fit_link`): a round's time cannot say by itself how much of it
-        was propagation and how much serialization, rounds of different sizes can."""
+        was propagation and how much serialization, rounds of different sizes can. True if the round
+        stalled (held out: see below)."""
         if residual_trips:  # a DSSD fallback's round trips and p_j (head or whole) down: a downlink sample
             excess = network - (1 + residual_trips) * self.rtt_s() - 8 * up_bytes / self.uplink_bps()
             self.down.append((8 * down_bytes, max(MIN_EXCESS_S, excess)))
-            return
-        changed = self._check_change(8.0 * up_bytes, network)
-        self.sizes_sent.append(8.0 * up_bytes)
-        self.link_samples.append((8.0 * up_bytes, network))
+            return False
+        bits = 8.0 * up_bytes
+        stalled = self._stalled(bits, network)
+        changed = self._check_change(bits, network)
+        self.sizes_sent.append(bits)
+        if stalled and not changed:
+            # Far slower than the link has been: it met an outage in flight. Held out of the fit (one
+            # such round would hold the round trip up, or the goodput down, for the next rounds);
+            # the next round says whether the link itself got slower (_check_change takes both).
+            self._held = (bits, network)
+            self.stalls += 1
+            return True
+        self._held = None
+        self.link_samples.append((bits, network))
         n = len(self.link_samples)
         weights = [(LINK_DECAY * self.config.memory) ** (n - 1 - i) for i in range(n)]
         rtt, rate = A.fit_link(list(self.link_samples), weights, self.rtt_s(), self.uplink_bps(),
@@ -447,6 +463,12 @@ class LinkTracker:
         # noisy window cannot send dense rounds down a slow link (each would take seconds).
         rate = min(rate, self.uplink_bps() * RATE_GROWTH, FAST_LINK_BPS)
         self._link = (rtt, rate)
+        return False
+
+    def _stalled(self, bits: float, network: float) -> bool:
+        """Whether a round took STALL_REL times its expected network time beyond it, and STALL_ABS_S."""
+        expected = self.rtt_s() + bits / self.uplink_bps()
+        return len(self.link_samples) >= 2 and network - expected > max(STALL_REL * expected, STALL_ABS_S)
 
     def _check_change(self, bits: float, network: float) -> bool:
         """Two rounds in a row far from what the fit predicts (in the same direction), or one far faster:
@@ -464,7 +486,7 @@ class LinkTracker:
         faster = bool(self.link_samples) and network < rtt - max(CHANGE_REL * rtt, CHANGE_ABS_S)
         self._last_off = off if outlier else 0.0
         if same_way or faster:
-            last = [self.link_samples[-1]] if same_way else []
+            last = [self._held or self.link_samples[-1]] if same_way else []
             self.link_samples.clear()
             self.link_samples.extend(last)
             self.down.clear()  # downlink goodput measured on the link before
@@ -548,28 +570,30 @@ class LinkTracker:
     # -- rounds ------------------------------------------------------------------------------------------
     def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,
                       acceptance: SessionAcceptance | None = None, catching_up: bool = False,
-                      first: bool = False, gumbel: GumbelAcceptance | None = None) -> None:
+                      first: bool = False, gumbel: GumbelAcceptance | None = None) -> bool:
         """One round's record; its acceptance also goes to ``acceptance``, its session's (a gumbel
         round's to ``gumbel``, the session's gumbel estimate). ``catching_up``:
         the session's first drafted round, or the first after edge-only rounds: its drafting includes
         feeding the drafter the tokens it has not seen, and its network time the edge's prefill, so
         neither says anything about a round in steady state. ``first``: the session's first round (its
-        network time holds the edge's prefill)."""
+        network time holds the edge's prefill). True if the round stalled on the link (an outage)."""
         forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
         with self.lock:
             self.rounds_seen += 1
+            stalled = False
             # An edge-only round's network time also holds every streamed token's per-message costs
             # (their sum grows with the round): its first token's is the round-trip sample. Its kind's
             # learned time scale covers those costs instead.
             if not catching_up and settings.mode is not Mode.NONE:
-                self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes, r.residual_trips)
+                stalled = self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes,
+                                           r.residual_trips)
             elif settings.mode is Mode.NONE and not first and r.generated:
-                self.add_network(r.first_reply_s, r.uplink_bytes, 0)
+                stalled = self.add_network(r.first_reply_s, r.uplink_bytes, 0)
             if settings.mode is Mode.NONE:
                 if r.generated:
                     self.add_verify(1, forward / r.generated)
                     self.queue_s.add(queue / r.generated)
-                return
+                return stalled
             self.add_verify(r.drafted_tokens + 1, forward)
             self.queue_s.add(queue)
             if r.drafted_tokens:
@@ -590,6 +614,7 @@ class LinkTracker:
                 side.fallback.add(r.residual_trips > 0)
             if r.residual_trips:
                 self.fallback_bytes.add(r.residual_bytes)
+            return stalled
 
     @staticmethod
     def _observe_acceptance(r: RoundRecord, settings: DraftSettings, side: "_ModelSide",
@@ -815,19 +840,20 @@ class AutoPolicy:
         r, settings, t = event.record, event.settings, self.hello.temperature
         drafted = settings.mode is not Mode.NONE
         d = event.plan.decision
-        if (isinstance(d, AutoDecision) and d.estimates is not None and self._drafted_last == drafted
-                and self.rounds > 0):
-            # the round's wall time against the model's (not a round that catches the drafter up)
-            modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead)
-            self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
         for stats in event.q_stats:
             if stats is not None:
                 self.tracker.add_q_stats(stats)
         if event.guess is not None:
             self.tracker.observe_guess(t, event.guess)
-        self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
-                                   catching_up=drafted and not self._drafted_last, first=self.rounds == 0,
-                                   gumbel=self.gumbel)
+        stalled = self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
+                                             catching_up=drafted and not self._drafted_last, first=self.rounds == 0,
+                                             gumbel=self.gumbel)
+        if (isinstance(d, AutoDecision) and d.estimates is not None and self._drafted_last == drafted
+                and self.rounds > 0 and not stalled):
+            # the round's wall time against the model's (not a round that catches the drafter up, nor
+            # one an outage held up: that says nothing about its kind of round)
+            modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead)
+            self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
         self._drafted_last = drafted
         self.rounds += 1
         self.edge_only_tokens = 0 if drafted else self.edge_only_tokens + r.generated

@@ -40,6 +40,10 @@ from specdec.device.draft_model import DraftModel, DraftStep, EncodedQ, encode_q
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan, round_record, round_settings_json
 
 Listener = Callable[[RoundEvent], None]
+# While the edge's advice stays 0, each edge-only round it asks for asks for twice the tokens of the one
+# before, up to EDGE_ONLY_CHUNK x 2^this: a round boundary costs the device a round trip and, at a busy
+# batching edge, the forward it misses (an eighth of its tokens at 8 tokens a round).
+ADVICE_CHUNK_DOUBLINGS = 2
 # Tokens fed to the drafter at once while an edge-only round streams: a forward over a few tokens costs
 # about one over a single token, and the tokens arrive one at a time.
 CATCH_UP_MIN = 8
@@ -54,6 +58,7 @@ class DraftSession:
         self.vocab_size = drafter.vocab_size
         self.model = DraftModel(drafter, hello.temperature)
         self.edge_hint: int | None = None  # the edge's advised longest draft at its load (last committed verdict)
+        self._advised_edge_only = 0       # edge-only rounds in a row committed under an advice of 0
         self.controller: ConformalController | None = None  # C-SQS threshold (SQS Alg. 1)
         self._controller_key: tuple | None = None
         self.tokens: list[int] = []
@@ -99,18 +104,22 @@ class DraftSession:
 
     def choose(self) -> RoundPlan:
         """The policy's plan (mode auto) or the session's settings, drafting no longer than the edge
-        advised at its load (0: an edge-only round)."""
+        advised at its load (0: an edge-only round, longer the longer the advice stays 0)."""
         plan = self.policy.choose() if self.policy is not None else RoundPlan(self.hello.draft)
-        return replace(plan, settings=S.within_draft_len(plan.settings, self.edge_hint))
+        chunk = S.EDGE_ONLY_CHUNK << min(self._advised_edge_only, ADVICE_CHUNK_DOUBLINGS)
+        return replace(plan, settings=S.within_draft_len(plan.settings, self.edge_hint, chunk))
 
     def fix_next(self, plan: RoundPlan) -> None:
         """The next round runs with ``plan``: its random numbers may already have been drawn."""
         self._next = plan
 
     def observe_welcome(self, welcome: Welcome) -> None:
-        """The edge's limits: mode auto chooses within them (a round beyond one fails the session)."""
+        """The edge's limits: mode auto chooses within them (a round beyond one fails the session); its
+        load-aware advice for the first round (an edge that gives one)."""
         if self.policy is not None:
             self.policy.observe_welcome(welcome)
+        if welcome.draft_len_hint is not None and self.round_id == 0 and not self.stats.rounds:
+            self.edge_hint = welcome.draft_len_hint
 
     # -- per-position hooks (tests and benchmarks override them to log or to break things) ----------
     def encode(self, q: torch.Tensor, settings: DraftSettings) -> EncodedQ:
@@ -247,6 +256,8 @@ class DraftSession:
                       verdict: Verdict) -> RoundEvent:
         self._in_flight = None
         self._observe_hint(verdict)
+        advised = self.edge_hint == 0 and rd.settings.mode is Mode.NONE
+        self._advised_edge_only = self._advised_edge_only + 1 if advised else 0
         now = time.perf_counter()
         event = RoundEvent(record=record, plan=rd.plan, new_tokens=tuple(new), q_stats=tuple(rd.q_stats),
                            guess=guess, elapsed_s=now - self._round_began, edge_hint=verdict.draft_len_hint,

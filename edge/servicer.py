@@ -43,6 +43,7 @@ from google.protobuf.message import DecodeError
 
 from specdec.common import protocol as P
 from specdec.common import wire
+from specdec.common.loadaware import Acceptance, RecentAcceptance
 from specdec.common.settings import Mode
 from specdec.common.stats import edge_only_record, edge_record
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
@@ -106,6 +107,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self.sessions: dict[str, _Entry] = {}
         self.admission = Admission(admission or AdmissionSettings(), limits.max_sessions, metrics)
         self.scheduler = scheduler  # None: every session runs its own forwards (--no-batching)
+        self.recent = RecentAcceptance()  # every session's drafts: where a new session's estimate starts
         self.name = name            # Welcome.edge_name: which edge of a fleet this is
         self.draining = False       # SIGTERM: no new sessions, not ready
         self.moving = False         # the drain time is up: running sessions are sent elsewhere
@@ -171,7 +173,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close."""
         welcome = replace(entry.session.welcome(), session_id=entry.session.session_id,
                           resume_token=entry.resume_token, resumed=resumed, edge_name=self.name,
-                          forward_cost=self.scheduler.cost.points() if self.scheduler is not None else ())
+                          forward_cost=self.scheduler.cost.points() if self.scheduler is not None else (),
+                          draft_len_hint=None if resumed else self._hint(entry.session))
         await context.write(wire.welcome_to_pb(welcome))
         prompt = await self._read(context)
         if prompt is None and resumed:
@@ -285,11 +288,13 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             return VerifierSession(self.target, self.info, hello, self.limits, sid)
         lm = self.scheduler.new_lm(self.target.model, self.target.device)  # a KV slot where the edge has them
         try:
-            return VerifierSession(self.target, self.info, hello, self.limits, sid,
-                                   forward=self.scheduler.forward, lm=lm)
+            session = VerifierSession(self.target, self.info, hello, self.limits, sid,
+                                      forward=self.scheduler.forward, lm=lm)
         except Exception:
             self.scheduler.forget(lm)
             raise
+        session.acceptance = Acceptance.starting_at(self.recent.alpha)  # load-aware advice from round 1
+        return session
 
     def _release(self, state: dict, status: str | None) -> None:
         """End of a stream: free its session, or (stream broke, status None) detach it for a while."""
@@ -333,6 +338,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             t0 = time.perf_counter()
             verdict = await self._call(session.verify, msg)
             queue = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
+            self.recent.observe(msg.tree_depth or len(msg.token_ids), verdict.num_accepted)
             verdict = replace(verdict, queue_seconds=queue, draft_len_hint=self._hint(session))
             reply = wire.verdict_to_pb(verdict)
             if self.metrics:
@@ -363,6 +369,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             verify, queue = verify + verdict.verify_seconds, queue + wait
             if not verdict.more:
                 break
+        session.acceptance.relax(generated)  # no draft seen: the advice must not keep it edge-only for good
         if self.metrics:
             self.metrics.observe_round(edge_only_record(generated, size, downlink, verify, queue))
 

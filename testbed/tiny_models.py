@@ -106,3 +106,15 @@ def make_margin_model(path: Path, vocab_size: int, *, seed: int, hidden: int = 6
         perm = torch.randperm(vocab_size)
         model.lm_head.weight.copy_(model.model.embed_tokens.weight[perm] * 4.0)
     return _save(model, vocab_size, path)
+
+
+def make_random_drafter(path: Path, tokenizer, *, seed: int, hidden: int = 32, layers: int = 1) -> Path:
+    """A random Llama over ``tokenizer``'s vocabulary, saved with that tokenizer: a drafter that shares a
+    real target's vocabulary (the edge accepts it) and almost never guesses its tokens."""
+    vocab_size = len(tokenizer)
+    model = _random_llama(vocab_size, seed, hidden, layers, max_positions=2048)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

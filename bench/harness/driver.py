@@ -16,7 +16,8 @@ It loads the drafter, warms up with one short session, prints ``{"ready": ...}``
 batch per stdin line, ``{"jobs": [...]}``, runs it and prints ``{"batch_done": true}``; the
 benchmark changes the link between batches. An empty line or ``{"quit": true}`` ends it. Jobs are
 ``{"id", "config": {DeviceConfig fields and draft settings}, "prompts": [...], "seeds": [...],
-"budget_s": seconds, "extras": [...], "topk_grid": [...] | null}``. Prints one JSON line per session
+"budget_s": seconds, "extras": [...], "topk_grid": [...] | null, "fresh_tracker": bool}`` (the last:
+mode auto forgets what earlier jobs taught it). Prints one JSON line per session
 (``{"job", "prompt", "seed", "record", "extra"}``), one per job end (``{"job", "done", ...}``) and
 ``{"error": ...}`` lines for sessions that failed. ``extra`` holds what the CLI does not print, as the
 job's ``extras`` ask:
@@ -209,6 +210,8 @@ class Device:
 
     async def run_jobs(self, jobs: list[dict]) -> None:
         for job in jobs:
+            if job.get("fresh_tracker"):
+                self.tracker = LinkTracker()  # mode auto starts this job knowing nothing of the link
             cfg = device_config(self.edge, job["config"])
             tracker = self.tracker_for(job["config"].get(AUTO_CONFIG))
             extras, grid = job.get("extras", ()), job.get("topk_grid")
@@ -236,7 +239,7 @@ async def run_job(job: dict, session) -> None:
 
 async def main_async(args) -> None:
     """Load the drafter, then run each batch of jobs read from stdin (one JSON line per batch)."""
-    base = device_config(args.edge, {})
+    base = device_config(args.edge, {"draft_model": args.draft_model} if args.draft_model else {})
     choice = runner.choose_drafter(base)
     drafter = await asyncio.to_thread(load_model, choice.spec)
     async with runner.edge_channel(base) as channel:
@@ -267,6 +270,7 @@ def main() -> int:
     p.add_argument("--edge", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--draft-model", default=None, help="drafter checkpoint (default: the default drafter)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     run_async(main_async(args))

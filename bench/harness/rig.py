@@ -95,9 +95,9 @@ class Edge(procs.ReadyProcess):
 class Driver:
     """A device driver process: batches of jobs in on stdin, JSON lines out (see its module)."""
 
-    def __init__(self, cmd_prefix: list[str], address: str, log: Path):
+    def __init__(self, cmd_prefix: list[str], address: str, log: Path, args: tuple[str, ...] = ()):
         self.err = log.open("w")
-        self.proc = subprocess.Popen([*cmd_prefix, sys.executable, "-m", DRIVER, "--edge", address],
+        self.proc = subprocess.Popen([*cmd_prefix, sys.executable, "-m", DRIVER, "--edge", address, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
                                      env=procs.child_env())
         ready = self._next()
@@ -141,23 +141,26 @@ class Driver:
 
 class Drivers:
     """``n`` device drivers against one edge, started at once; :meth:`run` runs ``jobs[i]`` on
-    driver i, all at the same time."""
+    driver i, all at the same time. ``args(i)``: driver i's extra arguments (e.g. its own drafter)."""
 
-    def __init__(self, address: str, n: int, logs: Path):
-        self.drivers: list[Driver] = []
-        starters = [threading.Thread(target=self._start, args=(address, logs / f"driver-{i}.log"))
+    def __init__(self, address: str, n: int, logs: Path, args=lambda i: (), cmd_prefix: list[str] = ()):
+        slots: list[Driver | None] = [None] * n
+        starters = [threading.Thread(target=self._start, args=(slots, i, address, logs / f"driver-{i}.log",
+                                                               tuple(args(i)), list(cmd_prefix)))
                     for i in range(n)]
         for t in starters:
             t.start()
         for t in starters:
             t.join()
+        self.drivers: list[Driver] = [d for d in slots if d is not None]
         if len(self.drivers) != n:
             self.stop()
             raise RuntimeError(f"a device driver did not start; see {logs}")
 
-    def _start(self, address: str, log: Path) -> None:
+    @staticmethod
+    def _start(slots: list, i: int, address: str, log: Path, args: tuple[str, ...], cmd_prefix: list[str]) -> None:
         with contextlib.suppress(Exception):
-            self.drivers.append(Driver([], address, log))
+            slots[i] = Driver(cmd_prefix, address, log, args)
 
     def run(self, jobs: list[dict]) -> list[dict]:
         """Every session line of every driver."""
@@ -196,11 +199,12 @@ class Rig:
     """Edge + driver for a whole run over a ``link`` of :data:`LINKS`; :meth:`run` runs a batch of
     jobs over the link as it is now."""
 
-    def __init__(self, logs: Path, link: str = "loopback"):
+    def __init__(self, logs: Path, link: str = "loopback", driver: bool = True):
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
         self.logs = logs
         self.link = link
+        self.with_driver = driver  # False: the benchmark runs its own device processes (device_cmd)
         self.shaper = "none"
         self.control = ""
         self._started: list[procs.NsProcess] = []
@@ -218,8 +222,10 @@ class Rig:
                 edge = Edge(log=self.logs / "edge.log")
                 self._stack.callback(edge.stop)
                 address, prefix, self.edge_pid = edge.address, [], edge.proc.pid
-            self.driver = Driver(prefix, address, self.logs / "driver.log")
-            self._stack.callback(self.driver.stop)
+            self.device_address, self.device_prefix = address, prefix
+            if self.with_driver:
+                self.driver = Driver(prefix, address, self.logs / "driver.log")
+                self._stack.callback(self.driver.stop)
         except BaseException:
             self._stack.close()
             raise
@@ -290,6 +296,10 @@ class Rig:
 
     def run(self, jobs: list[dict], on_line) -> list[dict]:
         return self.driver.run(jobs, on_line)
+
+    def device_cmd(self, *args: str) -> list[str]:
+        """``device-client`` where the device runs (its namespace), dialling the edge over the link."""
+        return [*self.device_prefix, *procs.device_cmd(self.device_address, list(args))]
 
     def cpu_seconds(self) -> float:
         """CPU time the edge and the driver have used so far (all their threads): what our system

@@ -5,9 +5,10 @@ Definitions:
   * tokens/s of a configuration over some sessions = their generated tokens / their wall seconds;
   * time to first token (TTFT) = from the session's start on the device (before its Hello) to the
     arrival of its first token;
-  * the gap before a token = the time since the token before it arrived (0 for tokens that arrive
-    in the same verdict as the one before; edge-only rounds stream, each token at its own arrival);
-    p50 / p95 / max over every token but the first of the sessions pooled;
+  * a gap between streamed tokens = the time from one arrival of tokens to the next (a verdict's
+    tokens arrive at once: one arrival; edge-only rounds stream, each token its own arrival): how
+    long the text stands still, what a user feels as stutter; p50 / p95 / max over the gaps of the
+    sessions pooled (the first token's wait is the TTFT, not a gap);
   * the links grid's best fixed = the one fixed configuration run here beside the default (the one
     best in most cells of the committed links run); ratios compare auto with it, with edge-only
     (mode none) and with the default;
@@ -32,7 +33,7 @@ GOALS = {
 def session_metrics(sess: dict) -> dict:
     """One session's tokens, wall, TTFT, token gaps and bytes (from its record and timeline)."""
     st, extra = sess["record"]["stats"], sess["extra"]
-    arrivals = [t for t, n in token_events(extra.get("timeline", [])) for _ in range(n)]
+    arrivals = sorted(t for t, _ in token_events(extra.get("timeline", [])))
     t0 = extra.get("session_t0")
     return {"tokens": st["generated_tokens"], "wall": st["wall_seconds"],
             "ttft": arrivals[0] - t0 if arrivals and t0 is not None else None,

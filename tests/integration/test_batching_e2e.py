@@ -117,7 +117,7 @@ def test_device_drafts_no_longer_than_the_edge_advises(tiny_pair_v512, monkeypat
     test cannot load two cores the way 32 devices do), the next round drafts min(its own, advised),
     0 means edge-only rounds, and the output is still the target's greedy decode."""
     target_dir, drafter_dir = tiny_pair_v512
-    given = iter(SCRIPTED_HINTS * 100)
+    given = iter((None,) + SCRIPTED_HINTS * 100)  # the Welcome's advice first: none
     monkeypatch.setattr(ForwardScheduler, "draft_len_hint", lambda self, alpha, max_len, sessions=None: next(given))
     cfg = device_config(temperature=0.0, max_new_tokens=40, mode="tslt", top_k=16, draft_len=4)
 
@@ -138,3 +138,36 @@ def test_device_drafts_no_longer_than_the_edge_advises(tiny_pair_v512, monkeypat
             assert entry["mode"] == "tslt" and entry["drafted"] <= min(4, hint or 4), (hint, entry)
     assert {e["mode"] for e in log} == {"tslt", "none"}
     assert any(e["drafted"] == 4 for e in log), "advice above the device's own L must not shorten it"
+
+
+def test_a_busy_edge_sends_drafters_that_never_guess_right_edge_only(tiny_pair_v512, monkeypatch) -> None:
+    """Issue 35, item 5: at a saturated CPU-shaped edge (its load and cost curve given: a test cannot
+    load a core as eight devices do; the advice's formula is the real one), a drafter that never
+    guesses right is advised edge-only within two rounds, the next sessions from their Welcome on
+    (the edge's recent drafts start a new session's estimate), and a device kept edge-only asks for
+    longer and longer rounds; the output stays the target's greedy decode."""
+    from specdec.common import loadaware
+    from specdec.edge import batching
+    from tests.unit.test_loadaware import CPU_135M
+    target_dir, _ = tiny_pair_v512
+    poor = load(str(target_dir.parent / "draft-v512"))  # another random model: its guesses miss
+    monkeypatch.setattr(ForwardScheduler, "utilization", lambda self: 1.0)
+    monkeypatch.setattr(ForwardScheduler, "active_sessions", lambda self: 8)
+    monkeypatch.setattr(batching, "best_draft_len", lambda n, a, cost, max_len: loadaware.best_draft_len(
+        n, a, CPU_135M, max_len))
+    cfg = device_config(temperature=0.0, max_new_tokens=40, mode="tslt", top_k=8, draft_len=4)
+
+    async def main():
+        async with edge(target_dir) as address:
+            return await run_sessions(address, poor, cfg, PROMPTS[0], [0, 1, 2],
+                                      session_factory=functools.partial(DraftSession, round_log=True))
+
+    results = run(main())
+    greedy = target_greedy(target_dir, encode_prompt(poor.tokenizer, PROMPTS[0], raw=True), 40)
+    assert all(tokens == greedy for tokens, _, _ in results)
+    first, *later = [session.round_log for _, _, session in results]
+    drafted = [e for e in first if e["mode"] != "none"]
+    assert 1 <= len(drafted) <= 2 and sum(e["accepted"] for e in drafted) <= 1, first
+    for log in later:
+        assert all(e["mode"] == "none" for e in log), log  # advised 0 from the first round
+        assert [e["generated"] for e in log][:3] == [8, 16, 16], log  # 8, 16, then the 16 left of 40

@@ -147,9 +147,11 @@ def test_the_uplink_is_probed_only_where_a_fast_link_would_change_the_rate() -> 
     assert not A.probe_pays(SENDING_Q, slow, A.best(SENDING_Q, replace(slow, uplink_bps=1e9))[0].candidate, 1e9, 0.1)
 
 
-def test_edge_chunk_bounds_the_round_trip_share() -> None:
-    assert A.edge_chunk(0.15, 0.05, 0.1, 8, 64) == 27  # 27 x 50 ms >= 9 x 150 ms
-    assert A.edge_chunk(0.0, 0.05, 0.1, 8, 64) == 8
+def test_edge_chunk_bounds_the_share_of_a_round_boundary() -> None:
+    """A boundary is a round trip and the forward missed meanwhile."""
+    assert A.edge_chunk(0.15, 0.05, 0.1, 8, 64) == 36  # 36 x 50 ms >= 9 x (150 + 50) ms
+    assert A.edge_chunk(0.0, 0.05, 0.05, 8, 64) == 19  # loopback: 19 tokens for 1 missed forward
+    assert A.edge_chunk(0.0, 0.05, 0.5, 8, 64) == 8
     assert A.edge_chunk(5.0, 0.05, 0.1, 8, 64) == 64
 
 
@@ -530,6 +532,36 @@ def test_the_edge_s_stated_cost_curve_makes_auto_draft_long_on_a_gpu() -> None:
         gpu.tracker.add_verify(2, 0.01)
     _, slope = gpu.tracker.verify_fit()
     assert slope > 0.004  # (0.05 - 0.01) / 7 s per token measured, far above the curve's 21 us
+
+
+def test_a_round_stalled_by_an_outage_leaves_the_link_estimates_alone() -> None:
+    """Issue 35, item 3: a round in flight when a cellular link stops for 0.8 s is held out of the
+    round-trip / goodput fit (and of its kind's time scale); two in a row mean the link itself got
+    slower, and the estimates follow; when it is fast again they come back at once."""
+    rtt, rate = 0.08, 2e6
+    t = LinkTracker()
+    policy = AutoPolicy(t, HELLO, 49152)
+    s = SETTINGS
+    def commit(up: int, network: float) -> None:
+        r = record(up=up, network=network)
+        policy.observe(RoundEvent(record=r, plan=RoundPlan(s, decision=policy.choose().decision), new_tokens=(),
+                                  q_stats=(), guess=None, elapsed_s=sum(r.phases.values()), edge_hint=None, t=0.0))
+    for up in (600, 3000, 600, 5000, 1200, 3000, 600, 5000):
+        commit(up, link_network(rtt, rate, up))
+    before = (t.rtt_s(), t.uplink_bps(), dict((k, e.value) for k, e in t.time_scale.items()))
+    commit(3000, link_network(rtt, rate, 3000) + 0.8)  # an outage while it was in flight
+    assert t.stalls == 1
+    assert (t.rtt_s(), t.uplink_bps()) == pytest.approx(before[:2], rel=1e-6)
+    assert {k: e.value for k, e in t.time_scale.items()} == before[2]
+    commit(3000, link_network(rtt, rate, 3000))  # back to normal: the stall is forgotten
+    assert t.rtt_s() == pytest.approx(rtt, rel=0.05) and t.uplink_bps() == pytest.approx(rate, rel=0.1)
+    predicted = lambda up: t.rtt_s() + 8 * up / t.uplink_bps()  # noqa: E731
+    for _ in range(3):  # the link itself slows down: 0.6 s more a round, round after round
+        commit(3000, link_network(rtt, rate, 3000) + 0.6)
+    assert predicted(3000) == pytest.approx(link_network(rtt, rate, 3000) + 0.6, rel=0.1)
+    for up in (600, 5000, 600, 5000):  # fast again
+        commit(up, link_network(rtt, rate, up))
+    assert predicted(600) == pytest.approx(link_network(rtt, rate, 600), rel=0.25)
 
 
 # -- gumbel rounds -----------------------------------------------------------------------------------------

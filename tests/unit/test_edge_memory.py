@@ -182,7 +182,8 @@ def test_edge_only_sessions_keep_exploring_at_a_bounded_cost() -> None:
     policy, log = poor_session()
     kinds = [s.mode for s, _ in log]
     explores = [i for i, (_, c) in enumerate(log) if c["why"] == "explore"]
-    assert kinds[-20:].count(Mode.NONE) >= 15 and len(explores) >= 2, kinds
+    edge_tokens = sum(s.edge_tokens for s, _ in log[-20:] if s.mode is Mode.NONE)
+    assert edge_tokens >= 10 * sum(s.mode is not Mode.NONE for s, _ in log[-20:]) and len(explores) >= 2, kinds
     for i in explores[1:]:
         before = [log[j] for j in range(i - 1, -1, -1)]
         run = next(k for k, (s, _) in enumerate(before) if s.mode is not Mode.NONE)

@@ -7,7 +7,8 @@ import pytest
 
 from specdec.common import settings as S
 from specdec.common.settings import Mode
-from specdec.common.loadaware import Acceptance, CostCurve, best_draft_len, expected_tokens, goodput
+from specdec.common.loadaware import (Acceptance, CostCurve, RecentAcceptance, best_draft_len, expected_tokens,
+                                      goodput)
 from specdec.edge import batching
 from specdec.edge.batching import BatchSettings, ForwardScheduler
 
@@ -81,6 +82,30 @@ def test_acceptance_is_the_geometric_mle_with_a_prior() -> None:
     a.observe(drafted=0, accepted=0)  # an edge-only round says nothing about drafts
 
 
+def test_a_new_session_starts_from_recent_drafts_and_edge_only_rounds_relax_toward_the_prior() -> None:
+    """Issue 35, item 5: two rounds of a drafter that is never right bring the advice at a busy CPU
+    edge to 0; a session starts where the edge's recent drafts were (those of every session), so the
+    next device of a population of such drafters is advised 0 from its first round; while the advice
+    keeps a session edge-only its estimate drifts back toward the prior (it is tried again)."""
+    a = Acceptance()
+    assert best_draft_len(8, a.alpha, CPU_135M, 16) > 0
+    for _ in range(2):
+        a.observe(drafted=4, accepted=0)
+    assert best_draft_len(8, a.alpha, CPU_135M, 16) == 0
+    recent = RecentAcceptance()
+    for _ in range(16):  # eight devices' first two rounds
+        recent.observe(drafted=4, accepted=0)
+    start = Acceptance.starting_at(recent.alpha)
+    assert recent.alpha < 0.1 and start.alpha == pytest.approx(recent.alpha)
+    assert best_draft_len(8, start.alpha, CPU_135M, 16) == 0
+    assert Acceptance.starting_at(0.95).alpha == pytest.approx(0.95)
+    low = start.alpha
+    start.relax(48)  # a session of edge-only rounds: still below what pays, but higher
+    assert low < start.alpha < 0.4 and best_draft_len(8, start.alpha, CPU_135M, 16) == 0
+    start.relax(2000)
+    assert start.alpha == pytest.approx(Acceptance.PRIOR, abs=1e-3)
+
+
 def test_within_draft_len_caps_chains_trees_and_goes_edge_only_at_zero() -> None:
     chain = S.resolve({"mode": "tslt", "draft_len": 6})
     assert S.within_draft_len(chain, None) == chain
@@ -92,6 +117,7 @@ def test_within_draft_len_caps_chains_trees_and_goes_edge_only_at_zero() -> None
         none = S.within_draft_len(s, 0)
         assert none.mode is Mode.NONE and none.edge_tokens == S.EDGE_ONLY_CHUNK
         S.validate(none)  # a round the edge accepts
+        assert S.within_draft_len(s, 0, 32).edge_tokens == 32
     already = S.resolve({"mode": "none"})
     assert S.within_draft_len(already, 3) == already
 

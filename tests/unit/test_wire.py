@@ -1,6 +1,8 @@
 """Wire conversions of the DSSD fallback messages (settings' round trips: test_settings.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdec.common import protocol as P
@@ -42,15 +44,19 @@ def test_whole_reply_of_an_old_edge_reads_as_whole() -> None:
 
 def test_welcome_round_trips_with_every_field() -> None:
     """Paired transform: a Welcome with every field set survives protobuf and back, the edge's
-    calibrated cost curve included; an edge before it leaves the curve empty."""
+    calibrated cost curve and its first advice included (an advice of 0 too: edge-only); an edge
+    before them leaves the curve empty and gives no advice."""
     welcome = P.Welcome(session_id="s1", model_name="m", vocab_size=49152, max_context=2048, max_draft_len=16,
                         max_k=512, resume_token=b"\x01\x02", resumed=True, dssd_max_samples=32,
                         target_fingerprint="fp", edge_name="edge-a",
-                        forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)), modes=tuple(Mode))
-    msg = pb.EdgeMessage.FromString(wire.welcome_to_pb(welcome).SerializeToString())
-    assert wire.welcome_from_pb(msg.welcome) == welcome
+                        forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)), modes=tuple(Mode), draft_len_hint=3)
+    for w in (welcome, replace(welcome, draft_len_hint=0), replace(welcome, draft_len_hint=None)):
+        msg = pb.EdgeMessage.FromString(wire.welcome_to_pb(w).SerializeToString())
+        assert wire.welcome_from_pb(msg.welcome) == w
     old = pb.Welcome(session_id="s1", model_name="m", vocab_size=8, max_context=64, max_draft_len=4, max_k=8)
-    assert wire.welcome_from_pb(old).forward_cost == ()
+    assert wire.welcome_from_pb(old).forward_cost == () and wire.welcome_from_pb(old).draft_len_hint is None
+
+
 # --- gumbel rounds: ids only, packed ---------------------------------------------------------------
 
 def _draft_through_wire(block: P.DraftBlock) -> tuple[P.DraftBlock, int]:
