@@ -40,10 +40,10 @@ from specdec.device.draft_model import DraftModel, DraftStep, EncodedQ, encode_q
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan, round_record, round_settings_json
 
 Listener = Callable[[RoundEvent], None]
-# While the edge's advice stays 0, each edge-only round it asks for asks for twice the tokens of the one
-# before, up to EDGE_ONLY_CHUNK x 2^this: a round boundary costs the device a round trip and, at a busy
+# While the edge's advice stays 0, each edge-only round asks for twice the tokens of the one
+# before, up to EDGE_ONLY_CHUNK x 2^this (64): a round boundary costs the device a round trip and, at a busy
 # batching edge, the forward it misses (an eighth of its tokens at 8 tokens a round).
-ADVICE_CHUNK_DOUBLINGS = 2
+ADVICE_CHUNK_DOUBLINGS = 3
 # Tokens fed to the drafter at once while an edge-only round streams: a forward over a few tokens costs
 # about one over a single token, and the tokens arrive one at a time.
 CATCH_UP_MIN = 8

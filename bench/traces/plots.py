@@ -38,7 +38,7 @@ def trace_figure(trace: str, cells: list[dict], sessions: list[dict], path: Path
             _panel(ax, here, up, down, off)
             ax.set_title(f"{cell['name']}, from {off:g} s", fontsize=7)
     axes[0][0].legend(fontsize=6, loc="upper left", ncol=2)
-    fig.suptitle(f"{trace}: tokens/s (trailing {WINDOW_S:g} s) under the trace's capacity (shaded, right axis: "
+    fig.suptitle(f"{trace}: tokens/s (trailing {WINDOW_S:g} s) under the trace's capacity\n(shaded, right axis: "
                  "uplink blue, downlink grey); auto's rounds along the top: colour = mode, label = L", fontsize=8)
     return save(fig, path, note)
 

@@ -407,10 +407,11 @@ def test_policy_leaves_speculation_when_the_drafter_is_slow_and_comes_back_to_ch
                   seed=0, max_new_tokens=512)
     tracker = LinkTracker()
     policy = AutoPolicy(tracker, hello, 49152)
-    modes = []
+    modes, edge_tokens = [], []
     for _ in range(30):
         s = policy.choose().settings
         modes.append(s.mode)
+        edge_tokens.append(s.edge_tokens if s.mode is Mode.NONE else 0)
         if s.mode is Mode.NONE:
             r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=s.edge_tokens,
                             uplink_bytes=30, downlink_bytes=40 * s.edge_tokens,
@@ -418,7 +419,9 @@ def test_policy_leaves_speculation_when_the_drafter_is_slow_and_comes_back_to_ch
         else:  # a drafter as slow as the target, accepting little
             r = record(drafted=s.draft_len, accepted=0, up=300, network=0.05, verify=0.05, draft=0.1 * s.draft_len)
         policy.observe(event(r, s, sum(r.phases.values())))
-    assert modes[-10:].count(Mode.NONE) >= 8, modes
+    # edge-only rounds are as long as their boundary allows: it is their tokens that outnumber the drafted rounds'
+    drafted = sum(m is not Mode.NONE for m in modes[-10:])
+    assert sum(edge_tokens[-10:]) >= 10 * drafted and modes[-10:].count(Mode.NONE) > drafted, modes
     assert Mode.NONE in modes and any(m is not Mode.NONE for m in modes[10:]), "never re-checked drafting"
 
 

@@ -139,6 +139,26 @@ def test_concurrent_writers_never_leave_a_broken_file_and_keep_each_drafter(tmp_
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_device_client_starts_from_the_memory_unless_told_not_to(tmp_path, monkeypatch) -> None:
+    """The one-shot runner and the daemon take the tracker from runner.device_tracker: remembered for
+    cfg.edge and the drafter, or cold with --no-edge-memory (which also keeps nothing)."""
+    from types import SimpleNamespace
+
+    from specdec.device.__main__ import build_parser, config_from_args
+    from specdec.device.runner import device_tracker, remember
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    drafter = SimpleNamespace(name="d")
+    parse = build_parser().parse_args
+    cfg = config_from_args(parse(["--edge", EDGE, "--prompt", "x"]))
+    off = config_from_args(parse(["--edge", EDGE, "--prompt", "x", "--no-edge-memory"]))
+    assert cfg.edge_memory and not off.edge_memory
+    remember(cfg, drafter, warm_tracker())
+    assert device_tracker(cfg, drafter).known and not device_tracker(off, drafter).known
+    (tmp_path / "edges").joinpath(edge_memory.memory_path(EDGE, tmp_path / "edges").name).unlink()
+    remember(off, drafter, warm_tracker())
+    assert not list((tmp_path / "edges").glob("*.json"))
+
+
 # -- the first rounds ------------------------------------------------------------------------------
 def test_the_first_round_on_an_unknown_link_is_edge_only_and_the_drafter_catches_up() -> None:
     plan = AutoPolicy(LinkTracker(), HELLO, V).choose()
