@@ -21,7 +21,7 @@ from specdec.device.session import DraftSession
 from specdec.device.openai_schema import parse_overrides
 from specdec.device.runner import DeviceConfig
 from specdec.edge.verifier import EdgeLimits
-from tests.support.laws import CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, N_TOKENS, PROMPT, law_counts
+from tests.support.laws import GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, N_TOKENS, PROMPT, law_counts
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 AHEAD_KEPT_PER_SESSION = 20 / 1500  # at least: rounds drafted ahead and kept (> 20 at 1500 sessions)
@@ -166,7 +166,7 @@ def random_auto_sampling_another_q(drafter, hello):
 
 
 def test_control_auto_with_a_device_sampling_another_q_is_detected(twin, tiny_pair_v8) -> None:
-    counts, law, _ = _counts(twin, tiny_pair_v8, random_auto_sampling_another_q, CONTROL_SESSIONS, over_grpc=True)
+    counts, law, _ = _counts(twin, tiny_pair_v8, random_auto_sampling_another_q, GROSS_CONTROL_SESSIONS, over_grpc=True)
     fit = goodness_of_fit(counts, law)
     print(f"control under auto: {fit}")
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"

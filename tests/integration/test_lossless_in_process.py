@@ -12,8 +12,8 @@ import torch
 
 from tests.conftest import INT4_HEAD_IDS
 from tests.support.harness import SwitchesEveryRound
-from tests.support.laws import (CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES, assert_lossless, assert_rejected,
-                                exact_law, law_counts, prompt_ids)
+from tests.support.laws import (GROSS_CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES, assert_lossless,
+                                assert_rejected, exact_law, law_counts, prompt_ids)
 from specdec.common import verification
 from specdec.device.draft_model import DraftStep
 
@@ -67,6 +67,6 @@ class SwitchesAndSamplesOtherQ(SwitchesEveryRound):
 
 
 def test_control_per_round_settings_sampling_another_q_is_detected(twin, tiny_pair_v8) -> None:
-    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=CONTROL_SESSIONS,
+    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=GROSS_CONTROL_SESSIONS,
                                 session_factory=SwitchesAndSamplesOtherQ, **MODES["tslt"])
     assert_rejected(counts, law, "per-round settings, device sampling another q")

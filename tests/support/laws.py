@@ -33,6 +33,9 @@ TEMPERATURE = 1.0
 LAW_SESSIONS = 600            # default tier: every control below is rejected at p < 1e-9 here
 HIGH_POWER_SESSIONS = 1500    # slow tier: a bias of half the size is seen
 CONTROL_SESSIONS = 600        # a control whose bias is large needs no more
+# A gross control (the device drafting from another law than the packet it sends: TV ~0.4-0.8 at the
+# default size, chi-square in the thousands) is rejected with a quarter of the sessions: p < 1e-100 here.
+GROSS_CONTROL_SESSIONS = 150
 CONCURRENCY = 4               # sessions in flight over gRPC: one's network waits overlap another's compute
 
 MODES = {
