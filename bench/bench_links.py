@@ -343,7 +343,9 @@ def main(argv=None) -> int:
     if "auto" in configs and (a.no_auto or not support["auto"]):
         configs.remove("auto")
         skipped["auto"] = "--no-auto" if a.no_auto else "the device has no mode auto yet (common/settings.AUTO)"
-    extra = {"auto": {"round_log": True}} if support["round_log"] else {}
+    # every auto configuration logs its rounds (an A/B between two of them runs both alike)
+    extra = {name: {"round_log": True} for name in configs if plan.CONFIGS[name][0] == "auto"} \
+        if support["round_log"] else {}
     stamp = harness_plan.stamp()
     out = harness_plan.run_dir(RESULTS, stamp + ("-quick" if s.quick else ""))
 
