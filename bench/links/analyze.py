@@ -37,8 +37,9 @@ def role(config: str) -> str:
 
 
 def config_stats(sessions: list[dict]) -> dict[str, dict]:
-    """{config: {tokens, wall, sessions, tps, acceptance, up_bytes_per_token}} over ``sessions``
-    (each {"config", "record"})."""
+    """{config: {tokens, wall, sessions, tps, acceptance, up_bytes_per_token, up_bytes_per_draft_position}}
+    over ``sessions`` (each {"config", "record"}); up_bytes: every round's uplink message, its settings
+    and framing included."""
     by_config: dict[str, Agg] = {}
     for s in sessions:
         by_config.setdefault(s["config"], Agg()).add(s["record"], s.get("extra", {}))
@@ -46,7 +47,8 @@ def config_stats(sessions: list[dict]) -> dict[str, dict]:
     for name, a in by_config.items():
         out[name] = {"tokens": a.tokens, "wall": a.wall, "sessions": a.sessions, "up_bytes": a.up_bytes,
                      "accepted": a.accepted, "positions": a.positions, "tps": a.tps if a.wall > 0 else 0.0,
-                     "acceptance": ratio(a.accepted, a.positions), "up_bytes_per_token": ratio(a.up_bytes, a.tokens)}
+                     "acceptance": ratio(a.accepted, a.positions), "up_bytes_per_token": ratio(a.up_bytes, a.tokens),
+                     "up_bytes_per_draft_position": ratio(a.up_bytes, a.positions)}
     return out
 
 
