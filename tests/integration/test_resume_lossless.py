@@ -41,10 +41,10 @@ from specdec.edge import servicer
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import target_info
 from specdec.edge.verifier import EdgeLimits, VerifierSession
-from tests.support.laws import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import CONCURRENCY, LAW_SESSIONS, N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
-NUM_SESSIONS = 1200  # the control falls far below the cut at this size (p ~ 1e-10 expected)
+NUM_SESSIONS = 1200  # the slow tier's size: the control falls far below the cut here (p ~ 1e-10 expected)
 DRAFT_LEN = 1  # round 1 yields at most 2 of the N_TOKENS = 3 tokens: a cut after it always matters
 # Reconnect at once: the relay accepts again right away; only the break's detection takes time.
 POLICY = ConnectionPolicy(round_timeout_s=30.0, reconnect_timeout_s=30.0, backoff_initial_s=0.02,
@@ -122,7 +122,7 @@ async def _session(seed, cfg, drafter, first: str, second: str | None, fallback_
     return tuple(r.token_ids), r.reconnects
 
 
-def _run_part(seeds, pair, scenario: str, mode_kw: dict) -> tuple[list, Counter]:
+def _run_part(seeds, pair, scenario: str, mode_kw: dict, num_sessions: int) -> tuple[list, Counter]:
     """The sessions of ``seeds`` against this process's own edges: ([(tokens, reconnects)], the edges'
     counters: ("started", edge, mode) and ("resumed", edge) for edge 1 (first) and 2 (second))."""
     target_dir, drafter_dir = pair
@@ -134,7 +134,7 @@ def _run_part(seeds, pair, scenario: str, mode_kw: dict) -> tuple[list, Counter]
 
     async def main():
         # the first edge keeps each abandoned session detached (restarted scenario): room for all
-        limits = EdgeLimits(resume_window_s=window, max_sessions=2 * NUM_SESSIONS)
+        limits = EdgeLimits(resume_window_s=window, max_sessions=2 * num_sessions)
         async with edge(target_dir, metrics=m1, limits=limits) as first, edge(target_dir, metrics=m2) as second:
             gate = asyncio.Semaphore(CONCURRENCY)
 
@@ -154,16 +154,17 @@ def _run_part(seeds, pair, scenario: str, mode_kw: dict) -> tuple[list, Counter]
     return list(results), tally
 
 
-def _run(twin, pair, scenario: str, mode_kw: dict, patches=()):
+def _run(twin, pair, scenario: str, mode_kw: dict, patches=(), num_sessions: int = NUM_SESSIONS):
     """(counts, law, sessions that reconnected, counters of the first edge, of the second edge); half of
     the sessions run in the twin process (harness.Twin) against its own edges, ``patches`` in both."""
     target_dir, drafter_dir = pair
     law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
     if twin is None:
         with patched(patches):
-            results, tally = _run_part(range(NUM_SESSIONS), pair, scenario, mode_kw)
+            results, tally = _run_part(range(num_sessions), pair, scenario, mode_kw, num_sessions)
     else:
-        (r1, t1), (r2, t2) = twin.split(_run_part, range(NUM_SESSIONS), pair, scenario, mode_kw, patches=patches)
+        (r1, t1), (r2, t2) = twin.split(_run_part, range(num_sessions), pair, scenario, mode_kw, num_sessions,
+                                         patches=patches)
         results, tally = r1 + r2, t1 + t2
     counts = Counter(tokens for tokens, _ in results)
     reconnected = sum(1 for _, n in results if n > 0)
@@ -192,14 +193,17 @@ def _check_fit(counts, law, label):
     return fit
 
 
-# ~1 min each here: TSLT runs by default; DSSD, the tree, the expired session and the DSSD fallback
-# run with `make test-slow` (their exact replay is checked by default, in process, further below)
-@pytest.mark.parametrize("mode_kw", [CHAIN, pytest.param(DSSD, marks=pytest.mark.slow),
-                                     pytest.param(TREE, marks=pytest.mark.slow)], ids=["tslt", "dssd", "tree"])
-def test_resume_on_a_restarted_edge_is_lossless(twin, tiny_pair_v8, mode_kw) -> None:
-    counts, law, reconnected, first, second = _run(twin, tiny_pair_v8, "restarted", mode_kw)
+# TSLT runs by default at the default law size; at the slow tier's size, and DSSD, the tree, the
+# expired session and the DSSD fallback, with `make test-slow` (their exact replay is checked by
+# default, in process, further below)
+@pytest.mark.parametrize("mode_kw, num_sessions", [
+    (CHAIN, LAW_SESSIONS), pytest.param(CHAIN, NUM_SESSIONS, marks=pytest.mark.slow),
+    pytest.param(DSSD, NUM_SESSIONS, marks=pytest.mark.slow), pytest.param(TREE, NUM_SESSIONS, marks=pytest.mark.slow)],
+    ids=["tslt", "tslt-high-power", "dssd", "tree"])
+def test_resume_on_a_restarted_edge_is_lossless(twin, tiny_pair_v8, mode_kw, num_sessions) -> None:
+    counts, law, reconnected, first, second = _run(twin, tiny_pair_v8, "restarted", mode_kw, num_sessions=num_sessions)
     mode = mode_kw["mode"]
-    assert reconnected >= MIN_CUT_FRACTION * NUM_SESSIONS, reconnected
+    assert reconnected >= MIN_CUT_FRACTION * num_sessions, reconnected
     # every reconnected session was re-created on the second edge, none resumed there
     assert _started(second, mode) == reconnected and _resumed(second) == 0
     fit = _check_fit(counts, law, f"restarted {mode.value}{' tree' if 'tree' in mode_kw else ''}")
@@ -316,7 +320,7 @@ LAW_SEEDS = 12_000
 @pytest.mark.slow
 @pytest.mark.parametrize("mode_kw", [CHAIN, DSSD], ids=["tslt", "dssd"])
 def test_in_process_law_over_many_seeds(tiny_pair_v8, mode_kw) -> None:
-    """The gRPC tests above use seeds 0..NUM_SESSIONS-1, and a resumed session yields exactly the
+    """The gRPC tests above use seeds 0..NUM_SESSIONS-1 (0..LAW_SESSIONS-1 in the default tier), and a resumed session yields exactly the
     tokens of the uninterrupted one, so their p-values are those of that one block of seeds. The same
     sessions in process (same tokens, ~10x faster) over many more seeds: ~3 min each here."""
     eos = set(load(str(tiny_pair_v8[1])).eos_token_ids)
