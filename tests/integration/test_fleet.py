@@ -23,7 +23,7 @@ import urllib.request
 
 import grpc
 
-from tests.support.fleet_rig import ALICE, MAX_NEW, PROMPT, edges, kill_busiest_after, sessions, total, unbroken
+from tests.support.fleet_rig import ALICE, MAX_NEW, POLICY, PROMPT, edges, kill_busiest_after, sessions, total, unbroken
 from tests.support.harness import device_config, load, run, target_greedy
 from specdec.common import protocol as P
 from specdec.common import wire
@@ -228,7 +228,7 @@ def test_daemon_requests_survive_their_edge(tiny_pair_v512) -> None:
         async with edges((target_dir, "a", {}), (target_dir, "b", {})) as es:
             cfg = DaemonConfig(device=device_config(edge=",".join(e.address for e in es), draft_model=str(drafter_dir),
                                                     mode="tslt", top_k=16, temperature=0.0, max_new_tokens=MAX_NEW,
-                                                    round_timeout=10.0),
+                                                    round_timeout=POLICY.round_timeout_s),
                                port=0)
             daemon = await start_daemon(cfg, drafter=load(str(drafter_dir)))
             loop = asyncio.get_running_loop()
