@@ -26,9 +26,10 @@ import openai
 import pytest
 
 from specdec.testbed import tiny_models
-from tests.support.harness import VENV_BIN, edge, load, target_greedy
+from tests.support.harness import VENV_BIN, edge, load, run_main, target_greedy
 from tests.support.raw_stream import RawSession
 from specdec.common.modeling import ModelSpec, encode_prompt
+from specdec.device import __main__ as device_main
 from specdec.device import openai_schema
 from specdec.device.client import EdgeError
 from specdec.device.daemon import DaemonConfig, edge_api_error, start_daemon
@@ -485,11 +486,12 @@ def test_serve_command_answers_exports_metrics_and_stops_on_sigterm(stack, chat_
         assert proc.wait(timeout=30) == 0
 
 
-def test_serve_bad_flag_exits_nonzero_with_one_line() -> None:
-    r = subprocess.run([str(VENV_BIN / "device-client"), "serve", "--edge", "127.0.0.1:1", "--listen", "nope"],
-                       capture_output=True, text=True, timeout=60)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and len(lines) == 1 and "--listen" in lines[0], r.stderr
+def test_serve_bad_flag_exits_nonzero_with_one_line(capsys) -> None:
+    """The command's own main in this process: the serve process above and test_cli's bad-flag process
+    show the status and the line reaching the shell."""
+    rc, err = run_main(device_main.main, ["serve", "--edge", "127.0.0.1:1", "--listen", "nope"], capsys)
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1 and "--listen" in lines[0], err
 
 
 def _ready_port(proc: subprocess.Popen, timeout: float = 120.0) -> int:

@@ -102,13 +102,24 @@ def target_greedy(target_dir, prompt_ids: list[int], max_new_tokens: int) -> lis
 class EdgeProcess(procs.ReadyProcess):
     """`edge-server` as a real subprocess on loopback, started with the testbed's launcher. Its log
     up to the ready line is in ``lines``; later output stays in ``proc.stdout`` for the test to read.
-    ``env`` overrides variables (a None value unsets one)."""
+    ``env`` overrides variables (a None value unsets one). With ``drain`` a thread keeps reading the
+    rest into ``lines`` (an edge shared by many tests must never block on a full pipe)."""
 
     def __init__(self, *args: str, env: dict | None = None, port: int = 0, bindir: Path = VENV_BIN,
-                 cwd: Path | None = None):
+                 cwd: Path | None = None, drain: bool = False):
         super().__init__(procs.edge_server_cmd("--port", str(port), *args, bindir=bindir), name="edge-server",
                          env=procs.child_env(extra=env), ready_re=procs.EDGE_READY_RE,
-                         ready_timeout=EDGE_READY_TIMEOUT_S, cwd=cwd, drain=False)
+                         ready_timeout=EDGE_READY_TIMEOUT_S, cwd=cwd, drain=drain)
+
+
+def run_main(main, argv: list[str], capsys) -> tuple[int, str]:
+    """A command's own ``main`` in this process (a bad flag's message and status need no process of
+    their own): its exit status and what it wrote to stderr."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
 
 
 def assert_edge_flags_rejected(capsys, bad_argvs) -> None:
@@ -116,11 +127,7 @@ def assert_edge_flags_rejected(capsys, bad_argvs) -> None:
     from specdec.edge import __main__ as edge_cli
 
     for argv in bad_argvs:
-        try:
-            rc = edge_cli.main(argv)
-        except SystemExit as exc:
-            rc = exc.code
-        err = capsys.readouterr().err
+        rc, err = run_main(edge_cli.main, argv, capsys)
         assert rc == 2, argv
         assert len(err.strip().splitlines()) == 1 and err.startswith("edge-server: error:"), (argv, err)
 

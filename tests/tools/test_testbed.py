@@ -14,9 +14,10 @@ import shutil
 import subprocess
 
 import pytest
-from tests.support.harness import ROOT
+from tests.support.harness import ROOT, run_main
 
-from specdec.testbed import netns, procs
+from specdec.testbed import __main__ as testbed_cli
+from specdec.testbed import linkemu, netns, probe, procs
 from specdec.testbed.linkemu import LinkClock, LinkSpec
 from specdec.testbed.units import parse_percent, parse_rate, parse_time
 
@@ -261,13 +262,24 @@ def test_netem_scripts_on_a_namespace_interface_then_undo() -> None:
         assert "netem" not in after and "ingress" not in after and f"ifb{dev}"[:15] not in links
 
 
+@pytest.mark.parametrize("main, args", [
+    (linkemu.main, ["--connect", "nowhere"]),
+    (linkemu.main, ["--connect", "127.0.0.1:1", "--up-delay", "soon"]),
+    (testbed_cli.main, ["--up-rate", "fast"]),
+    (probe.main, ["measure"]),
+])
+def test_command_lines_reject_bad_flags_in_one_line(main, args, capsys, linkemu_never_serves) -> None:
+    rc, err = run_main(main, args, capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("module, args", [
-    ("specdec.testbed.linkemu", ["--connect", "nowhere"]),
     ("specdec.testbed.linkemu", ["--connect", "127.0.0.1:1", "--up-delay", "soon"]),
     ("specdec.testbed", ["--up-rate", "fast"]),
     ("specdec.testbed.probe", ["measure"]),
 ])
-def test_command_lines_reject_bad_flags_in_one_line(module, args) -> None:
+def test_each_program_exits_2_with_one_line(module, args) -> None:
+    """One real process per program: the status reaches the shell and stderr holds the one line."""
     r = subprocess.run(procs.python_module(module, *args), capture_output=True, text=True, timeout=30,
                        env=procs.child_env())
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import subprocess
 
 import pytest
 
-from specdec.testbed import procs
+from tests.support.harness import run_main
+from specdec.testbed import linkemu
 from specdec.testbed.linkemu import HEADER_BYTES, MSS_BYTES, LinkClock, LinkEmulator, LinkSpec
 from specdec.testbed.traces import PACKET_BYTES, Trace, load_trace, trace_pairs
 from specdec.testbed.tracecheck import measure
@@ -143,14 +143,13 @@ def test_live_stream_follows_the_square_trace(tmp_path) -> None:
     (["--up-trace", "/nonexistent.up"], "cannot read trace"),
     (["--up-queue", "lots"], "not a queue limit"),
 ])
-def test_command_line_rejects_bad_traces_and_queues(args, why) -> None:
-    r = subprocess.run(procs.python_module("specdec.testbed.linkemu", "--connect", "127.0.0.1:1", *args),
-                       capture_output=True, text=True, timeout=60, env=procs.child_env())
-    assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_command_line_rejects_bad_traces_and_queues(args, why, capsys, linkemu_never_serves) -> None:
+    rc, err = run_main(linkemu.main, ["--connect", "127.0.0.1:1", *args], capsys)
+    assert rc == 2 and why in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_command_line_rate_and_trace_exclude_each_other(square) -> None:
-    r = subprocess.run(procs.python_module("specdec.testbed.linkemu", "--connect", "127.0.0.1:1", "--up-trace",
-                                           str(square), "--up-rate", "1mbit"),
-                       capture_output=True, text=True, timeout=60, env=procs.child_env())
-    assert r.returncode == 2 and "not both" in r.stderr
+def test_command_line_rate_and_trace_exclude_each_other(square, capsys, linkemu_never_serves) -> None:
+    """linkemu's main in this process (test_testbed runs the real process once)."""
+    rc, err = run_main(linkemu.main, ["--connect", "127.0.0.1:1", "--up-trace", str(square), "--up-rate", "1mbit"],
+                       capsys)
+    assert rc == 2 and "not both" in err
