@@ -28,6 +28,18 @@ def tiny_pair_v512(tmp_path_factory) -> tuple[Path, Path]:
     return tiny_models.make_pair(tmp_path_factory.mktemp("tiny512"), 512, logit_scale=2.0)
 
 
+@pytest.fixture(scope="session")
+def edge_v512(tiny_pair_v512):
+    """`edge-server` on tiny_pair_v512's target, started as a user starts it on a shared host: no thread
+    flag, no OMP_NUM_THREADS (test_thread_defaults reads its thread line). One process for the tests
+    that only need an edge process to talk to: each start costs seconds of imports and loading. It
+    must stop gracefully (SIGTERM, exit status 0) at the end of the session."""
+    from tests.support.harness import EdgeProcess
+    proc = EdgeProcess("--model", str(tiny_pair_v512[0]), env={"OMP_NUM_THREADS": None}, drain=True)
+    yield proc
+    assert proc.stop() == 0
+
+
 # Perturbing the target's weights by this x their std leaves ~2/3 of its greedy tokens (argmax) as
 # they were: greedy rounds over gRPC both accept drafts (and roll the KV back past the rest) and reject.
 GREEDY_DRAFT_NOISE = 0.05

@@ -9,7 +9,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from tests.support.harness import EdgeProcess, device_cli, device_config, edge, load, run, run_sessions, target_greedy
+from tests.support.harness import device_cli, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.settings import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
@@ -104,14 +104,10 @@ def test_an_edge_only_round_with_a_draft_is_refused_and_the_edge_carries_on(tiny
     assert tokens == target_greedy(target_dir, prompt, 4)
 
 
-def test_device_client_mode_none(tiny_pair_v512) -> None:
+def test_device_client_mode_none(tiny_pair_v512, edge_v512) -> None:
     target_dir, drafter_dir = tiny_pair_v512
-    proc = EdgeProcess("--model", str(target_dir))
-    try:
-        r = device_cli("--edge", proc.address, "--draft-model", str(drafter_dir), "--prompt", PROMPT, "--raw",
-                       "--mode", "none", "--max-new-tokens", "8", "--json")
-    finally:
-        proc.stop()
+    r = device_cli("--edge", edge_v512.address, "--draft-model", str(drafter_dir), "--prompt", PROMPT, "--raw",
+                   "--mode", "none", "--max-new-tokens", "8", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[-1])
     ids = encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 
-from tests.support.harness import VENV_BIN, EdgeProcess
+import torch
+
+from tests.support.harness import VENV_BIN
 from specdec.common.runtime import choose_threads, usable_cores
+from specdec.device import __main__ as device_main
 
 THREAD_LINE = "torch thread(s):"
 
@@ -21,7 +24,7 @@ def _device(*args: str, env: dict) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180, env=env)
 
 
-def test_device_client_logs_its_share_of_a_shared_host(tiny_pair_v512) -> None:
+def test_device_client_logs_its_share_of_a_shared_host(tiny_pair_v512, monkeypatch, capsys) -> None:
     drafter = str(tiny_pair_v512[1])
     r = _device("--draft-model", drafter, env=_env_without_omp())
     assert r.returncode != 0  # nothing listens on port 1; the line comes before the failure
@@ -29,16 +32,23 @@ def test_device_client_logs_its_share_of_a_shared_host(tiny_pair_v512) -> None:
     expected = choose_threads(0, usable_cores(), True).threads
     assert len(lines) == 1 and lines[0].startswith(f"device-client: {expected} torch thread(s): "), r.stderr
     assert "share this host" in lines[0]
-    for quiet in (_device("--draft-model", drafter, "--threads", "1", env=_env_without_omp()),
-                  _device("--draft-model", drafter, env={**os.environ, "OMP_NUM_THREADS": "1"})):
-        assert THREAD_LINE not in quiet.stderr and quiet.returncode != 0
+    # What silences the line is read by the command's own main, so the quiet runs go through it in this
+    # process (the real process above proves the line reaches stderr); --threads 1 keeps this process's
+    # torch at the one thread conftest set, and OMP_NUM_THREADS=1 makes the rule leave torch alone.
+    for args, omp in ((["--threads", "1"], None), ([], "1")):
+        if omp is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        rc = device_main.main(["--edge", "127.0.0.1:1", "--prompt", "w1", "--raw", "--timeout", "2",
+                               "--reconnect-timeout", "0", "--draft-model", drafter, *args])
+        err = capsys.readouterr().err
+        assert rc != 0 and THREAD_LINE not in err and "device-client: error:" in err, err
+    assert torch.get_num_threads() == 1
 
 
-def test_edge_server_on_loopback_logs_its_share(tiny_pair_v512) -> None:
-    edge = EdgeProcess("--model", str(tiny_pair_v512[0]), env={"OMP_NUM_THREADS": None})
-    try:
-        lines = [line for line in edge.lines if THREAD_LINE in line]
-    finally:
-        assert edge.stop() == 0
+def test_edge_server_on_loopback_logs_its_share(edge_v512) -> None:
+    """The session's shared edge-server (conftest) is started with neither --threads nor OMP_NUM_THREADS."""
+    lines = [line for line in edge_v512.lines if THREAD_LINE in line]
     expected = choose_threads(0, usable_cores(), True).threads
-    assert len(lines) == 1 and lines[0].startswith(f"edge-server: {expected} torch thread(s): "), edge.lines
+    assert len(lines) == 1 and lines[0].startswith(f"edge-server: {expected} torch thread(s): "), edge_v512.lines
