@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.support.harness import EdgeProcess, device_cli
@@ -13,8 +14,15 @@ PROMPT = "What is the capital of France?"
 MAX_NEW = 8
 
 
-def test_embedded_gguf_loads_through_both_gguf_paths() -> None:
-    default = load_model(ModelSpec())
+@pytest.fixture(scope="module")
+def default_target():
+    """The embedded default loaded once (ModelSpec(): no model named) for both tests: each load
+    dequantizes the whole GGUF file."""
+    return load_model(ModelSpec())
+
+
+def test_embedded_gguf_loads_through_both_gguf_paths(default_target) -> None:
+    default = default_target
     path = embedded_gguf_path()
     explicit = load_model(ModelSpec(gguf_file=str(path)))
     assert default.vocab_size == explicit.vocab_size == 49152
@@ -25,8 +33,8 @@ def test_embedded_gguf_loads_through_both_gguf_paths() -> None:
         torch.testing.assert_close(default.model(ids).logits, explicit.model(ids).logits)
 
 
-def test_default_edge_and_default_drafter_answer_greedily_as_the_target() -> None:
-    target = load_model(ModelSpec())
+def test_default_edge_and_default_drafter_answer_greedily_as_the_target(default_target) -> None:
+    target = default_target
     prompt_ids = encode_prompt(target.tokenizer, PROMPT, raw=False)
     with torch.inference_mode():
         out = target.model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW, do_sample=False)
