@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from tests.support.harness import VENV_BIN
 
@@ -15,8 +18,18 @@ def _demo(tiny_pair, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_demo_prints_prompt_answer_and_summary(tiny_pair_v512) -> None:
-    r = _demo(tiny_pair_v512)
+@pytest.fixture(scope="module")
+def demos(tiny_pair_v512) -> dict[str, subprocess.CompletedProcess]:
+    """Both runs side by side: each is a demo process with an edge-server process of its own, mostly
+    imports and model loading on one core, so the two overlap on CI's two cores."""
+    with ThreadPoolExecutor(2) as pool:
+        text = pool.submit(_demo, tiny_pair_v512)
+        record = pool.submit(_demo, tiny_pair_v512, "--json", "--mode", "dense")
+        return {"text": text.result(), "json": record.result()}
+
+
+def test_demo_prints_prompt_answer_and_summary(demos) -> None:
+    r = demos["text"]
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert out.startswith("prompt: w5 w6 w7\nanswer: w")
@@ -25,8 +38,8 @@ def test_demo_prints_prompt_answer_and_summary(tiny_pair_v512) -> None:
     assert "same tokens as the target alone" in out  # greedy by default: lossless
 
 
-def test_demo_json_keeps_the_full_record(tiny_pair_v512) -> None:
-    r = _demo(tiny_pair_v512, "--json", "--mode", "dense")
+def test_demo_json_keeps_the_full_record(demos) -> None:
+    r = demos["json"]
     assert r.returncode == 0, r.stderr
     record = json.loads(r.stdout.strip().splitlines()[-1])
     assert record["prompt"] == "w5 w6 w7" and record["mode"] == "dense"
