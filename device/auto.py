@@ -605,8 +605,8 @@ class LinkTracker:
                     self.draft_s.add(r.phases.get("draft", 0.0) / (r.draft_forwards or r.drafted_tokens))
                 self.encode_s.setdefault(settings.mode, self._ewma()).add(per_token["encode"])
                 self.decode_s.setdefault(settings.mode, self._ewma()).add(per_token["decode"])
-            self._observe_acceptance(r, settings, self.model(temperature), acceptance, gumbel)
             side = self.model(temperature)
+            self._observe_acceptance(r, settings, side, acceptance, gumbel)
             if r.drafted_tokens and settings.mode is not Mode.DSSD:
                 sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
                 side.add_bytes(_codec_key(settings), max(0.0, sent))
