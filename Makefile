@@ -35,9 +35,13 @@ system-deps:
 	@.ci/system-deps.sh
 
 # The default tier (what CI runs; docs/testing.md): at most 10 minutes on 2 cores. It ends with the
-# slowest tests and their seconds, so a test that grows shows up where it is.
+# slowest tests and their seconds, so a test that grows shows up where it is. Many tests wait on
+# processes, links and timeouts, so a worker per core runs the tier faster; whole modules go to
+# one worker (loadscope), so a module's fixture (a model load, an edge, a file's command runs) is
+# built once.
+TEST_WORKERS ?= 2
 test: $(PB_OUT) system-deps
-	$(VENV)/bin/pytest -m "not slow and not gpu" --durations=25 tests
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow and not gpu" --durations=25 tests
 
 # The slow tier: the high-power exact-law runs over gRPC, full fuzzing, the other resume paths.
 test-slow: $(PB_OUT)
