@@ -739,11 +739,15 @@ class AutoPolicy:
         self.rounds = 0               # committed rounds of this session
         self.edge_only_tokens = 0     # tokens of the edge-only rounds since the last drafted one ...
         self.edge_only_s = 0.0        # ... and their seconds
+        # tokens an edge-only round asks for where the edge advises no drafting: the boundary model's
+        # (a round trip and the forward a busy batch makes without the session, A.edge_chunk)
+        self.advised_chunk = EDGE_CHUNK_MIN
 
     def choose(self) -> RoundPlan:
         """The next round's plan, from what committed rounds taught the tracker."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
                                    self.hello.draft.dssd_fallback_top_k, self.dssd_samples, self.gumbel)
+        self.advised_chunk = e.edge_chunk
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
         cold = (self.rounds == 0 and self.tracker.config.cold_start and not self.tracker.known
                 and A.Candidate(Mode.NONE) in self.candidates)

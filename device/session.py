@@ -107,6 +107,12 @@ class DraftSession:
         advised at its load (0: an edge-only round, longer the longer the advice stays 0)."""
         plan = self.policy.choose() if self.policy is not None else RoundPlan(self.hello.draft)
         chunk = S.EDGE_ONLY_CHUNK << min(self._advised_edge_only, ADVICE_CHUNK_DOUBLINGS)
+        if self.policy is not None and self.edge_hint == 0:
+            # mode auto prices a round's boundary, so its edge-only rounds under the advice are no
+            # shorter than its model's (nor its own short ones: the advice rules drafting out anyway)
+            chunk = max(chunk, self.policy.advised_chunk)
+            if plan.settings.mode is Mode.NONE:
+                plan = replace(plan, settings=replace(plan.settings, edge_tokens=max(plan.settings.edge_tokens, chunk)))
         return replace(plan, settings=S.within_draft_len(plan.settings, self.edge_hint, chunk))
 
     def fix_next(self, plan: RoundPlan) -> None:

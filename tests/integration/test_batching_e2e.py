@@ -140,34 +140,65 @@ def test_device_drafts_no_longer_than_the_edge_advises(tiny_pair_v512, monkeypat
     assert any(e["drafted"] == 4 for e in log), "advice above the device's own L must not shorten it"
 
 
-def test_a_busy_edge_sends_drafters_that_never_guess_right_edge_only(tiny_pair_v512, monkeypatch) -> None:
-    """Issue 35, item 5: at a saturated CPU-shaped edge (its load and cost curve given: a test cannot
-    load a core as eight devices do; the advice's formula is the real one), a drafter that never
-    guesses right is advised edge-only within two rounds, the next sessions from their Welcome on
-    (the edge's recent drafts start a new session's estimate), and a device kept edge-only asks for
-    longer and longer rounds; the output stays the target's greedy decode."""
+@pytest.fixture
+def busy_cpu_edge(monkeypatch) -> None:
+    """A saturated CPU-shaped edge (its load and cost curve given: a test cannot load a core as eight
+    devices do; the advice's formula is the real one)."""
     from specdec.common import loadaware
     from specdec.edge import batching
     from tests.unit.test_loadaware import CPU_135M
-    target_dir, _ = tiny_pair_v512
-    poor = load(str(target_dir.parent / "draft-v512"))  # another random model: its guesses miss
     monkeypatch.setattr(ForwardScheduler, "utilization", lambda self: 1.0)
     monkeypatch.setattr(ForwardScheduler, "active_sessions", lambda self: 8)
     monkeypatch.setattr(batching, "best_draft_len", lambda n, a, cost, max_len: loadaware.best_draft_len(
         n, a, CPU_135M, max_len))
-    cfg = device_config(temperature=0.0, max_new_tokens=40, mode="tslt", top_k=8, draft_len=4)
+
+
+def poor_drafter_sessions(target_dir, cfg, session_factory) -> list[list[dict]]:
+    """Three sessions, one after the other, of a drafter that never guesses right (another random
+    model) against a busy edge: their round logs, each session's tokens the target's greedy decode."""
+    poor = load(str(target_dir.parent / "draft-v512"))
 
     async def main():
         async with edge(target_dir) as address:
-            return await run_sessions(address, poor, cfg, PROMPTS[0], [0, 1, 2],
-                                      session_factory=functools.partial(DraftSession, round_log=True))
+            return await run_sessions(address, poor, cfg, PROMPTS[0], [0, 1, 2], session_factory=session_factory)
 
     results = run(main())
-    greedy = target_greedy(target_dir, encode_prompt(poor.tokenizer, PROMPTS[0], raw=True), 40)
+    greedy = target_greedy(target_dir, encode_prompt(poor.tokenizer, PROMPTS[0], raw=True), cfg.max_new_tokens)
     assert all(tokens == greedy for tokens, _, _ in results)
-    first, *later = [session.round_log for _, _, session in results]
+    return [session.round_log for _, _, session in results]
+
+
+def test_a_busy_edge_sends_drafters_that_never_guess_right_edge_only(tiny_pair_v512, busy_cpu_edge) -> None:
+    """Issue 35, item 5: at a saturated edge, a drafter that never guesses right is advised edge-only
+    within two rounds, the next sessions from their Welcome on (the edge's recent drafts start a new
+    session's estimate), and a device kept edge-only asks for longer and longer rounds; the output
+    stays the target's greedy decode."""
+    cfg = device_config(temperature=0.0, max_new_tokens=40, mode="tslt", top_k=8, draft_len=4)
+    first, *later = poor_drafter_sessions(tiny_pair_v512[0], cfg, functools.partial(DraftSession, round_log=True))
     drafted = [e for e in first if e["mode"] != "none"]
     assert 1 <= len(drafted) <= 2 and sum(e["accepted"] for e in drafted) <= 1, first
     for log in later:
         assert all(e["mode"] == "none" for e in log), log  # advised 0 from the first round
         assert [e["generated"] for e in log][:3] == [8, 16, 16], log  # 8, 16, then the 16 left of 40
+
+
+def test_auto_advised_edge_only_asks_for_rounds_its_boundary_model_pays_for(tiny_pair_v512, busy_cpu_edge) -> None:
+    """Mode auto under the advice to draft nothing: its edge-only rounds are no shorter than its own
+    model of a round's boundary asks (a round trip and the forward a busy batch makes without the
+    session: ~20 tokens on loopback), not the 8 and 16 of a fixed mode's doubling, where each boundary
+    costs a session an eighth of its forwards. The device's auto would draft (edge-only is not among its
+    candidates: on this fast tiny edge it would choose edge-only on its own), so only the advice makes
+    its rounds edge-only. Tokens stay the target's greedy decode."""
+    from specdec.device.auto import EDGE_CHUNK_MIN, AutoConfig, AutoPolicy, LinkTracker
+    tracker = LinkTracker(AutoConfig(edge_only=False))  # one device: later sessions start from the first
+
+    def auto_session(drafter, hello):
+        policy = AutoPolicy(tracker, hello, drafter.vocab_size, draft_ahead=True)
+        return DraftSession(drafter, hello, draft_ahead=True, policy=policy, round_log=True)
+
+    cfg = device_config(temperature=0.0, max_new_tokens=40, mode="auto")
+    first, *later = poor_drafter_sessions(tiny_pair_v512[0], cfg, auto_session)
+    assert any(e["mode"] != "none" for e in first), first  # it drafts until the edge advises against it
+    for log in later:
+        assert all(e["mode"] == "none" for e in log), log  # advised 0 from the Welcome on
+        assert all(e["generated"] > 2 * EDGE_CHUNK_MIN for e in log[:-1]) and len(log) <= 2, log
