@@ -33,9 +33,8 @@ from __future__ import annotations
 import collections
 import math
 import threading
-import time
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -55,11 +54,6 @@ TIME_SCALE_MIN, TIME_SCALE_MAX = 0.5, 4.0  # bounds of the learned measured/mode
 TRUST_MEMORY = 32             # rounds whose sizes say how large a round the goodput estimate covers
 RATE_GROWTH = 4.0             # the goodput estimate may rise this much per round, fall without limit
 MIN_RATE_SAMPLE_BYTES = 1200  # rounds smaller than about one segment say nothing about goodput
-# After this long with no round in flight, the goodput estimate covers small rounds only again, and the
-# rounds grow step by step (TRUST_FACTOR a round), as TCP restarts slow start after an idle period
-# (RFC 2861, one retransmission timeout: at least 1 s, RFC 6298): a phone between two sessions may have
-# moved from a fast cell to one whose uplink carries a dense round in seconds.
-IDLE_RESTART_S = 1.0
 MIN_EXCESS_S = 2e-4           # below this the serialization is lost in timer noise
 LINK_WINDOW = 6               # rounds in the round-trip / goodput fit ...
 LINK_DECAY = 0.7              # ... newest weighted most
@@ -292,10 +286,8 @@ class QStats:
 class LinkTracker:
     """What one device knows about its link, its drafter and the edge; shared by its sessions."""
 
-    def __init__(self, config: AutoConfig = AutoConfig(), clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: AutoConfig = AutoConfig()):
         self.config = config
-        self.clock = clock  # for the idle restart of the goodput's trust (tests pass their own)
-        self._link_at: float | None = None  # when the last round's network time was observed
         self.lock = threading.Lock()   # encode hooks run in worker threads, rounds on the event loop
         self.link_samples = collections.deque(maxlen=LINK_WINDOW)  # (uplink bits, network s) per round
         self.sizes_sent = collections.deque(maxlen=TRUST_MEMORY)   # uplink bits of recent rounds
@@ -334,6 +326,7 @@ class LinkTracker:
         with self.lock:
             keys = lambda d: {_key_str(k): e.value for k, e in d.items() if e.value is not None}  # noqa: E731
             link = {"rtt_s": self.rtt_s(), "uplink_bps": self.uplink_bps(),
+                    "measured_up_bits": max(self.sizes_sent, default=0.0),
                     "downlink_bps": self.rate(self.down) if self.down else None,
                     "verify": [list(x) for x in self.verify], "queue_s": self.queue_s.value,
                     "decode_s": {m.value: e.value for m, e in self.decode_s.items() if e.value is not None},
@@ -366,6 +359,7 @@ class LinkTracker:
 
     def _link_updates(self, d: dict):
         rtt, bps = _num(d["rtt_s"], 0.0, 60.0), _num(d["uplink_bps"], 1.0, FAST_LINK_BPS)
+        up_bits = _num(d.get("measured_up_bits", 0.0), 0.0, 1e12)
         down = None if d.get("downlink_bps") is None else _num(d["downlink_bps"], 1.0, FAST_LINK_BPS)
         verify = [(int(_num(n, 1, 1e6)), _num(x, 0.0, 60.0)) for n, x in d.get("verify", [])][-VERIFY_WINDOW:]
         queue = None if d.get("queue_s") is None else _num(d["queue_s"], 0.0, 60.0)
@@ -374,6 +368,8 @@ class LinkTracker:
 
         def apply():
             self._link = (rtt, bps)
+            if up_bits:
+                self.sizes_sent.append(up_bits)
             if down is not None:
                 self.down.append((down, 1.0))
             self.verify.extend(verify)
@@ -444,10 +440,6 @@ class LinkTracker:
             self.down.append((8 * down_bytes, max(MIN_EXCESS_S, excess)))
             return False
         bits = 8.0 * up_bytes
-        now = self.clock()
-        if self._idle(now - network):
-            self.sizes_sent.clear()  # what the link carried before the idle period says nothing of now
-        self._link_at = now
         stalled = self._stalled(bits, network)
         changed = self._check_change(bits, network)
         self.sizes_sent.append(bits)
@@ -472,17 +464,6 @@ class LinkTracker:
         rate = min(rate, self.uplink_bps() * RATE_GROWTH, FAST_LINK_BPS)
         self._link = (rtt, rate)
         return False
-
-    def _idle(self, at: float) -> bool:
-        """Whether no round was in flight for IDLE_RESTART_S before ``at`` (or none ever was)."""
-        return self._link_at is None or at - self._link_at > IDLE_RESTART_S
-
-    def trusted_up_bits(self) -> float:
-        """The largest recent round the goodput estimate was measured with (rounds up to TRUST_FACTOR x
-        it are predicted at the estimate): one segment's worth after an idle period."""
-        if self._idle(self.clock()):
-            return 8.0 * MIN_RATE_SAMPLE_BYTES
-        return max(self.sizes_sent, default=8.0 * MIN_RATE_SAMPLE_BYTES)
 
     def _stalled(self, bits: float, network: float) -> bool:
         """Whether a round took STALL_REL times its expected network time beyond it, and STALL_ABS_S."""
@@ -701,7 +682,7 @@ class LinkTracker:
                 dssd_fallback_bytes=(self.fallback_bytes.value if self.fallback_bytes.value is not None
                                      else float(dssd_fallback_bytes(fallback_top_k, vocab_size))),
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
-                measured_up_bits=self.trusted_up_bits(),
+                measured_up_bits=max(self.sizes_sent, default=8.0 * MIN_RATE_SAMPLE_BYTES),
                 gumbel_alpha=gumbel_alpha, gumbel_depth=gumbel_depth, greedy=side.greedy,
                 edge_chunk=A.edge_chunk(self.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
 

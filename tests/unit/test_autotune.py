@@ -451,45 +451,6 @@ def test_rounds_far_larger_than_any_measured_are_not_trusted_to_the_estimate() -
     assert A.uplink_bytes(pick.candidate, e) <= 40_000
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_after_an_idle_period_only_small_rounds_are_trusted_to_the_goodput_estimate() -> None:
-    """As TCP restarts slow start after an idle period (RFC 2861): a device that measured 400 KB
-    rounds on a fast link trusts them back to back, but after more than IDLE_RESTART_S with no round
-    in flight (the next session, perhaps in another cell) it trusts one segment's worth again, and a
-    small round does not bring the old trust back: rounds grow again by TRUST_FACTOR each."""
-    from specdec.device.auto import IDLE_RESTART_S, MIN_RATE_SAMPLE_BYTES
-    clock = FakeClock()
-    t = LinkTracker(clock=clock)
-    rtt, rate = 0.04, 50e6
-    for up in (2_000, 40_000, 400_000, 400_000):
-        network = link_network(rtt, rate, up)
-        clock.now += network
-        t.observe_round(record(up=up, network=network), SETTINGS, 1.0, 49152)
-    assert t.trusted_up_bits() == 8 * 400_000
-    clock.now += 0.5 * IDLE_RESTART_S  # a pause shorter than the restart's: still trusted
-    assert t.trusted_up_bits() == 8 * 400_000
-    clock.now += IDLE_RESTART_S
-    assert t.trusted_up_bits() == 8 * MIN_RATE_SAMPLE_BYTES
-    e = t.estimates(1.0, 49152)
-    assert e.measured_up_bits == 8 * MIN_RATE_SAMPLE_BYTES
-    network = link_network(rtt, rate, 100)  # a small round after the pause
-    clock.now += network
-    t.observe_round(record(up=100, network=network), SETTINGS, 1.0, 49152)
-    assert t.trusted_up_bits() == 8 * 100  # what this burst of rounds carried, as from a fresh start
-    network = link_network(rtt, rate, 4_000)
-    clock.now += network
-    t.observe_round(record(up=4_000, network=network), SETTINGS, 1.0, 49152)
-    assert t.trusted_up_bits() == 8 * 4_000
-    assert "measured_up_bits" not in t.export_state()["link"]  # remembered trust would always be stale
-
-
 def test_dssd_fallbacks_are_charged_what_their_replies_measured_and_sample_the_downlink() -> None:
     """Before any fallback the model charges the head reply's size for the session's
     dssd_fallback_top_k (the whole p_j at 0); after fallbacks, what their replies measured. A
