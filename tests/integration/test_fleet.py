@@ -53,7 +53,8 @@ def test_sessions_spread_over_edges_and_move_exactly_when_one_dies(tiny_pair_v51
                                          kill_busiest_after(es, KILL_AFTER_TOKENS * len(seeds), killed), metrics=metrics)
             return results, total(es, "specdec_edge_sessions_reprefilled_total")
     results, reprefilled = run(main())
-    assert all(not isinstance(r, BaseException) for r in results), results
+    errors = [r for r in results if isinstance(r, BaseException)]  # the sessions' own errors
+    assert not errors, errors
     assert [r.token_ids for r in results] == reference  # nothing lost, repeated or changed
     assert {r.trail.edges[0] for r in results} == {"edge0", "edge1", "edge2"}  # least loaded: 2 each
     moved = [r for r in results if r.trail.moves]
@@ -212,7 +213,8 @@ def test_a_dns_name_with_several_addresses_is_a_fleet(tiny_pair_v512) -> None:
     spread, survived = run(main())
     assert {r.trail.edges[0] for r in spread} == {"first", "second"}
     assert [r.token_ids for r in spread] == reference
-    assert all(not isinstance(r, BaseException) for r in survived), survived
+    errors = [r for r in survived if isinstance(r, BaseException)]  # the sessions' own errors
+    assert not errors, errors
     assert [r.token_ids for r in survived] == reference and killed
     assert any(r.trail.moves for r in survived)
 

@@ -113,7 +113,8 @@ def _kill_run(es, proxy, pair, n: int):
             return await sessions(channel, drafter_dir, seeds, temps,
                                   kill_busiest_after(es, n * MAX_NEW // 4, killed), token=ALICE)
     results = run(main())
-    assert all(not isinstance(r, BaseException) for r in results), results
+    errors = [r for r in results if isinstance(r, BaseException)]  # the sessions' own errors
+    assert not errors, errors
     assert [r.token_ids for r in results] == reference  # none lost, repeated or changed, T = 0 and 1
     assert {r.trail.edges[0] for r in results} == {e.name for e in es}  # spread over all three
     [victim] = killed
@@ -158,7 +159,8 @@ def test_a_draining_edge_fails_no_session(fleet, tiny_pair_v512) -> None:
         return results
     results = run(main())
     victim = state["victim"]
-    assert all(not isinstance(r, BaseException) for r in results), results
+    errors = [r for r in results if isinstance(r, BaseException)]  # the sessions' own errors
+    assert not errors, errors
     assert [r.token_ids for r in results] == reference
     assert victim.wait(30) == 0  # a clean exit after its drain
     on_victim = [r for r in results if r.trail.edges[0] == victim.name]
