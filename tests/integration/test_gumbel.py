@@ -137,8 +137,9 @@ def test_mode_auto_choosing_gumbel_or_none_gives_the_same_tokens(models, edge_on
 
     tokens, sessions = _tokens(models, "close", factory, settings=dict(mode="auto"))
     assert tokens == edge_only
-    print(f"auto's rounds by mode: {dict(sum((s.modes for s in sessions), Counter()))}", [dict(s.modes) for s in sessions])
-    assert all(s.modes["gumbel"] and s.modes["none"] for s in sessions)  # every session switched
+    print(f"auto's rounds by mode: {dict(sum((s.modes for s in sessions), Counter()))}")
+    per_session = [dict(s.modes) for s in sessions]
+    assert all(s.modes["gumbel"] and s.modes["none"] for s in sessions), per_session  # every session switched
 
 
 def test_a_resume_on_a_fresh_edge_gives_the_same_tokens(models, edge_only) -> None:
