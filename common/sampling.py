@@ -5,6 +5,7 @@ Pure functions over tensors and settings; no model, socket or clock inside.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -13,22 +14,41 @@ from specdec.common.distributions import check_logits, filter_target_logits, pro
 from specdec.common.protocol import Hello
 
 
-def model_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
-    """Probabilities as both sides use them: [..., V] float64, each row summing to 1.
+@dataclass(frozen=True)
+class TargetLaw:
+    """The target distribution of a session: the temperature, then transformers' top-k / top-p.
 
-    ``probs_from_logits`` computes in float32 (one-hot argmax at temperature 0, i.e. greedy);
-    the result is renormalised in float64 so that verification's sum checks hold exactly.
-    Optional top-k / top-p (0 = off) define the target distribution itself, as transformers'
-    sampling defines it: the float32 logits divided by the temperature, filtered by its top-k and
-    top-p warpers (:func:`filter_target_logits`), then softmax. Greedy ignores them, as there.
+    Both stages of :meth:`probs` are public because batched verification (verify_batch.py) runs the
+    float32 stage on a batch of rows and the float64 renormalisation only where a decision reads it:
+    the same operations on the same rows, so the same bits as :meth:`probs` gives row by row.
     """
-    if temperature == 0 or not (top_k or top_p):
-        probs = probs_from_logits(logits, temperature).double()
-    else:
-        check_logits(logits, temperature)
-        scores = filter_target_logits(logits.float() / temperature, top_k or None, top_p or None)
-        probs = torch.softmax(scores, dim=-1).double()
-    return probs / probs.sum(dim=-1, keepdim=True)
+
+    temperature: float   # 0: greedy (one-hot at the argmax)
+    top_k: int = 0       # 0: off
+    top_p: float = 0.0   # 0: off
+
+    def probs32(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float32
+        """The law before its float64 renormalisation: ``probs_from_logits`` (float32, one-hot at
+        temperature 0), or with top-k / top-p as transformers' sampling defines it: the float32
+        logits divided by the temperature, filtered by its warpers (:func:`filter_target_logits`),
+        then softmax. Greedy ignores the filters, as there."""
+        if self.temperature == 0 or not (self.top_k or self.top_p):
+            return probs_from_logits(logits, self.temperature)
+        check_logits(logits, self.temperature)
+        scores = filter_target_logits(logits.float() / self.temperature, self.top_k or None, self.top_p or None)
+        return torch.softmax(scores, dim=-1)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
+        """Probabilities as both sides use them, each row renormalised in float64 so that
+        verification's sum checks hold exactly."""
+        probs = self.probs32(logits).double()
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def model_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
+    """Probabilities as both sides use them: [..., V] float64, each row summing to 1
+    (:class:`TargetLaw`; 0 = off for ``top_k`` and ``top_p``)."""
+    return TargetLaw(temperature, top_k, top_p).probs(logits)
 
 
 def filter_probs(q: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:

@@ -1,0 +1,353 @@
+"""Verification of a batched forward as batch tensor work: every chain round of one forward at once.
+
+The per-session functions of :mod:`specdec.common.verification` (``chain_verify``,
+``dssd_edge_verify``, ``gumbel_verify``) verify one round in Python, position by position; they stay
+the reference. Here every round one target forward served is verified together, with a handful of
+tensor operations per draft position, as vLLM's rejection sampler verifies a batch
+(vllm/v1/sample/rejection_sampler.py): on a GPU a batch of 32 sessions costs a few kernels instead of
+thousands, and on a CPU the target's law is computed only for the rows a decision reads.
+
+The algorithms are verification.py's: chain speculative sampling (Leviathan et al. 2023 Alg. 1; TSLT
+Alg. 3 with its erratum fixed: accept ``x`` with probability ``min(1, p(x)/q(x))``, at the first
+rejection draw from ``norm(max(0, p - q))``, after L acceptances a bonus from ``p_{L+1}``), DSSD's
+edge half (Ning et al. 2025: the accept tests on the scalars ``q_i(x_i)``, ``m`` samples of ``p_j`` at
+a rejection) and Gumbel verification (Daliri et al. 2024, arXiv 2408.07978, §4: accept iff the draft
+is the target's own race ``argmin E / p``; with no draft it is mode none's token). So are the numbers:
+
+- uniforms: each round's are drawn beforehand from its own CPU stream, ``k`` at once being the
+  ``k`` numbers ``k`` single draws give, and read in the per-session order: accept test ``i`` reads
+  ``u_i``; the correction after a rejection at ``i`` reads ``u_{i+1}``, the bonus after ``L``
+  acceptances ``u_L``; DSSD's ``m`` samples of ``p_j`` read ``u_{j+1} .. u_{j+m}``;
+- the target's law: :meth:`TargetLaw.probs32` on a batch of rows, then each row's float64 sum; a
+  probability a decision reads is its row's float64 value over that sum, the very operations
+  :meth:`TargetLaw.probs` runs on one round's rows (softmax, sums and cumulative sums run row by row
+  on a CPU, so a row gets the same bits in a batch as alone);
+- residuals, inverse CDFs, races and the coupled bonus: the per-session formulas, row-wise.
+
+A batch's verdicts are therefore the per-session functions' verdicts token for token
+(tests/unit/test_verify_batch.py compares them on thousands of random rounds). On a GPU a reduction
+may group its terms differently with the batch's shape; a verdict could then differ only where a
+uniform falls within a rounding error of its threshold (of order 1e-16 per test), and the law is
+exact either way.
+
+Positions in lockstep: step ``i`` takes row ``i`` of every round still running, so rows past a
+round's first rejection are never computed. A round's outcome depends on its own inputs only, never
+on the batch around it. Trees and a DSSD fallback's ``p_j`` keep the per-session host path.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.common.distributions import SparseDist, check_sparse_dist
+from specdec.common.sampling import TargetLaw
+from specdec.common.validation import (check_drafts_sampleable, check_int, check_prob_rows, check_prob_scalars,
+                                       check_token_ids)
+from specdec.common.verification import BonusNoise, _coupled_bonus
+
+__all__ = ["ChainRound", "RoundKind", "RoundOutcome", "chain_round", "dssd_round", "gumbel_round",
+           "verify_rounds"]
+
+
+class RoundKind(enum.Enum):
+    CHAIN = "chain"    # q sent (dense, tslt, ksqs, csqs): u < p/q, the residual at the first rejection
+    DSSD = "dssd"      # q(x) sent: the accept tests, m samples of p_j at the first rejection
+    GUMBEL = "gumbel"  # nothing of q sent: accept iff the draft is the target's race (no draft: mode none)
+
+
+@dataclass(frozen=True)
+class ChainRound:
+    """One session's drafted chain, to verify against the target's rows of its forward (build it with
+    :func:`chain_round`, :func:`dssd_round` or :func:`gumbel_round`, which check it)."""
+
+    kind: RoundKind
+    law: TargetLaw
+    draft_ids: torch.Tensor                   # [L] int64 (host); L >= 1, or 0 for a gumbel race alone
+    q_of_draft: torch.Tensor | None = None    # [L] float64 q_i(x_i) (chain, dssd)
+    q_rows: tuple[SparseDist, ...] = ()       # chain: q_i, densified only at a rejection
+    uniforms: torch.Tensor | None = None      # [U] float64 of the round's VERIFY stream (chain, dssd)
+    bonus_noise: BonusNoise | None = None     # the coupled bonus's noise (chain, dssd), or None
+    dssd_samples: int = 0                     # dssd: m samples of p_j at a rejection
+    token_noise: Callable[[int], torch.Tensor] | None = None  # gumbel: noise(i) [V] of draft position i
+
+    @property
+    def length(self) -> int:
+        return self.draft_ids.numel()
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A round's verdict: ``draft_ids[:num_accepted]`` accepted, then ``next_token`` (the correction or
+    the bonus), or, after a DSSD rejection, the samples of ``p_j`` the device resolves."""
+
+    num_accepted: int
+    next_token: int | None                     # None: a DSSD rejection
+    reject_samples: tuple[int, ...] = ()       # dssd: y_k ~ p_j
+    reject_sample_probs: tuple[float, ...] = ()  # dssd: p_j(y_k)
+    reject_p: torch.Tensor | None = None       # dssd: [V] float64 p_j on the host, for the fallback
+
+
+# ------------------------------------------------------------------------------------ building rounds
+def chain_round(draft_ids: torch.Tensor,  # [L] int64
+                q_rows: Sequence[SparseDist], law: TargetLaw, generator: torch.Generator,
+                bonus_noise: BonusNoise | None = None) -> ChainRound:
+    """A chain round (dense, tslt, ksqs, csqs) whose drafts were sampled from ``q_rows`` (the decoded
+    packets), with ``L + 1`` uniforms of ``generator``. ValueError on what ``chain_verify`` refuses."""
+    ids = _draft_ids(draft_ids, minimum=1)
+    if len(q_rows) != ids.numel():
+        raise ValueError(f"{len(q_rows)} distributions for {ids.numel()} drafts")
+    for i, sd in enumerate(q_rows):
+        check_sparse_dist(sd)
+        if sd.vocab_size != q_rows[0].vocab_size:
+            raise ValueError("the draft distributions disagree on the vocabulary size")
+        check_prob_rows(sd.probs.unsqueeze(0), f"q[{i}]")
+    check_token_ids(ids, "draft_ids", q_rows[0].vocab_size)
+    q_of_draft = torch.tensor([_prob_at(sd, x) for sd, x in zip(q_rows, ids.tolist())], dtype=torch.float64)
+    check_drafts_sampleable(ids, q_of_draft, "draft_ids")
+    return ChainRound(RoundKind.CHAIN, law, ids, q_of_draft, tuple(q_rows),
+                      _uniforms(generator, ids.numel() + 1), bonus_noise)
+
+
+def dssd_round(draft_ids: torch.Tensor,  # [L] int64
+               q_of_draft: torch.Tensor,  # [L] float64, q_i(x_i) as the device sent them
+               law: TargetLaw, generator: torch.Generator, num_samples: int,
+               bonus_noise: BonusNoise | None = None) -> ChainRound:
+    """DSSD's edge half of a round, with ``L + max(m, 1)`` uniforms of ``generator``."""
+    ids = _draft_ids(draft_ids, minimum=1)
+    check_int(num_samples, "num_samples", 0)
+    check_prob_scalars(q_of_draft, "q_of_draft", ids.numel())
+    check_drafts_sampleable(ids, q_of_draft, "draft_ids")
+    return ChainRound(RoundKind.DSSD, law, ids, q_of_draft.cpu(), (),
+                      _uniforms(generator, ids.numel() + max(num_samples, 1)), bonus_noise, num_samples)
+
+
+def gumbel_round(draft_ids: torch.Tensor,  # [L] int64, L >= 0
+                 law: TargetLaw, token_noise: Callable[[int], torch.Tensor]) -> ChainRound:
+    """A gumbel round (``token_noise(i)``: [V] exponential noise of draft position i), or with no
+    draft the target's own token at the position (mode none)."""
+    return ChainRound(RoundKind.GUMBEL, law, _draft_ids(draft_ids, minimum=0), token_noise=token_noise)
+
+
+def _draft_ids(draft_ids: torch.Tensor, minimum: int) -> torch.Tensor:
+    if isinstance(draft_ids, torch.Tensor) and draft_ids.numel() == 0 and minimum == 0:
+        return torch.empty(0, dtype=torch.int64)
+    check_token_ids(draft_ids, "draft_ids")
+    if draft_ids.numel() < minimum:
+        raise ValueError(f"a round needs at least {minimum} draft token(s)")
+    return draft_ids.cpu()
+
+
+def _prob_at(sd: SparseDist, token: int) -> float:
+    """q(token) of a sparse distribution: its value on the support (as densify places it), else 0."""
+    at = int(torch.searchsorted(sd.ids, torch.tensor(token, dtype=sd.ids.dtype)))
+    return float(sd.probs[at]) if at < sd.ids.numel() and int(sd.ids[at]) == token else 0.0
+
+
+def _uniforms(generator: torch.Generator, n: int) -> torch.Tensor:  # [n] float64
+    """The first ``n`` numbers of the round's stream: what ``n`` single draws would read."""
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return torch.rand(n, generator=generator, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------ verifying
+def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i after prefix + draft_ids[:i]
+                  rounds: Sequence[ChainRound]) -> list[RoundOutcome]:
+    """The verdict of every round against its target logits (any device, the rounds' order). Rounds
+    of one law share each step's tensor work; ValueError on malformed input (a batch's caller may
+    then verify its rounds one by one, so that only the culprit fails)."""
+    if len(logits) != len(rounds):
+        raise ValueError(f"{len(logits)} logits for {len(rounds)} rounds")
+    for rows, r in zip(logits, rounds):
+        _check_pair(rows, r)
+    if len({rows.shape[1] for rows in logits}) > 1:
+        raise ValueError("the rounds of one forward share the target's vocabulary")
+    outcomes: list[RoundOutcome | None] = [None] * len(rounds)
+    groups: dict[TargetLaw, list[int]] = {}
+    for b, r in enumerate(rounds):
+        groups.setdefault(r.law, []).append(b)
+    for law, members in groups.items():
+        done = _Lockstep(law, [logits[b] for b in members], [rounds[b] for b in members]).run()
+        for b, outcome in zip(members, done):
+            outcomes[b] = outcome
+    return outcomes  # type: ignore[return-value]
+
+
+def _check_pair(rows: torch.Tensor, r: ChainRound) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or rows.shape[0] != r.length + 1:
+        shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"a round of {r.length} drafts needs logits [{r.length + 1}, V], got {shape}")
+    vocab = rows.shape[1]
+    if r.length:
+        check_token_ids(r.draft_ids, "draft_ids", vocab)
+    if r.q_rows and r.q_rows[0].vocab_size != vocab:
+        raise ValueError(f"draft distributions over {r.q_rows[0].vocab_size} tokens, target over {vocab}")
+
+
+class _Lockstep:
+    """The rounds of one law, verified a draft position at a time (module docstring)."""
+
+    def __init__(self, law: TargetLaw, logits: list[torch.Tensor], rounds: list[ChainRound]):
+        self.law, self.logits, self.rounds = law, logits, rounds
+        self.device = logits[0].device
+        self.lengths = [r.length for r in rounds]
+        width = max(self.lengths)
+        self.ids = _padded([r.draft_ids for r in rounds], width, torch.int64)              # [B, Lmax]
+        self.q_x = _padded([_or_empty(r.q_of_draft) for r in rounds], width, torch.float64)  # [B, Lmax]
+        uniforms = [_or_empty(r.uniforms) for r in rounds]
+        self.u = _padded(uniforms, max(u.numel() for u in uniforms), torch.float64).to(self.device)  # [B, Umax]
+        self.outcomes: list[RoundOutcome | None] = [None] * len(rounds)
+
+    def run(self) -> list[RoundOutcome]:
+        running = list(range(len(self.rounds)))
+        for i in range(max(self.lengths) + 1):
+            if not running:
+                break
+            running = self._step(i, running)
+        assert not running and all(o is not None for o in self.outcomes)
+        return self.outcomes  # type: ignore[return-value]
+
+    def _step(self, i: int, running: list[int]) -> list[int]:
+        """Row i of every running round: the accept tests, the races, and the ends they reach; returns
+        the rounds that go on to row i + 1."""
+        rows = torch.stack([self.logits[b][i] for b in running])  # [k, V]
+        mass = self.law.probs32(rows).double()                    # [k, V] the law before its renormalisation
+        total = mass.sum(dim=-1, keepdim=True)                    # [k, 1]
+        at = torch.tensor(running)                                # [k] rounds of the rows
+        gumbel = [j for j, b in enumerate(running) if self.rounds[b].kind is RoundKind.GUMBEL]
+        tested = [j for j, b in enumerate(running)
+                  if self.rounds[b].kind is not RoundKind.GUMBEL and i < self.lengths[b]]
+        going = set(self._accept_tests(i, at, tested, mass, total))
+        going |= set(self._races(i, at, gumbel, mass, total))
+        raced = set(gumbel)
+        ends = [j for j in range(len(running)) if j not in going and j not in raced]
+        self._ends(i, at, ends, mass, total)
+        return [b for j, b in enumerate(running) if j in going]
+
+    def _accept_tests(self, i: int, at: torch.Tensor, tested: list[int], mass: torch.Tensor,
+                      total: torch.Tensor) -> list[int]:
+        """``u_i * q_i(x_i) < p_i(x_i)`` (verification._accepts) on the tested rows; the accepted ones."""
+        if not tested:
+            return []
+        j = torch.tensor(tested, device=self.device)
+        b = at[tested]
+        x = self.ids[b, i].to(self.device)                                    # [t]
+        p_x = mass[j, x] / total[j, 0]                                        # [t] float64
+        accept = self.u[b.to(self.device), i] * self.q_x[b, i].to(self.device) < p_x
+        return [row for row, ok in zip(tested, accept.tolist()) if ok]
+
+    def _races(self, i: int, at: torch.Tensor, gumbel: list[int], mass: torch.Tensor,
+               total: torch.Tensor) -> list[int]:
+        """The target's race ``argmin E_i / p_i`` (verification.gumbel_verify) on the gumbel rows: a draft
+        equal to it goes on, any other row ends with the race's token; the rows that go on."""
+        if not gumbel:
+            return []
+        j = torch.tensor(gumbel, device=self.device)
+        noise = torch.stack([_checked_noise(self.rounds[int(at[g])].token_noise, i, mass.shape[1])
+                             for g in gumbel]).to(self.device)               # [g, V]
+        won = (noise / (mass[j] / total[j])).argmin(dim=-1).tolist()          # [g]
+        going = []
+        for g, y in zip(gumbel, won):
+            b = int(at[g])
+            if i < self.lengths[b] and int(self.ids[b, i]) == y:
+                going.append(g)
+            else:
+                self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(y))
+        return going
+
+    def _ends(self, i: int, at: torch.Tensor, ends: list[int], mass: torch.Tensor, total: torch.Tensor) -> None:
+        """Rows where a chain or DSSD round ends: a rejection at ``i < L`` or the bonus at ``i == L``."""
+        if not ends:
+            return
+        j = torch.tensor(ends, device=self.device)
+        p = mass[j] / total[j]                                                 # [e, V] the law's rows
+        rounds = [int(at[e]) for e in ends]
+        rejected = [k for k, b in enumerate(rounds) if i < self.lengths[b]]
+        chain = [k for k in rejected if self.rounds[rounds[k]].kind is RoundKind.CHAIN]
+        dssd = [k for k in rejected if self.rounds[rounds[k]].kind is RoundKind.DSSD]
+        bonus = [k for k, b in enumerate(rounds) if i == self.lengths[b]]
+        self._corrections(i, [rounds[k] for k in chain], p[chain])
+        self._dssd_samples(i, [rounds[k] for k in dssd], p[dssd])
+        self._bonuses(i, [rounds[k] for k in bonus], p[bonus])
+
+    def _corrections(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
+        """The correction token from ``norm(max(0, p_i - q_i))`` with ``u_{i+1}`` (verification._residual)."""
+        if not rounds:
+            return
+        q = _dense([self.rounds[b].q_rows[i] for b in rounds], p.shape[1], p.device)  # [c, V]
+        diff = torch.clamp(p - q, min=0.0)
+        total = diff.sum(dim=-1, keepdim=True)                                 # [c, 1]
+        residual = torch.where(total > 0, diff / total, p)  # all zero: p == q up to rounding, keep p
+        tokens = _inverse_cdf(residual, self.u[rounds, i + 1].unsqueeze(1))
+        for b, token in zip(rounds, tokens[:, 0].tolist()):
+            self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
+
+    def _dssd_samples(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
+        """DSSD after a rejection at ``i``: ``m`` samples of ``p_i`` with ``u_{i+1..i+m}`` (dssd_edge_verify)."""
+        if not rounds:
+            return
+        width = max(self.rounds[b].dssd_samples for b in rounds)
+        samples = _inverse_cdf(p, self.u[rounds, i + 1:i + 1 + width]) if width else None  # [d, m]
+        for k, b in enumerate(rounds):
+            m = self.rounds[b].dssd_samples
+            ys = samples[k, :m] if m else torch.empty(0, dtype=torch.int64, device=p.device)
+            self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=None,
+                                            reject_samples=tuple(ys.tolist()),
+                                            reject_sample_probs=tuple(p[k, ys].tolist()),
+                                            reject_p=p[k].cpu().clone())
+
+    def _bonuses(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
+        """After ``L = i`` acceptances: the coupled bonus (its own noise), else a draw of ``p_L`` with ``u_L``."""
+        plain = [k for k, b in enumerate(rounds) if self.rounds[b].bonus_noise is None]
+        tokens = _inverse_cdf(p[plain], self.u[[rounds[k] for k in plain], i].unsqueeze(1))[:, 0].tolist() \
+            if plain else []
+        drawn = dict(zip(plain, tokens))
+        for k, b in enumerate(rounds):
+            noise = self.rounds[b].bonus_noise
+            token = drawn[k] if noise is None else _coupled_bonus(p[k], noise)
+            self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
+
+
+def _or_empty(x: torch.Tensor | None) -> torch.Tensor:
+    return x if x is not None else torch.empty(0)
+
+
+def _padded(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:  # [B, width]
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for b, row in enumerate(rows):
+        out[b, :row.numel()] = row
+    return out
+
+
+def _dense(rows: list[SparseDist], vocab: int, device: torch.device) -> torch.Tensor:  # [c, V] float64
+    """The rows densified as :func:`distributions.densify` places them, in one scatter."""
+    which = torch.cat([torch.full((sd.ids.numel(),), k, dtype=torch.int64) for k, sd in enumerate(rows)])
+    ids = torch.cat([sd.ids for sd in rows])
+    dense = torch.zeros(len(rows), vocab, dtype=torch.float64, device=device)
+    dense[which.to(device), ids.to(device)] = torch.cat([sd.probs for sd in rows]).to(device)
+    return dense
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [r, V], [r, m] -> [r, m] int64
+    """Row by row what ``distributions._inverse_cdf_many`` returns: the first token whose float64
+    cumulative probability exceeds ``u * total``; past the end by rounding, the last token with
+    non-zero probability."""
+    cum = torch.cumsum(probs, dim=-1)                                          # [r, V]
+    idx = torch.searchsorted(cum, u * cum[:, -1:], right=True)                # [r, m]
+    past_end = idx >= probs.shape[-1]
+    if bool(past_end.any()):
+        for row, col in past_end.nonzero().tolist():
+            idx[row, col] = int((probs[row] > 0).nonzero()[-1])
+    return idx
+
+
+def _checked_noise(noise: Callable[[int], torch.Tensor] | None, i: int, vocab: int) -> torch.Tensor:
+    """noise(i), checked as gumbel_verify checks it: [V] positive float64."""
+    assert noise is not None, "a gumbel round carries its noise"
+    e = noise(i)
+    if not isinstance(e, torch.Tensor) or e.shape != (vocab,) or e.dtype != torch.float64 or not bool((e > 0).all()):
+        raise ValueError(f"noise({i}) must be a positive float64 tensor of shape ({vocab},)")
+    return e
