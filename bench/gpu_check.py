@@ -311,6 +311,11 @@ def summary(data: dict, say) -> None:
                 v, goal = g["value"], g["goal"]
                 ok = None if v is None else (v <= goal if "over_floor" in key or "32x5" in key else v >= goal)
                 say(f"  [{'n/a' if ok is None else 'PASS' if ok else 'MISS'}] {key}: {_fmt(v)} (goal {goal})")
+        for layout, d in m.get("phases", {}).items():
+            say(f"  verification of one batched round ({layout}), ms batched / per session on the device / "
+                "on the host: " + "; ".join(
+                    f"T = {t} " + " / ".join(_fmt(d.get(f"verify_{place}_T{t}"), 1e3)
+                                             for place in ("batched", "device", "host")) for t in (0, 1)))
 
 
 def _fmt(x, scale: float = 1.0) -> str:

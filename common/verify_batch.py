@@ -278,10 +278,7 @@ class _Lockstep:
         if not rounds:
             return
         q = _dense([self.rounds[b].q_rows[i] for b in rounds], p.shape[1], p.device)  # [c, V]
-        diff = torch.clamp(p - q, min=0.0)
-        total = diff.sum(dim=-1, keepdim=True)                                 # [c, 1]
-        residual = torch.where(total > 0, diff / total, p)  # all zero: p == q up to rounding, keep p
-        tokens = _inverse_cdf(residual, self.u[rounds, i + 1].unsqueeze(1))
+        tokens = _inverse_cdf(_residual_rows(p, q), self.u[rounds, i + 1].unsqueeze(1))
         for b, token in zip(rounds, tokens[:, 0].tolist()):
             self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
 
@@ -329,6 +326,14 @@ def _dense(rows: list[SparseDist], vocab: int, device: torch.device) -> torch.Te
     dense = torch.zeros(len(rows), vocab, dtype=torch.float64, device=device)
     dense[which.to(device), ids.to(device)] = torch.cat([sd.probs for sd in rows]).to(device)
     return dense
+
+
+def _residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # [c, V], [c, V] -> [c, V] float64
+    """``norm(max(0, p - q))`` row by row, as verification._residual: a row whose positive part is all
+    zero (p == q up to rounding, so a rejection had probability 0) keeps p."""
+    diff = torch.clamp(p - q, min=0.0)
+    total = diff.sum(dim=-1, keepdim=True)                                     # [c, 1]
+    return torch.where(total > 0, diff / total, p)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [r, V], [r, m] -> [r, m] int64

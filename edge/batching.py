@@ -18,7 +18,11 @@ runs it through :func:`specdec.common.batched.forward_batch`:
 - a prompt longer than ``max_batch_tokens`` is fed in chunks, each its own request, so a long
   prefill shares forwards with the rounds of other sessions instead of stalling them;
 - if a batched forward fails, its requests are rerun one by one, so only the culprit's session
-  sees the error.
+  sees the error;
+- the rounds drafted in a forward are verified together right after it, as batch tensor work
+  (:func:`specdec.common.verify_batch.verify_rounds`): each session gets its verdict, not its logits,
+  and only the verdicts (a few integers a round) leave the target's device. If that fails, each round
+  is verified alone, so again only the culprit's session sees the error.
 
 No grpc and no clock inside the math: timing here is only for the scheduling decision and the
 metrics the observer receives.
@@ -40,6 +44,7 @@ from specdec.common.batched import BatchWorkspace, ForwardRequest, batch_key, ba
 from specdec.common.loadaware import CURVE_POINTS, CostCurve, best_draft_len
 from specdec.common.modeling import CachedLM
 from specdec.common.slots import SlotPool, slots_supported
+from specdec.common.verify_batch import ChainRound, RoundOutcome, verify_rounds
 
 log = logging.getLogger("specdec.edge")
 
@@ -125,6 +130,8 @@ class BatchStats:
     tokens: int
     queue_seconds: tuple[float, ...]   # per request: from hand-in to the forward's start
     forward_seconds: float
+    verify_seconds: float = 0.0        # verifying the rounds drafted in it, all together (0: none)
+    rounds: int = 0                    # rounds verified
 
 
 @dataclass
@@ -132,6 +139,7 @@ class _Pending:
     request: ForwardRequest
     future: Future
     since: float
+    round: ChainRound | None = None  # the round drafted in this forward, verified right after it
 
 
 class ForwardScheduler:
@@ -181,6 +189,14 @@ class ForwardScheduler:
             self._submit(chunk).result()
         return self._submit(last).result()
 
+    def verify(self, request: ForwardRequest, round_: ChainRound) -> RoundOutcome:
+        """The verdict of ``round_`` against the logits ``request`` asks for, verified with the other
+        rounds of the same forward."""
+        *chunks, last = self._chunks(request)
+        for chunk in chunks:
+            self._submit(chunk).result()
+        return self._submit(last, round_).result()
+
     def _chunks(self, r: ForwardRequest) -> list[ForwardRequest]:
         """A causal request longer than a batch, split in order; only the last chunk, which holds
         every position whose logits are asked for, returns logits. Trees are never split."""
@@ -192,7 +208,7 @@ class ForwardScheduler:
         chunks = [ForwardRequest(r.lm, head[c:c + size], 0) for c in range(0, len(head), size)]
         return [*chunks, ForwardRequest(r.lm, r.new_ids[n - last:], r.num_logits)]
 
-    def _submit(self, request: ForwardRequest) -> Future:
+    def _submit(self, request: ForwardRequest, round_: ChainRound | None = None) -> Future:
         future: Future = Future()
         now = time.perf_counter()
         with self._cond:
@@ -204,7 +220,7 @@ class ForwardScheduler:
                 old = self._gap.get(key)
                 self._gap[key] = gap if old is None else (1 - GAP_EWMA) * old + GAP_EWMA * gap
             self._size[key] = request.num_tokens
-            self._pending.append(_Pending(request, future, now))
+            self._pending.append(_Pending(request, future, now, round_))
             self._cond.notify_all()
         return future
 
@@ -367,16 +383,45 @@ class ForwardScheduler:
                 self._run([p])
             return
         seconds = time.perf_counter() - start
-        with self._cond:  # before the results: a session may hand in its next forward at once
+        answers, verified = self._verified(batch, results)
+        with self._cond:  # before the answers: a session may hand in its next forward at once
             end = time.perf_counter()
             for p in batch:
                 self._done[id(p.request.lm)] = end
-        for p, logits in zip(batch, results):
-            p.future.set_result(logits)
+        for p, answer in zip(batch, answers):
+            if isinstance(answer, BaseException):
+                p.future.set_exception(answer)
+            else:
+                p.future.set_result(answer)
         tokens = sum(p.request.num_tokens for p in batch)
         self._note_load(tokens, seconds)
         if self._observer is not None:
             self._observer(BatchStats(sessions=len(batch), tokens=tokens,
                                       queue_seconds=tuple(start - p.since for p in batch),
-                                      forward_seconds=seconds))
+                                      forward_seconds=seconds, verify_seconds=verified,
+                                      rounds=sum(p.round is not None for p in batch)))
 
+    @staticmethod
+    def _verified(batch: list[_Pending], results: list[torch.Tensor]) -> tuple[list, float]:
+        """What each request waits for (its logits, or its round's outcome, or the error verifying it
+        raised) and the seconds verification took: the batch's rounds together, or if that fails,
+        one by one."""
+        answers: list = list(results)
+        mine = [k for k, p in enumerate(batch) if p.round is not None]
+        if not mine:
+            return answers, 0.0
+        start = time.perf_counter()
+        try:
+            outcomes: list = verify_rounds([results[k] for k in mine], [batch[k].round for k in mine])
+        except Exception:  # noqa: BLE001 - one session's bad round must not fail the others
+            outcomes = [_verify_one(results[k], batch[k].round) for k in mine]
+        for k, outcome in zip(mine, outcomes):
+            answers[k] = outcome
+        return answers, time.perf_counter() - start
+
+
+def _verify_one(logits: torch.Tensor, round_: ChainRound) -> RoundOutcome | Exception:
+    try:
+        return verify_rounds([logits], [round_])[0]
+    except Exception as exc:  # noqa: BLE001 - handed to the round's own session
+        return exc

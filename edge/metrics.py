@@ -25,6 +25,8 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
   ``rate(specdec_edge_batch_tokens_sum[$__rate_interval]) / rate(specdec_edge_batch_tokens_count[$__rate_interval])``
 - share of the edge's time in target forwards (1 = the target never idles):
   ``rate(specdec_edge_batch_forward_seconds_sum[$__rate_interval])``
+- seconds spent verifying the rounds the forwards served (batch tensor work) per second of forwards:
+  ``rate(specdec_edge_batch_verify_seconds_sum[$__rate_interval]) / rate(specdec_edge_batch_forward_seconds_sum[$__rate_interval])``
 - a forward request's wait for its batch, p95:
   ``histogram_quantile(0.95, sum by (le) (rate(specdec_edge_batch_queue_seconds_bucket[$__rate_interval])))``
 - load-aware speculation: the draft length the edge advises, p50, and the load it sees:
@@ -93,6 +95,9 @@ class EdgeMetrics(SpecMetrics):
                                            "within the last second (the load draft advice is for)", **self.kw)
         self.batch_forward = Histogram("batch_forward_seconds", "Duration of one (batched) target forward",
                                        buckets=PHASE_BUCKETS, **self.kw)
+        self.batch_verify = Histogram("batch_verify_seconds", "Duration of verifying the rounds drafted in "
+                                      "one (batched) target forward, all together", buckets=PHASE_BUCKETS,
+                                      **self.kw)
         self.fallbacks = Counter("dssd_fallbacks", "DSSD fallback replies (every target sample failed), by "
                                  "reply: head (top-K of p_j and tail samples) or whole p_j", ["reply"], **self.kw)
         self.fallback_bytes = Counter("dssd_fallback_bytes", "Serialized DSSD fallback replies sent", **self.kw)
@@ -141,6 +146,8 @@ class EdgeMetrics(SpecMetrics):
         self.batch_sessions.observe(b.sessions)
         self.batch_tokens.observe(b.tokens)
         self.batch_forward.observe(b.forward_seconds)
+        if b.rounds:
+            self.batch_verify.observe(b.verify_seconds)
         for seconds in b.queue_seconds:
             self.batch_queue.observe(seconds)
 

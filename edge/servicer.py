@@ -289,7 +289,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         lm = self.scheduler.new_lm(self.target.model, self.target.device)  # a KV slot where the edge has them
         try:
             session = VerifierSession(self.target, self.info, hello, self.limits, sid,
-                                      forward=self.scheduler.forward, lm=lm)
+                                      forward=self.scheduler.forward, lm=lm, verify=self.scheduler.verify)
         except Exception:
             self.scheduler.forget(lm)
             raise

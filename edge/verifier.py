@@ -22,10 +22,11 @@ from specdec.common import settings as S
 from specdec.common.batched import ForwardRequest, forward_batch
 from specdec.common.codecs import CodecConfig, decode_distribution, decode_dssd_scalars, encode_target_probs
 from specdec.common.settings import Mode
-from specdec.common.distributions import densify, race_token_unchecked
+from specdec.common.distributions import SparseDist, densify
 from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
-from specdec.common.sampling import model_probs, validate_hello
+from specdec.common.sampling import TargetLaw, validate_hello
+from specdec.common.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
@@ -85,6 +86,9 @@ class TargetInfo:
 
 
 Forward = Callable[[ForwardRequest], torch.Tensor]  # runs one target forward, returns its logits
+# Runs one target forward and verifies the round drafted in it against the logits (the scheduler
+# verifies all the rounds of a batched forward together: common/verify_batch.py).
+VerifyForward = Callable[[ForwardRequest, ChainRound], RoundOutcome]
 
 
 def forward_alone(request: ForwardRequest) -> torch.Tensor:
@@ -92,17 +96,26 @@ def forward_alone(request: ForwardRequest) -> torch.Tensor:
     return forward_batch([request])[0]
 
 
+def verify_alone(request: ForwardRequest, round_: ChainRound) -> RoundOutcome:
+    """A forward of one session and its round's verification, on the calling thread (``--no-batching``)."""
+    return verify_rounds([forward_alone(request)], [round_])[0]
+
+
 class VerifierSession:
     """One generation session on the edge. Methods are blocking (torch); call them off the loop.
 
-    Every target forward goes through ``forward``: the edge's scheduler, which batches it with other
-    sessions' (:mod:`specdec.edge.batching`), or :func:`forward_alone`."""
+    Every target forward goes through ``forward``, and a chain round's forward with its verification
+    through ``verify``: the edge's scheduler, which batches them with other sessions'
+    (:mod:`specdec.edge.batching`), or :func:`forward_alone` and :func:`verify_alone`."""
 
     def __init__(self, target: LoadedModel, info: TargetInfo, hello: Hello, limits: EdgeLimits,
-                 session_id: str, forward: Forward = forward_alone, lm: CachedLM | None = None):
+                 session_id: str, forward: Forward = forward_alone, lm: CachedLM | None = None,
+                 verify: VerifyForward = verify_alone):
         self._check_hello(info, hello, limits)
         self._forward = forward
+        self._verify = verify
         self.hello = hello
+        self.law = TargetLaw(hello.temperature, hello.target_top_k, hello.target_top_p)
         self.info = info
         self.limits = limits
         self.session_id = session_id
@@ -242,9 +255,11 @@ class VerifierSession:
                 return
 
     def _edge_token(self, round_start: int) -> int:
-        """The target's next token alone, appended (the cache stays one behind)."""
-        p = self._target_probs(self._feed_logits([], 1))[0]  # on the target's device: one int comes back
-        token = race_token_unchecked(p, self.token_noise(round_start, len(self.tokens) - round_start))
+        """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""
+        offset = len(self.tokens) - round_start
+        race = gumbel_round(torch.empty(0, dtype=torch.long), self.law,
+                            lambda i: self.token_noise(round_start, offset + i))
+        token = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race).next_token
         self.tokens.append(token)
         return token
 
@@ -262,23 +277,35 @@ class VerifierSession:
         exactly, and no two rounds share them."""
         return stream(self.hello.seed, Purpose.VERIFY, len(self.tokens))
 
-    def _verify_chain(self, draft: DraftBlock, settings: DraftSettings, q: torch.Tensor,
-                      generator: torch.Generator) -> Verdict:
+    def _verify_chain(self, draft: DraftBlock, settings: DraftSettings, q, generator: torch.Generator) -> Verdict:
+        """One target forward over the unverified tail + the drafts, verified with every round of the
+        same forward (:mod:`specdec.common.verify_batch`); only the verdict comes back from the
+        target's device."""
         draft_ids = list(draft.token_ids)
-        # The math runs where the logits are (the target's device); only the verdict comes back.
-        p = self._target_probs(self._feed_logits(draft_ids, len(draft_ids) + 1))
-        ids = torch.tensor(draft_ids, dtype=torch.long, device=p.device)
-        if settings.mode is Mode.GUMBEL:  # no q: accept iff each draft is the target's own race
+        request = ForwardRequest(self.lm, self.tokens[self.lm.cache_len:] + draft_ids, len(draft_ids) + 1)
+        outcome = self._verify(request, self._chain_round(draft_ids, settings, q, generator))
+        n = outcome.num_accepted
+        self._commit(draft_ids[:n], n, outcome.next_token)
+        if outcome.next_token is not None:
+            return Verdict(round_id=draft.round_id, num_accepted=n, next_token=outcome.next_token)
+        # DSSD: the device resolves the rejection; p_j waits on the host for its fallback (rare)
+        self._pending_reject = _PendingReject(draft.round_id, outcome.reject_p, len(self.tokens) - n,
+                                              settings.dssd_fallback_top_k)
+        return Verdict(round_id=draft.round_id, num_accepted=n, next_token=None,
+                       reject_samples=outcome.reject_samples, reject_sample_probs=outcome.reject_sample_probs)
+
+    def _chain_round(self, draft_ids: list[int], settings: DraftSettings, q,
+                     generator: torch.Generator) -> ChainRound:
+        """The round to verify, checked before any model work: gumbel (no q: accept iff each draft is the
+        target's own race), DSSD (the scalars q_i(x_i)) or a chain (the decoded packets)."""
+        ids = torch.tensor(draft_ids, dtype=torch.long)
+        if settings.mode is Mode.GUMBEL:
             start = len(self.tokens)
-            result = V.gumbel_verify(ids, p, lambda i: self.token_noise(start, i))
-            self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
-            return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
-        q = q.to(p.device)
+            return gumbel_round(ids, self.law, lambda i: self.token_noise(start, i))
+        bonus = self._bonus_noise(len(draft_ids), settings)
         if settings.mode is Mode.DSSD:
-            return self._finish_dssd(draft, settings, ids, q, p, generator)
-        result = V.chain_verify(ids, q, p, generator, self._bonus_noise(len(draft_ids), settings))
-        self._commit(draft_ids[:result.num_accepted], result.num_accepted, result.next_token)
-        return Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
+            return dssd_round(ids, q, self.law, generator, settings.dssd_samples, bonus)
+        return chain_round(ids, q, self.law, generator, bonus)
 
     def _bonus_noise(self, num_drafts: int, settings: DraftSettings):
         """What draws the coupled bonus's Gumbel noise for the position after this round's drafts (a
@@ -365,7 +392,9 @@ class VerifierSession:
         elif draft.correction_token is not None:
             raise ValueError("unexpected correction token: no rejection is pending")
 
-    def _decode_q(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> torch.Tensor | None:
+    def _decode_q(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None):
+        """The round's q: DSSD's scalars [L] float64, None (gumbel), a chain's packets decoded (each
+        densified only if the round rejects there), or a tree's rows [internal nodes, V] on the host."""
         n = len(draft.token_ids)
         if settings.mode is Mode.DSSD:
             return decode_dssd_scalars(draft.dssd_scalars, n)
@@ -377,17 +406,13 @@ class VerifierSession:
         if len(draft.distributions) != expected:
             raise ValueError(f"{len(draft.distributions)} distributions, expected {expected}")
         codec = self._codecs[settings]
-        # Chains verify where the target runs: only each packet's support travels there.
-        device = self.lm.device if spec is None else None
-        rows = [densify(decode_distribution(payload, codec), device) for payload in draft.distributions]
-        return torch.stack(rows)
-
-    def _feed_logits(self, draft_ids: list[int], num_logits: int) -> torch.Tensor:
-        return self._forward(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:] + draft_ids, num_logits))
+        rows: list[SparseDist] = [decode_distribution(payload, codec) for payload in draft.distributions]
+        if spec is None:
+            return tuple(rows)
+        return torch.stack([densify(sd) for sd in rows])
 
     def _target_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        h = self.hello
-        return model_probs(logits, h.temperature, h.target_top_k, h.target_top_p)
+        return self.law.probs(logits)
 
     def _commit(self, accepted: list[int], num_accepted: int, next_token: int | None) -> None:
         """Keep KV only for the verified prefix; append the accepted tokens (and the next one)."""
@@ -396,20 +421,6 @@ class VerifierSession:
         if next_token is not None:
             self.tokens.append(int(next_token))
 
-    def _finish_dssd(self, draft: DraftBlock, settings: DraftSettings, ids, q_of_draft, p,
-                     generator: torch.Generator) -> Verdict:
-        res = V.dssd_edge_verify(ids, q_of_draft, p, generator, settings.dssd_samples,
-                                 self._bonus_noise(len(ids), settings))
-        n = res.num_accepted
-        self._commit(list(draft.token_ids[:n]), n, res.bonus_token)
-        if res.bonus_token is not None:
-            return Verdict(round_id=draft.round_id, num_accepted=n, next_token=res.bonus_token)
-        # p_j waits on the host for the device's fallback (rare), as the fallback's math runs there
-        self._pending_reject = _PendingReject(draft.round_id, res.reject_p.cpu(), len(self.tokens) - n,
-                                              settings.dssd_fallback_top_k)
-        return Verdict(round_id=draft.round_id, num_accepted=n, next_token=None,
-                       reject_samples=tuple(res.reject_samples.tolist()),
-                       reject_sample_probs=tuple(res.reject_sample_probs.tolist()))
 
 
 def _check_limits(settings: DraftSettings, info: TargetInfo, limits: EdgeLimits) -> None:

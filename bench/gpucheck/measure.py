@@ -16,11 +16,12 @@ from specdec.common.batched import BatchWorkspace, ForwardRequest, PhaseTimer, f
 from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
 from specdec.common.distributions import densify
 from specdec.common.modeling import CachedLM, cache_kwargs
-from specdec.common.sampling import model_probs
+from specdec.common.sampling import TargetLaw, model_probs
 from specdec.common.settings import Mode
 from specdec.common.slots import SlotPool
 from specdec.common.streams import Purpose, stream
 from specdec.common.verification import chain_verify
+from specdec.common.verify_batch import chain_round, verify_rounds
 
 
 def sync(device: torch.device) -> None:
@@ -132,9 +133,11 @@ def phases(model, device: torch.device, batch: int, drafts: int, context: int, v
            repeats: int = 3) -> dict:
     """Seconds per phase of one batched verification round (``batch`` sessions x ``drafts`` + 1
     tokens) in both layouts: building the inputs, copying caches, the forward, appending keys, the
-    logits' conversion; then every session's verification (decoding its packets, the target's
-    probabilities at T = 0 and T = 1, the accept tests and the bonus) on the device with only the
-    verdict coming back, against the host path the edge had before (logits to the host, all there)."""
+    logits' conversion; then the verification of every session's round (decoding its packets, the
+    target's probabilities at T = 0 and T = 1, the accept tests and the bonus): all rounds together as
+    batch tensor work on the device (``verify_batched``, the edge's path: common/verify_batch.py), and
+    session by session on the device and on the host (``verify_device``, ``verify_host``: the paths
+    the edge had before)."""
     codec = CodecConfig(mode=Mode.TSLT, vocab_size=vocab, top_k=1)
     out = {}
     for layout in ("slots", "per-session"):
@@ -152,6 +155,8 @@ def phases(model, device: torch.device, batch: int, drafts: int, context: int, v
                     for b, (row, (ids, payloads)) in enumerate(zip(logits, rounds)):
                         _verify(row, ids, payloads, codec, temperature, target, b)
                     timer.mark(f"verify_{place}_T{temperature:g}")
+                _verify_batched(logits, rounds, codec, temperature)
+                timer.mark(f"verify_batched_T{temperature:g}")
             timings.append(timer.seconds)
         out[layout] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
         del sessions
@@ -177,6 +182,15 @@ def _verify(row: torch.Tensor, ids: list[int], payloads: list[bytes], codec: Cod
     result = chain_verify(torch.tensor(ids, dtype=torch.long, device=place), q, p,
                           stream(session, Purpose.VERIFY, 0))
     return result.next_token
+
+
+def _verify_batched(logits: list[torch.Tensor], rounds: list[tuple[list[int], list[bytes]]], codec: CodecConfig,
+                    temperature: float) -> list[int]:
+    """The edge's verification of all the rounds of one forward together (common/verify_batch.py)."""
+    law = TargetLaw(temperature)
+    built = [chain_round(torch.tensor(ids), [decode_distribution(x, codec) for x in payloads], law,
+                         stream(b, Purpose.VERIFY, 0)) for b, (ids, payloads) in enumerate(rounds)]
+    return [o.next_token for o in verify_rounds(list(logits), built)]
 
 
 # ------------------------------------------------------------------------------------ CUDA graphs

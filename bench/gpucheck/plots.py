@@ -89,9 +89,10 @@ COLORS = {"inputs": "tab:gray", "copy": "tab:orange", "forward": "tab:blue", "ap
 
 
 def _phases(ax, m: dict) -> None:
-    """Per layout, the round with its verification on the device and, beside it, on the host (T = 0)."""
+    """Per layout, the round with its verification batched on the device and, beside it, session by
+    session on the device and on the host (T = 0)."""
     bars = [(f"{layout}\n{place} verify", d, f"verify_{place}_T0") for layout, d in m.get("phases", {}).items()
-            for place in ("device", "host")]
+            for place in ("batched", "device", "host") if f"verify_{place}_T0" in d]
     for i, (_, d, verify) in enumerate(bars):
         bottom = 0.0
         for name in (*PIPELINE, "verify"):

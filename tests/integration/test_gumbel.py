@@ -23,7 +23,8 @@ import torch
 from specdec.common import protocol as P
 from specdec.common import settings as S
 from specdec.common import verification as V
-from specdec.common.distributions import race_token, race_token_unchecked
+from specdec.common.batched import ForwardRequest
+from specdec.common.distributions import densify, race_token, race_token_unchecked
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.streams import Purpose, exponentials
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
@@ -298,9 +299,11 @@ class VerifiesByRatioWithTheSharedNoise(VerifierSession):
 
     def _verify_chain(self, draft, settings, q, generator):
         ids = list(draft.token_ids)
-        p = self._target_probs(self._feed_logits(ids, len(ids) + 1))
+        p = self._target_probs(self._forward(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:] + ids,
+                                                            len(ids) + 1)))
         start = len(self.tokens)
-        result = verify_by_ratio_with_the_shared_noise(ids, list(q), p, lambda i: self.token_noise(start, i))
+        q_rows = [densify(sd) for sd in q]
+        result = verify_by_ratio_with_the_shared_noise(ids, q_rows, p, lambda i: self.token_noise(start, i))
         self._commit(ids[:result.num_accepted], result.num_accepted, result.next_token)
         return P.Verdict(round_id=draft.round_id, num_accepted=result.num_accepted, next_token=result.next_token)
 

@@ -9,7 +9,7 @@ target's filters applied before the temperature, edge-only tokens sharing one un
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -17,9 +17,10 @@ import torch
 from tests.support.harness import SwitchesEveryRound, load, split_sessions
 from tests.support.laws import (CONTROL_SESSIONS, GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, MODES, N_TOKENS,
                                 PROMPT, TEMPERATURE, assert_lossless, assert_rejected, exact_law, law_counts)
-from specdec.common import verification
+from specdec.common import verification, verify_batch
 from specdec.common.distributions import filter_target_logits
 from specdec.common.modeling import encode_prompt
+from specdec.common.sampling import TargetLaw
 from specdec.device.draft_model import DraftStep
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
@@ -91,13 +92,21 @@ def test_target_top_k_top_p_through_the_verifier_high_power(twin, tiny_pair_v8) 
     assert_lossless(counts, law, "target top-k 5, top-p 0.9, T 2")
 
 
-class FiltersBeforeTemperature(VerifierSession):
-    """Negative control, a classic: top-k / top-p applied to the untempered distribution."""
+@dataclass(frozen=True)
+class FilterFirstLaw(TargetLaw):
+    """BROKEN, a classic: top-k / top-p applied to the untempered distribution."""
 
-    def _target_probs(self, logits):
-        h = self.hello
-        scores = filter_target_logits(logits.cpu().float(), h.target_top_k or None, h.target_top_p or None)
-        return torch.softmax(scores / h.temperature, dim=-1).double()
+    def probs32(self, logits):
+        scores = filter_target_logits(logits.float(), self.top_k or None, self.top_p or None)
+        return torch.softmax(scores / self.temperature, dim=-1)
+
+
+class FiltersBeforeTemperature(VerifierSession):
+    """Negative control: an edge that verifies against the law filtered before the temperature."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.law = FilterFirstLaw(self.law.temperature, self.law.top_k, self.law.top_p)
 
 
 def test_control_target_filter_before_temperature_is_detected(twin, tiny_pair_v8) -> None:
@@ -123,24 +132,24 @@ def test_control_mode_none_with_one_uniform_per_round_is_detected(twin, tiny_pai
 
 
 def unnormalised_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """BROKEN: max(0, p - q) not renormalised (a one-line slip in verification._residual)."""
+    """BROKEN: max(0, p - q) not renormalised (a one-line slip in verify_batch._residual_rows), [c, V]."""
     return torch.clamp(p - q, min=0.0)
 
 
-def sample_as_if_normalised(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """An inverse-CDF sampler that trusts its input to sum to one, as most do: against an
-    unnormalised residual the missing mass falls to the last token it can return."""
-    cdf = torch.cumsum(probs.double(), 0)
-    u = float(torch.rand(1, generator=generator, dtype=torch.float64))
-    idx = int(torch.searchsorted(cdf, u, right=True))
-    return idx if idx < cdf.numel() and probs[idx] > 0 else int(torch.nonzero(probs > 0).flatten()[-1])
+def sample_as_if_normalised(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """An inverse-CDF sampler that trusts its rows to sum to one, as most do ([c, V], [c, m] -> [c, m]):
+    against an unnormalised residual the missing mass falls to the last token it can return."""
+    cdf = torch.cumsum(probs.double(), -1)
+    idx = torch.searchsorted(cdf, u, right=True)
+    last = torch.stack([torch.nonzero(row > 0).flatten()[-1] for row in probs]).unsqueeze(1)
+    return torch.where(idx < probs.shape[-1], idx, last)
 
 
 def test_control_residual_not_renormalised_is_detected(twin, tiny_pair_v8) -> None:
     """A subtle edge bug at the default size: the correction token after a rejection drawn from the
     residual as if it summed to one (every honest sampler in the code scales by the total)."""
     counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=CONTROL_SESSIONS, over_grpc=True, patches=[
-        (verification, "_residual", unnormalised_residual), (verification, "sample_token", sample_as_if_normalised)],
+        (verify_batch, "_residual_rows", unnormalised_residual), (verify_batch, "_inverse_cdf", sample_as_if_normalised)],
         **MODES["tslt"])
     assert_rejected(counts, law, "residual not renormalised")
 
