@@ -76,7 +76,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
     x = logits.to(torch.float32)
     # Subtracting the max first keeps exp() in range for any temperature.
-    x = (x - x.amax(dim=-1, keepdim=True)) / temperature
+    x = x - x.amax(dim=-1, keepdim=True)
+    x /= temperature  # in place: the difference is a temporary of its own
     return torch.softmax(x, dim=-1)
 
 

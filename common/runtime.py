@@ -32,6 +32,16 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
+# glibc's mallopt parameters (malloc.h): blocks below the mmap threshold come from the heap, and free
+# heap memory above the trim threshold goes back to the system.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# A forward and its verification allocate tensors of ~1-30 MB each time (activations, the batch's
+# rows of the target's law); glibc serves them with fresh mmaps, or trims them back as soon as they
+# are freed, so every forward faults in and zeroes its pages again. Kept in the heap they are reused.
+# glibc refuses an mmap threshold above 32 MB on 64-bit systems (HEAP_MAX_SIZE / 2); mallopt takes an int.
+RETAINED_BLOCK_BYTES = 32 << 20
+RETAINED_FREE_BYTES = (1 << 31) - 1
+
 
 def run_async(coro):
     """Run ``coro`` on uvloop (falling back to asyncio's loop if uvloop cannot be imported)."""
@@ -132,6 +142,22 @@ def is_local_address(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def retain_freed_memory() -> bool:
+    """Let freed blocks of up to RETAINED_BLOCK_BYTES stay in the process for the next forward, as
+    tcmalloc or jemalloc would (a server's memory then stays at its high-water mark): on a CPU, page
+    faults cost a batch's verification more than its arithmetic (docs/benchmarks.md). Returns False
+    where the C library is not glibc or refuses (then nothing or part of it changed)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, RETAINED_BLOCK_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, RETAINED_FREE_BYTES) == 1
 
 
 def apply_threads(prog: str, requested: int, peer_on_host: bool) -> int:

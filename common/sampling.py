@@ -20,7 +20,9 @@ class TargetLaw:
 
     Both stages of :meth:`probs` are public because batched verification (verify_batch.py) runs the
     float32 stage on a batch of rows and the float64 renormalisation only where a decision reads it:
-    the same operations on the same rows, so the same bits as :meth:`probs` gives row by row.
+    the same operations on the same rows, so the same bits as :meth:`probs` gives row by row. The
+    float64 sum of the float32 stage is the sum of its float64 copy, bit for bit (the same cascade
+    sum, the cast on load; tests/unit/test_verify_batch.py checks it), without the copy.
     """
 
     temperature: float   # 0: greedy (one-hot at the argmax)
@@ -41,8 +43,8 @@ class TargetLaw:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
         """Probabilities as both sides use them, each row renormalised in float64 so that
         verification's sum checks hold exactly."""
-        probs = self.probs32(logits).double()
-        return probs / probs.sum(dim=-1, keepdim=True)
+        probs = self.probs32(logits)
+        return probs.double() / probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
 
 
 def model_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:

@@ -37,16 +37,17 @@ on the batch around it. Trees and a DSSD fallback's ``p_j`` keep the per-session
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specdec.common.distributions import SparseDist, check_sparse_dist
+from specdec.common.distributions import SparseDist
 from specdec.common.sampling import TargetLaw
-from specdec.common.validation import (check_drafts_sampleable, check_int, check_prob_rows, check_prob_scalars,
-                                       check_token_ids)
-from specdec.common.verification import BonusNoise, _coupled_bonus
+from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_int, check_logits,
+                                       check_prob_scalars, check_token_ids)
+from specdec.common.verification import BonusNoise
 
 __all__ = ["ChainRound", "RoundKind", "RoundOutcome", "chain_round", "dssd_round", "gumbel_round",
            "verify_rounds"]
@@ -99,13 +100,7 @@ def chain_round(draft_ids: torch.Tensor,  # [L] int64
     ids = _draft_ids(draft_ids, minimum=1)
     if len(q_rows) != ids.numel():
         raise ValueError(f"{len(q_rows)} distributions for {ids.numel()} drafts")
-    for i, sd in enumerate(q_rows):
-        check_sparse_dist(sd)
-        if sd.vocab_size != q_rows[0].vocab_size:
-            raise ValueError("the draft distributions disagree on the vocabulary size")
-        check_prob_rows(sd.probs.unsqueeze(0), f"q[{i}]")
-    check_token_ids(ids, "draft_ids", q_rows[0].vocab_size)
-    q_of_draft = torch.tensor([_prob_at(sd, x) for sd, x in zip(q_rows, ids.tolist())], dtype=torch.float64)
+    q_of_draft = _checked_q_of_draft(q_rows, ids)
     check_drafts_sampleable(ids, q_of_draft, "draft_ids")
     return ChainRound(RoundKind.CHAIN, law, ids, q_of_draft, tuple(q_rows),
                       _uniforms(generator, ids.numel() + 1), bonus_noise)
@@ -140,10 +135,34 @@ def _draft_ids(draft_ids: torch.Tensor, minimum: int) -> torch.Tensor:
     return draft_ids.cpu()
 
 
-def _prob_at(sd: SparseDist, token: int) -> float:
-    """q(token) of a sparse distribution: its value on the support (as densify places it), else 0."""
-    at = int(torch.searchsorted(sd.ids, torch.tensor(token, dtype=sd.ids.dtype)))
-    return float(sd.probs[at]) if at < sd.ids.numel() and int(sd.ids[at]) == token else 0.0
+def _checked_q_of_draft(rows: Sequence[SparseDist], draft: torch.Tensor) -> torch.Tensor:  # [L] float64
+    """``q_i(x_i)`` (0 off the support), after what check_sparse_dist and chain_verify's check of q ask
+    of each row (sorted distinct ids in the vocabulary, float64 probabilities, finite, non-negative,
+    each row summing to 1 within VERIFY_SUM_ATOL): for all of a round's rows at once, a few operations
+    a round instead of a dozen a row."""
+    vocab = rows[0].vocab_size if isinstance(rows[0], SparseDist) else 0
+    for sd in rows:
+        if not isinstance(sd, SparseDist) or sd.vocab_size != vocab:
+            raise ValueError("the draft distributions must be SparseDists over one vocabulary")
+        if sd.ids.dtype != torch.int64 or sd.probs.dtype != torch.float64 or sd.ids.ndim != 1 \
+                or sd.ids.shape != sd.probs.shape or sd.ids.numel() == 0:
+            raise ValueError("a draft distribution needs non-empty int64 ids and float64 probs of one shape")
+    ids, probs = torch.cat([sd.ids for sd in rows]), torch.cat([sd.probs for sd in rows])  # [sum K]
+    row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([sd.ids.numel() for sd in rows]))
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"draft distribution ids out of range [0, {vocab})")
+    if ids.numel() > 1 and not bool(((ids[1:] > ids[:-1]) | (row[1:] != row[:-1])).all()):
+        raise ValueError("draft distribution ids must be strictly increasing (sorted, no duplicates)")
+    sums = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, row, probs)  # [L]
+    if not bool(torch.isfinite(sums).all()) or bool((probs < 0).any()):
+        raise ValueError("draft distributions must hold finite, non-negative probabilities")
+    error = (sums - 1.0).abs()
+    if bool((error > VERIFY_SUM_ATOL).any()):
+        i = int(error.argmax())
+        raise ValueError(f"q row {i} sums to {float(sums[i])!r}, not 1 (tolerance {VERIFY_SUM_ATOL})")
+    check_token_ids(draft, "draft_ids", vocab)
+    hit = ids == draft[row]  # at most one a row: the ids of a row are distinct
+    return torch.zeros(len(rows), dtype=torch.float64).index_put_((row[hit],), probs[hit])
 
 
 def _uniforms(generator: torch.Generator, n: int) -> torch.Tensor:  # [n] float64
@@ -187,6 +206,42 @@ def _check_pair(rows: torch.Tensor, r: ChainRound) -> None:
         raise ValueError(f"draft distributions over {r.q_rows[0].vocab_size} tokens, target over {vocab}")
 
 
+class _Rows:
+    """The law on one step's rows (:meth:`TargetLaw.probs` row by row, computed where read)."""
+
+    def __init__(self, law: TargetLaw, rows: torch.Tensor):  # rows: [k, V] logits
+        self.mass = law.probs32(rows)                                          # [k, V] float32
+        self.total = self.mass.sum(dim=-1, keepdim=True, dtype=torch.float64)  # [k, 1]
+        self.vocab = rows.shape[1]
+
+    def at(self, j: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [t], [t] -> [t] float64: p_j(x)
+        return self.mass[j, x].double() / self.total[j, 0]
+
+    def rows(self, j: list[int]) -> torch.Tensor:  # [e, V] float64, a new tensor
+        return self.mass[j].double().div_(self.total[j])
+
+
+class _GreedyRows:
+    """Temperature 0: each row's law is one-hot at its argmax ``a`` (``probs_from_logits``), so p(x) is
+    1.0 at ``a`` and 0.0 elsewhere, and every token a row ends with is ``a``: the residual
+    ``max(0, p - q)`` is zero but at ``a`` (or zero everywhere, and then p itself), the bonus and
+    DSSD's samples are draws of a one-hot p, and the race ``argmin E / p`` with positive noise E is
+    ``a``. Only the argmax is computed (and a one-hot row for a DSSD fallback)."""
+
+    def __init__(self, rows: torch.Tensor):  # rows: [k, V] logits
+        check_logits(rows, 0.0)
+        self.vocab = rows.shape[1]
+        self.top = rows.argmax(dim=-1)  # [k] on the original dtype, as probs_from_logits
+        self.top_host = self.top.tolist()
+
+    def at(self, j: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [t] float64: 1.0 at the argmax
+        return (self.top[j] == x).double()
+
+    def rows(self, j: list[int]) -> torch.Tensor:  # [e, V] float64 one-hot
+        out = torch.zeros(len(j), self.vocab, dtype=torch.float64, device=self.top.device)
+        return out.scatter_(1, self.top[j].unsqueeze(1), 1.0)
+
+
 class _Lockstep:
     """The rounds of one law, verified a draft position at a time (module docstring)."""
 
@@ -195,8 +250,8 @@ class _Lockstep:
         self.device = logits[0].device
         self.lengths = [r.length for r in rounds]
         width = max(self.lengths)
-        self.ids = _padded([r.draft_ids for r in rounds], width, torch.int64)              # [B, Lmax]
-        self.q_x = _padded([_or_empty(r.q_of_draft) for r in rounds], width, torch.float64)  # [B, Lmax]
+        self.ids = _padded([r.draft_ids for r in rounds], width, torch.int64)              # [B, Lmax] host
+        self.q_x = _padded([_or_empty(r.q_of_draft) for r in rounds], width, torch.float64)  # [B, Lmax] host
         uniforms = [_or_empty(r.uniforms) for r in rounds]
         self.u = _padded(uniforms, max(u.numel() for u in uniforms), torch.float64).to(self.device)  # [B, Umax]
         self.outcomes: list[RoundOutcome | None] = [None] * len(rounds)
@@ -214,71 +269,69 @@ class _Lockstep:
         """Row i of every running round: the accept tests, the races, and the ends they reach; returns
         the rounds that go on to row i + 1."""
         rows = torch.stack([self.logits[b][i] for b in running])  # [k, V]
-        mass = self.law.probs32(rows).double()                    # [k, V] the law before its renormalisation
-        total = mass.sum(dim=-1, keepdim=True)                    # [k, 1]
-        at = torch.tensor(running)                                # [k] rounds of the rows
+        law = _GreedyRows(rows) if self.law.temperature == 0 else _Rows(self.law, rows)
         gumbel = [j for j, b in enumerate(running) if self.rounds[b].kind is RoundKind.GUMBEL]
         tested = [j for j, b in enumerate(running)
                   if self.rounds[b].kind is not RoundKind.GUMBEL and i < self.lengths[b]]
-        going = set(self._accept_tests(i, at, tested, mass, total))
-        going |= set(self._races(i, at, gumbel, mass, total))
+        going = set(self._accept_tests(i, running, tested, law)) | set(self._races(i, running, gumbel, law))
         raced = set(gumbel)
         ends = [j for j in range(len(running)) if j not in going and j not in raced]
-        self._ends(i, at, ends, mass, total)
+        self._ends(i, running, ends, law)
         return [b for j, b in enumerate(running) if j in going]
 
-    def _accept_tests(self, i: int, at: torch.Tensor, tested: list[int], mass: torch.Tensor,
-                      total: torch.Tensor) -> list[int]:
+    def _accept_tests(self, i: int, running: list[int], tested: list[int], law) -> list[int]:
         """``u_i * q_i(x_i) < p_i(x_i)`` (verification._accepts) on the tested rows; the accepted ones."""
         if not tested:
             return []
-        j = torch.tensor(tested, device=self.device)
-        b = at[tested]
-        x = self.ids[b, i].to(self.device)                                    # [t]
-        p_x = mass[j, x] / total[j, 0]                                        # [t] float64
-        accept = self.u[b.to(self.device), i] * self.q_x[b, i].to(self.device) < p_x
-        return [row for row, ok in zip(tested, accept.tolist()) if ok]
+        b = [running[j] for j in tested]
+        x = self.ids[b, i].to(self.device)                                         # [t]
+        p_x = law.at(torch.tensor(tested, device=self.device), x)                  # [t] float64
+        accept = self.u[b, i] * self.q_x[b, i].to(self.device) < p_x
+        return [j for j, ok in zip(tested, accept.tolist()) if ok]
 
-    def _races(self, i: int, at: torch.Tensor, gumbel: list[int], mass: torch.Tensor,
-               total: torch.Tensor) -> list[int]:
+    def _races(self, i: int, running: list[int], gumbel: list[int], law) -> list[int]:
         """The target's race ``argmin E_i / p_i`` (verification.gumbel_verify) on the gumbel rows: a draft
         equal to it goes on, any other row ends with the race's token; the rows that go on."""
         if not gumbel:
             return []
-        j = torch.tensor(gumbel, device=self.device)
-        noise = torch.stack([_checked_noise(self.rounds[int(at[g])].token_noise, i, mass.shape[1])
-                             for g in gumbel]).to(self.device)               # [g, V]
-        won = (noise / (mass[j] / total[j])).argmin(dim=-1).tolist()          # [g]
+        if isinstance(law, _GreedyRows):
+            won = [law.top_host[j] for j in gumbel]
+        else:
+            noise = torch.stack([_checked_noise(self.rounds[running[j]].token_noise, i, law.vocab)
+                                 for j in gumbel]).to(self.device)                # [g, V]
+            won = (noise / law.rows(gumbel)).argmin(dim=-1).tolist()               # [g]
         going = []
-        for g, y in zip(gumbel, won):
-            b = int(at[g])
+        for j, y in zip(gumbel, won):
+            b = running[j]
             if i < self.lengths[b] and int(self.ids[b, i]) == y:
-                going.append(g)
+                going.append(j)
             else:
                 self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(y))
         return going
 
-    def _ends(self, i: int, at: torch.Tensor, ends: list[int], mass: torch.Tensor, total: torch.Tensor) -> None:
+    def _ends(self, i: int, running: list[int], ends: list[int], law) -> None:
         """Rows where a chain or DSSD round ends: a rejection at ``i < L`` or the bonus at ``i == L``."""
         if not ends:
             return
-        j = torch.tensor(ends, device=self.device)
-        p = mass[j] / total[j]                                                 # [e, V] the law's rows
-        rounds = [int(at[e]) for e in ends]
-        rejected = [k for k, b in enumerate(rounds) if i < self.lengths[b]]
-        chain = [k for k in rejected if self.rounds[rounds[k]].kind is RoundKind.CHAIN]
-        dssd = [k for k in rejected if self.rounds[rounds[k]].kind is RoundKind.DSSD]
-        bonus = [k for k, b in enumerate(rounds) if i == self.lengths[b]]
-        self._corrections(i, [rounds[k] for k in chain], p[chain])
-        self._dssd_samples(i, [rounds[k] for k in dssd], p[dssd])
-        self._bonuses(i, [rounds[k] for k in bonus], p[bonus])
+        dssd = [j for j in ends if self.rounds[running[j]].kind is RoundKind.DSSD and i < self.lengths[running[j]]]
+        if isinstance(law, _GreedyRows):
+            for j in ends:
+                if j not in dssd:
+                    self.outcomes[running[j]] = RoundOutcome(num_accepted=i, next_token=law.top_host[j])
+            self._dssd_samples(i, [running[j] for j in dssd], law.rows(dssd))
+            return
+        chain = [j for j in ends if self.rounds[running[j]].kind is RoundKind.CHAIN and i < self.lengths[running[j]]]
+        bonus = [j for j in ends if i == self.lengths[running[j]]]
+        self._corrections(i, [running[j] for j in chain], law.rows(chain))
+        self._dssd_samples(i, [running[j] for j in dssd], law.rows(dssd))
+        self._bonuses(i, [running[j] for j in bonus], law.rows(bonus))
 
     def _corrections(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
         """The correction token from ``norm(max(0, p_i - q_i))`` with ``u_{i+1}`` (verification._residual)."""
         if not rounds:
             return
-        q = _dense([self.rounds[b].q_rows[i] for b in rounds], p.shape[1], p.device)  # [c, V]
-        tokens = _inverse_cdf(_residual_rows(p, q), self.u[rounds, i + 1].unsqueeze(1))
+        residual = _residual_rows(p, [self.rounds[b].q_rows[i] for b in rounds])  # [c, V]
+        tokens = _inverse_cdf(residual, self.u[rounds, i + 1].unsqueeze(1))
         for b, token in zip(rounds, tokens[:, 0].tolist()):
             self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
 
@@ -299,13 +352,12 @@ class _Lockstep:
     def _bonuses(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
         """After ``L = i`` acceptances: the coupled bonus (its own noise), else a draw of ``p_L`` with ``u_L``."""
         plain = [k for k, b in enumerate(rounds) if self.rounds[b].bonus_noise is None]
+        coupled = [k for k, b in enumerate(rounds) if self.rounds[b].bonus_noise is not None]
         tokens = _inverse_cdf(p[plain], self.u[[rounds[k] for k in plain], i].unsqueeze(1))[:, 0].tolist() \
             if plain else []
-        drawn = dict(zip(plain, tokens))
-        for k, b in enumerate(rounds):
-            noise = self.rounds[b].bonus_noise
-            token = drawn[k] if noise is None else _coupled_bonus(p[k], noise)
-            self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
+        tokens += _coupled_bonuses(p[coupled], [self.rounds[rounds[k]].bonus_noise for k in coupled])
+        for k, token in zip(plain + coupled, tokens):
+            self.outcomes[rounds[k]] = RoundOutcome(num_accepted=i, next_token=int(token))
 
 
 def _or_empty(x: torch.Tensor | None) -> torch.Tensor:
@@ -319,21 +371,21 @@ def _padded(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.T
     return out
 
 
-def _dense(rows: list[SparseDist], vocab: int, device: torch.device) -> torch.Tensor:  # [c, V] float64
-    """The rows densified as :func:`distributions.densify` places them, in one scatter."""
-    which = torch.cat([torch.full((sd.ids.numel(),), k, dtype=torch.int64) for k, sd in enumerate(rows)])
-    ids = torch.cat([sd.ids for sd in rows])
-    dense = torch.zeros(len(rows), vocab, dtype=torch.float64, device=device)
-    dense[which.to(device), ids.to(device)] = torch.cat([sd.probs for sd in rows]).to(device)
-    return dense
-
-
-def _residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # [c, V], [c, V] -> [c, V] float64
-    """``norm(max(0, p - q))`` row by row, as verification._residual: a row whose positive part is all
-    zero (p == q up to rounding, so a rejection had probability 0) keeps p."""
-    diff = torch.clamp(p - q, min=0.0)
-    total = diff.sum(dim=-1, keepdim=True)                                     # [c, 1]
-    return torch.where(total > 0, diff / total, p)
+def _residual_rows(p: torch.Tensor,  # [c, V] float64, overwritten
+                   q_rows: list[SparseDist]) -> torch.Tensor:  # [c, V] float64
+    """``norm(max(0, p - q))`` row by row, as verification._residual on q densified, in p's memory: off
+    q's support ``max(0, p - 0)`` is p itself, so only the support is subtracted. A row whose positive
+    part is all zero (p == q up to rounding, so a rejection had probability 0) keeps p."""
+    which = torch.cat([torch.full((sd.ids.numel(),), k, dtype=torch.int64) for k, sd in enumerate(q_rows)])
+    which, ids = which.to(p.device), torch.cat([sd.ids for sd in q_rows]).to(p.device)
+    kept = p[which, ids]                                                       # p on the supports
+    p[which, ids] = torch.clamp(kept - torch.cat([sd.probs for sd in q_rows]).to(p.device), min=0.0)
+    total = p.sum(dim=-1, keepdim=True)                                        # [c, 1]
+    empty = (total <= 0).squeeze(1)
+    if bool(empty.any()):  # those rows back to p, divided by 1.0 below: bit for bit p
+        p[which, ids] = torch.where(empty[which], kept, p[which, ids])
+        total[empty] = 1.0
+    return p.div_(total)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [r, V], [r, m] -> [r, m] int64
@@ -347,6 +399,29 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [r, V
         for row, col in past_end.nonzero().tolist():
             idx[row, col] = int((probs[row] > 0).nonzero()[-1])
     return idx
+
+
+def _coupled_bonuses(p: torch.Tensor,  # [c, V] float64
+                     noise: list[BonusNoise]) -> list[int]:
+    """Row by row what verification._coupled_bonus draws: ``argmax log p + noise`` (distributions.
+    sample_token_gumbel), and no noise drawn for a one-hot row, whose only token wins whatever it is."""
+    if not noise:
+        return []
+    tokens = p.argmax(dim=-1)                                                  # [c]
+    drawn = [k for k, n in enumerate((p > 0).sum(dim=-1).tolist()) if n != 1]
+    if drawn:
+        rows = []
+        for k in drawn:
+            g = noise[k]() if callable(noise[k]) else noise[k]
+            if not isinstance(g, torch.Tensor) or g.shape != (p.shape[1],) or bool(torch.isnan(g).any()):
+                raise ValueError(f"bonus noise must be a tensor of shape ({p.shape[1]},) without NaN")
+            rows.append(g)
+        g = torch.stack(rows).to(p.device, torch.float64)                    # [d, V]
+        q = p[drawn]
+        best = (torch.log(q) + g).masked_fill(q <= 0, -math.inf).argmax(dim=-1)
+        ok = q.gather(1, best.unsqueeze(1)).squeeze(1) > 0  # else every kept token drew u = 0 (p ~ 2^-53)
+        tokens[drawn] = torch.where(ok, best, q.argmax(dim=-1))
+    return tokens.tolist()
 
 
 def _checked_noise(noise: Callable[[int], torch.Tensor] | None, i: int, vocab: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ import logging
 import sys
 
 from specdec.common.modeling import DTYPES, ModelSpec
-from specdec.common.runtime import MAX_MESSAGE_BYTES, OneLineParser, apply_threads, bounded, is_loopback, run_async
+from specdec.common.runtime import (MAX_MESSAGE_BYTES, OneLineParser, apply_threads, bounded, is_loopback,
+                                    retain_freed_memory, run_async)
 from specdec.edge.admission import AdmissionSettings
 from specdec.edge.batching import DEVICE_DEFAULTS, KV_CACHES, BatchSettings
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"edge-server: error: {exc}\n")
         return 2
     apply_threads("edge-server", args.threads, is_loopback(args.host))
+    retain_freed_memory()
     try:
         run_async(serve(cfg))
     except (OSError, ValueError) as exc:

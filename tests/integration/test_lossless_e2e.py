@@ -18,7 +18,7 @@ from tests.support.harness import SwitchesEveryRound, load, split_sessions
 from tests.support.laws import (CONTROL_SESSIONS, GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, MODES, N_TOKENS,
                                 PROMPT, TEMPERATURE, assert_lossless, assert_rejected, exact_law, law_counts)
 from specdec.common import verification, verify_batch
-from specdec.common.distributions import filter_target_logits
+from specdec.common.distributions import densify, filter_target_logits
 from specdec.common.modeling import encode_prompt
 from specdec.common.sampling import TargetLaw
 from specdec.device.draft_model import DraftStep
@@ -131,9 +131,9 @@ def test_control_mode_none_with_one_uniform_per_round_is_detected(twin, tiny_pai
     assert_rejected(counts, law, "mode none with one uniform per round")
 
 
-def unnormalised_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def unnormalised_residual(p: torch.Tensor, q_rows) -> torch.Tensor:
     """BROKEN: max(0, p - q) not renormalised (a one-line slip in verify_batch._residual_rows), [c, V]."""
-    return torch.clamp(p - q, min=0.0)
+    return torch.clamp(p - torch.stack([densify(sd, p.device) for sd in q_rows]), min=0.0)
 
 
 def sample_as_if_normalised(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

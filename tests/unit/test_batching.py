@@ -20,7 +20,10 @@ from specdec.common.modeling import CachedLM, ModelSpec, load_model
 from specdec.common.slots import SlotPool
 from specdec.common.treeplan import edge_tree_inputs
 from specdec.common.tree import TreeSpec
+from specdec.common.sampling import TargetLaw
+from specdec.common.verify_batch import ChainRound, gumbel_round
 from specdec.edge.batching import BatchSettings, ForwardScheduler
+from specdec.edge.verifier import verify_alone
 from specdec.testbed.tiny_models import make_model
 
 VOCAB = 64
@@ -360,6 +363,48 @@ def test_a_failing_request_fails_only_its_own_session(model):
     assert isinstance(out[1], ValueError)
     assert isinstance(out[0], torch.Tensor) and out[0].shape == (1, VOCAB)
     assert good.cache_len == 5 and bad.cache_len == 3  # the failed one's cache is untouched
+
+
+def _round(draft: list[int], gen: torch.Generator, noise=None) -> ChainRound:
+    """A gumbel round at T = 1 over the tiny vocabulary (its noise keyed by the generator's draws)."""
+    rows = [torch.rand(VOCAB, generator=gen, dtype=torch.float64) + 0.01 for _ in range(len(draft) + 1)]
+    return gumbel_round(torch.tensor(draft), TargetLaw(1.0), noise or (lambda i: rows[i]))
+
+
+def test_the_rounds_of_a_forward_are_verified_together_as_each_alone(model):
+    gen = torch.Generator().manual_seed(8)
+    stats = []
+    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0), observer=stats.append)
+    try:
+        pairs = [twins(model, ids(gen, 3 + i)) for i in range(4)]
+        drafts = [ids(gen, 2 + i) for i in range(4)]
+        rounds = [_round(d, gen) for d in drafts]
+        # what the edge feeds: the last verified token (the cache is one behind), then the drafts
+        out = run_threads(scheduler, [lambda b=b, d=d, r=r: scheduler.verify(ForwardRequest(b, [1, *d], len(d) + 1), r)
+                                      for (_, b), d, r in zip(pairs, drafts, rounds)])
+    finally:
+        scheduler.stop()
+    assert [(s.sessions, s.rounds) for s in stats] == [(4, 4)] and stats[0].verify_seconds > 0
+    for (a, _), d, r, o in zip(pairs, drafts, rounds, out):
+        assert o == verify_alone(ForwardRequest(a, [1, *d], len(d) + 1), r)
+
+
+def test_a_round_failing_verification_fails_only_its_own_session(model):
+    gen = torch.Generator().manual_seed(9)
+    stats = []
+    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0), observer=stats.append)
+    try:
+        (ref, good), (_, bad) = twins(model, ids(gen, 3)), twins(model, ids(gen, 3))
+        draft = ids(gen, 2)
+        fine = _round(draft, gen)
+        broken = _round(ids(gen, 2), gen, noise=lambda i: -torch.ones(VOCAB, dtype=torch.float64))
+        out = run_threads(scheduler, [lambda: scheduler.verify(ForwardRequest(good, [1, *draft], 3), fine),
+                                      lambda: scheduler.verify(ForwardRequest(bad, [1, *ids(gen, 2)], 3), broken)])
+    finally:
+        scheduler.stop()
+    assert [s.sessions for s in stats] == [2]  # one forward: the failure came after it
+    assert isinstance(out[1], ValueError) and "positive float64" in str(out[1])
+    assert out[0] == verify_alone(ForwardRequest(ref, [1, *draft], 3), fine)
 
 
 def test_stopped_scheduler_refuses_work(model):

@@ -62,3 +62,21 @@ def test_local_address_is_loopback_or_an_address_of_this_host(monkeypatch) -> No
             pytest.skip("no non-loopback route on this host")
         own = s.getsockname()[0]
     assert is_local_address(own)
+
+
+def test_the_edge_keeps_freed_memory_for_its_next_forward() -> None:
+    """glibc (this machine, CI's) takes both settings; a freed 8 MB block then comes back without
+    faulting its pages in again (a fresh mmap would fault in all 2048 of them)."""
+    import resource
+
+    import torch
+
+    from specdec.common.runtime import retain_freed_memory
+
+    assert retain_freed_memory() is True
+    block = 8 << 20
+    held = torch.ones(block // 4)
+    del held  # the heap grew to hold it, and keeps it now that it is freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(block // 4)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < block // 4096 // 4

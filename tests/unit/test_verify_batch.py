@@ -184,3 +184,15 @@ def test_bad_input_is_refused() -> None:
     bad_noise = gumbel_round(torch.tensor([1]), law, lambda i: -torch.ones(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="positive float64"):
         verify_rounds([torch.zeros(2, 4)], [bad_noise])
+
+
+@pytest.mark.parametrize("vocab", [7, 4096, 49152])
+def test_the_float64_sum_of_float32_rows_is_the_sum_of_their_float64_copy(vocab: int) -> None:
+    """TargetLaw.probs and the batched path renormalise with ``sum(dtype=float64)`` of the float32 law,
+    which must be, bit for bit, the sum of its float64 copy (what the law was renormalised with
+    before): a torch whose cast-on-load sum ran in another order would change tokens at the last bit."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = torch.softmax(torch.randn(40, vocab, generator=gen) * 3, dim=-1)
+    for k in (1, 6, 40):
+        assert torch.equal(rows[:k].sum(-1, dtype=torch.float64), rows[:k].double().sum(-1))
+        assert torch.equal(rows[:k].sum(-1, dtype=torch.float64), torch.stack([r.double().sum() for r in rows[:k]]))
