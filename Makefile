@@ -8,7 +8,7 @@ PB_DIR := common/pb
 PROTO := proto/specdec/v1/speculative.proto
 PB_OUT := $(PB_DIR)/speculative_pb2.py
 
-.PHONY: venv proto system-deps test test-slow test-gpu gpu-check gpu-wheels demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation bench-dssd-fallback bench-coupling clean
+.PHONY: venv proto system-deps test test-slow test-gpu gpu-check gpu-wheels demo testbed bench-lattice soak drafter bench-drafter bench-defaults footprint bench-truncation bench-dssd-fallback bench-coupling bench-verify clean
 
 # Create or refresh the virtual environment; reinstall when pyproject changes.
 $(STAMP): pyproject.toml setup.py
@@ -114,6 +114,12 @@ bench-truncation: $(PB_OUT)
 # (exact expectations on texts the target samples): results/bench_dssd_fallback_T<T>.json, ~1 min.
 bench-dssd-fallback: $(PB_OUT)
 	$(PY) -m specdec.bench.bench_dssd_fallback $(ARGS)
+
+# The edge's verification of one batched forward's rounds: session by session against batch tensor
+# work (common/verify_batch.py), N = 1, 8, 32 sessions x 5 drafts, V = 49152 and 128256, T = 0 and 1,
+# chain, DSSD and gumbel rounds, the forward not timed (~5 min): results/bench_verify.json.
+bench-verify: $(PB_OUT)
+	$(PY) -m specdec.bench.bench_verify $(ARGS)
 
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.

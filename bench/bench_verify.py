@@ -17,7 +17,7 @@ computed), so its time depends on the acceptance; the per-session path's does no
     .venv/bin/python -m specdec.bench.bench_verify [--vocabs 49152,128256] [--sessions 1,8,32]
         [--drafts 5] [--temperatures 0,1] [--modes chain,dssd,gumbel] [--repeats 5] [--device cpu]
 
-Writes docs/bench/verify/bench_verify.json (``--out``) and prints a table; the goal line (issue 45:
+Writes results/bench_verify.json (``--out``; the committed run: docs/bench/verify/) and prints a table; the goal line (issue 45:
 32 sessions x 5 drafts >= 5x faster batched, chain rounds at T = 0 and 1) reads the chain cells.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from specdec.bench.harness import plan as harness_plan
 from specdec.common import verification as V
-from specdec.common.distributions import SparseDist, densify
+from specdec.common.distributions import SparseDist, densify, race_token_unchecked
 from specdec.common.runtime import retain_freed_memory
 from specdec.common.sampling import TargetLaw
 from specdec.common.streams import Purpose, stream
@@ -46,7 +46,7 @@ DRAFT_NOISE = 0.5       # the drafter's logits: the target's plus N(0, DRAFT_NOI
 DRAFT_TOP_K = 64        # TSLT's support per draft position
 DSSD_SAMPLES = 8        # DSSD's m (the protocol's default)
 GOAL_SESSIONS, GOAL_SPEEDUP = 32, 5.0
-DEFAULT_OUT = Path("docs/bench/verify/bench_verify.json")
+DEFAULT_OUT = Path("results/bench_verify.json")
 
 
 @dataclass
@@ -57,6 +57,8 @@ class Session:
     rows: list[SparseDist]        # q_i, decoded
     seed: int
     position: int
+
+    gumbel_draft: torch.Tensor | None = None  # [L] what a gumbel drafter drafts from the same q
 
 
 def make_sessions(n: int, drafts: int, vocab: int, temperature: float, device: str, seed: int,
@@ -78,7 +80,10 @@ def make_sessions(n: int, drafts: int, vocab: int, temperature: float, device: s
                 ids, probs = ids[probs.argmax()].reshape(1), torch.ones(1, dtype=torch.float64)
             rows.append(SparseDist(ids=ids, probs=probs, vocab_size=vocab))
             draft.append(int(ids[torch.multinomial(probs, 1, generator=g)]))
-        sessions.append(Session(logits.to(device), torch.tensor(draft), rows, seed * 1000 + b, 100 + b))
+        s = Session(logits.to(device), torch.tensor(draft), rows, seed * 1000 + b, 100 + b)
+        noise = _noise(s, vocab, temperature)  # a gumbel drafter races q with each position's noise
+        s.gumbel_draft = torch.tensor([int(race_token_unchecked(densify(sd), noise(i))) for i, sd in enumerate(rows)])
+        sessions.append(s)
     return sessions
 
 
@@ -101,7 +106,7 @@ def per_session(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> lis
         p = law.probs(s.logits)
         ids = s.draft.to(p.device)
         if mode is RoundKind.GUMBEL:
-            r = V.gumbel_verify(ids, p, _noise(s, vocab, law.temperature))
+            r = V.gumbel_verify(s.gumbel_draft.to(p.device), p, _noise(s, vocab, law.temperature))
             out.append((r.num_accepted, r.next_token))
             continue
         q = torch.stack([densify(sd, p.device) for sd in s.rows])
@@ -123,7 +128,7 @@ def batched(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> list[tu
         vocab = s.logits.shape[1]
         generator = stream(s.seed, Purpose.VERIFY, s.position)
         if mode is RoundKind.GUMBEL:
-            rounds.append(gumbel_round(s.draft, law, _noise(s, vocab, law.temperature)))
+            rounds.append(gumbel_round(s.gumbel_draft, law, _noise(s, vocab, law.temperature)))
         elif mode is RoundKind.DSSD:
             q_x = torch.tensor([float(densify(sd)[x]) for sd, x in zip(s.rows, s.draft.tolist())],
                                dtype=torch.float64)

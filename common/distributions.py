@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # check_logits stays importable from here too (sampling.py validates logits before filtering them).
@@ -55,6 +56,28 @@ def check_sparse_dist(sd: SparseDist) -> None:
     check_sparse_probs(sd.probs, sd.ids, "SparseDist.probs")
 
 
+# ----------------------------------------------------------------------------- first extreme
+
+# NumPy's argmax / argmin over float32 and float64 run vectorized and return the first extreme, as
+# torch's do; torch's CPU argmax reads ~2 ns an element, NumPy's ~0.2 (a [32, 128256] batch: 9.5 ms
+# against 0.8 ms here).
+_NUMPY_EXTREMES = (torch.float32, torch.float64)
+
+
+def first_argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:  # [..., V] -> [...] int64
+    """``x.argmax(dim)``: the index of the first maximum (NaN counting as the maximum), on x's device."""
+    if x.device.type == "cpu" and x.dtype in _NUMPY_EXTREMES and x.numel():
+        return torch.from_numpy(np.asarray(x.numpy().argmax(axis=dim), dtype=np.int64))
+    return x.argmax(dim=dim)
+
+
+def first_argmin(x: torch.Tensor, dim: int = -1) -> torch.Tensor:  # [..., V] -> [...] int64
+    """``x.argmin(dim)``: the index of the first minimum (NaN counting as the minimum), on x's device."""
+    if x.device.type == "cpu" and x.dtype in _NUMPY_EXTREMES and x.numel():
+        return torch.from_numpy(np.asarray(x.numpy().argmin(axis=dim), dtype=np.int64))
+    return x.argmin(dim=dim)
+
+
 # ----------------------------------------------------------------------------- logits -> probs
 
 
@@ -72,7 +95,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     temperature = check_logits(logits, temperature)
     if temperature == 0.0:
         # argmax on the original dtype: a cast could merge distinct maxima and move the argmax.
-        top = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
+        top = first_argmax(logits).unsqueeze(-1)  # [..., 1]
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
     x = logits.to(torch.float32)
     # Subtracting the max first keeps exp() in range for any temperature.
@@ -368,8 +391,8 @@ def sample_token_gumbel(probs: torch.Tensor, noise: torch.Tensor) -> int:
         raise ValueError(f"noise must be a tensor of shape {tuple(probs.shape)} without NaN")
     noise = noise.to(probs.device, torch.float64)  # drawn on the host (its stream), probs may be on a GPU
     scores = (torch.log(probs.to(torch.float64)) + noise).masked_fill(probs <= 0, -math.inf)
-    best = int(scores.argmax())
-    return best if probs[best] > 0 else int(probs.argmax())  # every kept token drew u = 0 (p ~ 2^-53)
+    best = int(first_argmax(scores))
+    return best if probs[best] > 0 else int(first_argmax(probs))  # every kept token drew u = 0 (p ~ 2^-53)
 
 
 def race_token(probs: torch.Tensor, noise: torch.Tensor) -> int:
@@ -398,7 +421,7 @@ def race_token_unchecked(probs: torch.Tensor, noise: torch.Tensor) -> int:
     """:func:`race_token` without its checks ([V] each, validated by the caller)."""
     # the noise is drawn on the host (its stream); probs may be on a GPU, where the race then runs
     keys = noise.to(probs.device, torch.float64) / probs.to(torch.float64)  # [V]; probs 0 -> inf, never the minimum
-    return int(keys.argmin())
+    return int(first_argmin(keys))
 
 
 # ----------------------------------------------------------------------------- target filtering

@@ -37,13 +37,13 @@ on the batch around it. Trees and a DSSD fallback's ``p_j`` keep the per-session
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from specdec.common.distributions import SparseDist
+from specdec.common.distributions import SparseDist, first_argmax, first_argmin
 from specdec.common.sampling import TargetLaw
 from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_int, check_logits,
                                        check_prob_scalars, check_token_ids)
@@ -138,8 +138,8 @@ def _draft_ids(draft_ids: torch.Tensor, minimum: int) -> torch.Tensor:
 def _checked_q_of_draft(rows: Sequence[SparseDist], draft: torch.Tensor) -> torch.Tensor:  # [L] float64
     """``q_i(x_i)`` (0 off the support), after what check_sparse_dist and chain_verify's check of q ask
     of each row (sorted distinct ids in the vocabulary, float64 probabilities, finite, non-negative,
-    each row summing to 1 within VERIFY_SUM_ATOL): for all of a round's rows at once, a few operations
-    a round instead of a dozen a row."""
+    each row summing to 1 within VERIFY_SUM_ATOL): for all of a round's rows at once, in NumPy (a few
+    microseconds an operation on a round's ~100-300 entries, where torch's dispatch costs ~10)."""
     vocab = rows[0].vocab_size if isinstance(rows[0], SparseDist) else 0
     for sd in rows:
         if not isinstance(sd, SparseDist) or sd.vocab_size != vocab:
@@ -147,22 +147,28 @@ def _checked_q_of_draft(rows: Sequence[SparseDist], draft: torch.Tensor) -> torc
         if sd.ids.dtype != torch.int64 or sd.probs.dtype != torch.float64 or sd.ids.ndim != 1 \
                 or sd.ids.shape != sd.probs.shape or sd.ids.numel() == 0:
             raise ValueError("a draft distribution needs non-empty int64 ids and float64 probs of one shape")
-    ids, probs = torch.cat([sd.ids for sd in rows]), torch.cat([sd.probs for sd in rows])  # [sum K]
-    row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([sd.ids.numel() for sd in rows]))
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+    sizes = [sd.ids.numel() for sd in rows]
+    ids = np.concatenate([sd.ids.cpu().numpy() for sd in rows])               # [sum K]
+    probs = np.concatenate([sd.probs.cpu().numpy() for sd in rows])           # [sum K]
+    starts = np.cumsum([0, *sizes[:-1]])
+    if ids.min() < 0 or ids.max() >= vocab:
         raise ValueError(f"draft distribution ids out of range [0, {vocab})")
-    if ids.numel() > 1 and not bool(((ids[1:] > ids[:-1]) | (row[1:] != row[:-1])).all()):
+    rising = np.diff(ids) > 0
+    rising[starts[1:] - 1] = True  # a row may start below where the last one ended
+    if not rising.all():
         raise ValueError("draft distribution ids must be strictly increasing (sorted, no duplicates)")
-    sums = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, row, probs)  # [L]
-    if not bool(torch.isfinite(sums).all()) or bool((probs < 0).any()):
+    sums = np.add.reduceat(probs, starts)                                      # [L]
+    if not np.isfinite(sums).all() or (probs < 0).any():
         raise ValueError("draft distributions must hold finite, non-negative probabilities")
-    error = (sums - 1.0).abs()
-    if bool((error > VERIFY_SUM_ATOL).any()):
+    error = np.abs(sums - 1.0)
+    if (error > VERIFY_SUM_ATOL).any():
         i = int(error.argmax())
         raise ValueError(f"q row {i} sums to {float(sums[i])!r}, not 1 (tolerance {VERIFY_SUM_ATOL})")
     check_token_ids(draft, "draft_ids", vocab)
-    hit = ids == draft[row]  # at most one a row: the ids of a row are distinct
-    return torch.zeros(len(rows), dtype=torch.float64).index_put_((row[hit],), probs[hit])
+    hit = ids == np.repeat(draft.numpy(), sizes)  # at most one a row: the ids of a row are distinct
+    q_x = np.zeros(len(rows))
+    q_x[np.repeat(np.arange(len(rows)), sizes)[hit]] = probs[hit]
+    return torch.from_numpy(q_x)
 
 
 def _uniforms(generator: torch.Generator, n: int) -> torch.Tensor:  # [n] float64
@@ -226,16 +232,24 @@ class _GreedyRows:
     1.0 at ``a`` and 0.0 elsewhere, and every token a row ends with is ``a``: the residual
     ``max(0, p - q)`` is zero but at ``a`` (or zero everywhere, and then p itself), the bonus and
     DSSD's samples are draws of a one-hot p, and the race ``argmin E / p`` with positive noise E is
-    ``a``. Only the argmax is computed (and a one-hot row for a DSSD fallback)."""
+    ``a``. Only the argmax is computed, row by row on a CPU (no copy into a batch: NumPy's argmax is
+    faster than the copy), in one batch elsewhere."""
 
-    def __init__(self, rows: torch.Tensor):  # rows: [k, V] logits
-        check_logits(rows, 0.0)
-        self.vocab = rows.shape[1]
-        self.top = rows.argmax(dim=-1)  # [k] on the original dtype, as probs_from_logits
-        self.top_host = self.top.tolist()
+    def __init__(self, rows: list[torch.Tensor]):  # rows: k x [V] logits
+        self.vocab = rows[0].shape[0]
+        if rows[0].device.type == "cpu":
+            for row in rows:
+                check_logits(row, 0.0)
+            self.top_host = [int(first_argmax(row)) for row in rows]
+            self.top = torch.tensor(self.top_host)
+        else:
+            batch = torch.stack(rows)  # [k, V]
+            check_logits(batch, 0.0)
+            self.top = batch.argmax(dim=-1)  # [k] on the original dtype, as probs_from_logits
+            self.top_host = self.top.tolist()
 
     def at(self, j: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [t] float64: 1.0 at the argmax
-        return (self.top[j] == x).double()
+        return (self.top[j.to(self.top.device)] == x.to(self.top.device)).double().to(x.device)
 
     def rows(self, j: list[int]) -> torch.Tensor:  # [e, V] float64 one-hot
         out = torch.zeros(len(j), self.vocab, dtype=torch.float64, device=self.top.device)
@@ -268,8 +282,8 @@ class _Lockstep:
     def _step(self, i: int, running: list[int]) -> list[int]:
         """Row i of every running round: the accept tests, the races, and the ends they reach; returns
         the rounds that go on to row i + 1."""
-        rows = torch.stack([self.logits[b][i] for b in running])  # [k, V]
-        law = _GreedyRows(rows) if self.law.temperature == 0 else _Rows(self.law, rows)
+        rows = [self.logits[b][i] for b in running]  # k x [V]
+        law = _GreedyRows(rows) if self.law.temperature == 0 else _Rows(self.law, torch.stack(rows))
         gumbel = [j for j, b in enumerate(running) if self.rounds[b].kind is RoundKind.GUMBEL]
         tested = [j for j, b in enumerate(running)
                   if self.rounds[b].kind is not RoundKind.GUMBEL and i < self.lengths[b]]
@@ -299,7 +313,7 @@ class _Lockstep:
         else:
             noise = torch.stack([_checked_noise(self.rounds[running[j]].token_noise, i, law.vocab)
                                  for j in gumbel]).to(self.device)                # [g, V]
-            won = (noise / law.rows(gumbel)).argmin(dim=-1).tolist()               # [g]
+            won = first_argmin(noise / law.rows(gumbel)).tolist()                  # [g]
         going = []
         for j, y in zip(gumbel, won):
             b = running[j]
@@ -407,20 +421,21 @@ def _coupled_bonuses(p: torch.Tensor,  # [c, V] float64
     sample_token_gumbel), and no noise drawn for a one-hot row, whose only token wins whatever it is."""
     if not noise:
         return []
-    tokens = p.argmax(dim=-1)                                                  # [c]
+    tokens = first_argmax(p)                                                   # [c]
     drawn = [k for k, n in enumerate((p > 0).sum(dim=-1).tolist()) if n != 1]
     if drawn:
-        rows = []
-        for k in drawn:
-            g = noise[k]() if callable(noise[k]) else noise[k]
-            if not isinstance(g, torch.Tensor) or g.shape != (p.shape[1],) or bool(torch.isnan(g).any()):
-                raise ValueError(f"bonus noise must be a tensor of shape ({p.shape[1]},) without NaN")
-            rows.append(g)
+        rows = [noise[k]() if callable(noise[k]) else noise[k] for k in drawn]
+        if any(not isinstance(g, torch.Tensor) or g.shape != (p.shape[1],) for g in rows):
+            raise ValueError(f"bonus noise must be tensors of shape ({p.shape[1]},)")
         g = torch.stack(rows).to(p.device, torch.float64)                    # [d, V]
+        if bool(torch.isnan(g.sum())):  # NaN propagates into the sum (Gumbel noise is never +inf)
+            raise ValueError("bonus noise contains NaN")
         q = p[drawn]
-        best = (torch.log(q) + g).masked_fill(q <= 0, -math.inf).argmax(dim=-1)
+        # log 0 = -inf stays -inf whatever the noise adds (finite, or -inf for a uniform of 0): the
+        # masked_fill of sample_token_gumbel would change nothing
+        best = first_argmax(torch.log(q) + g)
         ok = q.gather(1, best.unsqueeze(1)).squeeze(1) > 0  # else every kept token drew u = 0 (p ~ 2^-53)
-        tokens[drawn] = torch.where(ok, best, q.argmax(dim=-1))
+        tokens[drawn] = torch.where(ok, best, first_argmax(q))
     return tokens.tolist()
 
 

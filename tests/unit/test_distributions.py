@@ -473,3 +473,17 @@ def test_sample_tokens_is_n_calls_of_sample_token(probs) -> None:
         assert sample_tokens(probs, many, n).tolist() == expected
         assert torch.equal(one.get_state(), many.get_state())
     assert int(probs[sample_tokens(probs, torch.Generator().manual_seed(0), 500)].min() > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_first_argmax_and_argmin_are_torchs_ties_included(dtype) -> None:
+    """NumPy's extremes (the fast path on a CPU) against torch's, on rows full of ties (few values)
+    and on plain random rows, 1-D and 2-D, -inf included."""
+    from specdec.common.distributions import first_argmax, first_argmin
+
+    g = torch.Generator().manual_seed(5)
+    for rows in (torch.randint(0, 4, (64, 37), generator=g).to(dtype), torch.randn(8, 5000, generator=g).to(dtype)):
+        rows[0, :3] = -math.inf
+        assert torch.equal(first_argmax(rows), rows.argmax(-1))
+        assert torch.equal(first_argmin(rows), rows.argmin(-1))
+        assert int(first_argmax(rows[1])) == int(rows[1].argmax())
