@@ -138,21 +138,21 @@ def _draft_ids(draft_ids: torch.Tensor, minimum: int) -> torch.Tensor:
 def _checked_q_of_draft(rows: Sequence[SparseDist], draft: torch.Tensor) -> torch.Tensor:  # [L] float64
     """``q_i(x_i)`` (0 off the support), after what check_sparse_dist and chain_verify's check of q ask
     of each row (sorted distinct ids in the vocabulary, float64 probabilities, finite, non-negative,
-    each row summing to 1 within VERIFY_SUM_ATOL): for all of a round's rows at once, in NumPy (a few
-    microseconds an operation on a round's ~100-300 entries, where torch's dispatch costs ~10)."""
+    each row summing to 1 within VERIFY_SUM_ATOL) and a range check of the drafts: for all of a round's
+    rows at once, in NumPy (a few microseconds an operation on a round's ~100-300 entries, where
+    torch's dispatch costs ~10)."""
     vocab = rows[0].vocab_size if isinstance(rows[0], SparseDist) else 0
-    for sd in rows:
-        if not isinstance(sd, SparseDist) or sd.vocab_size != vocab:
-            raise ValueError("the draft distributions must be SparseDists over one vocabulary")
-        if sd.ids.dtype != torch.int64 or sd.probs.dtype != torch.float64 or sd.ids.ndim != 1 \
-                or sd.ids.shape != sd.probs.shape or sd.ids.numel() == 0:
-            raise ValueError("a draft distribution needs non-empty int64 ids and float64 probs of one shape")
+    if any(not isinstance(sd, SparseDist) or sd.vocab_size != vocab or sd.ids.ndim != 1
+           or sd.ids.shape != sd.probs.shape or not sd.ids.numel() for sd in rows):
+        raise ValueError("the draft distributions must be non-empty SparseDists over one vocabulary")
+    ids, probs = torch.cat([sd.ids for sd in rows]), torch.cat([sd.probs for sd in rows])  # [sum K]
+    if ids.dtype != torch.int64 or probs.dtype != torch.float64:
+        raise ValueError("a draft distribution needs int64 ids and float64 probs")
+    ids, probs, drafts = ids.cpu().numpy(), probs.cpu().numpy(), draft.numpy()
     sizes = [sd.ids.numel() for sd in rows]
-    ids = np.concatenate([sd.ids.cpu().numpy() for sd in rows])               # [sum K]
-    probs = np.concatenate([sd.probs.cpu().numpy() for sd in rows])           # [sum K]
     starts = np.cumsum([0, *sizes[:-1]])
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"draft distribution ids out of range [0, {vocab})")
+    if min(ids.min(), drafts.min()) < 0 or max(ids.max(), drafts.max()) >= vocab:
+        raise ValueError(f"draft or distribution ids out of range [0, {vocab})")
     rising = np.diff(ids) > 0
     rising[starts[1:] - 1] = True  # a row may start below where the last one ended
     if not rising.all():
@@ -164,8 +164,7 @@ def _checked_q_of_draft(rows: Sequence[SparseDist], draft: torch.Tensor) -> torc
     if (error > VERIFY_SUM_ATOL).any():
         i = int(error.argmax())
         raise ValueError(f"q row {i} sums to {float(sums[i])!r}, not 1 (tolerance {VERIFY_SUM_ATOL})")
-    check_token_ids(draft, "draft_ids", vocab)
-    hit = ids == np.repeat(draft.numpy(), sizes)  # at most one a row: the ids of a row are distinct
+    hit = ids == np.repeat(drafts, sizes)  # at most one a row: the ids of a row are distinct
     q_x = np.zeros(len(rows))
     q_x[np.repeat(np.arange(len(rows)), sizes)[hit]] = probs[hit]
     return torch.from_numpy(q_x)
@@ -330,9 +329,13 @@ class _Lockstep:
         dssd = [j for j in ends if self.rounds[running[j]].kind is RoundKind.DSSD and i < self.lengths[running[j]]]
         if isinstance(law, _GreedyRows):
             for j in ends:
+                a, r = law.top_host[j], self.rounds[running[j]]
                 if j not in dssd:
-                    self.outcomes[running[j]] = RoundOutcome(num_accepted=i, next_token=law.top_host[j])
-            self._dssd_samples(i, [running[j] for j in dssd], law.rows(dssd))
+                    self.outcomes[running[j]] = RoundOutcome(num_accepted=i, next_token=a)
+                else:  # m draws of a one-hot p_j, each its argmax with probability 1.0
+                    self.outcomes[running[j]] = RoundOutcome(
+                        num_accepted=i, next_token=None, reject_samples=(a,) * r.dssd_samples,
+                        reject_sample_probs=(1.0,) * r.dssd_samples, reject_p=law.rows([j])[0].cpu())
             return
         chain = [j for j in ends if self.rounds[running[j]].kind is RoundKind.CHAIN and i < self.lengths[running[j]]]
         bonus = [j for j in ends if i == self.lengths[running[j]]]
