@@ -179,6 +179,12 @@ def test_bad_input_is_refused() -> None:
         verify_rounds([torch.zeros(2, 5)], [good])
     with pytest.raises(ValueError, match="NaN"):
         verify_rounds([torch.full((2, 4), float("nan"))], [good])
+    greedy = chain_round(torch.tensor([0]), [sd], TargetLaw(0.0), gen)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        logits = torch.zeros(2, 4)
+        logits[0, 3] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            verify_rounds([logits], [greedy])
     with pytest.raises(ValueError, match="q_of_draft"):
         dssd_round(torch.tensor([0]), torch.tensor([1.5], dtype=torch.float64), law, gen, 4)
     bad_noise = gumbel_round(torch.tensor([1]), law, lambda i: -torch.ones(4, dtype=torch.float64))
