@@ -297,14 +297,19 @@ def run_threads(scheduler: ForwardScheduler, jobs) -> list:
     return results
 
 
+def four_twins(model, gen: torch.Generator) -> tuple[list, list[list[int]]]:
+    """Four sessions holding prefixes of 3-6 tokens, each with its twin that runs alone, and 2-5 new
+    tokens for each."""
+    return [twins(model, ids(gen, 3 + i)) for i in range(4)], [ids(gen, 2 + i) for i in range(4)]
+
+
 def test_scheduler_runs_ready_sessions_in_one_forward(model):
     gen = torch.Generator().manual_seed(3)
     stats = []
     # A long window: the forward must start because all four handed in, not because time ran out.
     scheduler = ForwardScheduler(BatchSettings(wait_s=30.0), observer=stats.append)
     try:
-        pairs = [twins(model, ids(gen, 3 + i)) for i in range(4)]
-        news = [ids(gen, 2 + i) for i in range(4)]
+        pairs, news = four_twins(model, gen)
         out = run_threads(scheduler, [lambda b=b, n=n: scheduler.forward(ForwardRequest(b, n, len(n)))
                                       for (_, b), n in zip(pairs, news)])
     finally:
@@ -376,8 +381,7 @@ def test_the_rounds_of_a_forward_are_verified_together_as_each_alone(model):
     stats = []
     scheduler = ForwardScheduler(BatchSettings(wait_s=30.0), observer=stats.append)
     try:
-        pairs = [twins(model, ids(gen, 3 + i)) for i in range(4)]
-        drafts = [ids(gen, 2 + i) for i in range(4)]
+        pairs, drafts = four_twins(model, gen)
         rounds = [_round(d, gen) for d in drafts]
         # what the edge feeds: the last verified token (the cache is one behind), then the drafts
         out = run_threads(scheduler, [lambda b=b, d=d, r=r: scheduler.verify(ForwardRequest(b, [1, *d], len(d) + 1), r)
