@@ -64,19 +64,33 @@ def test_local_address_is_loopback_or_an_address_of_this_host(monkeypatch) -> No
     assert is_local_address(own)
 
 
-def test_the_edge_keeps_freed_memory_for_its_next_forward() -> None:
-    """glibc (this machine, CI's) takes both settings; a freed 8 MB block then comes back without
-    faulting its pages in again (a fresh mmap would fault in all 2048 of them)."""
-    import resource
-
-    import torch
-
-    from specdec.common.runtime import retain_freed_memory
-
+# A fresh process allocates an 8 MB tensor and prints whether it lies in the heap (brk) rather than
+# in a mapping of its own (fresh: a test worker's heap and glibc's dynamic threshold hold whatever
+# earlier tests left in them).
+IN_HEAP_SCRIPT = """
+import sys, torch
+from specdec.common.runtime import retain_freed_memory
+if sys.argv[1] == "retain":
     assert retain_freed_memory() is True
-    block = 8 << 20
-    held = torch.ones(block // 4)
-    del held  # the heap grew to hold it, and keeps it now that it is freed
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(block // 4)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < block // 4096 // 4
+block = torch.ones(2 << 20)
+heap = next(line for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]"))
+low, high = (int(x, 16) for x in heap.split()[0].split("-"))
+print(int(low <= block.data_ptr() < high))
+"""
+
+
+def test_the_edge_keeps_freed_memory_for_its_next_forward() -> None:
+    """glibc (this machine's, CI's) takes both settings, and an 8 MB block then comes from the heap,
+    which keeps it when it is freed, where glibc's defaults map it on its own and unmap it when freed
+    (so the next one faults all its pages in again). Whether a kept page stays resident is the
+    kernel's business (this VM's DAMON pages out cold memory), so the test reads where the block
+    lies, not its page faults."""
+    import subprocess
+    import sys
+
+    def in_heap(mode: str) -> bool:
+        out = subprocess.run([sys.executable, "-c", IN_HEAP_SCRIPT, mode], capture_output=True, text=True, check=True)
+        return out.stdout.split()[-1] == "1"
+
+    assert not in_heap("default"), "glibc's defaults already put an 8 MB block in the heap: nothing to compare"
+    assert in_heap("retain")
