@@ -328,12 +328,21 @@ def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
 
 def _inverse_cdf_many(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [V], [n] -> [n] int64
     """The first token whose float64 cumulative probability exceeds ``u * total``, for each uniform,
-    over one cumulative sum; past the end by rounding: the last token with non-zero probability."""
-    cum = torch.cumsum(probs.to(torch.float64), dim=0)  # [V]
-    idx = torch.searchsorted(cum, u * float(cum[-1]), right=True)  # [n]
-    past_end = idx >= probs.numel()
+    over one cumulative sum (:func:`inverse_cdf_rows` of one row)."""
+    return inverse_cdf_rows(probs.unsqueeze(0), u.unsqueeze(0))[0]
+
+
+def inverse_cdf_rows(probs: torch.Tensor,  # [r, V] probabilities (need not sum to 1)
+                     u: torch.Tensor) -> torch.Tensor:  # [r, m] float64 uniforms -> [r, m] int64
+    """Row by row, the first token whose float64 cumulative probability exceeds ``u * total``, one
+    cumulative sum a row; past the end by rounding: the row's last token with non-zero probability.
+    The one inverse CDF of every sampler here, one session's or a batch's (verify_batch.py)."""
+    cum = torch.cumsum(probs.to(torch.float64), dim=-1)                        # [r, V]
+    idx = torch.searchsorted(cum, u * cum[:, -1:], right=True)                # [r, m]
+    past_end = idx >= probs.shape[-1]
     if bool(past_end.any()):
-        idx[past_end] = int((probs > 0).nonzero()[-1])
+        for row, col in past_end.nonzero().tolist():
+            idx[row, col] = int((probs[row] > 0).nonzero()[-1])
     return idx
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.common.distributions import SparseDist, first_argmax, first_argmin
+from specdec.common.distributions import SparseDist, first_argmax, first_argmin, inverse_cdf_rows
 from specdec.common.sampling import TargetLaw
 from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_int, check_logits,
                                        check_prob_scalars, check_token_ids)
@@ -355,7 +355,7 @@ class _Lockstep:
         if not rounds:
             return
         residual = _residual_rows(p, [self.rounds[b].q_rows[i] for b in rounds])  # [c, V]
-        tokens = _inverse_cdf(residual, self.u[rounds, i + 1].unsqueeze(1))
+        tokens = inverse_cdf_rows(residual, self.u[rounds, i + 1].unsqueeze(1))
         for b, token in zip(rounds, tokens[:, 0].tolist()):
             self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
 
@@ -364,7 +364,7 @@ class _Lockstep:
         if not rounds:
             return
         width = max(self.rounds[b].dssd_samples for b in rounds)
-        samples = _inverse_cdf(p, self.u[rounds, i + 1:i + 1 + width]) if width else None  # [d, m]
+        samples = inverse_cdf_rows(p, self.u[rounds, i + 1:i + 1 + width]) if width else None  # [d, m]
         for k, b in enumerate(rounds):
             m = self.rounds[b].dssd_samples
             ys = samples[k, :m] if m else torch.empty(0, dtype=torch.int64, device=p.device)
@@ -377,7 +377,7 @@ class _Lockstep:
         """After ``L = i`` acceptances: the coupled bonus (its own noise), else a draw of ``p_L`` with ``u_L``."""
         plain = [k for k, b in enumerate(rounds) if self.rounds[b].bonus_noise is None]
         coupled = [k for k, b in enumerate(rounds) if self.rounds[b].bonus_noise is not None]
-        tokens = _inverse_cdf(p[plain], self.u[[rounds[k] for k in plain], i].unsqueeze(1))[:, 0].tolist() \
+        tokens = inverse_cdf_rows(p[plain], self.u[[rounds[k] for k in plain], i].unsqueeze(1))[:, 0].tolist() \
             if plain else []
         tokens += _coupled_bonuses(p[coupled], [self.rounds[rounds[k]].bonus_noise for k in coupled])
         for k, token in zip(plain + coupled, tokens):
@@ -410,19 +410,6 @@ def _residual_rows(p: torch.Tensor,  # [c, V] float64, overwritten
         p[which, ids] = torch.where(empty[which], kept, p[which, ids])
         total[empty] = 1.0
     return p.div_(total)
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [r, V], [r, m] -> [r, m] int64
-    """Row by row what ``distributions._inverse_cdf_many`` returns: the first token whose float64
-    cumulative probability exceeds ``u * total``; past the end by rounding, the last token with
-    non-zero probability."""
-    cum = torch.cumsum(probs, dim=-1)                                          # [r, V]
-    idx = torch.searchsorted(cum, u * cum[:, -1:], right=True)                # [r, m]
-    past_end = idx >= probs.shape[-1]
-    if bool(past_end.any()):
-        for row, col in past_end.nonzero().tolist():
-            idx[row, col] = int((probs[row] > 0).nonzero()[-1])
-    return idx
 
 
 def _coupled_bonuses(p: torch.Tensor,  # [c, V] float64

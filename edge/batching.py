@@ -184,14 +184,16 @@ class ForwardScheduler:
 
     def forward(self, request: ForwardRequest) -> torch.Tensor:
         """The logits ``request`` asks for, once a forward has run it (chunked if long)."""
-        *chunks, last = self._chunks(request)
-        for chunk in chunks:
-            self._submit(chunk).result()
-        return self._submit(last).result()
+        return self._through(request)
 
     def verify(self, request: ForwardRequest, round_: ChainRound) -> RoundOutcome:
         """The verdict of ``round_`` against the logits ``request`` asks for, verified with the other
         rounds of the same forward."""
+        return self._through(request, round_)
+
+    def _through(self, request: ForwardRequest, round_: ChainRound | None = None):
+        """``request``'s chunks through forwards in order; the last one's answer (logits, or with
+        ``round_`` its outcome)."""
         *chunks, last = self._chunks(request)
         for chunk in chunks:
             self._submit(chunk).result()
