@@ -59,6 +59,7 @@ class Session:
     position: int
 
     gumbel_draft: torch.Tensor | None = None  # [L] what a gumbel drafter drafts from the same q
+    q_of_draft: torch.Tensor | None = None    # [L] float64 q_i(x_i): what a DSSD round sends
 
 
 def make_sessions(n: int, drafts: int, vocab: int, temperature: float, device: str, seed: int,
@@ -83,6 +84,7 @@ def make_sessions(n: int, drafts: int, vocab: int, temperature: float, device: s
         s = Session(logits.to(device), torch.tensor(draft), rows, seed * 1000 + b, 100 + b)
         noise = _noise(s, vocab, temperature)  # a gumbel drafter races q with each position's noise
         s.gumbel_draft = torch.tensor([int(race_token_unchecked(densify(sd), noise(i))) for i, sd in enumerate(rows)])
+        s.q_of_draft = torch.tensor([float(densify(sd)[x]) for sd, x in zip(rows, draft)], dtype=torch.float64)
         sessions.append(s)
     return sessions
 
@@ -109,13 +111,12 @@ def per_session(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> lis
             r = V.gumbel_verify(s.gumbel_draft.to(p.device), p, _noise(s, vocab, law.temperature))
             out.append((r.num_accepted, r.next_token))
             continue
-        q = torch.stack([densify(sd, p.device) for sd in s.rows])
         generator = stream(s.seed, Purpose.VERIFY, s.position)
-        if mode is RoundKind.DSSD:
-            q_x = q.gather(1, ids.unsqueeze(1)).squeeze(1)
-            r = V.dssd_edge_verify(ids, q_x, p, generator, DSSD_SAMPLES, _bonus(s, vocab))
+        if mode is RoundKind.DSSD:  # the scalars as the wire brings them: no q to densify
+            r = V.dssd_edge_verify(ids, s.q_of_draft.to(p.device), p, generator, DSSD_SAMPLES, _bonus(s, vocab))
             out.append((r.num_accepted, r.bonus_token, tuple(r.reject_samples.tolist())))
         else:
+            q = torch.stack([densify(sd, p.device) for sd in s.rows])
             r = V.chain_verify(ids, q, p, generator, _bonus(s, vocab))
             out.append((r.num_accepted, r.next_token))
     return out
@@ -130,9 +131,7 @@ def batched(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> list[tu
         if mode is RoundKind.GUMBEL:
             rounds.append(gumbel_round(s.gumbel_draft, law, _noise(s, vocab, law.temperature)))
         elif mode is RoundKind.DSSD:
-            q_x = torch.tensor([float(densify(sd)[x]) for sd, x in zip(s.rows, s.draft.tolist())],
-                               dtype=torch.float64)
-            rounds.append(dssd_round(s.draft, q_x, law, generator, DSSD_SAMPLES, _bonus(s, vocab)))
+            rounds.append(dssd_round(s.draft, s.q_of_draft, law, generator, DSSD_SAMPLES, _bonus(s, vocab)))
         else:
             rounds.append(chain_round(s.draft, s.rows, law, generator, _bonus(s, vocab)))
     outcomes = verify_rounds([s.logits for s in sessions], rounds)
