@@ -49,6 +49,15 @@ ADVICE_CHUNK_DOUBLINGS = 3
 CATCH_UP_MIN = 8
 
 
+def measured_up_to_mismatch(q_stats: list, settings: DraftSettings, num_accepted: int) -> list:
+    """What a committed round may teach the policy of its measurements per draft step. In a gumbel
+    round, a draft past the first mismatch was raced with the noise of a position that the next round
+    races with again: what was measured after it would let that round's plan see its random numbers."""
+    if settings.mode is Mode.GUMBEL:
+        return q_stats[:num_accepted + 1]
+    return q_stats
+
+
 class DraftSession:
     """Drafts rounds for one generation and applies the edge's verdicts. Blocking (torch)."""
 
@@ -243,10 +252,7 @@ class DraftSession:
             new = tree_round.commit(self, rd, verdict, next_token)
         else:
             new, guess, discarded = chain.commit(self, rd, verdict, next_token)
-        if rd.settings.mode is Mode.GUMBEL:
-            # A draft past the first mismatch was raced with the noise of a position the next round
-            # races with again: what was measured after it must not reach the plan of that round.
-            rd.q_stats = rd.q_stats[:verdict.num_accepted + 1]
+        rd.q_stats = measured_up_to_mismatch(rd.q_stats, rd.settings, verdict.num_accepted)
         if dssd_correction:
             self.pending_correction = int(next_token)
         threshold = self.controller.beta if self.controller is not None and rd.settings.mode is Mode.CSQS else None

@@ -231,6 +231,7 @@ def test_every_draft_is_the_drafters_race_with_its_positions_noise(models) -> No
 # -- the exact law --------------------------------------------------------------------------------------
 LAW_SESSIONS = 400
 CONTROL_SESSIONS = 400   # each control below falls under p = 1e-6 at this size
+CUT_CONTROL_SESSIONS = 40  # the count it checks is exact: a handful of mismatching gumbel rounds show it
 
 
 @pytest.fixture(scope="module")
@@ -315,29 +316,55 @@ def test_control_accept_by_ratio_with_the_shared_noise_is_rejected(law_models) -
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
 
 
-def test_auto_with_gumbel_among_its_candidates_keeps_the_law(law_models) -> None:
+def _sensitive_auto_with_gumbel(drafter, hello):
     """The real controller, as sensitive as it gets, choosing every round between gumbel and TSLT-1
-    rounds of length 1 (in process edge-only rounds cost nothing and would win every round), every
-    round drafted ahead in full. A gumbel round's event carries no measurement past its first mismatch
-    (those drafts raced with noise the next round uses)."""
-    def factory(drafter, hello):
-        config = AutoConfig(top_ks=(1,), ksqs_ks=(), dense=False, dssd=False, edge_only=False, draft_lens=(1,),
-                            memory=0.0, hysteresis=0.0, lattice=8)
-        policy = AutoPolicy(LinkTracker(config), hello, drafter.vocab_size, draft_ahead=True)
-        session = AheadToTheEnd(drafter, hello, policy=policy)
-        session.modes, session.measured_past_mismatch = Counter(), 0
+    rounds of length 3 (in process edge-only rounds cost nothing and would win every round), every
+    round drafted ahead in full. It counts the gumbel rounds that mismatched before their last draft
+    (where the cut of device/session.py ``measured_up_to_mismatch`` has something to cut) and the
+    events that still carry a measurement past the first mismatch."""
+    config = AutoConfig(top_ks=(1,), ksqs_ks=(), dense=False, dssd=False, edge_only=False,
+                        draft_lens=(GUMBEL_AUTO_LEN,), memory=0.0, hysteresis=0.0, lattice=8)
+    policy = AutoPolicy(LinkTracker(config), hello, drafter.vocab_size, draft_ahead=True)
+    session = AheadToTheEnd(drafter, hello, policy=policy)
+    session.modes, session.measured_past_mismatch, session.cut_rounds = Counter(), 0, 0
 
-        def on_round(event):
-            session.modes.update([event.settings.mode.value])
-            if event.settings.mode is S.Mode.GUMBEL and len(event.q_stats) > event.record.accepted + 1:
-                session.measured_past_mismatch += 1
-        session.listeners.append(on_round)
-        return session
+    def on_round(event):
+        session.modes.update([event.settings.mode.value])
+        if event.settings.mode is not S.Mode.GUMBEL:
+            return
+        session.cut_rounds += event.record.accepted + 1 < event.record.drafted_tokens
+        session.measured_past_mismatch += len(event.q_stats) > event.record.accepted + 1
+    session.listeners.append(on_round)
+    return session
 
-    fit, sessions = _law_fit(law_models, factory, LAW_SESSIONS, dict(mode="auto"), max_new=2 * N_TOKENS)
+
+# L >= 3: a round of length 1 has no draft past its first mismatch, so nothing to cut
+GUMBEL_AUTO_LEN = 3
+
+
+def test_auto_with_gumbel_among_its_candidates_keeps_the_law(law_models) -> None:
+    """Mode auto switching between gumbel and TSLT keeps the law, and no gumbel round teaches it
+    anything measured past its first mismatch (test_control_measurements_past_the_mismatch_are_seen
+    shows that this count sees them when the cut is removed)."""
+    fit, sessions = _law_fit(law_models, _sensitive_auto_with_gumbel, LAW_SESSIONS, dict(mode="auto"),
+                             max_new=2 * N_TOKENS)
     modes = sum((s.modes for s in sessions), Counter())
-    print(f"sensitive auto with gumbel: rounds by mode {dict(modes)}; {fit}")
+    cut = sum(s.cut_rounds for s in sessions)
+    print(f"sensitive auto with gumbel: rounds by mode {dict(modes)}, {cut} gumbel rounds mismatched before "
+          f"their last draft; {fit}")
     assert sum(n > LAW_SESSIONS // 10 for n in modes.values()) >= 2, f"auto hardly changed its mind: {modes}"
-    assert modes["gumbel"] > 0
+    assert cut > LAW_SESSIONS // 10, f"too few gumbel rounds for the cut to act on: {cut}"
     assert sum(s.measured_past_mismatch for s in sessions) == 0
     assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+def test_control_measurements_past_the_mismatch_are_seen(law_models, monkeypatch) -> None:
+    """Control for the count above: with the cut removed, the events carry measurements past the
+    first mismatch (the leak the cut prevents: the next round's plan would see its own noise)."""
+    from specdec.device import session as device_session
+    monkeypatch.setattr(device_session, "measured_up_to_mismatch", lambda q_stats, settings, accepted: q_stats)
+    _, sessions = _law_fit(law_models, _sensitive_auto_with_gumbel, CUT_CONTROL_SESSIONS, dict(mode="auto"),
+                           max_new=2 * N_TOKENS)
+    past = sum(s.measured_past_mismatch for s in sessions)
+    print(f"cut removed: {past} events measured past the first mismatch")
+    assert past > 0
