@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-edge-memory", dest="edge_memory", action="store_false",
                    help="mode auto: start cold and keep nothing (default: start from what this device "
                         "learned about the edge in earlier runs, $SPECDEC_CACHE_DIR/edges)")
+    p.add_argument("--no-reproducible", dest="reproducible", action="store_false",
+                   help="a seeded session at T > 0 may give other tokens in another run (the same law): "
+                        "mode auto may choose any round and fixed modes follow the edge's load advice. "
+                        "Default: the same seed gives the same tokens whatever the load, the edge, the "
+                        "link and the drafter in mode auto (gumbel and edge-only rounds only), and the "
+                        "same drafter's tokens in a fixed mode (the server form: for requests with a seed)")
     p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0)
     p.add_argument("--target-top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=0.0,
                    help="top-p of the target distribution itself (default: off)")

@@ -40,7 +40,7 @@ import torch
 
 from specdec.common import autotune as A
 from specdec.common.loadaware import CostCurve
-from specdec.common.settings import Mode
+from specdec.common.settings import RACE_MODES, Mode
 from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K, DraftSettings,
                                      Hello, Welcome)
 from specdec.common.stats import RoundRecord
@@ -723,12 +723,16 @@ class AutoPolicy:
     round: :meth:`choose` reads estimates built from committed rounds, so a plan never depends on the
     random numbers of the round it is for (nor on a round drafted ahead on a guess)."""
 
-    def __init__(self, tracker: LinkTracker, hello: Hello, vocab_size: int, draft_ahead: bool = True):
+    def __init__(self, tracker: LinkTracker, hello: Hello, vocab_size: int, draft_ahead: bool = True,
+                 reproducible: bool = False):
         self.tracker = tracker
         self.hello = hello
         self.vocab_size = vocab_size
         self.draft_ahead = draft_ahead
-        self.candidates = tracker.config.candidates(vocab_size)
+        # Seeded and sampling: only rounds whose tokens are a function of (target, prompt, seed, law),
+        # so that no choice (each one made from timing) can change them. At T = 0 every round is.
+        self.race_only = reproducible and hello.temperature > 0
+        self.candidates = self._within(tracker.config.candidates(vocab_size))
         self.dssd_samples = tracker.config.dssd_samples  # within the edge's cap once its Welcome says it
         # its own text's acceptance (sessions running at once share the link, not the text)
         self.acceptance = tracker.session_acceptance(hello.temperature)
@@ -826,15 +830,24 @@ class AutoPolicy:
         """Choose within the edge's limits: a round past its longest draft, largest K or most DSSD
         samples, or of a mode it does not verify (gumbel, before Welcome.modes), would fail the session
         (an edge that does not state its sample cap had 64)."""
-        self.candidates = [c for c in self.tracker.config.candidates(self.vocab_size,
-                                                                     welcome.max_draft_len or DEFAULT_MAX_DRAFT_LEN,
-                                                                     welcome.max_k or DEFAULT_MAX_K)
-                           if welcome.verifies(c.mode)]
+        self.candidates = self._within([c for c in self.tracker.config.candidates(
+            self.vocab_size, welcome.max_draft_len or DEFAULT_MAX_DRAFT_LEN, welcome.max_k or DEFAULT_MAX_K)
+            if welcome.verifies(c.mode)])
         cap = welcome.dssd_max_samples or DEFAULT_DSSD_MAX_SAMPLES
         self.dssd_samples = max(1, min(self.tracker.config.dssd_samples, cap))
         if self.current not in self.candidates:
             self.current = None
         self.tracker.observe_edge_cost(welcome.forward_cost)
+
+    def _within(self, candidates: list[A.Candidate]) -> list[A.Candidate]:
+        """The candidates this session may choose: the race rounds only where it must be reproducible
+        (edge-only is always among them unless configured out; then gumbel alone)."""
+        if not self.race_only:
+            return candidates
+        race = [c for c in candidates if c.mode in RACE_MODES]
+        if not race:
+            raise ValueError("a reproducible seeded session needs gumbel or edge-only rounds among auto's candidates")
+        return race
 
     def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings) -> QStats | None:
         return self.tracker.measure_q(q, q_hat, settings, self.hello.temperature)

@@ -168,6 +168,18 @@ def edge_api_error(exc: EdgeError) -> ApiError:
     return ApiError(status, f"edge: {exc.code.name}: {exc.details}", type=kind, code=exc.code.name.lower())
 
 
+def request_config(base: DeviceConfig, p: openai_schema.SamplingParams) -> DeviceConfig:
+    """The daemon's defaults with this request's sampling parameters and `specdec` overrides."""
+    target_top_p = base.target_top_p if p.top_p is None else (0.0 if p.top_p >= 1.0 else p.top_p)
+    target_top_k = base.target_top_k if p.top_k is None else max(p.top_k, 0)
+    return replace(base, draft={**base.draft, **p.overrides},
+                   temperature=base.temperature if p.temperature is None else p.temperature,
+                   target_top_p=target_top_p, target_top_k=target_top_k,
+                   max_new_tokens=p.max_tokens or base.max_new_tokens,
+                   # a request without a seed gets a fresh one: nothing to reproduce
+                   reproducible=base.reproducible and p.seed is not None)
+
+
 class DeviceEngine:
     """The drafter, the edges (one channel each) and the metrics; runs one choice as one edge session."""
 
@@ -192,14 +204,7 @@ class DeviceEngine:
                            code="edge_unavailable")
 
     def settings(self, p: openai_schema.SamplingParams) -> DeviceConfig:
-        """The daemon's defaults with this request's sampling parameters and `specdec` overrides."""
-        base = self.cfg.device
-        target_top_p = base.target_top_p if p.top_p is None else (0.0 if p.top_p >= 1.0 else p.top_p)
-        target_top_k = base.target_top_k if p.top_k is None else max(p.top_k, 0)
-        return replace(base, draft={**base.draft, **p.overrides},
-                       temperature=base.temperature if p.temperature is None else p.temperature,
-                       target_top_p=target_top_p, target_top_k=target_top_k,
-                       max_new_tokens=p.max_tokens or base.max_new_tokens)
+        return request_config(self.cfg.device, p)
 
     def encode_text(self, text: str) -> list[int]:
         ids = encode_prompt(self.drafter.tokenizer, text, raw=True)

@@ -75,6 +75,12 @@ class DeviceConfig:
     round_log: bool = False             # JSON output: one entry per round (settings, counts, times, auto's choice)
     edge_memory: bool = True            # mode auto starts from what this device learned about the edge in
                                         # earlier processes, and keeps it ($SPECDEC_CACHE_DIR/edges)
+    # A seeded session at T > 0 gives the same tokens in every run (docs/modes.md, "Same seed, same
+    # tokens"): mode auto keeps to rounds whose tokens are the target's own race with the seed's noise
+    # (gumbel, edge-only), and fixed modes draft the lengths they were given whatever the edge's load
+    # advice. Off: auto may pick any round and fixed modes follow the advice (tokens then depend on
+    # the drafter, the load and the link; the law is the same either way).
+    reproducible: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, S.GivenSettings):  # hashable, and checked against the table
@@ -131,8 +137,10 @@ def new_session(cfg: DeviceConfig, drafter: LoadedModel, hello: Hello,
     (one per device: its sessions share the link)."""
     policy = None
     if cfg.auto:
-        policy = AutoPolicy(tracker or LinkTracker(), hello, drafter.vocab_size, draft_ahead=cfg.draft_ahead)
-    return session_class(drafter, hello, draft_ahead=cfg.draft_ahead, policy=policy, round_log=cfg.round_log)
+        policy = AutoPolicy(tracker or LinkTracker(), hello, drafter.vocab_size, draft_ahead=cfg.draft_ahead,
+                            reproducible=cfg.reproducible)
+    return session_class(drafter, hello, draft_ahead=cfg.draft_ahead, policy=policy, round_log=cfg.round_log,
+                         reproducible=cfg.reproducible)
 
 
 def device_tracker(cfg: DeviceConfig, drafter: LoadedModel) -> LinkTracker:

@@ -62,8 +62,11 @@ class DraftSession:
     """Drafts rounds for one generation and applies the edge's verdicts. Blocking (torch)."""
 
     def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False, policy=None,
-                 round_log: bool = False):
+                 round_log: bool = False, reproducible: bool = False):
         self.hello = hello
+        # Seeded and sampling (runner.DeviceConfig.reproducible): the edge's load advice must not cut a
+        # round whose tokens depend on where rounds end (every mode but the race modes).
+        self.fixed_cuts = reproducible and hello.temperature > 0
         self.vocab_size = drafter.vocab_size
         self.model = DraftModel(drafter, hello.temperature)
         self.edge_hint: int | None = None  # the edge's advised longest draft at its load (last committed verdict)
@@ -113,8 +116,11 @@ class DraftSession:
 
     def choose(self) -> RoundPlan:
         """The policy's plan (mode auto) or the session's settings, drafting no longer than the edge
-        advised at its load (0: an edge-only round, longer the longer the advice stays 0)."""
+        advised at its load (0: an edge-only round, longer the longer the advice stays 0), except where
+        that would change a reproducible session's tokens."""
         plan = self.policy.choose() if self.policy is not None else RoundPlan(self.hello.draft)
+        if self.fixed_cuts and plan.settings.mode not in S.RACE_MODES:
+            return plan
         chunk = S.EDGE_ONLY_CHUNK << min(self._advised_edge_only, ADVICE_CHUNK_DOUBLINGS)
         if self.policy is not None and self.edge_hint == 0:
             # mode auto prices a round's boundary, so its edge-only rounds under the advice are no

@@ -62,7 +62,8 @@ def cell_summary(stats: dict[str, dict]) -> dict:
             "auto_vs_best_fixed": ratio(auto, fixed.get(best)), "auto_vs_edge_only": ratio(auto, none),
             "auto_vs_default": ratio(auto, default), "best_fixed_vs_edge_only": ratio(fixed.get(best), none),
             "default_vs_best_fixed": ratio(default, fixed.get(best)), "default_vs_edge_only": ratio(default, none),
-            "auto_vs_auto_nogumbel": ratio(auto, tps.get("auto-nogumbel"))}
+            "auto_vs_auto_nogumbel": ratio(auto, tps.get("auto-nogumbel")),
+            "auto_vs_auto_free": ratio(auto, tps.get("auto-free"))}
 
 
 BOOTSTRAP_DRAWS = 2000
@@ -207,6 +208,12 @@ def goals(cells: dict[str, dict], changing: dict[str, dict]) -> dict[str, dict]:
         out["auto_vs_auto_nogumbel_geomean"] = {
             **goal("auto with gumbel >= 1.0x auto without it, geometric mean over the cells",
                    geomean(list(with_gumbel.values())), 1.0, f"{len(with_gumbel)} cells"), "all": with_gumbel}
+    reproducible = vals("auto_vs_auto_free")
+    if reproducible:  # issue 44's A/B, where the run had auto-free: the cost of same seed, same tokens
+        out["auto_vs_auto_free_geomean"] = {
+            **goal("seeded auto (same tokens every run) >= 0.95x auto free to choose any round, geometric "
+                   "mean over the cells", geomean(list(reproducible.values())), 0.95,
+                   f"{len(reproducible)} cells"), "all": reproducible}
     for key, (text, threshold) in GOALS.items():
         found = out[key]
         out[key] = {**found, **goal(text, found["value"], threshold, found["where"], found.get("detail"),

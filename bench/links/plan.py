@@ -36,6 +36,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "auto": ("auto", {"mode": "auto"}),
     # mode auto without gumbel among its candidates (its own memory of the link): the A/B of issue 37
     "auto-nogumbel": ("auto", {"mode": "auto", "auto_config": {"gumbel": False}}),
+    # mode auto free to choose any round (runner.DeviceConfig.reproducible off, as for a daemon request
+    # without a seed): the A/B of issue 44 against "auto", a seeded session that keeps to race rounds
+    "auto-free": ("auto", {"mode": "auto", "reproducible": False}),
 }
 FULL_CONFIGS = ("none", "tslt256-L4", "tslt64-L6", "tslt256-L8", "dense-L4", "ksqs64-L4", "dssd-L4", "gumbel-L4",
                 "auto")

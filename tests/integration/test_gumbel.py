@@ -30,6 +30,7 @@ from specdec.common.streams import Purpose, exponentials
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.draft_model import DraftModel, DraftStep
 from specdec.device.rounds import RoundPlan
+from specdec.device.runner import new_session
 from specdec.device.session import DraftSession
 from specdec.edge.verifier import VerifierSession
 from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
@@ -141,6 +142,41 @@ def test_mode_auto_choosing_gumbel_or_none_gives_the_same_tokens(models, edge_on
     print(f"auto's rounds by mode: {dict(sum((s.modes for s in sessions), Counter()))}")
     per_session = [dict(s.modes) for s in sessions]
     assert all(s.modes["gumbel"] and s.modes["none"] for s in sessions), per_session  # every session switched
+
+
+def _runner_auto(reproducible: bool, modes: Counter):
+    """Sessions as the device makes them (runner.new_session, mode auto, every candidate of the
+    default AutoConfig: TSLT, K-SQS, dense, DSSD, gumbel, edge-only), the controller as sensitive as it
+    gets and drafting whenever it can pay (in process edge-only rounds cost next to nothing)."""
+    def factory(drafter, hello):
+        cfg = device_config(mode="auto", temperature=hello.temperature, reproducible=reproducible)
+        tracker = LinkTracker(AutoConfig(memory=0.0, hysteresis=0.0, explore_cost=1.0, cold_start=False))
+        session = new_session(cfg, drafter, hello, tracker)
+        session.listeners.append(lambda event: modes.update([event.settings.mode.value]))
+        return session
+    return factory
+
+
+@pytest.mark.parametrize("drafter", ("close", "sharp"))
+def test_seeded_auto_gives_the_same_tokens_whatever_the_drafter(models, edge_only, drafter) -> None:
+    """Same seed, same tokens (runner.DeviceConfig.reproducible, on by default): a seeded mode auto
+    session at T = 1 keeps to gumbel and edge-only rounds, so every drafter gives the edge-only tokens
+    whatever auto chooses from its timing."""
+    modes = Counter()
+    tokens, _ = _tokens(models, drafter, _runner_auto(True, modes), settings=dict(mode="auto"))
+    print(f"{drafter}: seeded auto's rounds by mode {dict(modes)}")
+    assert set(modes) <= {"gumbel", "none"} and modes["gumbel"] > 0, modes
+    assert tokens == edge_only
+
+
+def test_control_auto_free_to_choose_gives_other_tokens(models, edge_only) -> None:
+    """Control for the test above: the same sessions with reproducibility off choose exact-q chain
+    rounds too, whose tokens depend on the drafter and on where rounds end."""
+    modes = Counter()
+    tokens, _ = _tokens(models, "sharp", _runner_auto(False, modes), settings=dict(mode="auto"))
+    print(f"auto free to choose: rounds by mode {dict(modes)}")
+    assert set(modes) - {"gumbel", "none"}, modes
+    assert tokens != edge_only
 
 
 def test_a_resume_on_a_fresh_edge_gives_the_same_tokens(models, edge_only) -> None:
