@@ -279,6 +279,23 @@ def within_draft_len(s: DraftSettings, limit: int | None, edge_tokens: int = EDG
     return replace(s, draft_len=min(s.draft_len, limit))
 
 
+def within_limits(s: DraftSettings, max_draft_len: int = 0, max_k: int = 0, dssd_max_samples: int = 0) -> DraftSettings:
+    """``s`` cut to an edge's limits (0: a limit the edge does not state), as its Welcome gives them:
+    a round retried on another edge after a broken stream is drafted within what that edge takes
+    (edge/verifier.py checks the same limits)."""
+    if s.mode is Mode.NONE:
+        return s
+    if max_draft_len:
+        s = within_draft_len(s, max_draft_len)
+    if max_k and s.mode in TOP_K_MODES:
+        s = replace(s, top_k=min(s.top_k, max_k))
+    if max_k and s.mode is Mode.CSQS:
+        s = replace(s, max_k=min(s.max_k, max_k))
+    if dssd_max_samples and s.mode is Mode.DSSD:
+        s = replace(s, dssd_samples=min(s.dssd_samples, dssd_max_samples))
+    return s
+
+
 def validate(s: DraftSettings) -> None:
     """Every field the round's mode reads within the table's bounds, and the combinations that make
     sense (ValueError). Fields another mode reads are not looked at: a device may leave them zero."""

@@ -139,8 +139,23 @@ class DraftSession:
         load-aware advice for the first round (an edge that gives one)."""
         if self.policy is not None:
             self.policy.observe_welcome(welcome)
+        if self._next is not None:
+            self._next = self._retry_within(self._next, welcome)
         if welcome.draft_len_hint is not None and self.round_id == 0 and not self.stats.rounds:
             self.edge_hint = welcome.draft_len_hint
+
+    def _retry_within(self, plan: RoundPlan, welcome: Welcome) -> RoundPlan | None:
+        """A round retried on an edge that cannot take it as planned (a shorter longest draft, a
+        smaller K or fewer DSSD samples, or, for mode auto, not its mode): mode auto chooses again
+        within the new edge's limits (its candidates now are), a fixed mode drafts it cut to them.
+        Not a choice from the round's random numbers: only from what the new edge states."""
+        s = plan.settings
+        fitted = S.within_limits(s, welcome.max_draft_len, welcome.max_k, welcome.dssd_max_samples)
+        if fitted == s and (s.mode is Mode.NONE or welcome.verifies(s.mode)):
+            return plan
+        if self.policy is not None:
+            return None
+        return replace(plan, settings=fitted)
 
     # -- per-position hooks (tests and benchmarks override them to log or to break things) ----------
     def encode(self, q: torch.Tensor, settings: DraftSettings) -> EncodedQ:
@@ -269,6 +284,16 @@ class DraftSession:
         """An edge-only round whose last token arrived (its tokens are committed already)."""
         record = round_record(rd, totals, rd.received, io, None)
         return self._commit_event(rd, record, self.tokens[len(self.tokens) - rd.received:], None, totals)
+
+    def break_edge_round(self, rd: RoundDraft, totals: Verdict, io: RoundIO) -> RoundEvent:
+        """An edge-only round whose stream broke after some of its tokens: those are committed and
+        delivered, so they are published as a round of their own; the round stays in flight so that
+        :meth:`abort_round` retries it for the tokens it lacks."""
+        s = replace(rd.settings, edge_tokens=rd.received)
+        part = replace(rd, plan=replace(rd.plan, settings=s))
+        event = self.finish_edge_round(part, replace(totals, more=False), io)
+        self._in_flight = rd
+        return event
 
     def _commit_event(self, rd: RoundDraft, record, new: list[int], guess: bool | None,
                       verdict: Verdict) -> RoundEvent:
