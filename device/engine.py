@@ -76,7 +76,14 @@ async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remain
     t0 = time.perf_counter()
     sent = await link.send(rd.block)
     catch_up = _start_catch_up(session, plan)
-    received, edge_verify, edge_queue, first = 0, 0.0, 0.0, None
+    received, edge_verify, edge_queue, first, verdict = 0, 0.0, 0.0, None, None
+
+    def io() -> RoundIO:
+        return RoundIO(sent, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
+                       first_reply_s=first)
+
+    def totals() -> P.Verdict:
+        return replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
     try:
         while True:
             verdict, size = await link.recv()
@@ -94,11 +101,13 @@ async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remain
                 catch_up[2].set()
             if not verdict.more:
                 break
-    finally:
-        await _stop_worker(catch_up)  # the worker must be off the drafter before anyone touches it
-    network = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
-    totals = replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
-    return session.finish_edge_round(rd, totals, RoundIO(sent, received, network, first_reply_s=first))
+    except BaseException:
+        await _stop_worker(catch_up)
+        if rd.received:  # its tokens are committed and delivered: the session's stats count them
+            session.break_edge_round(rd, totals(), io())
+        raise
+    await _stop_worker(catch_up)  # the worker must be off the drafter before anyone touches it
+    return session.finish_edge_round(rd, totals(), io())
 
 
 def _start_catch_up(session: DraftSession, plan: RoundPlan):
