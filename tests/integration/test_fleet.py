@@ -22,6 +22,7 @@ import struct
 import urllib.request
 
 import grpc
+import pytest
 
 from tests.support.fleet_rig import ALICE, MAX_NEW, POLICY, PROMPT, edges, kill_busiest_after, sessions, total, unbroken
 from tests.support.harness import device_config, load, run, target_greedy
@@ -39,10 +40,11 @@ from specdec.edge.admission import AdmissionSettings
 KILL_AFTER_TOKENS = 8            # per session on average, before the busiest edge dies
 
 
-def test_sessions_spread_over_edges_and_move_exactly_when_one_dies(tiny_pair_v512) -> None:
+@pytest.mark.parametrize("settings", [None, dict(mode="gumbel", draft_len=4)], ids=["tslt", "gumbel"])
+def test_sessions_spread_over_edges_and_move_exactly_when_one_dies(tiny_pair_v512, settings) -> None:
     target_dir, drafter_dir = tiny_pair_v512
     seeds, temps = list(range(6)), [0.0, 1.0] * 3
-    reference = unbroken(target_dir, drafter_dir, seeds, temps)
+    reference = unbroken(target_dir, drafter_dir, seeds, temps, settings=settings)
     metrics = DeviceMetrics()
     killed: list = []
 
@@ -50,7 +52,8 @@ def test_sessions_spread_over_edges_and_move_exactly_when_one_dies(tiny_pair_v51
         async with edges(*[(target_dir, f"edge{i}", {}) for i in range(3)]) as es:
             async with Fleet([e.address for e in es], lambda t, o: open_channel(t, o)) as fleet:
                 results = await sessions(fleet, drafter_dir, seeds, temps,
-                                         kill_busiest_after(es, KILL_AFTER_TOKENS * len(seeds), killed), metrics=metrics)
+                                         kill_busiest_after(es, KILL_AFTER_TOKENS * len(seeds), killed), metrics=metrics,
+                                         settings=settings)
             return results, total(es, "specdec_edge_sessions_reprefilled_total")
     results, reprefilled = run(main())
     errors = [r for r in results if isinstance(r, BaseException)]  # the sessions' own errors

@@ -3,7 +3,9 @@
 Each session runs over a fleet of two routes (device/fleet.py): its own cuttable relay to edge A,
 and edge B. It starts on A; after its first round the relay drops the connection and refuses new
 ones, as a dead edge does, so the device's failover tries A again, finds it gone, and continues the
-session on B, which re-prefills the verified prefix. The first N_TOKENS tokens of every session are
+session on B, which re-prefills the verified prefix. In the second variant (issue 44) A dies right
+after computing the first round's verdict, which the device never receives: the device retries that
+round on B with the same plan and the same random numbers. The first N_TOKENS tokens of every session are
 compared with the target's exact law (the tiny 8-token pair and enumeration of test_lossless_e2e).
 Negative control (slow, with 1200 sessions): an edge B that draws every round of a session from one generator seeded
 by the session seed, as edges before issue 16 did, fails the same test.
@@ -11,6 +13,7 @@ by the session seed, as edges before issue 16 did, fails the same test.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 
 import pytest
@@ -23,7 +26,7 @@ from specdec.device.fleet import Fleet, Selection
 from specdec.device.runner import open_channel
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
-from specdec.edge.verifier import EdgeLimits
+from specdec.edge.verifier import EdgeLimits, VerifierSession
 from tests.support.laws import CONCURRENCY, N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.integration.test_resume_lossless import OneGeneratorPerSession
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
@@ -39,7 +42,34 @@ POLICY = ConnectionPolicy(round_timeout_s=30.0, reconnect_timeout_s=30.0, backof
 MIN_MOVED_FRACTION = 0.9  # sessions whose first round left work to do (EOS can end one earlier)
 
 
-async def _session(seed, cfg, drafter, edge_a: str, edge_b: str):
+# seed -> cut that session's link to edge A (armed by _session, fired once by DiesAfterItsVerdict)
+_LOSE_VERDICT: dict = {}
+CUT_WAIT_S = 10.0
+
+
+class DiesAfterItsVerdict(VerifierSession):
+    """Edge A computes the round's verdict (its session advances past it), then its link dies before
+    the verdict leaves: the device never receives it."""
+
+    def verify(self, draft):
+        verdict = super().verify(draft)
+        cut = _LOSE_VERDICT.pop(self.hello.seed, None)
+        if cut is not None:
+            cut()
+        return verdict
+
+
+def _arm_cut_after_verdict(seed: int, link: CuttableLink) -> None:
+    loop = asyncio.get_running_loop()
+
+    def cut() -> None:  # on the edge's worker thread: the relay is the event loop's
+        done = threading.Event()
+        loop.call_soon_threadsafe(lambda: (link.cut(EDGE_DOWN_S), done.set()))
+        done.wait(CUT_WAIT_S)
+    _LOSE_VERDICT[seed] = cut
+
+
+async def _session(seed, cfg, drafter, edge_a: str, edge_b: str, lose_verdict: bool = False):
     host, port = edge_a.split(":")
     link = await CuttableLink(host, int(port)).start()
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
@@ -47,9 +77,12 @@ async def _session(seed, cfg, drafter, edge_a: str, edge_b: str):
     eos = set(drafter.eos_token_ids)
     seen = {"n": 0, "cut": False}
 
+    if lose_verdict:
+        _arm_cut_after_verdict(seed, link)
+
     def on_tokens(new):  # after round 1, unless the session is over: edge A dies
         seen["n"] += len(new)
-        if not seen["cut"] and seen["n"] < N_TOKENS and not eos & set(new):
+        if not lose_verdict and not seen["cut"] and seen["n"] < N_TOKENS and not eos & set(new):
             link.cut(EDGE_DOWN_S)
         seen["cut"] = True
     try:
@@ -62,7 +95,7 @@ async def _session(seed, cfg, drafter, edge_a: str, edge_b: str):
     return tuple(r.token_ids), tuple(r.trail.edges)
 
 
-def _run_part(seeds, pair, num_sessions: int) -> list[tuple]:
+def _run_part(seeds, pair, num_sessions: int, lose_verdict: bool = False) -> list[tuple]:
     target_dir, drafter_dir = pair
     drafter = load(str(drafter_dir))
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=DRAFT_LEN, mode="tslt", top_k=3)
@@ -75,19 +108,19 @@ def _run_part(seeds, pair, num_sessions: int) -> list[tuple]:
 
             async def one(seed):
                 async with gate:
-                    return await _session(seed, cfg, drafter, a, b)
+                    return await _session(seed, cfg, drafter, a, b, lose_verdict)
             return await asyncio.gather(*(one(s) for s in seeds))
     return list(run(main()))
 
 
-def _moved_sessions(twin, pair, n: int, patches=()):
+def _moved_sessions(twin, pair, n: int, patches=(), lose_verdict: bool = False):
     target_dir, drafter_dir = pair
     law = exact_law(str(target_dir), tuple(encode_prompt(load(str(drafter_dir)).tokenizer, PROMPT, raw=True)))
     if twin is None:
         with patched(patches):
-            results = _run_part(range(n), pair, n)
+            results = _run_part(range(n), pair, n, lose_verdict)
     else:
-        here, there = twin.split(_run_part, range(n), pair, n, patches=patches)
+        here, there = twin.split(_run_part, range(n), pair, n, lose_verdict, patches=patches)
         results = here + there
     moved = sum(1 for _, edges in results if edges == ("a", "b"))
     # ("b",): a first stream that failed before its Welcome went straight to b (the fleet's job too)
@@ -102,6 +135,16 @@ def test_sessions_moved_to_another_edge_keep_the_exact_law(twin, tiny_pair_v8, n
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
     fit = goodness_of_fit(counts, law)
     print(f"moved sessions ({moved} of {n}): {fit}")
+    assert fit.p_value > P_VALUE_CUT, str(fit)
+
+
+def test_sessions_whose_dying_edge_computed_a_verdict_never_received_keep_the_exact_law(twin, tiny_pair_v8) -> None:
+    counts, law, moved = _moved_sessions(twin, tiny_pair_v8, NUM_SESSIONS, lose_verdict=True,
+                                         patches=[(servicer, "VerifierSession", DiesAfterItsVerdict)])
+    assert moved >= MIN_MOVED_FRACTION * NUM_SESSIONS, moved
+    assert set(counts) <= set(law), "generated a sequence the target cannot produce"
+    fit = goodness_of_fit(counts, law)
+    print(f"sessions whose first verdict was lost ({moved} of {NUM_SESSIONS}): {fit}")
     assert fit.p_value > P_VALUE_CUT, str(fit)
 
 

@@ -33,6 +33,7 @@ from specdec.edge.server import EdgeConfig, start_server, stop_server
 LOG_LINES = 2000
 PROMPT = "w11 w12 w13"
 MAX_NEW = 32
+FLEET_SETTINGS = dict(mode="tslt", top_k=16)
 # Reconnect at once and often: the tests measure what the fleet does, not how long backoff waits.
 # Every break these tests make is loud (a killed process, a cancelled stream, an aborted relay), so
 # the round timeout never has to detect one: it only has to outlast a round on a loaded shared
@@ -184,30 +185,33 @@ def total(es, name: str, labels: dict | None = None) -> float:
 
 # -- sessions --------------------------------------------------------------------------------------
 async def sessions(edges_or_channel, drafter_dir, seeds, temps, on_tokens=None, token=None, metrics=None,
-                   max_new: int = MAX_NEW, policy: ConnectionPolicy = POLICY, timeout: float = SESSION_TIMEOUT_S):
+                   max_new: int = MAX_NEW, policy: ConnectionPolicy = POLICY, timeout: float = SESSION_TIMEOUT_S,
+                   settings: dict | None = None):
     """One session per (seed, temperature), all at once, over a channel or a Fleet: the results
-    (GenerationResult, or the EdgeError a session ended with) in order."""
+    (GenerationResult, or the EdgeError a session ended with) in order. ``settings``: the draft
+    settings (default TSLT, K = 16)."""
     drafter = load(str(drafter_dir))
     prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
     if token:
         policy = ConnectionPolicy(**{**policy.__dict__, "metadata": (("authorization", f"Bearer {token}"),)})
 
     async def one(seed, temperature):
-        cfg = device_config(mode="tslt", top_k=16, temperature=temperature, max_new_tokens=max_new)
+        cfg = device_config(**(settings or FLEET_SETTINGS), temperature=temperature, max_new_tokens=max_new)
         hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed)
         return await generate(edges_or_channel, DraftSession(drafter, hello), hello, prompt, drafter.eos_token_ids,
                               on_tokens=on_tokens, timeout=timeout, policy=policy, metrics=metrics)
     return await asyncio.gather(*(one(s, t) for s, t in zip(seeds, temps)), return_exceptions=True)
 
 
-def unbroken(target_dir, drafter_dir, seeds, temps, max_new: int = MAX_NEW) -> list[list[int]]:
+def unbroken(target_dir, drafter_dir, seeds, temps, max_new: int = MAX_NEW,
+             settings: dict | None = None) -> list[list[int]]:
     """The tokens of the same sessions against one edge that nothing disturbs; the greedy ones are
     checked against the target's own decode."""
     async def main():
         async with edges((target_dir, "reference", {})) as [ref]:
             async with open_channel(ref.address) as channel:
                 return await sessions(channel, drafter_dir, seeds, temps, max_new=max_new,
-                                      policy=REFERENCE_POLICY, timeout=REFERENCE_TIMEOUT_S)
+                                      policy=REFERENCE_POLICY, timeout=REFERENCE_TIMEOUT_S, settings=settings)
     results = run(main())
     failed = [f"seed {s}, T = {t}: {type(r).__name__}: {r}"
               for s, t, r in zip(seeds, temps, results) if isinstance(r, BaseException)]
