@@ -126,10 +126,10 @@ def chi2_upper_tail(stat: float, dof: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
-def merged_cells(counts: Counter, exact: dict) -> list[tuple[float, int]]:
+def merged_cells(counts: Counter, exact: dict, n: int | None = None) -> list[tuple[float, int]]:
     """(expected probability, observed count) per cell, the smallest cells merged until each has an
-    expected count >= MIN_EXPECTED."""
-    n = sum(counts.values())
+    expected count >= MIN_EXPECTED (for ``n`` sessions: by default those counted)."""
+    n = sum(counts.values()) if n is None else n
     unknown = set(counts) - set(exact)
     assert not unknown, f"impossible sequences generated: {sorted(unknown)[:5]}"
     cells = sorted((prob, counts.get(seq, 0)) for seq, prob in exact.items())
@@ -157,3 +157,44 @@ def goodness_of_fit(counts: Counter, exact: dict) -> FitResult:
     mean_tv = sum(math.sqrt(pr * (1 - pr) / (2 * math.pi * n)) for pr in exact.values())
     bound = mean_tv + math.sqrt(math.log(1 / P_VALUE_CUT) / (2 * n))
     return FitResult(chi2, dof, chi2_upper_tail(chi2, dof), tv, bound)
+
+
+# -- power: the smallest total variation a law test sees ---------------------------------------------
+POWER_DRAWS = 20_000  # simulated chi-square statistics per power estimate (its error: ~0.002 at 0.9)
+
+
+def least_noncentrality(law: dict, n: int, tv: float) -> float:
+    """The smallest chi-square noncentrality ``n * sum(delta_c^2 / p_c)`` of any alternative at total
+    variation ``tv`` from ``law`` (cells as :func:`merged_cells` merges them for ``n`` sessions).
+
+    An alternative moves mass ``tv`` from some cells to others; the noncentrality is least when the
+    shift is spread over each side in proportion to the law (delta_c = +a p_c on a set of mass P,
+    -b p_c on the rest, a P = b (1 - P) = tv), giving ``tv^2 (1/P + 1/(1 - P))``, least at P as near
+    1/2 as the cells allow: no side can be split, so a cell above 1/2 sets P. Mass inside merged cells
+    can move unseen: it is taken off the shift (0 if a shift of ``tv`` could hide there whole). A lower
+    bound, so the power stated from it is too."""
+    cells = [p for p, _ in merged_cells(Counter(), law, n)]
+    hidden = sum(p for p in law.values() if p * n < MIN_EXPECTED)
+    if hidden >= tv:
+        return 0.0
+    side = max(max(cells), 0.5)
+    return n * (tv - hidden) ** 2 * (1 / side + 1 / (1 - side))
+
+
+def chi2_power(noncentrality: float, dof: int, cut: float = P_VALUE_CUT, draws: int = POWER_DRAWS) -> float:
+    """P(the test's p-value < ``cut``) for a statistic ~ noncentral chi-square(dof, noncentrality),
+    simulated (seeded: the same answer every run) through the test's own p-value."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(draws, dof, generator=g, dtype=torch.float64)
+    z[:, 0] += math.sqrt(noncentrality)
+    stats = (z ** 2).sum(dim=1).tolist()
+    return sum(chi2_upper_tail(s, dof) < cut for s in stats) / draws
+
+
+def sessions_for(law: dict, tv: float, power: float, cut: float = P_VALUE_CUT) -> int:
+    """The fewest sessions (to the next thousand) at which any alternative at total variation ``tv``
+    is rejected with probability >= ``power`` (:func:`least_noncentrality`, :func:`chi2_power`)."""
+    n = 1000
+    while chi2_power(least_noncentrality(law, n, tv), len(merged_cells(Counter(), law, n)) - 1, cut) < power:
+        n += 1000
+    return n

@@ -3,8 +3,7 @@
 The retried round keeps its plan where the new edge takes it (its random numbers were drawn for it);
 where the new edge states a shorter longest draft, a smaller K, fewer DSSD samples, or (mode auto) does
 not verify the round's mode, a fixed mode drafts it cut to the limits and mode auto chooses again among
-what the new edge takes, instead of the edge refusing the round and the session failing. Over gRPC:
-tests/integration/test_fleet_lossless.py.
+what the new edge takes, instead of the edge refusing the round and the session failing.
 """
 from __future__ import annotations
 
