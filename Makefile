@@ -121,6 +121,13 @@ bench-dssd-fallback: $(PB_OUT)
 bench-verify: $(PB_OUT)
 	$(PY) -m specdec.bench.bench_verify $(ARGS)
 
+# Same seed, same tokens (issue 44): 8 seeded T = 1 sessions 10 times each under 1 / 4 / 8 at once on
+# a batching edge, a SIGKILL among two edges, another drafter and a changing link, every token against
+# a quiet reference run (~25 min on 2 shared cores): results/bench_seeded/latest/bench_seeded.json.
+.PHONY: bench-seeded
+bench-seeded: $(PB_OUT)
+	OMP_NUM_THREADS=1 $(PY) -m specdec.bench.bench_seeded $(ARGS)
+
 # Benchmarks reproducing the papers' figures (results/<timestamp>/, results/latest). Shaped links
 # need root. `make bench ARGS=--quick` takes < 3 min; the full run ~30 min on 2 shared cores.
 .PHONY: bench
