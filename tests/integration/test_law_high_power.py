@@ -36,7 +36,7 @@ from tests.support.laws import MODES, N_TOKENS, TREE_LAW, TREE_MODES, exact_law,
 from tests.support.toy_models import (P_VALUE_CUT, chi2_power, goodness_of_fit, least_noncentrality, merged_cells,
                                       sessions_for)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # ~12 min a test on two cores
 
 DETECT_TV = 0.02       # the bar: a shift this large on the first three tokens ...
 POWER = 0.9            # ... is rejected at least this often
