@@ -10,11 +10,14 @@ simulates the noncentral chi-square through the test's own p-value. About 32,000
 on the 8-token pair (~7 min each on two cores).
 
 Nulls: chain TSLT, DSSD (both fallback replies), gumbel, a token tree, and mode auto switching among
-TSLT, DSSD, dense, K-SQS, gumbel and edge-only rounds. Subtle controls, each rejected at the same size:
-the edge's law at temperature 1.05 instead of 1 (a total variation of 0.023 from the exact law,
-computed by enumeration), and the leak the gumbel cut prevents (mode auto choosing the next round from
-what a gumbel round measured past its first mismatch, which raced with noise the next round uses),
-whose bias is not known in advance: its measured total variation is printed.
+TSLT, DSSD, dense, K-SQS, gumbel and edge-only rounds. Subtle control, rejected at the same size: the
+edge's law at temperature 1.05 instead of 1 (a total variation of 0.023 from the exact law, computed
+by enumeration; measured p = 1e-16). Not a control here: the leak the gumbel cut prevents (mode auto
+choosing the next round from what a gumbel round measured past its first mismatch). Run at this size
+with test_gumbel's sensitive auto on this pair it gave p = 0.46 and an empirical TV of 0.0055, the
+null's own level (TSLT's null: 0.0059): its bias on the first three tokens is far below 0.02, so no
+law test of this size can see it; test_gumbel.py checks the mechanism instead, exactly (no event
+carries a measurement past the mismatch; its control removes the cut and sees them).
 
 Run: ``make test-slow`` or ``.venv/bin/pytest -m slow tests/integration/test_law_high_power.py -s``.
 """
@@ -26,11 +29,9 @@ import pytest
 
 from specdec.common import verification
 from specdec.common.sampling import TargetLaw
-from specdec.device import session as device_session
 from specdec.device.auto import AutoConfig, LinkTracker
 from specdec.device.runner import new_session
 from specdec.edge import verifier
-from tests.integration.test_gumbel import _sensitive_auto_with_gumbel
 from tests.support.harness import device_config
 from tests.support.laws import MODES, N_TOKENS, TREE_LAW, TREE_MODES, exact_law, law_counts, prompt_ids
 from tests.support.toy_models import (P_VALUE_CUT, chi2_power, goodness_of_fit, least_noncentrality, merged_cells,
@@ -106,18 +107,4 @@ def test_control_an_edge_at_a_slightly_other_temperature_is_rejected(twin, tiny_
                                 **MODES["tslt"])
     fit = goodness_of_fit(counts, law)
     print(f"control, edge at T x {TEMPERATURE_DRIFT} (TV {tv:.4f} from the exact law): {fit}")
-    assert fit.p_value < P_VALUE_CUT, f"subtle control passed: {fit}"
-
-
-def keep_every_measurement(q_stats, settings, num_accepted):
-    return q_stats
-
-
-def test_control_auto_learning_past_a_gumbel_mismatch_is_rejected(twin, tiny_pair_v8) -> None:
-    n, law = _size(tiny_pair_v8)
-    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=n, session_factory=_sensitive_auto_with_gumbel,
-                                patches=[(device_session, "measured_up_to_mismatch", keep_every_measurement)],
-                                mode="auto", max_new_tokens=2 * N_TOKENS, draft_len=None)
-    fit = goodness_of_fit(counts, law)
-    print(f"control, auto learning past a gumbel round's first mismatch: {fit}")
     assert fit.p_value < P_VALUE_CUT, f"subtle control passed: {fit}"
