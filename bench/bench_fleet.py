@@ -161,16 +161,10 @@ async def faults(sessions: Sessions, proxy_address: str, edges: list[Edge], s: S
 def _strike(edges: list[Edge], marks: dict, kind: str) -> dict:
     """SIGKILL (kill) or SIGTERM (drain) the edge running the most sessions now."""
     alive = [e for e in edges if e.proc.poll() is None and e.name not in [m["edge"] for m in marks.values()]]
-    load = {e.name: _sessions_active(e) for e in alive}
+    load = {e.name: e.sessions_active() for e in alive}
     victim = max(alive, key=lambda e: load[e.name])
     (victim.proc.kill if kind == "kill" else victim.proc.terminate)()
     return {"edge": victim.name, "t": time.monotonic(), "sessions_active": load}
-
-
-def _sessions_active(edge: Edge) -> float:
-    text = edge.metrics() or ""
-    line = next((l for l in text.splitlines() if l.startswith("specdec_edge_sessions_active ")), None)
-    return float(line.split()[1]) if line else 0.0
 
 
 def stalls(result, events: list, device: int) -> list[dict]:

@@ -74,8 +74,8 @@ class Bench:
         self.a, self.out = a, out
         self.cfg = DeviceConfig.of(temperature=TEMPERATURE, max_new_tokens=a.tokens, timeout=SESSION_TIMEOUT_S,
                                    **({} if a.mode == "auto" else {"mode": a.mode}))
-        self.edge_args = tuple(x for x in (("--model", a.target_model) if a.target_model else ())
-                               + (("--gguf-file", a.target_gguf_file) if a.target_gguf_file else ()))
+        self.edge_args = (("--model", a.target_model) if a.target_model else ()) \
+            + (("--gguf-file", a.target_gguf_file) if a.target_gguf_file else ())
         choice = choose_drafter(self.cfg)
         self.drafter, self.operating_point = load_model(choice.spec), choice.operating_point
         other = choose_drafter(replace(self.cfg, draft_layers=a.other_draft_layers))
@@ -86,7 +86,8 @@ class Bench:
         self.prompt_ids = [encode_prompt(self.drafter.tokenizer, p, raw=False) for p in prompts(a.sessions)]
 
     def edge(self, name: str) -> Edge:
-        return Edge(*self.edge_args, "--name", name, log=self.out / "logs" / f"edge-{name}.log")
+        # its /metrics: the kill picks the edge serving the most sessions
+        return Edge(*self.edge_args, "--name", name, log=self.out / "logs" / f"edge-{name}.log", metrics=True)
 
     async def sessions(self, target, concurrency: int, cfg: DeviceConfig, drafter=None, on_tokens=None):
         """Every seed's session over ``target`` (a channel or a Fleet), ``concurrency`` at a time:
@@ -135,20 +136,12 @@ class Bench:
         def on_tokens(new):
             seen["n"] += len(new)
             if seen["killed"] is None and seen["n"] >= KILL_AT * total:
-                victim = max(edges, key=lambda e: _active(e))
+                victim = max(edges, key=Edge.sessions_active)
                 seen["killed"] = victim
                 victim.proc.send_signal(signal.SIGKILL)
         async with Fleet([e.address for e in edges], lambda t, o: open_channel(t, o)) as fleet:
             got = await self.sessions(fleet, self.a.sessions, self.cfg, on_tokens=on_tokens)
         return got, seen["killed"]
-
-
-def _active(edge: Edge) -> float:
-    text = edge.metrics() or ""
-    for line in text.splitlines():
-        if line.startswith("specdec_edge_sessions_active "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def compare(reference: list, got: list) -> dict:

@@ -77,6 +77,12 @@ class Edge(procs.ReadyProcess):
         except OSError:
             return None
 
+    def sessions_active(self) -> float:
+        """Sessions it serves now, from its /metrics (0 if it has none or does not answer)."""
+        line = next((l for l in (self.metrics() or "").splitlines()
+                     if l.startswith("specdec_edge_sessions_active ")), None)
+        return float(line.split()[1]) if line else 0.0
+
     def rss_bytes(self) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
