@@ -44,7 +44,9 @@ from specdec.common.settings import RACE_MODES, Mode
 from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K, DraftSettings,
                                      Hello, Welcome)
 from specdec.common.stats import RoundRecord
+from specdec.device import safety_net as N
 from specdec.device.rounds import RoundEvent, RoundPlan
+from specdec.device.safety_net import NetConfig
 from specdec.common.verification import dssd_fallback_bytes
 
 FAST_LINK_BPS = 1e9           # the most goodput the device believes in (and what a probe asks about)
@@ -121,11 +123,9 @@ class AutoConfig:
     gumbel: bool = True
     edge_only: bool = True
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
-    # While edge-only rounds look best, a drafted round now and then re-measures the drafter and its
-    # acceptance (in edge-only rounds nothing teaches them): one is run once the edge-only rounds since
-    # the last drafted one took 1 / explore_cost times what it is predicted to lose against edge-only,
-    # so exploring costs at most this share of the time (and a hopeless drafter explores rarely).
-    explore_cost: float = 0.05
+    # The safety net (device/safety_net.py): which of edge-only and drafted rounds runs, from what each
+    # delivered (the model's pick within the drafted arm), and how the worse arm is explored.
+    net: NetConfig = NetConfig()
     # The first round of a session on a link the device knows nothing of (no round seen, nothing
     # remembered) is edge-only: it cannot lose to edge-only, and while it streams the drafter reads
     # the prompt.
@@ -308,6 +308,7 @@ class LinkTracker:
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
         self.rounds_seen = 0      # committed rounds observed (by any session)
+        self.nets: dict[float, N.NetState] = {}  # per temperature: what each arm delivered, over the sessions
         self.restored = False     # started from a remembered state (device/edge_memory.py)
 
     @property
@@ -647,6 +648,17 @@ class LinkTracker:
             with self.lock:
                 self.time_scale.setdefault(key, self._ewma()).add(ratio)
 
+    def net_start(self, temperature: float) -> N.NetState:
+        """A new session's safety net, from what the device's sessions measured at this temperature."""
+        with self.lock:
+            return N.start_from(self.nets.get(float(temperature), N.NetState()), self.config.net)
+
+    def net_observe(self, temperature: float, arm: str, tokens: int, seconds: float, net: NetConfig,
+                    **kind: bool) -> None:
+        with self.lock:
+            t = float(temperature)
+            self.nets[t] = N.observe(self.nets.get(t, N.NetState()), net, arm, tokens, seconds, **kind)
+
     def session_acceptance(self, temperature: float) -> SessionAcceptance:
         """A new session's acceptance estimate, starting from this device's long-run rate."""
         with self.lock:
@@ -741,30 +753,44 @@ class AutoPolicy:
         self.last: dict = {}          # that round's choice and the estimates behind it (JSON-able)
         self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
         self.rounds = 0               # committed rounds of this session
-        self.edge_only_tokens = 0     # tokens of the edge-only rounds since the last drafted one ...
-        self.edge_only_s = 0.0        # ... and their seconds
+        self.net_config = N.with_discount(tracker.config.net, tracker.config.memory)
+        self.net = tracker.net_start(hello.temperature)  # what each arm delivered (the safety net)
+        self._last_t = 0.0            # when the last round was committed (session seconds)
         # tokens an edge-only round asks for where the edge advises no drafting: the boundary model's
         # (a round trip and the forward a busy batch makes without the session, A.edge_chunk)
         self.advised_chunk = EDGE_CHUNK_MIN
 
     def choose(self) -> RoundPlan:
-        """The next round's plan, from what committed rounds taught the tracker."""
+        """The next round's plan, from what committed rounds taught the tracker: the model's pick, unless
+        the safety net calls the other arm (edge-only or drafted) or a link probe is due."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
                                    self.hello.draft.dssd_fallback_top_k, self.dssd_samples, self.gumbel)
         self.advised_chunk = e.edge_chunk
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
         cold = (self.rounds == 0 and self.tracker.config.cold_start and not self.tracker.known
                 and A.Candidate(Mode.NONE) in self.candidates)
+        net = None if cold else self._net_call(pick, ranking)
         if cold:
             pick = next(p for p in ranking if p.candidate.mode is Mode.NONE)
-        probe = None if cold else self._probe(pick, e)
-        explore = None if cold or probe else self._explore(pick, ranking)
-        chosen = probe or explore or pick
-        chunk, catch_up = self._edge_chunk(chosen, ranking, e, cold)
-        why = "cold" if cold else "probe" if probe else "explore" if explore else None
+        elif net is not None and net.why is not None:
+            pick = next(p for p in ranking if (p.candidate.mode is Mode.NONE) == (net.arm == N.EDGE))
+        probe = None if cold or (net is not None and net.why) else self._probe(pick, e)
+        chosen = probe or pick
+        chunk, catch_up = self._edge_chunk(chosen, net, e, cold)
+        why = "cold" if cold else "probe" if probe else net.why if net is not None else None
         return RoundPlan(self.settings_for(chosen.candidate, chunk),
-                         choice=_explain(chosen, e, ranking, why, chunk, catch_up),
+                         choice=_explain(chosen, e, ranking, why, chunk, catch_up, net),
                          decision=AutoDecision(chosen.candidate, e))
+
+    def _net_call(self, pick: A.Prediction, ranking: list[A.Prediction]) -> N.NetCall | None:
+        """The safety net's arm for the next round (None where one arm is not among the candidates)."""
+        edge = next((p for p in ranking if p.candidate.mode is Mode.NONE), None)
+        spec = next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
+        if edge is None or spec is None:
+            return None
+        model_arm = N.EDGE if pick.candidate.mode is Mode.NONE else N.SPEC
+        return N.call(self.net, self.net_config, N.ArmPrior(edge.tokens, edge.seconds),
+                      N.ArmPrior(spec.tokens, spec.seconds), model_arm)
 
     def begin(self, plan: RoundPlan) -> None:
         """A round is drafted with ``plan`` (hysteresis keeps to it)."""
@@ -782,37 +808,19 @@ class AutoPolicy:
                        if A.uplink_bytes(p.candidate, e) >= MIN_RATE_SAMPLE_BYTES]
         return informative[0] if informative else None
 
-    def _explore(self, pick: A.Prediction, ranking: list[A.Prediction]) -> A.Prediction | None:
-        """While edge-only rounds look best, the best drafted round once the edge-only rounds since the
-        last drafted one have paid for it (:meth:`_explore_wait_s`): the drafter's speed and the
-        acceptance are measured only by drafting, and a stale estimate must not keep the session
-        edge-only for good. Decided from committed rounds only (their count and time)."""
-        if pick.candidate.mode is not Mode.NONE:
-            return None
-        spec = next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
-        if spec is None or self.edge_only_s < self._explore_wait_s(pick, spec):
-            return None
-        return spec
-
-    def _explore_wait_s(self, edge: A.Prediction, spec: A.Prediction) -> float:
-        """Edge-only seconds that pay for one drafted round: what it is predicted to lose against
-        edge-only (its seconds beyond edge-only's for its expected tokens), over explore_cost."""
-        loss = max(0.0, spec.seconds - spec.tokens / edge.rate) if edge.rate > 0 else spec.seconds
-        return loss / max(1e-6, self.tracker.config.explore_cost)
-
-    def _edge_chunk(self, chosen: A.Prediction, ranking: list[A.Prediction], e: A.Estimates,
+    def _edge_chunk(self, chosen: A.Prediction, net: N.NetCall | None, e: A.Estimates,
                     cold: bool) -> tuple[int, bool]:
         """(tokens an edge-only round asks for, whether the drafter should catch up while it streams).
-        A chunk ends where the next exploration becomes due, so that one long edge-only round cannot
-        take the rest of a session; the drafter reads the tokens when a drafted round is expected next."""
+        A chunk ends where the net's next exploration of drafted rounds becomes due, so that one long
+        edge-only round cannot take the rest of a session; the drafter reads the tokens when a drafted
+        round is expected next."""
         if chosen.candidate.mode is not Mode.NONE:
             return e.edge_chunk, False
         if cold:
             return EDGE_CHUNK_MIN, True
-        spec = next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
-        if spec is None or chosen.rate <= 0:
+        if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0:
             return e.edge_chunk, False
-        due = math.ceil((self._explore_wait_s(chosen, spec) - self.edge_only_s) * chosen.rate)
+        due = math.ceil(max(0.0, net.probe_due_s) * net.edge_rate)
         if due >= e.edge_chunk:
             return e.edge_chunk, False
         return max(EDGE_CHUNK_MIN, due), True
@@ -869,18 +877,32 @@ class AutoPolicy:
                 and self.rounds > 0 and not stalled):
             # the round's wall time against the model's (not a round that catches the drafter up, nor
             # one an outage held up: that says nothing about its kind of round)
-            modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead)
+            # an edge-only round is modelled for the tokens it streamed: one cut short (the session's
+            # end, an exploration due) against a whole chunk's time would teach a scale far below 1
+            e = d.estimates if drafted else replace(d.estimates, edge_chunk=max(1, r.generated))
+            modelled = A.first_round(d.candidate, e, event.ahead_steps, self.draft_ahead)
             self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
+        self._observe_net(event, drafted)
         self._drafted_last = drafted
         self.rounds += 1
-        self.edge_only_tokens = 0 if drafted else self.edge_only_tokens + r.generated
-        self.edge_only_s = 0.0 if drafted else self.edge_only_s + event.elapsed_s
+
+    def _observe_net(self, event: RoundEvent, drafted: bool) -> None:
+        """The round's tokens and wall seconds (since the last committed round) to the safety net, here
+        and on the device (where the next sessions start): the session's first round (the prefill) and
+        a drafted round that catches the drafter up (a switch's cost) apart."""
+        seconds = max(0.0, event.t - self._last_t)
+        self._last_t = event.t
+        arm = N.SPEC if drafted else N.EDGE
+        kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last)
+        tokens = event.record.generated
+        self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
+        self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)
 
 
 def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], why: str | None, chunk: int,
-             catch_up: bool) -> dict:
+             catch_up: bool, net: N.NetCall | None = None) -> dict:
     """The choice and the estimates behind it, for the JSON round log and the metrics. ``why``: what
-    overrode the best-predicted choice (cold, probe, explore), if anything."""
+    overrode the best-predicted choice (cold, probe, net, explore), if anything."""
     return {
         "choice": chosen.candidate.key, "mode": chosen.candidate.mode.value, "draft_len": chosen.candidate.draft_len,
         "top_k": chosen.candidate.top_k, "predicted_tokens_per_s": chosen.rate, "alpha": chosen.alpha,
@@ -890,6 +912,8 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "draft_s": e.draft_s, "verify_base_s": e.verify_base_s, "verify_per_token_s": e.verify_per_token_s,
         "alpha_base": e.alpha_base, "guess_rate": e.guess_rate, "edge_chunk": e.edge_chunk,
         "time_scale": e.time_scale.get(chosen.candidate.codec_key, 1.0),
+        "net_edge_tokens_per_s": net.edge_rate if net is not None else None,
+        "net_spec_tokens_per_s": net.spec_rate if net is not None else None,
     }
 
 

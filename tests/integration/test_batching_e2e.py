@@ -16,6 +16,7 @@ import pytest
 from tests.support.harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common.modeling import encode_prompt
 from specdec.device.session import DraftSession
+from specdec.device.safety_net import NetConfig
 from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics
 from tests.support.laws import HIGH_POWER_SESSIONS, LAW_SESSIONS, N_TOKENS, PROMPT, TEMPERATURE, exact_law
@@ -238,7 +239,7 @@ def _device_factory(cfg):
     from specdec.device.auto import AutoConfig, LinkTracker
     from specdec.device.runner import new_session
     return lambda drafter, hello: new_session(cfg, drafter, hello, LinkTracker(AutoConfig(
-        memory=0.0, hysteresis=0.0, explore_cost=1.0, cold_start=False)))
+        memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0), cold_start=False)))
 
 
 def test_seeded_sessions_give_the_same_tokens_alone_and_eight_at_once(accepting_pair_v512, tiny_pair_v512) -> None:

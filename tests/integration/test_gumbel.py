@@ -32,6 +32,7 @@ from specdec.device.draft_model import DraftModel, DraftStep
 from specdec.device.rounds import RoundPlan
 from specdec.device.runner import new_session
 from specdec.device.session import DraftSession
+from specdec.device.safety_net import NetConfig
 from specdec.edge.verifier import VerifierSession
 from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
 from tests.integration.test_decisions_see_only_the_past import AheadToTheEnd
@@ -130,7 +131,7 @@ def test_mode_auto_choosing_gumbel_or_none_gives_the_same_tokens(models, edge_on
     machine could leave a session without one)."""
     def factory(drafter, hello):
         config = AutoConfig(top_ks=(), ksqs_ks=(), dense=False, dssd=False, memory=0.0, hysteresis=0.0,
-                            explore_cost=1.0, cold_start=False)
+                            net=NetConfig(explore_cost=1.0), cold_start=False)
         policy = AutoPolicy(LinkTracker(config), hello, drafter.vocab_size, draft_ahead=True)
         session = DraftSession(drafter, hello, draft_ahead=True, policy=policy)
         session.modes = Counter()
@@ -150,7 +151,7 @@ def _runner_auto(reproducible: bool, modes: Counter):
     gets and drafting whenever it can pay (in process edge-only rounds cost next to nothing)."""
     def factory(drafter, hello):
         cfg = device_config(mode="auto", temperature=hello.temperature, reproducible=reproducible)
-        tracker = LinkTracker(AutoConfig(memory=0.0, hysteresis=0.0, explore_cost=1.0, cold_start=False))
+        tracker = LinkTracker(AutoConfig(memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0), cold_start=False))
         session = new_session(cfg, drafter, hello, tracker)
         session.listeners.append(lambda event: modes.update([event.settings.mode.value]))
         return session

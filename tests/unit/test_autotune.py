@@ -31,10 +31,14 @@ def estimates(**kw) -> A.Estimates:
     return A.Estimates(**{**base, **kw})
 
 
+CLOCK = [0.0]  # session seconds: each round moves it on by its elapsed time (the safety net reads it)
+
+
 def event(r: RoundRecord, s: DraftSettings, elapsed_s: float = 0.0) -> RoundEvent:
     """A committed round as the session hands it to the policy."""
+    CLOCK[0] += elapsed_s
     return RoundEvent(record=r, plan=RoundPlan(s), new_tokens=(), q_stats=(), guess=None, elapsed_s=elapsed_s,
-                      edge_hint=None, t=0.0)
+                      edge_hint=None, t=CLOCK[0])
 
 
 def observe_q(t: LinkTracker, q, q_hat, s: DraftSettings, temperature: float) -> None:

@@ -1,0 +1,179 @@
+"""Mode auto's safety net: what speculating delivered, against what edge-only delivers, both measured.
+
+Mode auto's model (:func:`specdec.common.autotune.best`) predicts each candidate's rate from fitted
+costs. Where a fit misses (a device slower than assumed, a drafter competing for its cores, a link
+unlike the model's), its pick can be slower than not speculating at all, and nothing in the model
+notices. The net needs no model of the world. It keeps, for each of two arms, edge-only rounds and
+drafted rounds (whatever their setting), the tokens its committed rounds delivered and the wall-clock
+seconds they took (from one committed round to the next: drafting, encoding, waiting, fallbacks all
+in), and plays the arms as a two-armed bandit:
+
+* estimates are discounted sums, as in D-UCB (Garivier & Moulines, "On Upper-Confidence Bound Policies
+  for Switching Bandit Problems", ALT 2011, eq. 2), discounted per round of their own arm: an arm's
+  last few rounds make its estimate, so a drafter that stopped paying is left within a few rounds.
+  The model's prediction for the arm is its prior, ``prior_rounds`` of the arm's rounds as the model
+  times them (an optimistic model, predicting short rounds, weighs little). An arm that does not run
+  keeps its estimate (D-UCB lets it fade back to the prior, and an optimistic prior would then be
+  retried every few rounds); what it may have become is found by exploring it;
+* the arm with the higher estimate runs; the drafted arm must beat edge-only by ``margin``, since the
+  promise is never to be slower than not speculating;
+* the other arm is probed at a priced rate (UCB's optimism, priced instead of indexed): once the current
+  arm has run ``1 / explore_cost`` times what a probe is expected to lose (the other arm's measured
+  shortfall over its probe), so probing costs about ``explore_cost`` of the time whichever arm is worse.
+  A drafted probe lasts ``probe_rounds`` rounds: its first catches the drafter up (a switch's cost, kept
+  out of the arm's rate), the next measure it.
+
+Pure: no clock, no model; the rounds' times come in with their events.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+EDGE, SPEC = "edge", "spec"
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Why these values: each is a share, a count of rounds or a ratio, the same on any device and link."""
+    discount: float = 0.8       # per round of the arm: its last ~5 rounds make its estimate
+    prior_rounds: float = 0.5   # the model's prediction weighs half a measured round: an arm the model
+                                # gets 5x wrong is judged by what it delivered within 3 rounds
+    margin: float = 0.03        # drafting must beat edge-only by this share (noise alone must not keep it)
+    explore_cost: float = 0.02  # share of the time exploring the worse arm may cost
+    probe_rounds: int = 2       # drafted rounds per exploration: one catches up, one is measured
+    optimism: float = 0.5       # an arm measured over n rounds is priced as if up to 0.5 / sqrt(n + prior)
+                                # faster (UCB1's bonus): an arm the model thinks poor is still explored soon
+    start_rounds: float = 4.0   # the most a new session's start (the device's sums) weighs, in rounds
+
+
+@dataclass(frozen=True)
+class Sums:
+    """Discounted tokens, seconds and rounds of one arm."""
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: float = 0.0
+
+    def scaled(self, f: float) -> "Sums":
+        return Sums(self.tokens * f, self.seconds * f, self.rounds * f)
+
+    def plus(self, tokens: float, seconds: float, discount: float) -> "Sums":
+        return Sums(self.tokens * discount + tokens, self.seconds * discount + seconds, self.rounds * discount + 1.0)
+
+    def rate(self, prior_rate: float, prior_rounds: float) -> float:
+        """Tokens per second delivered, averaged with ``prior_rate`` weighing ``prior_rounds`` rounds."""
+        if self.seconds <= 0:
+            return prior_rate
+        return (self.rounds * self.tokens / self.seconds + prior_rounds * prior_rate) / (self.rounds + prior_rounds)
+
+    def per_round(self) -> tuple[float, float] | None:
+        """(tokens, seconds) of an average round, None before any."""
+        return (self.tokens / self.rounds, self.seconds / self.rounds) if self.rounds > 0 else None
+
+
+@dataclass(frozen=True)
+class ArmPrior:
+    """The model's prediction for an arm's next round: tokens and seconds (autotune.Prediction's)."""
+    tokens: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class NetCall:
+    """The net's call for the next round: the arm, and why it overrides the model's pick (None: it does not)."""
+    arm: str
+    why: str | None
+    edge_rate: float
+    spec_rate: float
+    probe_due_s: float   # seconds of the current arm before the other is explored (inf: not counting)
+
+
+@dataclass(frozen=True)
+class NetState:
+    """One session's net: the arms' sums, the drafted rounds that caught the drafter up (a switch's
+    cost), and the run of the arm that ran last."""
+    edge: Sums = Sums()
+    spec: Sums = Sums()
+    switch: Sums = Sums()
+    last_arm: str | None = None
+    run_s: float = 0.0        # seconds of last_arm's rounds since the other arm ran
+    run_rounds: int = 0       # ... and their count
+
+    def sums(self, arm: str) -> Sums:
+        return self.edge if arm == EDGE else self.spec
+
+
+def start_from(device: NetState, cfg: NetConfig) -> NetState:
+    """A new session's net: the device's sums, weighing at most ``start_rounds`` rounds each (the
+    session's text may accept differently), and no run."""
+    def capped(s: Sums) -> Sums:
+        return s.scaled(min(1.0, cfg.start_rounds / s.rounds)) if s.rounds > 0 else s
+    return NetState(capped(device.edge), capped(device.spec), capped(device.switch))
+
+
+def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,
+            switch: bool = False) -> NetState:
+    """One committed round of ``arm``: ``tokens`` in ``seconds`` of wall time. A session's ``first``
+    round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
+    (``switch``) goes to the switch's sums; both count in the run."""
+    edge, spec, sw = state.edge, state.spec, state.switch
+    if not first and seconds > 0:
+        if switch:
+            sw = sw.plus(tokens, seconds, cfg.discount)
+        elif arm == EDGE:
+            edge = edge.plus(tokens, seconds, cfg.discount)
+        else:
+            spec = spec.plus(tokens, seconds, cfg.discount)
+    same = arm == state.last_arm
+    return NetState(edge, spec, sw, arm, (state.run_s if same else 0.0) + seconds,
+                    (state.run_rounds if same else 0) + 1)
+
+
+def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str) -> NetCall:
+    """The arm of the next round, given the model's predictions for both (the priors) and its pick."""
+    r_edge = state.edge.rate(edge.rate, cfg.prior_rounds)
+    r_spec = state.spec.rate(spec.rate, cfg.prior_rounds)
+    better = SPEC if r_spec >= r_edge * (1 + cfg.margin) else EDGE
+    other = EDGE if better == SPEC else SPEC
+    due = probe_wait_s(state, cfg, other, edge, spec, r_edge, r_spec) - state.run_s
+    if state.last_arm == other and state.run_rounds < (cfg.probe_rounds if other == SPEC else 1):
+        arm, why = other, "explore"         # an exploration's rounds not all run yet
+    elif state.last_arm is not None and state.last_arm != other and due <= 0:
+        arm, why = other, "explore"
+    else:
+        arm, why = better, None if better == model_arm else "net"
+    return NetCall(arm, why, r_edge, r_spec, due if state.last_arm == better else math.inf)
+
+
+def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec: ArmPrior, r_edge: float,
+                 r_spec: float) -> float:
+    """Seconds of the better arm that pay for exploring ``arm``: what the exploration is expected to
+    lose against the better arm (at the measured rates, the switch back and forth included: a catch-up
+    round as the last ones took), at least ``margin`` of its time, so that two arms as fast as each
+    other do not swap every round; over ``explore_cost``."""
+    if r_edge <= 0 or r_spec <= 0:
+        return 0.0
+    sw_tokens, sw_s = state.switch.per_round() or (spec.tokens, 2 * spec.tokens / r_spec)
+    switch_excess = max(0.0, sw_s - sw_tokens / r_spec)   # a catch-up round beyond a steady one
+    # priced optimistically (UCB1, Auer, Cesa-Bianchi & Fischer 2002: the less an arm was measured,
+    # the larger its bonus), so that an arm the model or a few rounds wrongly thought poor is retried
+    bonus = 1 + cfg.optimism / math.sqrt(state.sums(arm).rounds + cfg.prior_rounds)
+    if arm == SPEC:
+        r_spec *= bonus
+        tokens = sw_tokens + (cfg.probe_rounds - 1) * spec.tokens
+        probe_s = sw_s + (cfg.probe_rounds - 1) * spec.tokens / r_spec
+        loss = probe_s - tokens / r_edge
+    else:
+        r_edge *= bonus
+        probe_s = edge.tokens / r_edge
+        loss = probe_s - edge.tokens / r_spec + switch_excess
+    return max(loss, cfg.margin * probe_s) / max(1e-6, cfg.explore_cost)
+
+
+def with_discount(cfg: NetConfig, memory: float) -> NetConfig:
+    """``cfg`` with its discount scaled by auto's ``memory`` (0: every estimate its latest round)."""
+    return replace(cfg, discount=cfg.discount * memory)
