@@ -45,6 +45,7 @@ from specdec.testbed.units import parse_queue  # noqa: E402
 
 RESULTS = harness_plan.RESULTS / "bench_traces"
 WARMUP_TOKENS = 8
+CALIBRATION_TOKENS = 48   # per calibration session: enough rounds that the per-token costs settle
 
 
 class Run:
@@ -81,23 +82,48 @@ class Run:
                 print(f"  ERROR {sess.id}: {line['error']}", flush=True)
         rig.run([sess.to_driver(self.prompts, self.s.max_new_tokens)], on_line)
 
-    def cells_of(self, rec: plan.Recording):
+    def calibrate(self, rig: Rig) -> dict:
+        """The target's seconds per token (an edge-only session's edge forward time per token) and the
+        drafter's per draft token (a TSLT session's drafting time per drafted token), as they run here,
+        on a stretch of the first trace: what the drafter-cost axis scales."""
+        rec = self.recs[0]
+        got: dict[str, dict] = {}
+        for name in ("none", plan.DEFAULT):
+            rig.set_emulator(rec.emulator(rec.offsets_s[0], self.s.rtts_ms[0], self.s.queue))
+            job = plan.Session("calibrate", rec.name, 0, 0.0, name, 0, 0.0, plan.links_plan.config_device(name))
+            rig.run([job.to_driver(self.prompts, CALIBRATION_TOKENS)],
+                    lambda line: got.__setitem__(name, line["record"]["stats"]) if "record" in line else None)
+        edge, drafted = got["none"], got[plan.DEFAULT]
+        target = edge["time"]["verify"] / max(1, edge["generated_tokens"])
+        drafter = drafted["time"]["draft"] / max(1, drafted["draft_tokens"])
+        return {"target_token_s": target, "drafter_token_s": drafter, "drafter_cost": drafter / target,
+                "delays_s": plan.drafter_delays(self.s.drafter_costs, target, drafter)}
+
+    def cells_of(self, rec: plan.Recording, cost: float | None, delay_s: float):
         for rtt in self.s.rtts_ms:
             for temp in self.s.temperatures:
-                yield rtt, temp, plan.cell_sessions(rec, rtt, temp, self.configs, self.extra)
+                yield rtt, temp, plan.cell_sessions(rec, rtt, temp, self.configs, self.extra, cost, delay_s)
 
-    def run(self, rig: Rig, best_fixed: str) -> None:
-        for rec in self.recs:
-            for rtt, temp, sessions in self.cells_of(rec):
-                name = plan.cell_name(rec.name, rtt, temp)
-                print(f"[{name}] {len(sessions)} sessions, offsets {', '.join(f'{o:g}' for o in rec.offsets_s)} s",
-                      flush=True)
-                for sess in sessions:
-                    self.one(rig, rec, sess)
-                got = [x for x in self.sessions if x["cell"] == name]
-                stats = analyze.config_stats(got)
-                self.cells[name] = {"name": name, "trace": rec.name, "rtt_ms": rtt, "temperature": temp,
-                                    "stats": stats, "summary": analyze.cell_summary(stats, best_fixed, plan.DEFAULT)}
+    def run(self, rig: Rig, best_fixed: str, delays: dict[float, float]) -> None:
+        # the drafter's speed outermost: the device changes speed once per group, as a device would not
+        # between requests, and mode auto's memory of the last group is what it starts the next from
+        for cost, delay_s in (delays.items() if delays else [(None, 0.0)]):
+            for rec in self.recs:
+                self.run_recording(rig, rec, best_fixed, cost, delay_s)
+
+    def run_recording(self, rig: Rig, rec: plan.Recording, best_fixed: str, cost: float | None,
+                      delay_s: float) -> None:
+        for rtt, temp, sessions in self.cells_of(rec, cost, delay_s):
+            name = plan.cell_name(rec.name, rtt, temp, cost)
+            print(f"[{name}] {len(sessions)} sessions, offsets {', '.join(f'{o:g}' for o in rec.offsets_s)} s",
+                  flush=True)
+            for sess in sessions:
+                self.one(rig, rec, sess)
+            got = [x for x in self.sessions if x["cell"] == name]
+            stats = analyze.config_stats(got)
+            self.cells[name] = {"name": name, "trace": rec.name, "rtt_ms": rtt, "temperature": temp,
+                                "drafter_cost": cost, "draft_delay_s": delay_s,
+                                "stats": stats, "summary": analyze.cell_summary(stats, best_fixed, plan.DEFAULT)}
 
 
 def check_traces(recs: list[plan.Recording], seconds: float) -> dict:
@@ -130,6 +156,19 @@ def print_tables(data: dict) -> None:
         s = c["summary"]
         print(f"  auto / best fixed {fmt(s['auto_vs_best_fixed'])}, / edge-only {fmt(s['auto_vs_edge_only'])}, "
               f"/ default {fmt(s['auto_vs_default'])}")
+    cal = data.get("calibration")
+    if cal:
+        print(f"\ndrafter as it runs here: {cal['drafter_token_s'] * 1e3:.1f} ms per draft token, target "
+              f"{cal['target_token_s'] * 1e3:.1f} ms per token: drafter cost {cal['drafter_cost']:.2f}x; slowed to "
+              + ", ".join(f"{float(c):g}x (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
+    r = data.get("regret_summary")
+    if r:
+        print("\nper auto session (same cell and prompt): p5 / p50 / p95 (min) over "
+              f"{r['vs_better']['sessions']} sessions")
+        for key, label in (("vs_better", "auto / better of edge-only and the cell's best fixed"),
+                           ("vs_edge_only", "auto / edge-only"), ("vs_best_fixed", "auto / the cell's best fixed")):
+            v = r[key]
+            print(f"  {label:<56} {fmt(v['p5'])} / {fmt(v['p50'])} / {fmt(v['p95'])} ({fmt(v['min'])})")
     print("\nper trace and temperature (geometric mean over round trips; p95 gap over both round trips' sessions)")
     for key, t in data["traces"].items():
         gaps = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t["gap_p95"].items() if v is not None)
@@ -144,6 +183,9 @@ def analyze_all(data: dict) -> None:
         c["summary"] = analyze.cell_summary(c["stats"], best, plan.DEFAULT)
     data["traces"] = analyze.per_trace(data["cells"], data["sessions"], best)
     data["goals"] = analyze.goals(data["cells"], data["traces"])
+    data["regret"] = analyze.session_regret(data["cells"], data["sessions"])
+    data["regret_summary"] = analyze.regret_summary(data["regret"])
+    data["never_loses_goals"] = analyze.never_loses_goals(data["cells"], data["regret"])
 
 
 def make_plots(data: dict, out: Path) -> list[str]:
@@ -156,6 +198,9 @@ def make_plots(data: dict, out: Path) -> list[str]:
         p = plots.trace_figure(trace, cells, data["sessions"], out / f"trace_{trace}.png", note)
         if p:
             paths.append(p.name)
+    p = plots.regret_figure(data.get("regret", []), out / "regret.png", note)
+    if p:
+        paths.append(p.name)
     return paths
 
 
@@ -172,6 +217,7 @@ def finish(data: dict, out: Path) -> None:
     with contextlib.redirect_stdout(buf):
         print_tables(data)
         print_goals("issue 35 goals", data["goals"])
+        print_goals("issue 46 goals (auto never loses)", data["never_loses_goals"])
     text = buf.getvalue()
     print(text)
     (out / "summary.txt").write_text(text)
@@ -191,6 +237,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--queue", default="", help="drop-tail queue limit of each direction, e.g. 150kb or 100pkt")
     p.add_argument("--check-seconds", type=float, default=None, help="emulator check per trace (0: skip)")
+    p.add_argument("--drafter-costs", default="", help="slow the drafter to these multiples of the target's "
+                   "time per token, e.g. 0.6,1.0,1.5 (default: as it runs)")
     p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
     return p.parse_args(argv)
 
@@ -212,6 +260,10 @@ def settings_from(a) -> plan.Settings:
         kw["queue"] = parse_queue(a.queue)
     if a.check_seconds is not None:
         kw["check_seconds"] = a.check_seconds
+    if a.drafter_costs:
+        kw["drafter_costs"] = tuple(float(x) for x in a.drafter_costs.split(","))
+        if any(not 0 < c <= 10 for c in kw["drafter_costs"]):
+            raise ValueError(f"--drafter-costs: each in (0, 10], got {a.drafter_costs}")
     return replace(s, **kw)
 
 
@@ -244,7 +296,7 @@ def main(argv=None) -> int:
     extra = {"auto": {"round_log": True}}
     stamp = harness_plan.stamp(s.quick)
     out = harness_plan.run_dir(RESULTS, stamp)
-    n = len(recs) * len(s.rtts_ms) * len(s.temperatures) * s.prompts * len(configs)
+    n = len(recs) * len(s.rtts_ms) * len(s.temperatures) * s.prompts * len(configs) * max(1, len(s.drafter_costs))
     print(f"bench-traces {'quick' if s.quick else 'full'}: traces {', '.join(r.name for r in recs)} from {folder}; "
           f"RTT {', '.join(f'{x:g}' for x in s.rtts_ms)} ms; T {', '.join(f'{x:g}' for x in s.temperatures)}; "
           f"{s.prompts} prompt(s) x {s.max_new_tokens} tokens; configs {', '.join(configs)} "
@@ -266,7 +318,10 @@ def main(argv=None) -> int:
             rig.set_rates(0.0, 0.0)  # the traces carry the capacity
             print(f"rig up in {data['timing']['setup']:.0f} s (drafter {rig.draft_model})", flush=True)
             run.warm_up(rig)
-            run.run(rig, best)
+            data["calibration"] = cal = run.calibrate(rig)
+            print(f"drafter {cal['drafter_token_s'] * 1e3:.1f} ms per draft token, target "
+                  f"{cal['target_token_s'] * 1e3:.1f} ms per token (cost {cal['drafter_cost']:.2f}x)", flush=True)
+            run.run(rig, best, cal["delays_s"])
     finally:
         data["timing"]["total"] = time.perf_counter() - t0
         data["machine"]["loadavg_end"] = list(os.getloadavg())

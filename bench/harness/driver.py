@@ -44,6 +44,7 @@ from functools import partial
 
 import torch
 
+from specdec.bench.harness.plan import DRAFT_DELAY
 from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
 from specdec.common.settings import Mode, setting_names
@@ -114,8 +115,9 @@ class RecordingSession(DraftSession):
 
 def device_config(edge: str, overrides: dict) -> DeviceConfig:
     """A job's config: DeviceConfig fields and draft settings (checked by the settings table) by name
-    (``auto_config``, mode auto's candidates, is the driver's: :meth:`Device.tracker_for`)."""
-    overrides = {k: v for k, v in overrides.items() if k != AUTO_CONFIG}
+    (``auto_config``, mode auto's candidates, and ``draft_delay_s`` are the driver's:
+    :meth:`Device.tracker_for`, :class:`DraftDelay`)."""
+    overrides = {k: v for k, v in overrides.items() if k not in (AUTO_CONFIG, DRAFT_DELAY)}
     names = {f.name for f in fields(DeviceConfig)} | set(setting_names())
     unknown = set(overrides) - names
     if unknown:
@@ -187,11 +189,25 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
     return record, extra
 
 
+class DraftDelay:
+    """A sleep of ``seconds`` after each forward of the drafter's module: a slower device (the job's
+    ``draft_delay_s``). Sleeping, not computing, so that the cores the edge shares here stay its own."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.seconds = 0.0
+        module.register_forward_hook(self._after)
+
+    def _after(self, module, args, output) -> None:
+        if self.seconds > 0:
+            time.sleep(self.seconds)
+
+
 class Device:
     """The drafter, the channel to the edge and ``mode auto``'s memory of the link, for all sessions."""
 
     def __init__(self, channel, drafter, edge: str, operating_point=()):
         self.channel, self.drafter, self.edge, self.operating_point = channel, drafter, edge, operating_point
+        self.delay = DraftDelay(drafter.model)
         self.tracker = LinkTracker()
         self.trackers: dict[str, LinkTracker] = {}  # per job AUTO_CONFIG
 
@@ -213,6 +229,7 @@ class Device:
             if job.get("fresh_tracker"):
                 self.tracker = LinkTracker()  # mode auto starts this job knowing nothing of the link
             cfg = device_config(self.edge, job["config"])
+            self.delay.seconds = float(job["config"].get(DRAFT_DELAY, 0.0))
             tracker = self.tracker_for(job["config"].get(AUTO_CONFIG))
             extras, grid = job.get("extras", ()), job.get("topk_grid")
             await run_job(job, lambda prompt, seed: self.session(cfg, prompt, seed, extras, grid, tracker))

@@ -17,6 +17,10 @@ from pathlib import Path
 PROMPTS = Path(__file__).resolve().parents[1] / "prompts.jsonl"  # package data: chat, code, facts, stories
 RESULTS = Path("results")   # below the directory the benchmark runs in (make: the repository root)
 SEED_BASE = 1000            # prompt i runs with seed SEED_BASE + i in every config: the same draws everywhere
+# A job's config key for the device driver: seconds to sleep after each drafter forward, emulating a
+# slower device (a sleep, not a busy loop: the emulated device's slowness must not take the cores the
+# edge-server shares with it here)
+DRAFT_DELAY = "draft_delay_s"
 
 
 def load_prompts(path: Path = PROMPTS) -> list[dict]:

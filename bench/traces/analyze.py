@@ -22,6 +22,12 @@ from collections import defaultdict
 from specdec.bench.harness.analyze import geomean, goal, percentile, ratio
 from specdec.bench.links.analyze import token_events
 
+# Issue 46's goals: auto judged where speculation barely pays or does not pay (held-out links, slow drafters)
+NEVER_LOSES_GOALS = {
+    "auto_vs_edge_only_every_cell": ("auto >= 0.97x edge-only on every cell", 0.97),
+    "auto_vs_cell_best_fixed_every_cell": ("auto >= 0.9x the cell's best fixed on every cell", 0.9),
+    "auto_session_vs_edge_only": ("no auto session below 0.8x edge-only (same prompt, cell)", 0.8),
+}
 GOALS = {
     "auto_vs_best_geomean": ("auto >= 1.0x the links grid's best fixed, geometric mean over traces and round trips", 1.0),
     "auto_vs_best_every_trace": ("auto >= 0.95x the links grid's best fixed on every trace", 0.95),
@@ -62,9 +68,57 @@ def config_stats(sessions: list[dict]) -> dict[str, dict]:
 def cell_summary(stats: dict[str, dict], best_fixed: str, default: str) -> dict:
     tps = {n: v["tps"] for n, v in stats.items()}
     auto = tps.get("auto")
+    fixed = {n: v for n, v in tps.items() if n not in ("auto", "none") and v is not None}
+    cell_best = max(fixed, key=fixed.get) if fixed else None
     return {"tps": tps, "auto_vs_best_fixed": ratio(auto, tps.get(best_fixed)),
             "auto_vs_edge_only": ratio(auto, tps.get("none")), "auto_vs_default": ratio(auto, tps.get(default)),
-            "best_fixed_vs_edge_only": ratio(tps.get(best_fixed), tps.get("none"))}
+            "best_fixed_vs_edge_only": ratio(tps.get(best_fixed), tps.get("none")),
+            "cell_best_fixed": cell_best, "auto_vs_cell_best_fixed": ratio(auto, fixed.get(cell_best))}
+
+
+def _tps(sess: dict) -> float | None:
+    m = session_metrics(sess)
+    return ratio(m["tokens"], m["wall"])
+
+
+def session_regret(cells: dict[str, dict], sessions: list[dict]) -> list[dict]:
+    """Per auto session: its tokens/s against edge-only's and the cell's best fixed setting's on the same
+    prompt and stretch of the link (same cell, same prompt), and against the better of the two."""
+    tps = {(s["cell"], s["config"], s["prompt"]): _tps(s) for s in sessions}
+    out = []
+    for s in sessions:
+        if s["config"] != "auto":
+            continue
+        cell, p = s["cell"], s["prompt"]
+        auto, edge = tps[(cell, "auto", p)], tps.get((cell, "none", p))
+        best = tps.get((cell, cells.get(cell, {}).get("summary", {}).get("cell_best_fixed"), p))
+        better = max((v for v in (edge, best) if v is not None), default=None)
+        out.append({"cell": cell, "prompt": p, "auto": auto, "vs_edge_only": ratio(auto, edge),
+                    "vs_best_fixed": ratio(auto, best), "vs_better": ratio(auto, better)})
+    return out
+
+
+def regret_summary(regret: list[dict]) -> dict:
+    """p5 / p50 / p95 over sessions of auto against the better of edge-only and the cell's best fixed,
+    and against edge-only; the worst session."""
+    out = {}
+    for key in ("vs_better", "vs_edge_only", "vs_best_fixed"):
+        vals = [r[key] for r in regret if r[key] is not None]
+        out[key] = {"p5": percentile(vals, 5), "p50": percentile(vals, 50), "p95": percentile(vals, 95),
+                    "min": min(vals, default=None), "sessions": len(vals)}
+    return out
+
+
+def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, dict]:
+    """Issue 46's goals over this run's cells (a run is one trace set at one or more drafter speeds)."""
+    v, where = _worst({k: c["summary"]["auto_vs_edge_only"] for k, c in cells.items()})
+    out = {"auto_vs_edge_only_every_cell": (v, f"worst {where}")}
+    v, where = _worst({k: c["summary"].get("auto_vs_cell_best_fixed") for k, c in cells.items()})
+    out["auto_vs_cell_best_fixed_every_cell"] = (v, f"worst {where}")
+    v, where = _worst({f"{r['cell']} p{r['prompt']}": r["vs_edge_only"] for r in regret})
+    out["auto_session_vs_edge_only"] = (v, f"worst {where}")
+    return {key: goal(NEVER_LOSES_GOALS[key][0], value, NEVER_LOSES_GOALS[key][1], where)
+            for key, (value, where) in out.items()}
 
 
 def per_trace(cells: dict[str, dict], sessions: list[dict], best_fixed: str) -> dict[str, dict]:

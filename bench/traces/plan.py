@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.bench.harness.plan import SEED_BASE, rotated
+from specdec.bench.harness.plan import DRAFT_DELAY, SEED_BASE, rotated
 from specdec.bench.links import plan as links_plan
 from specdec.testbed.traces import load_trace, trace_pairs
 
@@ -62,6 +62,9 @@ class Settings:
     queue: tuple[float, float] = (0.0, 0.0)   # drop-tail limit (bytes, packets) of each direction; 0 = none
     only: tuple[str, ...] = ()      # trace names (substrings) to run; () = all
     check_seconds: float = 20.0     # per trace: the emulator against the trace (0: skip)
+    # drafter cost per forward as a multiple of the target's per token, reached by a delay after each
+    # drafter forward (a slower device); () = the drafter as it runs here (its cost measured and reported)
+    drafter_costs: tuple[float, ...] = ()
 
     @classmethod
     def preset(cls, quick: bool) -> "Settings":
@@ -116,6 +119,7 @@ class Session:
     prompt: int
     offset_s: float
     device: dict = field(default_factory=dict)
+    drafter_cost: float | None = None   # the drafter slowed to this multiple of the target's token (None: as is)
 
     @property
     def id(self) -> str:
@@ -128,17 +132,26 @@ class Session:
                 "extras": ["timeline"]}
 
 
-def cell_name(trace: str, rtt_ms: float, temperature: float) -> str:
-    return f"{trace}-{rtt_ms:g}ms@T{temperature:g}"
+def cell_name(trace: str, rtt_ms: float, temperature: float, drafter_cost: float | None = None) -> str:
+    slow = f"/draft{drafter_cost:g}x" if drafter_cost is not None else ""
+    return f"{trace}-{rtt_ms:g}ms@T{temperature:g}{slow}"
 
 
 def cell_sessions(rec: Recording, rtt_ms: float, temperature: float, configs: list[str],
-                  extra: dict[str, dict]) -> list[Session]:
-    """Prompt-major, the configurations' order rotated by one per prompt."""
-    cell = cell_name(rec.name, rtt_ms, temperature)
+                  extra: dict[str, dict], drafter_cost: float | None = None, delay_s: float = 0.0) -> list[Session]:
+    """Prompt-major, the configurations' order rotated by one per prompt; ``delay_s`` after each drafter
+    forward (the driver's DRAFT_DELAY) where the drafter is slowed to ``drafter_cost``."""
+    cell = cell_name(rec.name, rtt_ms, temperature, drafter_cost)
+    slow = {DRAFT_DELAY: delay_s} if delay_s > 0 else {}
     return [Session(cell, rec.name, rtt_ms, temperature, name, p, rec.offsets_s[p],
-                    links_plan.config_device(name, extra.get(name)))
+                    {**links_plan.config_device(name, extra.get(name)), **slow}, drafter_cost)
             for p in range(len(rec.offsets_s)) for name in rotated(list(configs), p)]
+
+
+def drafter_delays(costs: tuple[float, ...], target_token_s: float, drafter_forward_s: float) -> dict[float, float]:
+    """Seconds to add after each drafter forward so that it costs ``cost`` times the target's token: 0
+    where the drafter is already that slow (the cell then runs the drafter as it is, and says so)."""
+    return {c: max(0.0, c * target_token_s - drafter_forward_s) for c in costs}
 
 
 def role(config: str) -> str:

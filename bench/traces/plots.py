@@ -72,3 +72,22 @@ def _panel(ax, sessions: list[dict], up, down, offset: float) -> None:
     ax.set_xlabel("seconds into the session", fontsize=6)
     ax.set_ylabel("tokens/s", fontsize=6)
     ax.tick_params(labelsize=6)
+
+
+def regret_figure(regret: list[dict], path: Path, note: str = "") -> Path | None:
+    """Per auto session, sorted: auto / the better of edge-only and the cell's best fixed, and auto /
+    edge-only (the same prompt on the same stretch of the same cell), with the issue's lines."""
+    if not regret:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("vs_better", "auto / better of edge-only and best fixed"), ("vs_edge_only", "auto / edge-only")):
+        vals = sorted(r[key] for r in regret if r[key] is not None)
+        if vals:
+            ax.plot([(i + 0.5) / len(vals) for i in range(len(vals))], vals, marker=".", label=label)
+    for y in (1.0, 0.97, 0.8):
+        ax.axhline(y, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("share of auto sessions")
+    ax.set_ylabel("tokens/s ratio (same cell, same prompt)")
+    ax.set_title("mode auto per session: regret", fontsize=10)
+    ax.legend(fontsize=8)
+    return save(fig, path, note)
