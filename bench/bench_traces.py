@@ -160,7 +160,7 @@ def print_tables(data: dict) -> None:
     if cal:
         print(f"\ndrafter as it runs here: {cal['drafter_token_s'] * 1e3:.1f} ms per draft token, target "
               f"{cal['target_token_s'] * 1e3:.1f} ms per token: drafter cost {cal['drafter_cost']:.2f}x; slowed to "
-              + ", ".join(f"{float(c):g}x (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
+              + ", ".join(f"{c}x (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
     r = data.get("regret_summary")
     if r:
         print("\nper auto session (same cell and prompt): p5 / p50 / p95 (min) over "
@@ -238,7 +238,7 @@ def parse_args(argv=None):
     p.add_argument("--queue", default="", help="drop-tail queue limit of each direction, e.g. 150kb or 100pkt")
     p.add_argument("--check-seconds", type=float, default=None, help="emulator check per trace (0: skip)")
     p.add_argument("--drafter-costs", default="", help="slow the drafter to these multiples of the target's "
-                   "time per token, e.g. 0.6,1.0,1.5 (default: as it runs)")
+                   "time per token, e.g. natural,1.0,1.5 (natural: as it runs; the default)")
     p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
     return p.parse_args(argv)
 
@@ -261,9 +261,10 @@ def settings_from(a) -> plan.Settings:
     if a.check_seconds is not None:
         kw["check_seconds"] = a.check_seconds
     if a.drafter_costs:
-        kw["drafter_costs"] = tuple(float(x) for x in a.drafter_costs.split(","))
-        if any(not 0 < c <= 10 for c in kw["drafter_costs"]):
-            raise ValueError(f"--drafter-costs: each in (0, 10], got {a.drafter_costs}")
+        costs = tuple(None if x == "natural" else float(x) for x in a.drafter_costs.split(","))
+        if any(c is not None and not 0 < c <= 10 for c in costs):
+            raise ValueError(f"--drafter-costs: each 'natural' or in (0, 10], got {a.drafter_costs}")
+        kw["drafter_costs"] = costs
     return replace(s, **kw)
 
 

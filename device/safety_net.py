@@ -109,10 +109,11 @@ class NetState:
 
 def start_from(device: NetState, cfg: NetConfig) -> NetState:
     """A new session's net: the device's sums, weighing at most ``start_rounds`` rounds each (the
-    session's text may accept differently), and no run."""
+    session's text may accept differently), and the device's run, so that exploring is priced over the
+    device's time, not restarted by each session (short sessions would otherwise never explore)."""
     def capped(s: Sums) -> Sums:
         return s.scaled(min(1.0, cfg.start_rounds / s.rounds)) if s.rounds > 0 else s
-    return NetState(capped(device.edge), capped(device.spec), capped(device.switch))
+    return replace(device, edge=capped(device.edge), spec=capped(device.spec), switch=capped(device.switch))
 
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,

@@ -64,7 +64,7 @@ class Settings:
     check_seconds: float = 20.0     # per trace: the emulator against the trace (0: skip)
     # drafter cost per forward as a multiple of the target's per token, reached by a delay after each
     # drafter forward (a slower device); () = the drafter as it runs here (its cost measured and reported)
-    drafter_costs: tuple[float, ...] = ()
+    drafter_costs: tuple[float | None, ...] = ()
 
     @classmethod
     def preset(cls, quick: bool) -> "Settings":
@@ -148,10 +148,12 @@ def cell_sessions(rec: Recording, rtt_ms: float, temperature: float, configs: li
             for p in range(len(rec.offsets_s)) for name in rotated(list(configs), p)]
 
 
-def drafter_delays(costs: tuple[float, ...], target_token_s: float, drafter_forward_s: float) -> dict[float, float]:
+def drafter_delays(costs: tuple[float | None, ...], target_token_s: float,
+                   drafter_forward_s: float) -> dict[float | None, float]:
     """Seconds to add after each drafter forward so that it costs ``cost`` times the target's token: 0
-    where the drafter is already that slow (the cell then runs the drafter as it is, and says so)."""
-    return {c: max(0.0, c * target_token_s - drafter_forward_s) for c in costs}
+    for None (the drafter as it runs) and where the drafter is already that slow (the cell's
+    calibration says so)."""
+    return {c: 0.0 if c is None else max(0.0, c * target_token_s - drafter_forward_s) for c in costs}
 
 
 def role(config: str) -> str:

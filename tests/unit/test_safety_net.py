@@ -136,7 +136,8 @@ def test_a_new_session_starts_from_the_devices_sums_capped() -> None:
     start = N.start_from(device, CFG)
     assert start.edge.rounds == pytest.approx(CFG.start_rounds) and start.spec.rounds == pytest.approx(CFG.start_rounds)
     assert start.edge.rate(0, 0) == pytest.approx(10.0) and start.spec.rate(0, 0) == pytest.approx(20.0)
-    assert start.last_arm is None and start.run_s == 0.0
+    # the run goes on: exploring is priced over the device's time, across its sessions
+    assert (start.last_arm, start.run_s, start.run_rounds) == (N.SPEC, 5.0, 10)
     assert N.start_from(N.NetState(), CFG) == N.NetState()
 
 
