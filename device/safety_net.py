@@ -45,6 +45,10 @@ class NetConfig:
     optimism: float = 0.5       # an arm measured over n rounds is priced as if up to 0.5 / sqrt(n + prior)
                                 # faster (UCB1's bonus): an arm the model thinks poor is still explored soon
     start_rounds: float = 4.0   # the most a new session's start (the device's sums) weighs, in rounds
+    outlier: float = 3.0        # a round counts at most this many times the time its arm's rate gives
+                                # its tokens: an outage met in flight (seconds on a recorded cellular link)
+                                # would otherwise set the arm's rate for many rounds, and it says nothing
+                                # about the arm (the link is down for either)
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,13 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
             switch: bool = False) -> NetState:
     """One committed round of ``arm``: ``tokens`` in ``seconds`` of wall time. A session's ``first``
     round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
-    (``switch``) goes to the switch's sums; both count in the run."""
+    (``switch``) goes to the switch's sums; both count in the run. A round counts at most ``outlier``
+    times the time its arm's measured rate gives its tokens (in the sums; the run takes its wall time)."""
+    wall_s = seconds
     edge, spec, sw = state.edge, state.spec, state.switch
+    mine = sw if switch else edge if arm == EDGE else spec
+    if mine.tokens > 0:
+        seconds = min(seconds, cfg.outlier * tokens * mine.seconds / mine.tokens)
     if not first and seconds > 0:
         if switch:
             sw = sw.plus(tokens, seconds, cfg.discount)
@@ -130,7 +139,7 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
         else:
             spec = spec.plus(tokens, seconds, cfg.discount)
     same = arm == state.last_arm
-    return NetState(edge, spec, sw, arm, (state.run_s if same else 0.0) + seconds,
+    return NetState(edge, spec, sw, arm, (state.run_s if same else 0.0) + wall_s,
                     (state.run_rounds if same else 0) + 1)
 
 

@@ -158,3 +158,19 @@ def test_the_model_weighs_a_fraction_of_a_round_either_way() -> None:
     one = N.Sums().plus(6, 1.0, CFG.discount)
     assert one.rate(30.0, CFG.prior_rounds) == pytest.approx((6 + 30 * CFG.prior_rounds) / (1 + CFG.prior_rounds))
     assert N.Sums().rate(30.0, CFG.prior_rounds) == 30.0
+
+
+def test_an_outage_met_by_one_round_does_not_set_its_arms_rate() -> None:
+    """Drafting at twice edge-only's rate; one drafted round meets a 10 s outage (recorded cellular
+    links stop for seconds). The round counts as at most ``outlier`` times its arm's time, so the
+    session keeps drafting; counted whole it would run edge-only, exploring rarely (the control)."""
+    def after_outage(cfg: N.NetConfig) -> float:
+        w = World(edge_rate=10, spec_rate=20, model_edge=10, model_spec=20, cfg=cfg)
+        w.run(20)
+        w.state = N.observe(w.state, cfg, N.SPEC, 4, 10.0)
+        w.log.append((N.SPEC, None, 4, 10.0))
+        n = len(w.log)
+        w.run(30)
+        return sum(x[2] for x in w.log[n:]) / sum(x[3] for x in w.log[n:])
+    assert after_outage(CFG) >= 0.9 * 20
+    assert after_outage(N.NetConfig(outlier=1e9)) < 0.8 * 20
