@@ -34,7 +34,13 @@ AUTO_GAUGES = (
     ("alpha_base", "acceptance_ratio", "Estimated per-position acceptance with the exact draft distribution"),
     ("draft_len", "draft_len_tokens", "Chosen draft length L (0 = edge-only round)"),
     ("top_k", "top_k_tokens", "Chosen support size K (0 = the mode has none)"),
+    ("net_edge_tokens_per_s", "net_edge_only_tokens_per_second",
+     "Tokens per second edge-only rounds delivered (the safety net's estimate)"),
+    ("net_spec_tokens_per_s", "net_drafted_tokens_per_second",
+     "Tokens per second drafted rounds delivered (the safety net's estimate)"),
 )
+# why mode auto overrode its model's pick (``AutoPolicy.last["why"]``): a fixed set, so a bounded label
+AUTO_OVERRIDES = ("cold", "probe", "net", "explore")
 
 
 class DeviceMetrics(SpecMetrics):
@@ -48,6 +54,12 @@ class DeviceMetrics(SpecMetrics):
         self.auto_gauges = {key: Gauge(f"auto_{name}", text, **self.kw) for key, name, text in AUTO_GAUGES}
         for mode in Mode:  # zero series, not missing ones, for modes not chosen yet
             self.auto_choices.labels(mode.value)
+        self.auto_overrides = Counter("auto_overrides", "Rounds where mode auto ran another choice than its "
+                                      "model's best: cold (first round on an unknown link), probe (a goodput "
+                                      "probe), net (the safety net's arm), explore (the net exploring the other "
+                                      "arm)", ["why"], **self.kw)
+        for why in AUTO_OVERRIDES:
+            self.auto_overrides.labels(why)
         # The edge label takes Welcome.edge_name: one value per edge of the fleet, never per session.
         self.fleet_sessions = Gauge("fleet_sessions", "Sessions running on each edge now", ["edge"], **self.kw)
         self.fleet_moves = Counter("fleet_moves", "Sessions that continued on another edge than the one "
@@ -70,6 +82,8 @@ class DeviceMetrics(SpecMetrics):
         if not last:
             return
         self.auto_choices.labels(last["mode"]).inc()
+        if last.get("why") in AUTO_OVERRIDES:
+            self.auto_overrides.labels(last["why"]).inc()
         for key, gauge in self.auto_gauges.items():
             gauge.set(last.get(key) or 0.0)
 

@@ -174,3 +174,18 @@ def test_an_outage_met_by_one_round_does_not_set_its_arms_rate() -> None:
         return sum(x[2] for x in w.log[n:]) / sum(x[3] for x in w.log[n:])
     assert after_outage(CFG) >= 0.9 * 20
     assert after_outage(N.NetConfig(outlier=1e9)) < 0.8 * 20
+
+
+def test_the_nets_estimates_and_overrides_reach_the_device_metrics() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from specdec.device.metrics import DeviceMetrics
+    registry = CollectorRegistry()
+    m = DeviceMetrics(registry)
+    m.observe_auto({"mode": "none", "why": "net", "net_edge_tokens_per_s": 12.5, "net_spec_tokens_per_s": 8.0})
+    m.observe_auto({"mode": "tslt", "why": None, "net_edge_tokens_per_s": 12.0, "net_spec_tokens_per_s": 20.0})
+    value = registry.get_sample_value
+    assert value("specdec_device_auto_overrides_total", {"why": "net"}) == 1.0
+    assert value("specdec_device_auto_overrides_total", {"why": "explore"}) == 0.0
+    assert value("specdec_device_auto_net_drafted_tokens_per_second") == 20.0
+    assert value("specdec_device_auto_net_edge_only_tokens_per_second") == 12.0
