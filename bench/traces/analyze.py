@@ -2,7 +2,10 @@
 token, the gaps between streamed tokens and bytes per token; the ratios and the issue's goals. Pure.
 
 Definitions:
-  * tokens/s of a configuration over some sessions = their generated tokens / their wall seconds;
+  * tokens/s of a configuration over some sessions = their generated tokens / their wall seconds, a
+    session's from before its Hello to its last token on the device (the record's own wall time starts
+    after the Welcome: a recorded outage met while connecting would go uncounted for one configuration
+    and count for another that met it in a round);
   * time to first token (TTFT) = from the session's start on the device (before its Hello) to the
     arrival of its first token;
   * a gap between streamed tokens = the time from one arrival of tokens to the next (a verdict's
@@ -41,7 +44,9 @@ def session_metrics(sess: dict) -> dict:
     st, extra = sess["record"]["stats"], sess["extra"]
     arrivals = sorted(t for t, _ in token_events(extra.get("timeline", [])))
     t0 = extra.get("session_t0")
-    return {"tokens": st["generated_tokens"], "wall": st["wall_seconds"],
+    t1 = extra.get("session_t1")
+    wall = t1 - t0 if t0 is not None and t1 is not None else st["wall_seconds"]
+    return {"tokens": st["generated_tokens"], "wall": wall,
             "ttft": arrivals[0] - t0 if arrivals and t0 is not None else None,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
             "up_bytes": st["uplink_bytes"], "down_bytes": st["downlink_bytes"]}
