@@ -15,8 +15,10 @@ in), and plays the arms as a two-armed bandit:
   times them (an optimistic model, predicting short rounds, weighs little). An arm that does not run
   keeps its estimate (D-UCB lets it fade back to the prior, and an optimistic prior would then be
   retried every few rounds); what it may have become is found by exploring it;
-* the arm with the higher estimate runs; the drafted arm must beat edge-only by ``margin``, since the
-  promise is never to be slower than not speculating;
+* the model's arm runs unless the arms' estimates contradict it by ``confidence`` standard errors (the
+  spread of the rounds' own rates): the drafted arm must beat edge-only by ``margin``, since the
+  promise is never to be slower than not speculating, and a few unlucky rounds must not override a
+  model that is right;
 * the other arm is probed at a priced rate (UCB's optimism, priced instead of indexed): once the current
   arm has run ``1 / explore_cost`` times what a probe is expected to lose (the other arm's measured
   shortfall over its probe), so probing costs about ``explore_cost`` of the time whichever arm is worse.
@@ -36,10 +38,14 @@ EDGE, SPEC = "edge", "spec"
 @dataclass(frozen=True)
 class NetConfig:
     """Why these values: each is a share, a count of rounds or a ratio, the same on any device and link."""
-    discount: float = 0.8       # per round of the arm: its last ~5 rounds make its estimate
+    discount: float = 0.95      # per round of the arm: its last ~20 rounds make its estimate (a drafted
+                                # round's tokens run from 1 to L + 1: fewer rounds are too noisy to judge by)
     prior_rounds: float = 0.5   # the model's prediction weighs half a measured round: an arm the model
                                 # gets 5x wrong is judged by what it delivered within 3 rounds
     margin: float = 0.03        # drafting must beat edge-only by this share (noise alone must not keep it)
+    confidence: float = 1.0     # standard errors by which the rounds must contradict the model to override it
+    prior_cv: float = 0.5       # spread of a round's rate around its arm's, before rounds show it (one
+                                # round of it): a drafted round's tokens run from 1 to L + 1
     explore_cost: float = 0.02  # share of the time exploring the worse arm may cost
     probe_rounds: int = 2       # drafted rounds per exploration: one catches up, one is measured
     optimism: float = 0.5       # an arm measured over n rounds is priced as if up to 0.5 / sqrt(n + prior)
@@ -53,22 +59,35 @@ class NetConfig:
 
 @dataclass(frozen=True)
 class Sums:
-    """Discounted tokens, seconds and rounds of one arm."""
+    """Discounted tokens, seconds and rounds of one arm, and its rounds' own rates (sum and squares:
+    their spread says how sure the estimate is)."""
     tokens: float = 0.0
     seconds: float = 0.0
     rounds: float = 0.0
+    rates: float = 0.0
+    rates_sq: float = 0.0
 
     def scaled(self, f: float) -> "Sums":
-        return Sums(self.tokens * f, self.seconds * f, self.rounds * f)
+        return Sums(self.tokens * f, self.seconds * f, self.rounds * f, self.rates * f, self.rates_sq * f)
 
     def plus(self, tokens: float, seconds: float, discount: float) -> "Sums":
-        return Sums(self.tokens * discount + tokens, self.seconds * discount + seconds, self.rounds * discount + 1.0)
+        r = tokens / seconds
+        d = self.scaled(discount)
+        return Sums(d.tokens + tokens, d.seconds + seconds, d.rounds + 1.0, d.rates + r, d.rates_sq + r * r)
 
     def rate(self, prior_rate: float, prior_rounds: float) -> float:
         """Tokens per second delivered, averaged with ``prior_rate`` weighing ``prior_rounds`` rounds."""
         if self.seconds <= 0:
             return prior_rate
         return (self.rounds * self.tokens / self.seconds + prior_rounds * prior_rate) / (self.rounds + prior_rounds)
+
+    def stderr(self, rate: float, prior_rounds: float, prior_cv: float) -> float:
+        """The estimate's standard error: the spread of the rounds' rates around ``rate``, with
+        ``prior_rounds`` of spread ``prior_cv * rate`` added (one round shows no spread), over the root
+        of the rounds."""
+        n = self.rounds + prior_rounds
+        spread = self.rates_sq - 2 * rate * self.rates + self.rounds * rate * rate  # sum of (r - rate)^2
+        return math.sqrt(max(0.0, spread + prior_rounds * (prior_cv * rate) ** 2) / n / n)
 
     def per_round(self) -> tuple[float, float] | None:
         """(tokens, seconds) of an average round, None before any."""
@@ -144,10 +163,20 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
 
 
 def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str) -> NetCall:
-    """The arm of the next round, given the model's predictions for both (the priors) and its pick."""
+    """The arm of the next round, given the model's predictions for both (the priors) and its pick: the
+    model's arm unless what the arms delivered says, by ``confidence`` standard errors, that the other
+    is faster (drafting counted ``margin`` slower): a few unlucky rounds (a text rejected at depth 1
+    three times) must not override a model that is right, and a model that is wrong is overridden as
+    soon as the rounds say so."""
     r_edge = state.edge.rate(edge.rate, cfg.prior_rounds)
     r_spec = state.spec.rate(spec.rate, cfg.prior_rounds)
-    better = SPEC if r_spec >= r_edge * (1 + cfg.margin) else EDGE
+    se = math.hypot(state.edge.stderr(r_edge, cfg.prior_rounds, cfg.prior_cv),
+                    state.spec.stderr(r_spec, cfg.prior_rounds, cfg.prior_cv))
+    lead = r_spec - r_edge * (1 + cfg.margin)   # drafting's measured lead over edge-only
+    if model_arm == SPEC:
+        better = EDGE if lead + cfg.confidence * se < 0 else SPEC
+    else:
+        better = SPEC if lead - cfg.confidence * se > 0 else EDGE
     other = EDGE if better == SPEC else SPEC
     due = probe_wait_s(state, cfg, other, edge, spec, r_edge, r_spec) - state.run_s
     if state.last_arm == other and state.run_rounds < (cfg.probe_rounds if other == SPEC else 1):

@@ -64,16 +64,22 @@ class World:
         return (taken - sum(x[2] for x in log) / best) / taken
 
 
-def test_speculation_that_stops_paying_is_left_within_a_few_rounds() -> None:
+def test_speculation_that_stops_paying_is_left_within_a_bounded_number_of_rounds() -> None:
+    """Drafting at twice edge-only's rate, then at 0.6x (the model does not notice): the net overrides
+    the model once the drafted rounds since the change outweigh the ones before by a standard error,
+    within 40 drafted rounds (the discount's ~20-round memory), and the session then stays off but
+    for exploring."""
     w = World(edge_rate=10, spec_rate=20, model_edge=10, model_spec=20)
     w.run(30)
     assert w.log[-1][0] == N.SPEC
-    w.rates[N.SPEC] = 6   # the link or the device changed: drafting now loses 40 %; the model did not notice
-    before = len(w.log)
-    while w.step() == N.SPEC:
-        assert len(w.log) - before <= 4, "still drafting after 4 rounds that lost"
-    w.run(60)   # and it stays off, but for exploring (the model still predicts drafting twice as fast)
-    assert w.lost_share(since=before + 4) <= 2.5 * CFG.explore_cost
+    w.rates[N.SPEC] = 6
+    drafted = 0
+    while not (w.step() == N.EDGE and w.log[-1][1] == "net"):
+        drafted += w.log[-1][0] == N.SPEC
+        assert drafted <= 40, "still drafting after 40 rounds that lost"
+    left = len(w.log)
+    w.run(60)
+    assert w.lost_share(since=left) <= 2.5 * CFG.explore_cost
 
 
 @pytest.mark.parametrize("true_spec,model_spec", [(6.0, 30.0), (20.0, 5.0)])
@@ -189,3 +195,44 @@ def test_the_nets_estimates_and_overrides_reach_the_device_metrics() -> None:
     assert value("specdec_device_auto_overrides_total", {"why": "explore"}) == 0.0
     assert value("specdec_device_auto_net_drafted_tokens_per_second") == 20.0
     assert value("specdec_device_auto_net_edge_only_tokens_per_second") == 12.0
+
+
+class Drafts(World):
+    """A drafted round's tokens as a chain's: the leading accepted of L = 5 drafts at ``alpha``, plus one
+    (1 to 6 tokens, mean ~4.4 at 0.85), its time about constant: the noise a real session's rounds have."""
+    alpha = 0.85
+
+    def step(self) -> str:
+        c = N.call(self.state, self.cfg, self.prior(N.EDGE), self.prior(N.SPEC), max(self.model, key=self.model.get))
+        first = not self.log
+        if c.arm == N.EDGE:
+            tokens, seconds = EDGE_TOKENS, EDGE_TOKENS / self.rates[N.EDGE]
+        else:
+            accepted = 0
+            while accepted < 5 and self.rng.random() < self.alpha:
+                accepted += 1
+            tokens = accepted + 1
+            mean = sum(self.alpha ** k for k in range(6))
+            seconds = mean / self.rates[N.SPEC] * (1 + 0.2 * (2 * self.rng.random() - 1))
+        catching_up = c.arm == N.SPEC and (not self.log or self.log[-1][0] != N.SPEC)
+        seconds *= self.catch_up if catching_up else 1.0
+        self.state = N.observe(self.state, self.cfg, c.arm, tokens, seconds, first=first, switch=catching_up)
+        self.log.append((c.arm, c.why, tokens, seconds))
+        return c.arm
+
+
+def test_unlucky_rounds_do_not_override_a_model_that_is_right() -> None:
+    """Drafting pays 1.3x and the model says so; drafted rounds deliver 1 to 6 tokens. Overriding the
+    model only when the rounds contradict it by a standard error, over a ~20-round memory, loses a few
+    % to exploring and noise (10 sessions of 200 s); judging by the last ~5 rounds' mean alone (the
+    control) loses far more, switching to edge-only on unlucky streaks."""
+    def lost(cfg: N.NetConfig) -> float:
+        shares = []
+        for seed in range(10):
+            w = Drafts(edge_rate=10, spec_rate=13, model_edge=10, model_spec=13, cfg=cfg, seed=seed)
+            w.run(200)
+            shares.append(w.lost_share(since=10))
+        return sum(shares) / len(shares)
+    careful = lost(CFG)
+    assert careful <= 0.08
+    assert lost(N.NetConfig(discount=0.8, confidence=0.0)) > 2 * careful
