@@ -46,7 +46,6 @@ from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT
 from specdec.common.stats import RoundRecord
 from specdec.device import safety_net as N
 from specdec.device.rounds import RoundEvent, RoundPlan
-from specdec.device.safety_net import NetConfig
 from specdec.common.verification import dssd_fallback_bytes
 
 FAST_LINK_BPS = 1e9           # the most goodput the device believes in (and what a probe asks about)
@@ -125,7 +124,7 @@ class AutoConfig:
     hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
     # The safety net (device/safety_net.py): which of edge-only and drafted rounds runs, from what each
     # delivered (the model's pick within the drafted arm), and how the worse arm is explored.
-    net: NetConfig = NetConfig()
+    net: N.NetConfig = N.NetConfig()
     # The first round of a session on a link the device knows nothing of (no round seen, nothing
     # remembered) is edge-only: it cannot lose to edge-only, and while it streams the drafter reads
     # the prompt.
@@ -653,7 +652,7 @@ class LinkTracker:
         with self.lock:
             return N.start_from(self.nets.get(float(temperature), N.NetState()), self.config.net)
 
-    def net_observe(self, temperature: float, arm: str, tokens: int, seconds: float, net: NetConfig,
+    def net_observe(self, temperature: float, arm: str, tokens: int, seconds: float, net: N.NetConfig,
                     **kind: bool) -> None:
         with self.lock:
             t = float(temperature)

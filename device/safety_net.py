@@ -10,11 +10,10 @@ in), and plays the arms as a two-armed bandit:
 
 * estimates are discounted sums, as in D-UCB (Garivier & Moulines, "On Upper-Confidence Bound Policies
   for Switching Bandit Problems", ALT 2011, eq. 2), discounted per round of their own arm: an arm's
-  last few rounds make its estimate, so a drafter that stopped paying is left within a few rounds.
-  The model's prediction for the arm is its prior, ``prior_rounds`` of the arm's rounds as the model
-  times them (an optimistic model, predicting short rounds, weighs little). An arm that does not run
-  keeps its estimate (D-UCB lets it fade back to the prior, and an optimistic prior would then be
-  retried every few rounds); what it may have become is found by exploring it;
+  last ~1 / (1 - ``discount``) rounds make its estimate. The model's prediction for the arm is its
+  prior, weighing ``prior_rounds`` rounds. An arm that does not run keeps its estimate (D-UCB lets it
+  fade back to the prior, and an optimistic prior would then be retried every few rounds); what it
+  may have become is found by exploring it;
 * the model's arm runs unless the arms' estimates contradict it by ``confidence`` standard errors (the
   spread of the rounds' own rates): the drafted arm must beat edge-only by ``margin``, since the
   promise is never to be slower than not speculating, and a few unlucky rounds must not override a
@@ -32,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-EDGE, SPEC = "edge", "spec"
+EDGE, SPEC = "edge", "spec"  # the arms, named as their sums in NetState
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,8 @@ class NetConfig:
     """Why these values: each is a share, a count of rounds or a ratio, the same on any device and link."""
     discount: float = 0.95      # per round of the arm: its last ~20 rounds make its estimate (a drafted
                                 # round's tokens run from 1 to L + 1: fewer rounds are too noisy to judge by)
-    prior_rounds: float = 0.5   # the model's prediction weighs half a measured round: an arm the model
-                                # gets 5x wrong is judged by what it delivered within 3 rounds
+    prior_rounds: float = 0.5   # the model's prediction weighs half a measured round: a few rounds
+                                # outweigh a model that is wrong
     margin: float = 0.03        # drafting must beat edge-only by this share (noise alone must not keep it)
     confidence: float = 1.0     # standard errors by which the rounds must contradict the model to override it
     prior_cv: float = 0.5       # spread of a round's rate around its arm's, before rounds show it (one
@@ -127,7 +126,8 @@ class NetState:
     run_rounds: int = 0       # ... and their count
 
     def sums(self, arm: str) -> Sums:
-        return self.edge if arm == EDGE else self.spec
+        """``arm``'s sums (EDGE, SPEC; "switch": the catch-up rounds')."""
+        return getattr(self, arm)
 
 
 def start_from(device: NetState, cfg: NetConfig) -> NetState:
@@ -145,21 +145,13 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
     (``switch``) goes to the switch's sums; both count in the run. A round counts at most ``outlier``
     times the time its arm's measured rate gives its tokens (in the sums; the run takes its wall time)."""
-    wall_s = seconds
-    edge, spec, sw = state.edge, state.spec, state.switch
-    mine = sw if switch else edge if arm == EDGE else spec
-    if mine.tokens > 0:
-        seconds = min(seconds, cfg.outlier * tokens * mine.seconds / mine.tokens)
-    if not first and seconds > 0:
-        if switch:
-            sw = sw.plus(tokens, seconds, cfg.discount)
-        elif arm == EDGE:
-            edge = edge.plus(tokens, seconds, cfg.discount)
-        else:
-            spec = spec.plus(tokens, seconds, cfg.discount)
+    kept = "switch" if switch else arm
+    mine = state.sums(kept)
+    counted = min(seconds, cfg.outlier * tokens * mine.seconds / mine.tokens) if mine.tokens > 0 else seconds
+    sums = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     same = arm == state.last_arm
-    return NetState(edge, spec, sw, arm, (state.run_s if same else 0.0) + wall_s,
-                    (state.run_rounds if same else 0) + 1)
+    return replace(state, **sums, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
+                   run_rounds=(state.run_rounds if same else 0) + 1)
 
 
 def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str) -> NetCall:
