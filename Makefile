@@ -116,7 +116,7 @@ bench-dssd-fallback: $(PB_OUT)
 	$(PY) -m specdec.bench.bench_dssd_fallback $(ARGS)
 
 # The edge's verification of one batched forward's rounds: session by session against batch tensor
-# work (common/verify_batch.py), N = 1, 8, 32 sessions x 5 drafts, V = 49152 and 128256, T = 0 and 1,
+# work (edge/verify_batch.py), N = 1, 8, 32 sessions x 5 drafts, V = 49152 and 128256, T = 0 and 1,
 # chain, DSSD and gumbel rounds, the forward not timed (~5 min): results/bench_verify.json.
 bench-verify: $(PB_OUT)
 	$(PY) -m specdec.bench.bench_verify $(ARGS)

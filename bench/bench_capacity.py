@@ -122,7 +122,7 @@ def script_factory(kind: str, rec, max_new: int, draft_scale: float = 1.0):
     hello = hello_of(rec)
     if kind == "edge-only":
         from specdec.bench.capacity.replay import edge_only_hello
-        from specdec.device.runner import DeviceConfig, choose_drafter
+        from specdec.device.factory import DeviceConfig, choose_drafter
         hello = edge_only_hello(hello, choose_drafter(DeviceConfig()).operating_point)
         return lambda: EdgeOnlyScript(hello, rec.prompt_ids, rec.eos_ids, max_new)
     if isinstance(rec, recording.PositionTable):

@@ -44,7 +44,8 @@ from specdec.common import wire
 from specdec.common.codecs import CodecConfig
 from specdec.common.distributions import race_token, tv_distance
 from specdec.common.idpack import id_bits
-from specdec.common.settings import DraftSettings, Mode
+from specdec.common.modes import Mode
+from specdec.common.settings import DraftSettings
 from specdec.common.verification import token_noise
 from specdec.device.draft_model import encode_q
 

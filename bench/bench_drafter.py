@@ -36,10 +36,10 @@ import torch
 
 from specdec.bench.harness.plan import PROMPTS, RESULTS, first_per_category, load_prompts
 from specdec.bench.harness.rig import Edge
-from specdec.common.latency import (expected_tokens_per_call, oracle_time, oracle_time_drafting_ahead,
+from specdec.device.latency import (expected_tokens_per_call, oracle_time, oracle_time_drafting_ahead,
                                     predicted_speedup)
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
-from specdec.device.runner import DeviceConfig, choose_drafter
+from specdec.device.factory import DeviceConfig, choose_drafter
 
 THREADS = 1                  # one torch thread per process: the cores are shared with the other side
 WARMUP_TOKENS = 8            # one short untimed generation per side warms caches and allocators

@@ -51,7 +51,7 @@ from specdec.bench.harness.rig import Edge
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
 from specdec.device.client import ConnectionPolicy, EdgeError, generate
-from specdec.device.runner import DeviceConfig, open_channel
+from specdec.device.factory import DeviceConfig, open_channel
 from specdec.device.session import DraftSession
 from specdec.testbed import haproxy, procs, tiny_models
 

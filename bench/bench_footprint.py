@@ -49,7 +49,7 @@ def probe(max_new_tokens: int) -> dict:
     import transformers  # noqa: F401
 
     from specdec.common.modeling import CachedLM, encode_prompt, load_model
-    from specdec.device.runner import DeviceConfig, choose_drafter
+    from specdec.device.factory import DeviceConfig, choose_drafter
     torch.set_num_threads(1)
     steps["imports (torch, transformers, grpc, specdec)"] = _rss_mib()
     t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def _clear_drafter_cache() -> str:
     import torch
 
     from specdec.common.modeling import _source
-    from specdec.device.runner import DeviceConfig, choose_drafter
+    from specdec.device.factory import DeviceConfig, choose_drafter
 
     spec = choose_drafter(DeviceConfig()).spec
     source, kwargs, _ = _source(spec)

@@ -20,7 +20,7 @@ import torch
 
 from specdec.common import lattice
 from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.distributions import probs_from_logits
 
 # (K, ell, V): the acceptance case first (Qwen2-size vocabulary), then smaller and larger ones.

@@ -60,7 +60,7 @@ def auto_support() -> dict:
     except Exception as exc:  # pragma: no cover - reported, not fatal
         out["error"] = repr(exc)
     try:
-        from specdec.device.runner import DeviceConfig
+        from specdec.device.factory import DeviceConfig
         out["round_log"] = "round_log" in {f.name for f in fields(DeviceConfig)}
     except Exception as exc:  # pragma: no cover
         out["error"] = repr(exc)

@@ -4,7 +4,7 @@
     python -m specdec.bench.bench_seeded [--runs 10] [--sessions 8] [--tokens 24] [--scenarios load-1,kill,...]
         [--target-model DIR --target-gguf-file F] [--other-draft-layers 8] [--no-control] [--mode gumbel]
 
-The device runs here (one asyncio process: the default drafter, ``runner.new_session`` as
+The device runs here (one asyncio process: the default drafter, ``factory.new_session`` as
 ``device-client`` makes sessions, mode auto with one memory of the link per drafter for the whole
 bench, T = 1, seeds 0..N-1, each session its own prompt of bench/prompts.jsonl, reproducibility as by
 default for a seeded session). Edges are ``edge-server``
@@ -48,7 +48,7 @@ from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.device.auto import LinkTracker  # noqa: E402
 from specdec.device.client import ConnectionPolicy, generate  # noqa: E402
 from specdec.device.fleet import Fleet  # noqa: E402
-from specdec.device.runner import DeviceConfig, choose_drafter, new_session, open_channel  # noqa: E402
+from specdec.device.factory import DeviceConfig, choose_drafter, new_session, open_channel  # noqa: E402
 from specdec.testbed.linkemu import LinkEmulator, LinkSpec  # noqa: E402
 
 RESULTS = harness_plan.RESULTS / "bench_seeded"

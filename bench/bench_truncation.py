@@ -25,7 +25,7 @@ import torch
 
 from specdec.bench.harness.plan import RESULTS, load_prompts
 from specdec.common.codecs import CodecConfig
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.distributions import tv_distance
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model
 from specdec.common.sampling import model_probs

@@ -1,7 +1,7 @@
 """Benchmark: verifying one batched forward's rounds, session by session against batch tensor work.
 
 After a batched target forward the edge verifies every session's round. Per session (the edge's path
-before common/verify_batch.py) that is the target's law over the round's L + 1 rows
+before edge/verify_batch.py) that is the target's law over the round's L + 1 rows
 (``model_probs``), the decoded packets densified, and ``chain_verify`` / ``dssd_edge_verify`` /
 ``gumbel_verify`` in Python; batched it is ``verify_rounds`` over all rounds at once. Both start from
 the same logits and decoded packets (the packets' decoding, the same in both, is not timed) and
@@ -38,7 +38,7 @@ from specdec.common.distributions import SparseDist, densify, race_token_uncheck
 from specdec.common.runtime import retain_freed_memory
 from specdec.common.sampling import TargetLaw
 from specdec.common.streams import Purpose, stream
-from specdec.common.verify_batch import RoundKind, chain_round, dssd_round, gumbel_round, verify_rounds
+from specdec.edge.verify_batch import RoundKind, chain_round, dssd_round, gumbel_round, verify_rounds
 
 HEAD_TOKENS = 8         # tokens that hold most of a row's mass, as a language model's next-token law
 HEAD_BOOST = (10.0, 16.0)  # their logits' lift over the N(0, 2^2) rest: the rest holds ~4 % of the mass

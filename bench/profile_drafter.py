@@ -131,7 +131,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from specdec.common.modeling import CachedLM, encode_prompt, load_model
     from specdec.device.session import DraftSession
-    from specdec.device.runner import DeviceConfig, choose_drafter
+    from specdec.device.factory import DeviceConfig, choose_drafter
 
     cfg = DeviceConfig(temperature=args.temperature)
     choice = choose_drafter(cfg)

@@ -80,7 +80,7 @@ class Run:
     # -- target alone and assisted generation (this process) --------------------------------------
     def load_models(self):
         from specdec.common.modeling import ModelSpec, load_model
-        from specdec.device.runner import DeviceConfig, choose_drafter
+        from specdec.device.factory import DeviceConfig, choose_drafter
 
         self.bar.set_description("loading models")
         self.target = load_model(ModelSpec())

@@ -43,11 +43,11 @@ from pathlib import Path
 import grpc
 import torch
 
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.device.client import EdgeError, generate
 from specdec.device.session import DraftSession
-from specdec.device.runner import DeviceConfig, open_channel
+from specdec.device.factory import DeviceConfig, open_channel
 
 from specdec.bench.harness.rig import Edge
 

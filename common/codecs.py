@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import lattice
-from .settings import Mode
+from .modes import Mode
 from .distributions import (
     SparseDist,
     dropped_mass_unchecked,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.common.settings import DraftSettings, Mode
+from specdec.common.modes import Mode
+from specdec.common.settings import DraftSettings
 
 # Version 1 still: per-round settings (Draft.settings) and DraftSettings.mode are additions that a
 # device which never sends them does not notice, and an edge which ignores them is never sent them.

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from specdec.common.validation import check_int, check_real
 
-# edge-server and device-client on one host split its cores between them: each taking every core
-# made the pair ~3x slower than the target alone on 2 cores (issue 20), one thread each ~2x faster.
+# edge-server and device-client on one host split its cores between them: two processes that each
+# take every core fight over them in every forward, which costs far more than each having half.
 PAIR_PROCESSES = 2
 # At or below this many cores a process leaves the others to its peer even when the address does not
 # say the peer is here (an edge bound to 0.0.0.0, a device given this host's public name): halving
-# costs a lone process at most ~1.6x (the 135M target on 1 vs 2 threads here), oversubscribing 3x.
+# a lone process's threads costs it less than two oversubscribed processes lose.
 FEW_CORES = 2
 
 # Largest message either side accepts (the edge's --max-message-bytes default): a dense fp32 round

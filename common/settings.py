@@ -2,7 +2,7 @@
 
 A draft setting is declared once, as a field of :class:`DraftSettings` with its default, bounds,
 help text and the modes that read it (:func:`setting`). From that table come the device's CLI flags
-(``device/__main__.py``), the OpenAI ``specdec`` object's validation (``device/openai_schema.py``),
+(``device/cli.py``), the OpenAI ``specdec`` object's validation (``device/openai_schema.py``),
 the wire conversion (``common/wire.py``, by field name: the proto message has the same fields, and
 ``tests/unit/test_settings.py`` checks that it does) and the edge's checks (:func:`validate`).
 
@@ -16,44 +16,20 @@ means off. Pure: no I/O, no torch.
 """
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Mapping
+
+from specdec.common.modes import (ALL_MODES, AUTO, DRAFTING_MODES, LATTICE_MODES, NO_CODEC_MODES, TOP_K_MODES,
+                                   Mode)
 
 if TYPE_CHECKING:
     from specdec.common.codecs import CodecConfig
 
 
-class Mode(str, enum.Enum):
-    """How a round is drafted and what its uplink carries."""
-    DENSE = "dense"  # full distribution, TSLT eq. (2)-(3) baseline
-    TSLT = "tslt"  # truncated sparse logits, TSLT section 3.2
-    KSQS = "ksqs"  # top-K + lattice, SQS section 2
-    CSQS = "csqs"  # conformal threshold + lattice, SQS section 3
-    DSSD = "dssd"  # split verification, uplink scalars only (DSSD, Method; see verification.py)
-    NONE = "none"  # no speculation: the edge generates the round's tokens alone and streams them
-    # token ids only: both sides race each position's shared noise (Gumbel sampling, Daliri et al. 2024,
-    # arXiv 2408.07978), the edge accepts a draft iff it is the target's own draw (see verification.py)
-    GUMBEL = "gumbel"
-
-
-ALL_MODES = frozenset(Mode)
-DRAFTING_MODES = ALL_MODES - {Mode.NONE}  # modes whose rounds carry drafts (none: the edge generates alone)
-# ``mode auto``: the device picks each round's mode, K and length itself (device/auto.py). A device
-# policy, not a way of drafting: it is accepted wherever a user gives settings, and never reaches the
-# wire, where every round says how it was actually drafted.
-AUTO = "auto"
-# Modes whose rounds send no distribution (DSSD: q(x) scalars; gumbel: nothing but ids; none: no draft).
-NO_CODEC_MODES = frozenset({Mode.DSSD, Mode.GUMBEL, Mode.NONE})
-# Modes whose every emitted token is the target's own Gumbel-max draw with the position's noise
-# (verification.token_noise): their tokens depend on neither the drafter nor the draft length.
-RACE_MODES = frozenset({Mode.GUMBEL, Mode.NONE})
-TOP_K_MODES = frozenset({Mode.TSLT, Mode.KSQS})
-LATTICE_MODES = frozenset({Mode.KSQS, Mode.CSQS})
 CHAIN_ONLY = "chain"  # a setting read only by chain rounds (not trees)
-SETTING_KEY = "draft_setting"
-UINT32_MAX = 2**32 - 1  # integer settings travel as proto uint32  # where :func:`setting` keeps its metadata in a dataclass field
+SETTING_KEY = "draft_setting"  # where :func:`setting` keeps its metadata in a dataclass field
+UINT32_MAX = 2**32 - 1  # integer settings travel as proto uint32
 
 
 @dataclass(frozen=True)

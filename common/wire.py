@@ -8,7 +8,8 @@ from __future__ import annotations
 from specdec.common import protocol as P
 from specdec.common.idpack import pack_ids, unpack_ids
 from specdec.common.pb import speculative_pb2 as pb
-from specdec.common.settings import Mode, setting_names
+from specdec.common.modes import Mode
+from specdec.common.settings import setting_names
 
 _MODE_TO_PB = {
     Mode.DENSE: pb.MODE_DENSE,

@@ -3,13 +3,13 @@
 :class:`LinkTracker` is the device's memory of its link and models (shared by its sessions, since
 they share the link); :class:`AutoPolicy` is one session's controller, called by
 :meth:`DraftSession.choose` before each round is drafted (ahead or not) and fed each committed
-round's :class:`~specdec.device.rounds.RoundEvent`. The choice itself is :func:`specdec.common.autotune.best`,
-pure math over the :class:`~specdec.common.autotune.Estimates` built here.
+round's :class:`~specdec.device.rounds.RoundEvent`. The choice itself is :func:`specdec.device.autotune.best`,
+pure math over the :class:`~specdec.device.autotune.Estimates` built here.
 
 What is measured, per round (all from what the device already sees):
   * round trip and uplink goodput: each round's network time (device wall time minus the edge's
     reported queue, decode and verify time) against its uplink bits, a line fitted over the last few
-    rounds (newest weighted most; :func:`~specdec.common.autotune.fit_link`): the intercept is the
+    rounds (newest weighted most; :func:`~specdec.device.autotune.fit_link`): the intercept is the
     round trip (its mean, jitter and loss included: what a round expects to pay), the slope the
     inverse goodput; downlink goodput from DSSD's full-p_j replies;
   * the edge's time per forward, an affine fit in the tokens of the forward (each Verdict reports it);
@@ -21,7 +21,7 @@ What is measured, per round (all from what the device already sees):
     adds its dropped mass for each candidate K, so a K never sent still gets an estimate;
   * gumbel rounds' acceptance (a draft kept iff it is the target's own draw): their own rate per
     tested position and per depth (:class:`GumbelAcceptance`), shrunk toward a prior from alpha_base
-    (:func:`~specdec.common.autotune.gumbel_prior`) until they have run; gumbel rounds do not feed
+    (:func:`~specdec.device.autotune.gumbel_prior`) until they have run; gumbel rounds do not feed
     alpha_base (theirs is another event);
   * the share of drafted-ahead rounds kept (bonus guessed), DSSD's fallback share.
 Model-side estimates are kept per temperature (acceptance depends on it), link-side ones once.
@@ -38,9 +38,9 @@ from typing import Mapping
 
 import torch
 
-from specdec.common import autotune as A
+from specdec.device import autotune as A
 from specdec.common.loadaware import CostCurve
-from specdec.common.settings import RACE_MODES, Mode
+from specdec.common.modes import Mode, RACE_MODES
 from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K, DraftSettings,
                                      Hello, Welcome)
 from specdec.common.stats import RoundRecord
@@ -87,7 +87,7 @@ DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage towa
 DEPTH_DECAY = 0.95            # per round reaching a depth (~20 rounds: one sample a round)
 PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
 PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
-PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (measured CPU: ~0.15-0.2)
+PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (a CPU's, the steeper kind)
 VERIFY_PRIOR_WEIGHT = 4.0     # forwards' worth of spread behind that prior slope
 PRIOR_VERIFY_BASE_S = 0.05    # a one-token forward before any verdict reported one
 # ... unless the edge's Welcome states its calibrated cost curve: its line over forwards of at most
@@ -213,7 +213,7 @@ class SessionAcceptance(_Acceptance):
 class GumbelAcceptance(_Acceptance):
     """One session's gumbel acceptance (a draft kept iff it is the target's own race, another event than
     the exact q's acceptance): kept drafts per tested position of its gumbel rounds, and the other
-    rounds' through :func:`~specdec.common.autotune.race_from_exact` at CROSS_WEIGHT; no prior of its
+    rounds' through :func:`~specdec.device.autotune.race_from_exact` at CROSS_WEIGHT; no prior of its
     own (:meth:`estimate` shrinks toward one)."""
 
     def __init__(self, memory: float = 1.0):
@@ -432,7 +432,7 @@ class LinkTracker:
 
     def add_network(self, network: float, up_bytes: int, down_bytes: int, residual_trips: int = 0) -> bool:
         """One round's network time. Round trip and uplink goodput are fitted jointly over recent rounds
-        (:func:`~specdec.common.autotune.fit_link`): a round's time cannot say by itself how much of it
+        (:func:`~specdec.device.autotune.fit_link`): a round's time cannot say by itself how much of it
         was propagation and how much serialization, rounds of different sizes can. True if the round
         stalled (held out: see below)."""
         if residual_trips:  # a DSSD fallback's round trips and p_j (head or whole) down: a downlink sample
@@ -497,7 +497,7 @@ class LinkTracker:
 
     def verify_fit(self) -> tuple[float, float]:
         """(seconds of a one-token forward, seconds per further token) of the edge's recent forwards
-        (:func:`~specdec.common.autotune.fit_verify`), shrunk toward the edge's stated curve."""
+        (:func:`~specdec.device.autotune.fit_verify`), shrunk toward the edge's stated curve."""
         base, slope = self.verify_prior
         return A.fit_verify(list(self.verify), slope, VERIFY_PRIOR_WEIGHT, base)
 
@@ -622,8 +622,8 @@ class LinkTracker:
         """A round's acceptance teaches both estimates, the exact q's and gumbel's, since both follow the
         same TV of the same text: its own kind's directly, the other through the measured relation
         1 - alpha_gumbel = GUMBEL_TV_FACTOR (1 - alpha) at CROSS_WEIGHT, so that neither goes stale
-        while only the other kind runs (a session on gumbel rounds kept DSSD at a stale 0.90 while its
-        text accepted 0.97: the links A/B, docs/benchmarks.md)."""
+        while only the other kind runs (a session on gumbel rounds would otherwise keep the exact q's
+        acceptance from its first rounds, whatever its text became)."""
         if settings.mode is Mode.GUMBEL:
             raced = [float(d < r.accepted) for d in range(r.tested)]
             exact = [A.exact_from_race(v, side.greedy) for v in raced]

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdec.common import verification as V
-from specdec.common.budget import MIN_DRAFT_LEN, fits_budget
+from specdec.device.budget import MIN_DRAFT_LEN, fits_budget
 from specdec.common.codecs import dssd_theoretical_bits
 from specdec.common.distributions import sample_token_gumbel
 from specdec.common.idpack import id_bits
 from specdec.common.protocol import DraftSettings, Verdict
 from specdec.common.sampling import model_probs
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.streams import Purpose, stream
 from specdec.device import dssd
 from specdec.device.draft_model import DraftStep

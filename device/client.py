@@ -21,26 +21,13 @@ from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.stats import SpecStats
 from specdec.device.engine import ProtocolError, clip_round, finished, run_round
 from specdec.device.fleet import Failover, Fleet, Route, SessionTrail
+from specdec.device.grpc_status import (EdgeError, ShieldedRead, STATUS_BY_NUMBER, final_error, half_close,
+                                        retryable, watch_status)
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.rounds import RoundEvent
 from specdec.device.session import DraftSession
 
 log = logging.getLogger("specdec.device")
-
-
-class EdgeError(RuntimeError):
-    """The edge ended the session with a gRPC status; ``code`` and ``details`` say why, ``reason``
-    (protocol.REASON_KEY in the trailing metadata, "" if none) says it to programs."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
-        super().__init__(f"edge session failed: {code.name}: {details}")
-        self.code = code
-        self.details = details
-        self.reason = reason
-
-
-def _reason(metadata) -> str:
-    return next((str(v) for k, v in (metadata or ()) if k == P.REASON_KEY), "")
 
 
 @dataclass
@@ -92,7 +79,7 @@ class _Stream:
     metrics: DeviceMetrics | None = None
     mode: str = ""
     round_timeout: float | None = None
-    _pending: asyncio.Future | None = None
+    _read: ShieldedRead | None = None
     seen: dict | None = None            # watch_status(call): the first final status it gets
     route: Route | None = None          # the fleet's route this stream runs on
     trail: SessionTrail | None = None   # the session's record of edges and resumes
@@ -113,20 +100,17 @@ class _Stream:
         return msg.ByteSize()
 
     async def read(self):
-        # The read is shielded: grpc.aio cancels the whole RPC when an awaited read is cancelled,
-        # which would keep a cancelled session from sending its Close (see _close_quietly).
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(self.call.read())
+        if self._read is None:
+            self._read = ShieldedRead(self.call)
         try:
-            msg = await asyncio.wait_for(asyncio.shield(self._pending), self.round_timeout)
-            self._pending = None
+            msg = await self._read(self.round_timeout)
         except asyncio.TimeoutError:
             raise EdgeError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no answer from the edge within {self.round_timeout:g} s") from None
         if msg is grpc.aio.EOF:
             raise EdgeError(grpc.StatusCode.UNAVAILABLE, "edge closed the stream")
         if msg.WhichOneof("kind") == "end":  # the session's status, ahead of the status itself
-            await _half_close(self.call)
+            await half_close(self.call)
             end = wire.end_from_pb(msg.end)
             raise EdgeError(STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN), end.details, end.reason)
         self._observe(msg)
@@ -143,87 +127,6 @@ class _Stream:
             self.edge, resume, moved = self.trail.welcomed(wire.welcome_from_pb(msg.welcome), self.route)
             if self.metrics:
                 self.metrics.fleet_welcomed(self.edge, resume, moved)
-
-
-STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-
-
-async def _half_close(call) -> None:
-    """Done writing, so the edge can end the stream without resetting it (see End in the proto)."""
-    with contextlib.suppress(Exception):
-        await call.done_writing()
-
-
-# grpc.aio reports a write that fails because the call has already ended (the edge, or a proxy,
-# refused it while the device was still writing) as INTERNAL "Internal error from Core", set locally
-# (grpc issue 36066). The peer's own status (UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...) either came just
-# before, and that local status overwrote it, or comes moments later and overwrites the local one.
-# watch_status keeps the first status a call got; final_error waits this long for a later one (a
-# round trip on a slow link; a connection that died has its status, UNAVAILABLE, at once).
-FINAL_STATUS_WAIT_S = 1.0
-FINAL_STATUS_POLL_S = 0.01
-
-
-def _is_local_write_failure(code, details) -> bool:
-    return code is grpc.StatusCode.INTERNAL and details == CORE_TRANSPORT_FAILURE
-
-
-def _at_once(coro):
-    """The value of a coroutine that completes without suspending (a finished call's status
-    accessors), from synchronous code; None if it would have to wait."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    return None
-
-
-def watch_status(call) -> dict:
-    """A dict that receives the first final status the call gets, (code, details, trailing metadata),
-    under "first", the moment it is set (before anything can overwrite it)."""
-    seen: dict = {}
-
-    def done(c) -> None:
-        if "first" not in seen:
-            seen["first"] = (_at_once(c.code()), _at_once(c.details()), _at_once(c.trailing_metadata()))
-    call.add_done_callback(done)
-    return seen
-
-
-async def final_error(call, seen: dict | None = None) -> "EdgeError":
-    """The call's final status as an EdgeError. When it is only the local write failure, the peer's
-    status: the one that came first (``seen``, from watch_status) or one that comes within
-    FINAL_STATUS_WAIT_S, so that a refusal is never mistaken for a broken connection and retried."""
-    first = (seen or {}).get("first")
-    if first and first[0] is not None and not _is_local_write_failure(first[0], first[1]):
-        code, details, trailing = first
-        return EdgeError(code, details or "stream ended", _reason(trailing))
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + FINAL_STATUS_WAIT_S
-    while True:
-        code, details = await call.code(), await call.details()
-        if not _is_local_write_failure(code, details) or loop.time() >= deadline:
-            break
-        await asyncio.sleep(FINAL_STATUS_POLL_S)
-    return EdgeError(code, details or "stream ended", _reason(await call.trailing_metadata()))
-
-
-# Statuses after which the device reconnects and resumes instead of failing: the link or the edge
-# went away, or a round took longer than the policy allows.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                       grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
-
-
-# gRPC core reports some torn connections (a peer killed mid-frame) as INTERNAL with this text;
-# the servicer's own INTERNAL errors say "internal error: ...", and those are not retried.
-CORE_TRANSPORT_FAILURE = "Internal error from Core"
-
-
-def _retryable(error: EdgeError) -> bool:
-    if error.code in RETRYABLE:
-        return True
-    return error.code is grpc.StatusCode.INTERNAL and error.details == CORE_TRANSPORT_FAILURE
 
 
 CLOSE_GRACE_S = 1.0  # how long a cancelled session waits to deliver its Close
@@ -280,7 +183,7 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
 async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy) -> GenerationResult:
     result = GenerationResult(token_ids=[], welcome=None, stats=session.stats)
     session.start(prompt_ids)
-    failover = Failover(fleet, policy, _retryable)
+    failover = Failover(fleet, policy, retryable)
     route, home, delivered = fleet.pick(), None, 0
     metadata = (*policy.metadata, (P.SESSION_KEY, result.trail.key))  # the same on every stream: affinity
     hello = replace(hello, wants_end=True)  # End messages: statuses that survive proxies (see the proto)

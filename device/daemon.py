@@ -41,8 +41,8 @@ from specdec.device.detokenize import Detokenizer
 from specdec.device.fleet import Fleet
 from specdec.device.metrics import DeviceMetrics
 from specdec.device.openai_schema import ApiError, Choice
-from specdec.device.runner import (DeviceConfig, choose_drafter, connection_policy, device_tracker, edge_fleet,
-                                   new_session, remember)
+from specdec.device.factory import (DeviceConfig, choose_drafter, connection_policy, device_tracker, edge_fleet,
+                                    new_session, remember)
 
 log = logging.getLogger("specdec.device.daemon")
 

@@ -32,8 +32,9 @@ import torch
 
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model
 from specdec.common.runtime import OneLineParser, apply_threads, run_async, usable_cores
-from specdec.device.__main__ import build_parser, config_from_args
-from specdec.device.runner import DeviceConfig, run_device
+from specdec.device.cli import build_parser, config_from_args
+from specdec.device.factory import DeviceConfig
+from specdec.device.runner import run_device
 
 PROMPT = "Explain speculative decoding in two sentences."
 MAX_NEW_TOKENS = 64    # two sentences: enough rounds for a rate, short enough for a demo

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Callable, Protocol
 
 from specdec.common import protocol as P
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan
 from specdec.device.session import DraftSession
 

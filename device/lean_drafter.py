@@ -278,7 +278,7 @@ class Int4Linear(torch.nn.Module):
 
     The kernel (``_weight_int4pack_mm_for_cpu``, the one gpt-fast and torchao use) computes
     x ((code - 8) s + z)^T with bfloat16 activations, scales and output: so s = d and z = m + 8 d,
-    both rounded to bfloat16. Its float32 path is ~30x slower here, hence bfloat16. A decode step
+    both rounded to bfloat16. Its float32 path is far slower, hence bfloat16. A decode step
     reads 4.5 bits per weight instead of 32.
     """
 

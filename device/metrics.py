@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.metrics import SpecMetrics
 from specdec.common.stats import PHASES, RoundRecord
 from specdec.device.fleet import RESUME_KINDS

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from specdec.common.protocol import DraftBlock, DraftSettings, Verdict
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.stats import RoundRecord, edge_phases
 from specdec.common.tree import TreeSpec
 

@@ -1,6 +1,6 @@
 """Mode auto's safety net: what speculating delivered, against what edge-only delivers, both measured.
 
-Mode auto's model (:func:`specdec.common.autotune.best`) predicts each candidate's rate from fitted
+Mode auto's model (:func:`specdec.device.autotune.best`) predicts each candidate's rate from fitted
 costs. Where a fit misses (a device slower than assumed, a drafter competing for its cores, a link
 unlike the model's), its pick can be slower than not speculating at all, and nothing in the model
 notices. The net needs no model of the world. It keeps, for each of two arms, edge-only rounds and

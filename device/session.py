@@ -28,11 +28,11 @@ import torch
 from specdec.common import settings as S
 from specdec.common import verification as V
 from specdec.common.codecs import CodecConfig
-from specdec.common.conformal import ConformalController
+from specdec.device.conformal import ConformalController
 from specdec.common.distributions import race_token_unchecked
 from specdec.common.modeling import LoadedModel
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict, Welcome
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode, RACE_MODES
 from specdec.common.stats import SpecStats
 from specdec.common.tree import TreeSpec
 from specdec.device import chain, dssd, edge_only, tree_round
@@ -64,7 +64,7 @@ class DraftSession:
     def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False, policy=None,
                  round_log: bool = False, reproducible: bool = False):
         self.hello = hello
-        # Seeded and sampling (runner.DeviceConfig.reproducible): the edge's load advice must not cut a
+        # Seeded and sampling (factory.DeviceConfig.reproducible): the edge's load advice must not cut a
         # round whose tokens depend on where rounds end (every mode but the race modes).
         self.fixed_cuts = reproducible and hello.temperature > 0
         self.vocab_size = drafter.vocab_size
@@ -119,7 +119,7 @@ class DraftSession:
         advised at its load (0: an edge-only round, longer the longer the advice stays 0), except where
         that would change a reproducible session's tokens."""
         plan = self.policy.choose() if self.policy is not None else RoundPlan(self.hello.draft)
-        if self.fixed_cuts and plan.settings.mode not in S.RACE_MODES:
+        if self.fixed_cuts and plan.settings.mode not in RACE_MODES:
             return plan
         chunk = S.EDGE_ONLY_CHUNK << min(self._advised_edge_only, ADVICE_CHUNK_DOUBLINGS)
         if self.policy is not None and self.edge_hint == 0:

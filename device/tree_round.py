@@ -12,7 +12,7 @@ import torch
 
 from specdec.common import verification as V
 from specdec.common.protocol import Verdict
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import path_cache_indices

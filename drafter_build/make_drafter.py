@@ -31,7 +31,7 @@ from specdec.drafter_build.gen_data import GenConfig, choose_head, coverage, gen
 from specdec.drafter_build.train_prompts import load_bench_prompts, training_prompts
 
 from specdec.common.sampling import model_probs
-from specdec.common.latency import expected_tokens_per_call, oracle_time
+from specdec.device.latency import expected_tokens_per_call, oracle_time
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
 from specdec.device.prebuilt import PREBUILT_FLAG
 from specdec.device import lean_drafter

@@ -3,7 +3,7 @@
 Sessions do their work on the worker pool (decode the draft, verify, commit); every target forward
 they need (a verification round, an edge-only token, a prefill chunk) is handed to this scheduler
 and the session's thread waits for its logits. One scheduler thread gathers what is pending and
-runs it through :func:`specdec.common.batched.forward_batch`:
+runs it through :func:`specdec.edge.batched.forward_batch`:
 
 - it starts a forward as soon as every session that is working has handed in its forward and no
   other session is worth waiting for (below), or the pending tokens reach ``max_batch_tokens``, or
@@ -20,7 +20,7 @@ runs it through :func:`specdec.common.batched.forward_batch`:
 - if a batched forward fails, its requests are rerun one by one, so only the culprit's session
   sees the error;
 - the rounds drafted in a forward are verified together right after it, as batch tensor work
-  (:func:`specdec.common.verify_batch.verify_rounds`): each session gets its verdict, not its logits,
+  (:func:`specdec.edge.verify_batch.verify_rounds`): each session gets its verdict, not its logits,
   and only the verdicts (a few integers a round) leave the target's device. If that fails, each round
   is verified alone, so again only the culprit's session sees the error.
 
@@ -40,11 +40,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.common.batched import BatchWorkspace, ForwardRequest, batch_key, batchable, forward_batch
+from specdec.edge.batched import BatchWorkspace, ForwardRequest, batch_key, batchable, forward_batch
 from specdec.common.loadaware import CURVE_POINTS, CostCurve, best_draft_len
 from specdec.common.modeling import CachedLM
-from specdec.common.slots import SlotPool, slots_supported
-from specdec.common.verify_batch import ChainRound, RoundOutcome, verify_rounds
+from specdec.edge.slots import SlotPool, slots_supported
+from specdec.edge.verify_batch import ChainRound, RoundOutcome, verify_rounds
 
 log = logging.getLogger("specdec.edge")
 
@@ -54,13 +54,13 @@ class DeviceDefaults:
     """The scheduler's defaults on one kind of device (the CLI's help and docs/gpu.md list them)."""
     max_batch_tokens: int
     wait_s: float
-    kv_cache: str      # "slots" or "per-session" (common/slots.py, common/batched.py)
+    kv_cache: str      # "slots" or "per-session" (edge/slots.py, edge/batched.py)
 
 
 DEVICE_DEFAULTS = {
-    # A forward of 256 new tokens costs the embedded target ~5x one of a single token on a CPU core,
-    # so a batch that full has long stopped being cheap per token. Decoding a draft packet takes
-    # ~0.1-2 ms here; a session that needs longer is not waited for. Per-session caches: memory
+    # On a CPU core a forward's cost grows with its new tokens well before 256 of them, so a batch
+    # that full has long stopped being cheap per token. A wait of a draft packet's decode time or so;
+    # a session that needs longer is not waited for. Per-session caches: memory
     # follows each session's length, and copying them costs little next to a CPU forward.
     "cpu": DeviceDefaults(max_batch_tokens=256, wait_s=0.002, kv_cache="per-session"),
     # A GPU reads its weights once per forward whatever the batch: an 8B model's forward of 256
@@ -81,8 +81,8 @@ GAP_EWMA = 0.3
 # sessions little, and the device (which sees its round trip, the edge does not) decides alone.
 SATURATED_UTILIZATION = 0.7
 # Start-up calibration: cached context of each timed forward, and timings per short point (the least
-# is kept: a 1-token forward is ~50 ms here and one hiccup would double it); forwards of
-# CALIBRATION_STABLE_TOKENS or more take long enough to be timed once (SmolLM2 on a core: ~5 s -> ~3 s).
+# is kept: a short forward is quick enough that one scheduler hiccup would double it); forwards of
+# CALIBRATION_STABLE_TOKENS or more take long enough to be timed once (a shorter start-up).
 CALIBRATION_CONTEXT = 64
 CALIBRATION_REPEATS = 2
 CALIBRATION_STABLE_TOKENS = 32

@@ -44,7 +44,7 @@ from google.protobuf.message import DecodeError
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.loadaware import Acceptance, RecentAcceptance
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.stats import edge_only_record, edge_record
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.edge.admission import Admission, AdmissionRefused, AdmissionSettings, Slot

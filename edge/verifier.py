@@ -19,14 +19,14 @@ import torch
 
 from specdec.common import verification as V
 from specdec.common import settings as S
-from specdec.common.batched import ForwardRequest, forward_batch
+from specdec.edge.batched import ForwardRequest, forward_batch
 from specdec.common.codecs import CodecConfig, decode_distribution, decode_dssd_scalars, encode_target_probs
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode, TOP_K_MODES
 from specdec.common.distributions import SparseDist, densify
 from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.sampling import TargetLaw, validate_hello
-from specdec.common.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
+from specdec.edge.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
@@ -87,7 +87,7 @@ class TargetInfo:
 
 Forward = Callable[[ForwardRequest], torch.Tensor]  # runs one target forward, returns its logits
 # Runs one target forward and verifies the round drafted in it against the logits (the scheduler
-# verifies all the rounds of a batched forward together: common/verify_batch.py).
+# verifies all the rounds of a batched forward together: edge/verify_batch.py).
 VerifyForward = Callable[[ForwardRequest, ChainRound], RoundOutcome]
 
 
@@ -120,7 +120,7 @@ class VerifierSession:
         self.limits = limits
         self.session_id = session_id
         self.max_context = min(limits.max_context or info.max_context, info.max_context)
-        # the target's KV cache of this session: its own, or a slot of the edge's (common/slots.py)
+        # the target's KV cache of this session: its own, or a slot of the edge's (edge/slots.py)
         self.lm = lm if lm is not None else CachedLM(target.model, target.device)
         self.eos_token_ids = frozenset(target.eos_token_ids)  # an edge-only round ends at one
         self.tokens: list[int] = []
@@ -279,7 +279,7 @@ class VerifierSession:
 
     def _verify_chain(self, draft: DraftBlock, settings: DraftSettings, q, generator: torch.Generator) -> Verdict:
         """One target forward over the unverified tail + the drafts, verified with every round of the
-        same forward (:mod:`specdec.common.verify_batch`); only the verdict comes back from the
+        same forward (:mod:`specdec.edge.verify_batch`); only the verdict comes back from the
         target's device."""
         draft_ids = list(draft.token_ids)
         request = ForwardRequest(self.lm, self.tokens[self.lm.cache_len:] + draft_ids, len(draft_ids) + 1)
@@ -430,7 +430,7 @@ def _check_limits(settings: DraftSettings, info: TargetInfo, limits: EdgeLimits)
         return
     if settings.draft_len > limits.max_draft_len:
         raise LimitError(f"draft_len {settings.draft_len} exceeds the edge limit {limits.max_draft_len}")
-    if settings.mode in S.TOP_K_MODES and settings.top_k > min(limits.max_k, info.vocab_size):
+    if settings.mode in TOP_K_MODES and settings.top_k > min(limits.max_k, info.vocab_size):
         raise LimitError(f"top_k {settings.top_k} exceeds the edge limit {min(limits.max_k, info.vocab_size)}")
     if settings.mode is Mode.CSQS and settings.max_k > limits.max_k:
         raise LimitError(f"C-SQS max_k {settings.max_k} exceeds the edge limit {limits.max_k}")

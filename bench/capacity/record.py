@@ -4,7 +4,7 @@
 
 (:func:`run_recorder` starts it and waits for it.)
 
-Loads the drafter once (as device-client would: runner.choose_drafter), then for each job
+Loads the drafter once (as device-client would: factory.choose_drafter), then for each job
 ``{"prompt", "temperature", "seed", "max_new_tokens", "out"}``:
 
 * T = 0: one real session (device/client.generate with a DraftSession) gives the target's greedy
@@ -32,7 +32,7 @@ from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
 from specdec.device.client import generate
 from specdec.device.session import DraftSession
-from specdec.device.runner import choose_drafter, connection_policy, edge_channel
+from specdec.device.factory import choose_drafter, connection_policy, edge_channel
 from specdec.bench.harness.driver import device_config, emit
 from specdec.testbed import procs
 

@@ -16,7 +16,7 @@ import grpc
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.device.runner import DeviceConfig, open_channel
+from specdec.device.factory import DeviceConfig, open_channel
 
 from specdec.bench.capacity.scripts import Divergence
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from specdec.common import protocol as P
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.device.chain import chain_limit
 from specdec.device.engine import clip_round
 

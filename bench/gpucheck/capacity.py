@@ -23,7 +23,7 @@ import torch
 from specdec.common.codecs import encode_distribution
 from specdec.common.modeling import vocab_fingerprint
 from specdec.common.runtime import run_async
-from specdec.device.runner import DeviceConfig
+from specdec.device.factory import DeviceConfig
 
 from specdec.bench.capacity import analyze, replay
 from specdec.bench.capacity.recording import PositionTable, Proposal

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batched import BatchWorkspace, ForwardRequest, PhaseTimer, forward_batch
+from specdec.edge.batched import BatchWorkspace, ForwardRequest, PhaseTimer, forward_batch
 from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
 from specdec.common.distributions import densify
 from specdec.common.modeling import CachedLM, cache_kwargs
 from specdec.common.sampling import TargetLaw, model_probs
-from specdec.common.settings import Mode
-from specdec.common.slots import SlotPool
+from specdec.common.modes import Mode
+from specdec.edge.slots import SlotPool
 from specdec.common.streams import Purpose, stream
 from specdec.common.verification import chain_verify
-from specdec.common.verify_batch import chain_round, verify_rounds
+from specdec.edge.verify_batch import chain_round, verify_rounds
 
 
 def sync(device: torch.device) -> None:
@@ -135,7 +135,7 @@ def phases(model, device: torch.device, batch: int, drafts: int, context: int, v
     tokens) in both layouts: building the inputs, copying caches, the forward, appending keys, the
     logits' conversion; then the verification of every session's round (decoding its packets, the
     target's probabilities at T = 0 and T = 1, the accept tests and the bonus): all rounds together as
-    batch tensor work on the device (``verify_batched``, the edge's path: common/verify_batch.py), and
+    batch tensor work on the device (``verify_batched``, the edge's path: edge/verify_batch.py), and
     session by session on the device and on the host (``verify_device``, ``verify_host``: the paths
     the edge had before)."""
     codec = CodecConfig(mode=Mode.TSLT, vocab_size=vocab, top_k=1)
@@ -186,7 +186,7 @@ def _verify(row: torch.Tensor, ids: list[int], payloads: list[bytes], codec: Cod
 
 def _verify_batched(logits: list[torch.Tensor], rounds: list[tuple[list[int], list[bytes]]], codec: CodecConfig,
                     temperature: float) -> list[int]:
-    """The edge's verification of all the rounds of one forward together (common/verify_batch.py)."""
+    """The edge's verification of all the rounds of one forward together (edge/verify_batch.py)."""
     law = TargetLaw(temperature)
     built = [chain_round(torch.tensor(ids), [decode_distribution(x, codec) for x in payloads], law,
                          stream(b, Purpose.VERIFY, 0)) for b, (ids, payloads) in enumerate(rounds)]
@@ -200,7 +200,7 @@ def graph_probe(model, device: torch.device, batch: int, tokens: int, context: i
     measurement of the headroom, not the serving path). CUDA only; failures are reported."""
     if device.type != "cuda":
         return {"available": False, "why": "CUDA only"}
-    from specdec.common import slots
+    from specdec.edge import slots
 
     sessions = Sessions(model, device, batch, context, "slots", room=tokens)
     requests = [ForwardRequest(lm, [3] * tokens, tokens) for lm in sessions.lms[:batch]]

@@ -3,7 +3,7 @@ many sessions.
 
 Runs where the device runs (inside the testbed's device namespace, or on loopback), against a real
 ``edge-server`` process, through the same pieces as ``device-client --json``: ``DeviceConfig`` ->
-``runner.new_session`` (``mode auto``'s controller where asked) -> ``client.generate`` ->
+``factory.new_session`` (``mode auto``'s controller where asked) -> ``client.generate`` ->
 ``runner.result_json``. Starting one ``device-client`` per session would spend ~15-40 s importing
 torch and loading the drafter on these shared cores; this loads it once per run and keeps one
 channel to the edge. Its sessions share one ``mode auto`` memory of the link and the models, as
@@ -47,11 +47,12 @@ import torch
 from specdec.bench.harness.plan import DRAFT_DELAY
 from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
-from specdec.common.settings import Mode, setting_names
-from specdec.device import runner
+from specdec.common.modes import Mode
+from specdec.common.settings import setting_names
+from specdec.device import factory, runner
 from specdec.device.auto import AutoConfig, LinkTracker
 from specdec.device.client import generate
-from specdec.device.runner import DeviceConfig
+from specdec.device.factory import DeviceConfig
 from specdec.device.session import DraftSession
 
 WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the channel warm up
@@ -173,10 +174,10 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
                       operating_point=operating_point)
     recording = "distributions" in extras
     session_class = partial(RecordingSession, topk_grid=topk_grid) if recording else DraftSession
-    session = runner.new_session(cfg, drafter, hello, tracker, session_class=session_class)
+    session = factory.new_session(cfg, drafter, hello, tracker, session_class=session_class)
     timeline = add_timeline(session) if "timeline" in extras else None
     r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
-                       policy=runner.connection_policy(cfg))
+                       policy=factory.connection_policy(cfg))
     record = runner.result_json(hello.draft, drafter, session, r)
     record.pop("token_ids", None)
     record["prompt_tokens"] = len(prompt_ids)
@@ -257,9 +258,9 @@ async def run_job(job: dict, session) -> None:
 async def main_async(args) -> None:
     """Load the drafter, then run each batch of jobs read from stdin (one JSON line per batch)."""
     base = device_config(args.edge, {"draft_model": args.draft_model} if args.draft_model else {})
-    choice = runner.choose_drafter(base)
+    choice = factory.choose_drafter(base)
     drafter = await asyncio.to_thread(load_model, choice.spec)
-    async with runner.edge_channel(base) as channel:
+    async with factory.edge_channel(base) as channel:
         device = Device(channel, drafter, args.edge, choice.operating_point)
         if not args.no_warmup:
             warm = device_config(args.edge, {"temperature": 1.0, "max_new_tokens": WARMUP_TOKENS})

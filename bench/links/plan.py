@@ -36,7 +36,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "auto": ("auto", {"mode": "auto"}),
     # mode auto without gumbel among its candidates (its own memory of the link): the A/B of issue 37
     "auto-nogumbel": ("auto", {"mode": "auto", "auto_config": {"gumbel": False}}),
-    # mode auto free to choose any round (runner.DeviceConfig.reproducible off, as for a daemon request
+    # mode auto free to choose any round (factory.DeviceConfig.reproducible off, as for a daemon request
     # without a seed): the A/B of issue 44 against "auto", a seeded session that keeps to race rounds
     "auto-free": ("auto", {"mode": "auto", "reproducible": False}),
 }

@@ -20,7 +20,7 @@ The paper takes T_V = T_LLM; we use the measured verify time of a round (one for
 from __future__ import annotations
 
 from specdec.bench.harness.analyze import Agg
-from specdec.common.latency import expected_tokens_per_call, oracle_time_drafting_ahead
+from specdec.device.latency import expected_tokens_per_call, oracle_time_drafting_ahead
 
 
 def depth(shape: str, draft_len: int, tree: tuple[int, ...]) -> int:

@@ -16,14 +16,14 @@ from functools import lru_cache
 import pytest
 import torch
 
-from specdec.common.batched import ForwardRequest, forward_batch
+from specdec.edge.batched import ForwardRequest, forward_batch
 from specdec.common.modeling import CachedLM, LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
-from specdec.common.settings import Mode
-from specdec.common.slots import SlotPool
+from specdec.common.modes import Mode
+from specdec.edge.slots import SlotPool
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import edge_tree_inputs
 from specdec.device.client import ConnectionPolicy, generate
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 from specdec.device.session import DraftSession
 from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.metrics import EdgeMetrics

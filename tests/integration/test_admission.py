@@ -13,10 +13,11 @@ import pytest
 
 from tests.support.harness import assert_edge_flags_rejected, device_config, edge, load, run, run_sessions, target_greedy
 from tests.support.raw_stream import RawSession, wait_for
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.common.protocol import Welcome
-from specdec.device.client import RETRYABLE, EdgeError
+from specdec.device.client import EdgeError
+from specdec.device.grpc_status import RETRYABLE
 from specdec.edge import __main__ as edge_cli
 from specdec.edge.admission import Admission, AdmissionRefused, AdmissionSettings
 from specdec.edge.auth import admission_principal, peer_host, token_digest

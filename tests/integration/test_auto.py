@@ -12,14 +12,14 @@ import torch
 
 from tests.support.harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions,
                                   target_greedy)
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.auto import AutoConfig, AutoDecision, AutoPolicy, LinkTracker
 from specdec.device.draft_model import DraftStep
 from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from specdec.device.openai_schema import parse_overrides
-from specdec.device.runner import DeviceConfig
+from specdec.device.factory import DeviceConfig
 from specdec.edge.verifier import EdgeLimits
 from tests.support.laws import GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, N_TOKENS, PROMPT, law_counts
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
@@ -66,7 +66,7 @@ def test_mode_auto_is_accepted_wherever_settings_are_given() -> None:
 def test_auto_is_the_default_of_sessions_given_no_draft_setting() -> None:
     """Where it beats the fixed default (every temperature, in the links benchmark); any draft setting
     keeps the fixed settings; the CLI and the daemon's per-request config derive from the same rule."""
-    from specdec.device.__main__ import build_parser, config_from_args
+    from specdec.device.cli import build_parser, config_from_args
     assert DeviceConfig().auto and DeviceConfig(temperature=1.0).auto
     assert DeviceConfig.of(mode="auto", temperature=1.0).auto and not DeviceConfig.of(mode="tslt").auto
     assert not DeviceConfig.of(draft_len=3).auto and not DeviceConfig.of(top_k=64, temperature=1.0).auto

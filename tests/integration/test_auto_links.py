@@ -11,14 +11,14 @@ import asyncio
 from dataclasses import replace
 
 from tests.support.harness import device_config, edge, load
-from specdec.common.autotune import Candidate
-from specdec.common.settings import Mode
+from specdec.device.autotune import Candidate
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.auto import AutoDecision, AutoPolicy, LinkTracker
 from specdec.device.client import generate
 from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
-from specdec.device.runner import connection_policy, edge_channel
+from specdec.device.factory import connection_policy, edge_channel
 
 from specdec.testbed.linkemu import LinkEmulator, LinkSpec
 

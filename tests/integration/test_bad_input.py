@@ -11,12 +11,12 @@ import pytest
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.codecs import CodecConfig, encode_distribution
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Prompt
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 from specdec.edge.verifier import EdgeLimits
 
 PROMPT = "w1 w2 w3"

@@ -46,7 +46,7 @@ def mean_batch(metrics: EdgeMetrics) -> tuple[float, float]:
 @pytest.mark.parametrize("kv_cache", ["per-session", "slots"])
 def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache) -> None:
     """Both layouts of the sessions' KV caches (each session's own, or a row of one preallocated
-    cache: common/slots.py, the GPU's default)."""
+    cache: edge/slots.py, the GPU's default)."""
     target_dir, drafter_dir = accepting_pair_v512
     metrics = EdgeMetrics()
 
@@ -205,7 +205,7 @@ def test_auto_advised_edge_only_asks_for_rounds_its_boundary_model_pays_for(tiny
         assert all(e["generated"] > 2 * EDGE_CHUNK_MIN for e in log[:-1]) and len(log) <= 2, log
 
 
-# -- same seed, same tokens (runner.DeviceConfig.reproducible) -------------------------------------------
+# -- same seed, same tokens (factory.DeviceConfig.reproducible) -------------------------------------------
 SEEDED = tuple(range(8))
 SEEDED_TOKENS = 24
 
@@ -233,11 +233,11 @@ def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, facto
 
 
 def _device_factory(cfg):
-    """Sessions as the device makes them (runner.new_session). Mode auto: every default candidate,
+    """Sessions as the device makes them (factory.new_session). Mode auto: every default candidate,
     drafting whenever it might pay (on loopback edge-only rounds are cheap: without exploring it would
     seldom draft), each session with a fresh memory of the link."""
     from specdec.device.auto import AutoConfig, LinkTracker
-    from specdec.device.runner import new_session
+    from specdec.device.factory import new_session
     return lambda drafter, hello: new_session(cfg, drafter, hello, LinkTracker(AutoConfig(
         memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0), cold_start=False)))
 

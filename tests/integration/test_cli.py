@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from tests.support.harness import device_cli, load, run_main, target_greedy
-from specdec.device import __main__ as device_main
+from specdec.device import cli as device_main
 from specdec.common.modeling import encode_prompt
 
 

@@ -29,12 +29,12 @@ from specdec.testbed import tiny_models
 from tests.support.harness import VENV_BIN, edge, load, run_main, target_greedy
 from tests.support.raw_stream import RawSession
 from specdec.common.modeling import ModelSpec, encode_prompt
-from specdec.device import __main__ as device_main
+from specdec.device import cli as device_main
 from specdec.device import openai_schema
 from specdec.device.client import EdgeError
 from specdec.device.daemon import DaemonConfig, edge_api_error, start_daemon
 from specdec.device.metrics import DeviceMetrics
-from specdec.device.runner import DeviceConfig
+from specdec.device.factory import DeviceConfig
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 from specdec.edge.admission import AdmissionSettings
@@ -478,7 +478,7 @@ def test_serve_command_answers_exports_metrics_and_stops_on_sigterm(stack, chat_
         r = cli.completions.create(model="m1", prompt=PROMPT, max_tokens=4, temperature=0)
         assert r.choices[0].text
         status, body = _get(f"http://127.0.0.1:{metrics_port}", "/metrics")
-        # a request without draft settings runs mode auto (runner.AUTO_BY_DEFAULT)
+        # a request without draft settings runs mode auto (factory.AUTO_BY_DEFAULT)
         assert status == 200 and 'specdec_device_sessions_started_total{mode="auto"} 1.0' in body
         assert 'specdec_device_http_requests_total{route="/v1/completions",status="200"} 1.0' in body
     finally:

@@ -101,7 +101,7 @@ def test_listening_beyond_loopback_without_a_key_is_refused_or_loudly_allowed(ca
 
 
 def test_the_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
-    from specdec.device import __main__ as cli
+    from specdec.device import cli as cli
     (tmp_path / "key").write_text(f"# the daemon's key\n{KEY}\n")
     parse = cli.build_serve_parser().parse_args
     assert cli._api_key(parse(["--edge", "e:1", "--api-key-file", str(tmp_path / "key")])) == KEY

@@ -21,6 +21,7 @@ import pytest
 
 from specdec.common import protocol as P
 from specdec.common import settings as S
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.session import DraftSession
@@ -86,7 +87,7 @@ def _sensitive_auto(session_class, **config):
 
 
 def _kind(s: S.DraftSettings) -> str:
-    return f"{s.mode.value}-K{s.top_k}-L{s.draft_len}" if s.mode is not S.Mode.NONE else "none"
+    return f"{s.mode.value}-K{s.top_k}-L{s.draft_len}" if s.mode is not Mode.NONE else "none"
 
 
 # -- planned before drafted ahead --------------------------------------------------------------------------

@@ -22,10 +22,10 @@ import torch
 from specdec.testbed.tiny_models import make_close_drafter, make_model
 from tests.support.harness import device_config, edge, load, run, run_sessions, split_sessions, target_greedy
 from specdec.common import verification as V
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.session import DraftSession
-from specdec.device.runner import edge_channel
+from specdec.device.factory import edge_channel
 from tests.support.laws import CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, PROMPT, TEMPERATURE, law_counts
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 

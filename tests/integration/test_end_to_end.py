@@ -7,7 +7,7 @@ import pytest
 
 from tests.support.harness import (ALL_MODES, SwitchesEveryRound, device_config, edge, load, run, run_sessions,
                      target_greedy)
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.edge.metrics import EdgeMetrics
 

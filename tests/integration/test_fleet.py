@@ -34,7 +34,7 @@ from specdec.device.client import EdgeError
 from specdec.device.daemon import DaemonConfig, start_daemon
 from specdec.device.fleet import Fleet, Selection
 from specdec.device.metrics import DeviceMetrics
-from specdec.device.runner import edge_fleet, open_channel
+from specdec.device.factory import edge_fleet, open_channel
 from specdec.edge.admission import AdmissionSettings
 
 KILL_AFTER_TOKENS = 8            # per session on average, before the busiest edge dies

@@ -23,7 +23,7 @@ from tests.support.linkcut import CuttableLink
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.fleet import Fleet, Selection
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
 from specdec.edge.verifier import EdgeLimits, VerifierSession

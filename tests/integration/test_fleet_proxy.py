@@ -28,7 +28,7 @@ from tests.support.fleet_rig import ALICE, MAX_NEW, Proxy, kill_busiest_after, s
 from tests.support.harness import run
 from tests.support.linkcut import CuttableLink
 from specdec.device.client import EdgeError
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 
 DRAIN_TIMEOUT_S = 1.0     # the drained edge's running sessions: some finish within it, the rest move
 WRONG_TOKEN_TRIES = 12    # the write race showed about once in ten tries before the fix

@@ -47,14 +47,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.support.harness import EdgeProcess, device_config, load, target_greedy
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common import wire
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.edge.servicer import RESUME_TOKEN_BYTES, SESSION_ID_RE
 from specdec.device.session import DraftSession
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 from specdec.testbed import procs
 
 METHOD = "/specdec.v1.SpeculativeDecoding/Generate"

@@ -22,15 +22,16 @@ import torch
 
 from specdec.common import protocol as P
 from specdec.common import settings as S
+from specdec.common.modes import Mode
 from specdec.common import verification as V
-from specdec.common.batched import ForwardRequest
+from specdec.edge.batched import ForwardRequest
 from specdec.common.distributions import densify, race_token, race_token_unchecked
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.streams import Purpose, exponentials
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.draft_model import DraftModel, DraftStep
 from specdec.device.rounds import RoundPlan
-from specdec.device.runner import new_session
+from specdec.device.factory import new_session
 from specdec.device.session import DraftSession
 from specdec.device.safety_net import NetConfig
 from specdec.edge.verifier import VerifierSession
@@ -146,7 +147,7 @@ def test_mode_auto_choosing_gumbel_or_none_gives_the_same_tokens(models, edge_on
 
 
 def _runner_auto(reproducible: bool, modes: Counter):
-    """Sessions as the device makes them (runner.new_session, mode auto, every candidate of the
+    """Sessions as the device makes them (factory.new_session, mode auto, every candidate of the
     default AutoConfig: TSLT, K-SQS, dense, DSSD, gumbel, edge-only), the controller as sensitive as it
     gets and drafting whenever it can pay (in process edge-only rounds cost next to nothing)."""
     def factory(drafter, hello):
@@ -160,7 +161,7 @@ def _runner_auto(reproducible: bool, modes: Counter):
 
 @pytest.mark.parametrize("drafter", ("close", "sharp"))
 def test_seeded_auto_gives_the_same_tokens_whatever_the_drafter(models, edge_only, drafter) -> None:
-    """Same seed, same tokens (runner.DeviceConfig.reproducible, on by default): a seeded mode auto
+    """Same seed, same tokens (factory.DeviceConfig.reproducible, on by default): a seeded mode auto
     session at T = 1 keeps to gumbel and edge-only rounds, so every drafter gives the edge-only tokens
     whatever auto chooses from its timing."""
     modes = Counter()
@@ -384,7 +385,7 @@ def _sensitive_auto_with_gumbel(drafter, hello):
 
     def on_round(event):
         session.modes.update([event.settings.mode.value])
-        if event.settings.mode is not S.Mode.GUMBEL:
+        if event.settings.mode is not Mode.GUMBEL:
             return
         session.cut_rounds += event.record.accepted + 1 < event.record.drafted_tokens
         session.measured_past_mismatch += len(event.q_stats) > event.record.accepted + 1

@@ -30,7 +30,7 @@ import pytest
 from specdec.common import verification
 from specdec.common.sampling import TargetLaw
 from specdec.device.auto import AutoConfig, LinkTracker
-from specdec.device.runner import new_session
+from specdec.device.factory import new_session
 from specdec.device.safety_net import NetConfig
 from specdec.edge import verifier
 from tests.support.harness import device_config

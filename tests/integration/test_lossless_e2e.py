@@ -17,13 +17,13 @@ import torch
 from tests.support.harness import SwitchesEveryRound, load, split_sessions
 from tests.support.laws import (CONTROL_SESSIONS, GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, MODES, N_TOKENS,
                                 PROMPT, TEMPERATURE, assert_lossless, assert_rejected, exact_law, law_counts)
-from specdec.common import verification, verify_batch
+from specdec.common import verification
 from specdec.common.distributions import densify, filter_target_logits
 from specdec.common.modeling import encode_prompt
 from specdec.common.sampling import TargetLaw
 from specdec.device.draft_model import DraftStep
 from specdec.device.session import DraftSession
-from specdec.edge import servicer
+from specdec.edge import servicer, verify_batch
 from specdec.edge.verifier import VerifierSession
 
 # a chain, DSSD's uplink scalars and fallback trips, edge-only streaming, gumbel's packed ids

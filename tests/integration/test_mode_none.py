@@ -11,14 +11,14 @@ import pytest
 
 from tests.support.harness import device_cli, device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.protocol import DraftBlock, Prompt
 from specdec.common.settings import resolve
 from specdec.device.client import generate
 from specdec.device.session import DraftSession
-from specdec.device.runner import connection_policy, edge_channel
+from specdec.device.factory import connection_policy, edge_channel
 from specdec.edge.server import target_info
 from specdec.edge.verifier import EdgeLimits, VerifierSession
 

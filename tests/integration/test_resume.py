@@ -6,11 +6,11 @@ import asyncio
 
 from tests.support.harness import EdgeProcess, device_config, edge, load, run, target_greedy
 from tests.support.linkcut import CuttableLink
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.session import DraftSession
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.verifier import EdgeLimits
 

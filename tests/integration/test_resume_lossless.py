@@ -31,12 +31,12 @@ import torch
 from tests.support import inprocess
 from tests.support.harness import device_config, edge, load, patched, run
 from tests.support.linkcut import CuttableLink
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.protocol import Prompt, ResidualRequest
 from specdec.device.client import ConnectionPolicy, generate
 from specdec.device.session import DraftSession
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 from specdec.edge import servicer
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import target_info

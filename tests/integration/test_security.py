@@ -10,7 +10,7 @@ import pytest
 from tests.support.certs import TestCA
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from tests.support.raw_stream import RawSession
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.client import EdgeError
 from specdec.edge.metrics import EdgeMetrics

@@ -9,7 +9,7 @@ import torch
 
 from tests.support.harness import VENV_BIN
 from specdec.common.runtime import choose_threads, usable_cores
-from specdec.device import __main__ as device_main
+from specdec.device import cli as device_main
 
 THREAD_LINE = "torch thread(s):"
 

@@ -24,7 +24,7 @@ from tests.support.harness import EdgeProcess, device_config, load, run, target_
 from specdec.testbed import haproxy, procs
 from specdec.common.modeling import ModelSpec, encode_prompt, vocab_fingerprint
 from specdec.device.client import ConnectionPolicy, generate
-from specdec.device.runner import open_channel
+from specdec.device.factory import open_channel
 from specdec.device.session import DraftSession
 from specdec.edge.batching import BatchSettings
 from specdec.edge.metrics import EdgeMetrics

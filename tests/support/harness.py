@@ -10,13 +10,13 @@ from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.settings import resolve as resolve_settings
 from specdec.device.client import generate
 from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
-from specdec.device.runner import DeviceConfig, connection_policy, edge_channel, open_channel
+from specdec.device.factory import DeviceConfig, connection_policy, edge_channel, open_channel
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.server import EdgeConfig, start_server, stop_server
 from specdec.edge.verifier import EdgeLimits

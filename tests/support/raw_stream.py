@@ -17,7 +17,7 @@ from specdec.common import wire
 from specdec.common.modeling import vocab_fingerprint
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Prompt, Welcome
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from tests.support.harness import servicer_of
 
 PROMPT_IDS = (5, 6, 7)

@@ -6,7 +6,7 @@ import torch
 
 from specdec.bench import bench_truncation as bt
 from specdec.common.codecs import CodecConfig
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.device.draft_model import encode_q
 
 

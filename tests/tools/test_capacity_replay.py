@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from tests.support.harness import edge, load, run, target_greedy
 from specdec.common import wire
 from specdec.common.pb import speculative_pb2 as pb
-from specdec.device.runner import DeviceConfig, edge_channel
+from specdec.device.factory import DeviceConfig, edge_channel
 
 from specdec.bench.capacity import recording
 from specdec.bench.capacity.record import record_job

@@ -1,4 +1,4 @@
-"""mode auto: the pure choice (common/autotune.py) and the estimates behind it (device/auto.py)."""
+"""mode auto: the pure choice (device/autotune.py) and the estimates behind it (device/auto.py)."""
 from __future__ import annotations
 
 import math
@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specdec.common import autotune as A
-from specdec.common.settings import Mode
+from specdec.device import autotune as A
+from specdec.common.modes import Mode
 from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord

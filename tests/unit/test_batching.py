@@ -1,4 +1,4 @@
-"""Batched target forwards (common/batched.py, common/slots.py) and the edge's forward scheduler
+"""Batched target forwards (edge/batched.py, edge/slots.py) and the edge's forward scheduler
 (edge/batching.py).
 
 A tiny random Llama saved to disk and loaded through the product's loader; every batched result is
@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from specdec.common.batched import BatchWorkspace, ForwardRequest, forward_batch
+from specdec.edge.batched import BatchWorkspace, ForwardRequest, forward_batch
 from specdec.common.loadaware import CostCurve
 from specdec.common.modeling import CachedLM, ModelSpec, load_model
-from specdec.common.slots import SlotPool
+from specdec.edge.slots import SlotPool
 from specdec.common.treeplan import edge_tree_inputs
 from specdec.common.tree import TreeSpec
 from specdec.common.sampling import TargetLaw
-from specdec.common.verify_batch import ChainRound, gumbel_round
+from specdec.edge.verify_batch import ChainRound, gumbel_round
 from specdec.edge.batching import BatchSettings, ForwardScheduler
 from specdec.edge.verifier import verify_alone
 from specdec.testbed.tiny_models import make_model
@@ -168,7 +168,7 @@ def test_a_reused_workspace_equals_alone(model):
 def test_a_half_failed_append_leaves_every_cache_as_before(model, monkeypatch):
     """The padded path appends each row's keys after the forward; if that fails halfway, the caches
     already appended to are cut back, so that running the requests again appends once."""
-    from specdec.common import batched
+    from specdec.edge import batched
 
     gen = torch.Generator().manual_seed(12)
     pairs = [twins(model, ids(gen, n)) for n in (4, 6, 2)]

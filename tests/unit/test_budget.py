@@ -1,7 +1,7 @@
-"""Tests for specdec.common.budget: draft length from a per-round bit budget (SQS section 4)."""
+"""Tests for specdec.device.budget: draft length from a per-round bit budget (SQS section 4)."""
 import pytest
 
-from specdec.common.budget import MIN_DRAFT_LEN, fits_budget, max_draft_len_for_budget
+from specdec.device.budget import MIN_DRAFT_LEN, fits_budget, max_draft_len_for_budget
 
 
 @pytest.mark.parametrize("bits, budget, expected", [

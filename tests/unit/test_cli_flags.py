@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.device import __main__ as device_cli
+from specdec.device import cli as device_cli
 from specdec.edge import __main__ as edge_cli
 
 DEVICE = ["--edge", "127.0.0.1:1", "--prompt", "hi"]

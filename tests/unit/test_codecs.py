@@ -16,7 +16,7 @@ from specdec.common.codecs import (
     encode_distribution,
     encode_dssd_scalars,
 )
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.distributions import (
     check_sparse_dist,
     densify,

@@ -1,8 +1,8 @@
-"""Tests for specdec.common.conformal: SQS eq. (8), Alg. 1 checkpoint/backtrack, Theorem 2."""
+"""Tests for specdec.device.conformal: SQS eq. (8), Alg. 1 checkpoint/backtrack, Theorem 2."""
 import pytest
 import torch
 
-from specdec.common.conformal import ConformalController, conformal_update
+from specdec.device.conformal import ConformalController, conformal_update
 from specdec.common.distributions import dropped_mass, probs_from_logits, truncate_threshold
 
 

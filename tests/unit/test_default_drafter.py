@@ -113,7 +113,7 @@ def test_device_client_defaults_to_the_recorded_operating_point():
     """Without --draft-len / --top-k, device-client drafts with the L and K recorded with the default
     drafter; flags win, and any other drafter gets the generic defaults."""
     from specdec.common.settings import DraftSettings
-    from specdec.device.runner import DeviceConfig, choose_drafter
+    from specdec.device.factory import DeviceConfig, choose_drafter
 
     def session_hello(cfg: DeviceConfig):
         return cfg.hello("fp", 49152, seed=0, operating_point=choose_drafter(cfg).operating_point)

@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 
 from specdec.common.protocol import DraftSettings, Hello
-from specdec.common.settings import Mode, resolve
+from specdec.common.modes import Mode
+from specdec.common.settings import resolve
 from specdec.common.stats import RoundRecord
 from specdec.device import edge_memory
 from specdec.device.auto import REMEMBERED_POSITIONS, AutoConfig, AutoPolicy, LinkTracker
@@ -116,7 +117,7 @@ WRITER = """
 import sys
 from pathlib import Path
 from specdec.common.protocol import DraftSettings
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.stats import RoundRecord
 from specdec.device import edge_memory
 from specdec.device.auto import LinkTracker
@@ -149,12 +150,12 @@ def test_concurrent_writers_never_leave_a_broken_file_and_keep_each_drafter(tmp_
 
 
 def test_device_client_starts_from_the_memory_unless_told_not_to(tmp_path, monkeypatch) -> None:
-    """The one-shot runner and the daemon take the tracker from runner.device_tracker: remembered for
+    """The one-shot runner and the daemon take the tracker from factory.device_tracker: remembered for
     cfg.edge and the drafter, or cold with --no-edge-memory (which also keeps nothing)."""
     from types import SimpleNamespace
 
-    from specdec.device.__main__ import build_parser, config_from_args
-    from specdec.device.runner import device_tracker, remember
+    from specdec.device.cli import build_parser, config_from_args
+    from specdec.device.factory import device_tracker, remember
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     drafter = SimpleNamespace(name="d")
     parse = build_parser().parse_args

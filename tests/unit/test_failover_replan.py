@@ -11,7 +11,8 @@ import pytest
 
 from specdec.common import protocol as P
 from specdec.common import settings as S
-from specdec.device.runner import new_session
+from specdec.common.modes import Mode
+from specdec.device.factory import new_session
 from specdec.testbed.tiny_models import make_model
 from tests.support.harness import device_config, load
 
@@ -24,7 +25,7 @@ def drafter(tmp_path_factory):
     return load(str(make_model(tmp_path_factory.mktemp("drafter") / "m", VOCAB, seed=3)))
 
 
-def welcome(max_draft_len: int = 16, max_k: int = 4096, dssd_max_samples: int = 64, modes=tuple(S.Mode)) -> P.Welcome:
+def welcome(max_draft_len: int = 16, max_k: int = 4096, dssd_max_samples: int = 64, modes=tuple(Mode)) -> P.Welcome:
     return P.Welcome(session_id="s", model_name="m", vocab_size=VOCAB, max_context=256, max_draft_len=max_draft_len,
                      max_k=max_k, dssd_max_samples=dssd_max_samples, modes=modes)
 
@@ -66,7 +67,7 @@ def test_a_retry_the_new_edge_takes_keeps_its_plan(drafter) -> None:
 def test_mode_auto_chooses_again_within_the_new_edge(drafter) -> None:
     """Auto's round in flight was gumbel at length 16; the new edge takes drafts of 3 at most and no
     gumbel rounds: the retry is chosen again among what it takes."""
-    from specdec.common.autotune import Candidate
+    from specdec.device.autotune import Candidate
     from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
     from specdec.device.rounds import RoundPlan
     c = device_config(temperature=1.0, mode="auto")
@@ -77,16 +78,16 @@ def test_mode_auto_chooses_again_within_the_new_edge(drafter) -> None:
     session.policy = policy
     session.start(PROMPT)
     session.observe_welcome(welcome())
-    gumbel16 = Candidate(S.Mode.GUMBEL, draft_len=16)
+    gumbel16 = Candidate(Mode.GUMBEL, draft_len=16)
     assert gumbel16 in policy.candidates
     session.draft(RoundPlan(policy.settings_for(gumbel16, 8)), 32)
     session.abort_round()
-    assert session._next.retry and session._next.settings.mode is S.Mode.GUMBEL
-    session.observe_welcome(welcome(max_draft_len=3, modes=tuple(m for m in S.Mode if m is not S.Mode.GUMBEL)))
+    assert session._next.retry and session._next.settings.mode is Mode.GUMBEL
+    session.observe_welcome(welcome(max_draft_len=3, modes=tuple(m for m in Mode if m is not Mode.GUMBEL)))
     plan = session.plan()
     assert not plan.retry
-    assert plan.settings.mode is not S.Mode.GUMBEL
-    assert plan.settings.mode is S.Mode.NONE or plan.settings.draft_len <= 3
+    assert plan.settings.mode is not Mode.GUMBEL
+    assert plan.settings.mode is Mode.NONE or plan.settings.draft_len <= 3
 
 
 def test_within_limits_leaves_an_edge_only_round_and_unstated_limits_alone() -> None:

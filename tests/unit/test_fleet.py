@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from specdec.common import protocol as P
-from specdec.device.client import EdgeError, _retryable
+from specdec.device.client import EdgeError
+from specdec.device.grpc_status import retryable
 from specdec.device.fleet import (Failover, Fleet, Route, Selection, SessionTrail, is_multi_address,
                                   parse_edges)
 
@@ -119,7 +120,7 @@ def run(coro):
 @pytest.mark.parametrize("error", REFUSED)
 def test_a_refusal_is_never_retried_anywhere(error) -> None:
     fleet = fleet_of(3)
-    failover = Failover(fleet, Policy(), _retryable)
+    failover = Failover(fleet, Policy(), retryable)
     with pytest.raises(EdgeError) as raised:
         run(failover.next(fleet.routes[0], error, home=fleet.routes[0], progressed=True))
     assert raised.value is error
@@ -128,7 +129,7 @@ def test_a_refusal_is_never_retried_anywhere(error) -> None:
 def test_a_break_retries_the_edge_holding_the_kv_first_then_moves_without_waiting() -> None:
     fleet = fleet_of(3)
     home = fleet.routes[0]
-    failover = Failover(fleet, Policy(), _retryable)
+    failover = Failover(fleet, Policy(), retryable)
 
     async def main():
         first = await failover.next(home, BROKEN, home=home, progressed=True)
@@ -142,7 +143,7 @@ def test_a_break_retries_the_edge_holding_the_kv_first_then_moves_without_waitin
 
 def test_a_draining_edge_is_left_at_once_and_avoided() -> None:
     fleet = fleet_of(2)
-    failover = Failover(fleet, Policy(), _retryable)
+    failover = Failover(fleet, Policy(), retryable)
     nxt = run(failover.next(fleet.routes[0], DRAINING, home=fleet.routes[0], progressed=True))
     assert nxt is fleet.routes[1]
     assert fleet.pick() is fleet.routes[1] and fleet.pick() is fleet.routes[1]
@@ -150,13 +151,13 @@ def test_a_draining_edge_is_left_at_once_and_avoided() -> None:
 
 def test_one_route_a_proxy_is_retried_after_a_drain_since_it_leads_elsewhere() -> None:
     fleet = fleet_of(1)
-    failover = Failover(fleet, Policy(), _retryable)
+    failover = Failover(fleet, Policy(), retryable)
     assert run(failover.next(fleet.routes[0], DRAINING, home=None, progressed=False)) is fleet.routes[0]
 
 
 def test_a_session_that_never_reached_an_edge_fails_once_every_edge_failed() -> None:
     fleet = fleet_of(2)
-    failover = Failover(fleet, Policy(), _retryable)
+    failover = Failover(fleet, Policy(), retryable)
 
     async def main():
         nxt = await failover.next(fleet.routes[0], BROKEN, home=None, progressed=False)
@@ -170,7 +171,7 @@ def test_a_started_session_backs_off_after_every_edge_failed_and_gives_up_in_tim
     fleet = fleet_of(2)
     policy = Policy()
     policy.reconnect_timeout_s = 0.1
-    failover = Failover(fleet, policy, _retryable)
+    failover = Failover(fleet, policy, retryable)
     home = fleet.routes[0]
 
     async def main():

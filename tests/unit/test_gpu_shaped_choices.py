@@ -1,4 +1,4 @@
-"""mode auto's pure model (common/autotune.py) reading the edge's measured cost curve.
+"""mode auto's pure model (device/autotune.py) reading the edge's measured cost curve.
 
 The device's controller predicts each candidate's round time with the edge's verify time. Given the
 edge's cost curve (common/loadaware.CostCurve, as the edge calibrates and refreshes it) instead of an
@@ -15,9 +15,9 @@ import math
 
 import pytest
 
-from specdec.common import autotune as A
+from specdec.device import autotune as A
 from specdec.common.loadaware import CostCurve
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 
 H100_8B = CostCurve.affine(5.886e-3 + 1.21e-3 + 0.039e-6 * 32 * 512, 21.0e-6)  # test_loadaware.py
 CPU_135M = CostCurve.affine(0.0495, 6.5e-3)

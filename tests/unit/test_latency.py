@@ -1,7 +1,7 @@
-"""Tests for specdec.common.latency against hand-computed values (TSLT eq. 1-10, 26-28)."""
+"""Tests for specdec.device.latency against hand-computed values (TSLT eq. 1-10, 26-28)."""
 import pytest
 
-from specdec.common.latency import (
+from specdec.device.latency import (
     comm_time,
     dense_uplink_bits,
     dsd_throughput,

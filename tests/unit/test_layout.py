@@ -15,8 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"common": "specdec.common", "device": "specdec.device", "edge": "specdec.edge"}  # pyproject's package-dir
 TOOLS = {"bench": "specdec.bench", "testbed": "specdec.testbed", "drafter_build": "specdec.drafter_build"}
-MATH_MODULES = ["distributions", "lattice", "codecs", "verification", "tree", "treeplan", "conformal", "budget",
-                "latency", "sampling", "settings", "stats", "streams", "validation", "idpack"]
+# Pure math (no I/O, no model, no clock): common/'s shared math, and each side's own.
+MATH_MODULES = [*(f"common/{m}" for m in ("distributions", "lattice", "codecs", "verification", "tree", "treeplan",
+                                          "sampling", "settings", "modes", "stats", "streams", "validation",
+                                          "idpack")),
+                *(f"device/{m}" for m in ("conformal", "budget", "latency", "autotune", "safety_net")),
+                "edge/verify_batch"]
 MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typing", "collections",
                 "functools", "itertools", "bisect", "__future__", "specdec", "abc", "operator", "hashlib"}
 
@@ -27,9 +31,10 @@ def _package(path: Path) -> str:
     return ".".join([{**PACKAGES, **TOOLS}[top], *sub])
 
 
-def _imports(path: Path, package: str | None = None) -> set[str]:
+def _imports(path: Path, package: str | None = None, members: bool = False) -> set[str]:
     """Absolute names of the modules ``path`` imports, relative imports resolved against its
-    package (``from . import x`` -> package.x, ``from .pb import y`` -> package.pb)."""
+    package (``from . import x`` -> package.x, ``from .pb import y`` -> package.pb); with ``members``
+    also what an absolute ``from m import x`` names (m.x: a module or a name in m)."""
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
@@ -37,6 +42,7 @@ def _imports(path: Path, package: str | None = None) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names if members)
         elif isinstance(node, ast.ImportFrom):
             parts = (package or _package(path)).split(".")
             base = ".".join(parts[:len(parts) - node.level + 1])
@@ -59,13 +65,50 @@ def _roots(names: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("module", MATH_MODULES)
 def test_math_modules_import_only_torch_numpy_and_stdlib(module) -> None:
-    path = ROOT / "common" / f"{module}.py"
+    path = ROOT / f"{module}.py"
     if not path.exists():
         pytest.fail(f"math module {module} missing")
     extra = _roots(_imports(path)) - MATH_ALLOWED
-    assert not extra, f"common/{module}.py imports {sorted(extra)}"
+    assert not extra, f"{module}.py imports {sorted(extra)}"
+    side = PACKAGES[module.split("/")[0]]
     spec = {n for n in _imports(path) if n.startswith("specdec.")}
-    assert all(n.startswith("specdec.common.") for n in spec), spec
+    assert all(n.startswith(("specdec.common.", f"{side}.")) for n in spec), spec
+
+
+def _package_deps(top: str) -> dict[str, set[str]]:
+    """{module of ``top`` (e.g. "common"): the specdec modules it imports, as "side.module"}."""
+    out = {}
+    for path in sorted((ROOT / top).glob("*.py")):
+        names = [n.split(".") for n in _imports(path, members=True) if n.startswith("specdec.")]
+        out[path.stem] = {f"{parts[1]}.{parts[2]}" for parts in names if len(parts) > 2}
+    return out
+
+
+def test_sides_import_common_and_never_each_other() -> None:
+    """common/ imports neither side; the device never imports the edge's code, nor the edge the
+    device's: what both need lives in common/."""
+    for top, banned in (("common", ("device.", "edge.")), ("device", ("edge.",)), ("edge", ("device.",))):
+        bad = {m: sorted(d for d in deps if d.startswith(banned)) for m, deps in _package_deps(top).items()}
+        assert not {m: d for m, d in bad.items() if d}, f"{top}/ imports across sides: {bad}"
+
+
+def test_common_holds_only_what_both_sides_use() -> None:
+    """Every module of common/ is reached by the device's code and by the edge's (directly or through
+    other common modules); side-only code lives on its side."""
+    common = _package_deps("common")
+
+    def reached(top: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [d.split(".")[1] for deps in _package_deps(top).values() for d in deps if d.startswith("common.")]
+        while todo:
+            module = todo.pop()
+            if module in common and module not in seen:
+                seen.add(module)
+                todo.extend(d.split(".")[1] for d in common[module] if d.startswith("common."))
+        return seen
+
+    one_sided = set(common) - {"__init__"} - (reached("device") & reached("edge"))
+    assert not one_sided, f"common/ modules only one side uses: {sorted(one_sided)}"
 
 
 SOURCES = sorted(str(p.relative_to(ROOT)) for top in PACKAGES for p in (ROOT / top).glob("*.py"))
@@ -94,7 +137,8 @@ def test_model_code_never_imports_grpc(path) -> None:
     assert "grpc" not in _roots(_imports(ROOT / path))
 
 
-@pytest.mark.parametrize("path", ["edge/servicer.py", "device/client.py", "common/wire.py", "edge/server.py"])
+@pytest.mark.parametrize("path", ["edge/servicer.py", "device/client.py", "device/grpc_status.py", "common/wire.py",
+                                  "edge/server.py"])
 def test_transport_code_never_imports_transformers(path) -> None:
     assert "transformers" not in _roots(_imports(ROOT / path))
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from specdec.common import settings as S
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.loadaware import (Acceptance, CostCurve, RecentAcceptance, best_draft_len, expected_tokens,
                                       goodput)
 from specdec.edge import batching

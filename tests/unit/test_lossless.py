@@ -26,7 +26,7 @@ from specdec.common.codecs import (
     encode_distribution,
     encode_dssd_scalars,
 )
-from specdec.common.conformal import ConformalController
+from specdec.device.conformal import ConformalController
 from specdec.common.distributions import densify, gumbel_noise, race_token, sample_token_gumbel
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.verification import (

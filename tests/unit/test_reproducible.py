@@ -1,4 +1,4 @@
-"""Same seed, same tokens (runner.DeviceConfig.reproducible): what a reproducible session may choose.
+"""Same seed, same tokens (factory.DeviceConfig.reproducible): what a reproducible session may choose.
 
 A seeded session at T > 0 must not let anything it learns from timing (mode auto's choices, the edge's
 load advice) change where its random numbers land: mode auto keeps to the race modes (their tokens are
@@ -13,11 +13,12 @@ import pytest
 
 from specdec.common import protocol as P
 from specdec.common import settings as S
-from specdec.device import __main__ as device_cli
+from specdec.common.modes import Mode, RACE_MODES
+from specdec.device import cli as device_cli
 from specdec.device import openai_schema
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.daemon import request_config
-from specdec.device.runner import DeviceConfig, new_session
+from specdec.device.factory import DeviceConfig, new_session
 from specdec.testbed.tiny_models import make_model
 from tests.support.harness import device_config, load
 
@@ -28,7 +29,7 @@ def _hello(temperature: float, **draft) -> P.Hello:
     return device_config(temperature=temperature, **draft).hello("fp", VOCAB, seed=7)
 
 
-def _modes(policy: AutoPolicy) -> set[S.Mode]:
+def _modes(policy: AutoPolicy) -> set[Mode]:
     return {c.mode for c in policy.candidates}
 
 
@@ -37,12 +38,12 @@ def _modes(policy: AutoPolicy) -> set[S.Mode]:
 def test_auto_keeps_to_race_rounds_only_where_tokens_would_depend_on_its_choices(
         temperature, reproducible, race_only) -> None:
     policy = AutoPolicy(LinkTracker(), _hello(temperature, mode="auto"), VOCAB, reproducible=reproducible)
-    assert (_modes(policy) <= S.RACE_MODES) == race_only
-    assert S.Mode.GUMBEL in _modes(policy) and S.Mode.NONE in _modes(policy)
+    assert (_modes(policy) <= RACE_MODES) == race_only
+    assert Mode.GUMBEL in _modes(policy) and Mode.NONE in _modes(policy)
     # the edge's limits narrow the candidates; they never widen a reproducible session's
     policy.observe_welcome(P.Welcome(session_id="s", model_name="m", vocab_size=VOCAB, max_context=256,
-                                     max_draft_len=4, max_k=32, modes=tuple(S.Mode)))
-    assert (_modes(policy) <= S.RACE_MODES) == race_only
+                                     max_draft_len=4, max_k=32, modes=tuple(Mode)))
+    assert (_modes(policy) <= RACE_MODES) == race_only
     assert max(c.draft_len for c in policy.candidates) <= 4
 
 

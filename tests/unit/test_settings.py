@@ -8,11 +8,11 @@ import pytest
 
 from specdec.common import settings as S
 from specdec.common import wire
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.protocol import DraftBlock, Hello
 from specdec.device import openai_schema
-from specdec.device.__main__ import build_parser, build_serve_parser, config_from_args
+from specdec.device.cli import build_parser, build_serve_parser, config_from_args
 
 
 def test_every_setting_is_a_proto_field_of_the_same_name() -> None:
@@ -106,7 +106,7 @@ def test_hello_round_trip_keeps_the_session_settings() -> None:
 
 
 def test_device_config_is_hashable_and_its_given_settings_immutable() -> None:
-    from specdec.device.runner import DeviceConfig
+    from specdec.device.factory import DeviceConfig
 
     cfg = DeviceConfig.of(mode="ksqs", top_k=8, temperature=1.0)
     assert hash(cfg) == hash(DeviceConfig.of(temperature=1.0, top_k=8, mode="ksqs"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.common.codecs import CodecConfig, decode_distribution
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.validation import (
     DENSE_PACKET_SUM_ATOL,
     HALF_PRECISION_SUM_ATOL,

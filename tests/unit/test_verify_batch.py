@@ -1,4 +1,4 @@
-"""Batched verification (common/verify_batch.py) against the per-session functions it replaces on the
+"""Batched verification (edge/verify_batch.py) against the per-session functions it replaces on the
 edge (chain_verify, dssd_edge_verify, gumbel_verify on TargetLaw.probs): the same verdicts, token for
 token, on thousands of random rounds in batches of mixed modes, laws, lengths and vocabularies.
 
@@ -16,7 +16,7 @@ import torch
 from specdec.common import verification as V
 from specdec.common.distributions import SparseDist, densify, race_token_unchecked
 from specdec.common.sampling import TargetLaw
-from specdec.common.verify_batch import (ChainRound, RoundKind, chain_round, dssd_round, gumbel_round,
+from specdec.edge.verify_batch import (ChainRound, RoundKind, chain_round, dssd_round, gumbel_round,
                                          verify_rounds)
 
 LAWS = (TargetLaw(1.0), TargetLaw(0.0), TargetLaw(0.7), TargetLaw(1.3, top_k=20), TargetLaw(1.0, top_p=0.9),

@@ -9,7 +9,7 @@ from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.codecs import encode_target_probs
 from specdec.common.pb import speculative_pb2 as pb
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.verification import DssdHead, dssd_edge_head
 
 
@@ -66,7 +66,8 @@ def _draft_through_wire(block: P.DraftBlock) -> tuple[P.DraftBlock, int]:
 
 def test_a_gumbel_draft_carries_packed_ids_and_nothing_else() -> None:
     from specdec.common.idpack import id_bits
-    from specdec.common.settings import DraftSettings, Mode
+    from specdec.common.modes import Mode
+    from specdec.common.settings import DraftSettings
     ids = (49151, 0, 16384, 40000)
     block = P.DraftBlock(round_id=3, token_ids=ids, id_bits=id_bits(49152))
     back, size = _draft_through_wire(block)
@@ -100,7 +101,7 @@ def test_an_edge_refuses_a_mode_it_does_not_know_with_a_clear_error() -> None:
 
 
 def test_welcome_lists_the_modes_an_edge_verifies() -> None:
-    from specdec.common.settings import Mode
+    from specdec.common.modes import Mode
     base = dict(session_id="s", model_name="m", vocab_size=8, max_context=64, max_draft_len=4, max_k=8)
     new = P.Welcome(**base, modes=tuple(Mode))
     back = wire.welcome_from_pb(wire.welcome_to_pb(new).welcome)

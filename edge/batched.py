@@ -18,7 +18,7 @@ Two layouts of the sessions' caches:
   a CPU the copy costs far less than the forward reads in weights (135M float32 parameters: ~540 MB
   per forward; 8 sessions x 300 cached tokens of SmolLM2's KV: ~110 MB) and memory follows each
   session's length;
-- KV slots (:mod:`specdec.common.slots`): one preallocated cache with a row per session, written in
+- KV slots (:mod:`specdec.edge.slots`): one preallocated cache with a row per session, written in
   place and read through masks, no copy per forward; what a GPU needs, where a forward reads its
   weights in milliseconds and thousands of per-session copies would cost more than the forward.
 

@@ -7,7 +7,7 @@ sessions (:meth:`SlotPool.forward`):
 
 - writes each new key and value straight into its slot at its position (one indexed write per layer
   for the whole batch), and attends to a view of the rows the batch spans, with a mask per row:
-  no session's cache is copied, where the per-session layout (:mod:`specdec.common.batched`) copies
+  no session's cache is copied, where the per-session layout (:mod:`specdec.edge.batched`) copies
   every cache into a padded one and appends it back, thousands of small copies per forward on a
   large model;
 - rows inside the span that are not in the batch are read but never change anything (their queries
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batched import ForwardRequest, PhaseTimer
 from specdec.common.modeling import cache_kwargs
+from specdec.edge.batched import ForwardRequest, PhaseTimer
 
 ATTENTION_NAME = "specdec_slots"  # registered with transformers next to "sdpa" (same function without a batch)
 # Columns grow to a multiple of this (and by at least a quarter): few regrowths, little waste.

@@ -6,10 +6,10 @@ per second. Pure: the estimates come in, a ranking comes out; no clock, no model
 
 The model is the oracle-call latency model of TSLT (Zheng et al., "Fast Collaborative Inference via
 Distributed Speculative Decoding", §2.3: eq. (5) round time, eq. (8) tokens per round, here with the
-acceptance measured per depth: :func:`~specdec.common.latency.expected_tokens_by_depth`), extended with
+acceptance measured per depth: :func:`~specdec.device.latency.expected_tokens_by_depth`), extended with
 what a real link adds: a round trip (propagation, paid once per round), uplink and downlink goodput
 (serialization), the edge's verify time as a function of the tokens in its forward, drafting ahead
-(:func:`~specdec.common.latency.oracle_time_drafting_ahead`), DSSD's fallback round trip, and
+(:func:`~specdec.device.latency.oracle_time_drafting_ahead`), DSSD's fallback round trip, and
 edge-only rounds (the target alone, streamed). Acceptance for a support size not tried yet comes from
 the top-K relation of TSLT Theorem 1, eq. (20)-(22): truncating q to its top K moves the acceptance
 rate by at most the dropped mass sigma_K; we use that bound as a first-order estimate,
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from specdec.common.settings import Mode
-from specdec.common.latency import expected_tokens_by_depth, oracle_time_drafting_ahead
+from specdec.common.modes import Mode
+from specdec.device.latency import expected_tokens_by_depth, oracle_time_drafting_ahead
 
 # Modes whose rounds the device can draft ahead (device/chain.py DRAFT_AHEAD_MODES, stated here as
 # data so that this module stays free of device code).
@@ -131,8 +131,8 @@ class Estimates:
 
 # Gumbel rounds' acceptance before they have run: 1 - GUMBEL_TV_FACTOR x TV with TV = 1 - alpha, the
 # exact q's acceptance. Daliri et al.'s Theorem 2 puts it between (1 - TV) / (1 + TV) ~ 1 - 2 TV and
-# 1 - TV; on the default pair at T = 1 the race agrees at 1 - 1.30 TV on average over 323 positions
-# (0.9776 against 1 - TV = 0.9828: make bench-coupling, docs/bench/coupling.json).
+# 1 - TV; the factor is where the default pair's race sits at T = 1 (`make bench-coupling`;
+# docs/benchmarks.md, "Acceptance against uplink bits").
 GUMBEL_TV_FACTOR = 1.30
 
 
