@@ -146,9 +146,10 @@ def sample_as_if_normalised(probs: torch.Tensor, u: torch.Tensor) -> torch.Tenso
 
 
 def test_control_residual_not_renormalised_is_detected(twin, tiny_pair_v8) -> None:
-    """A subtle edge bug at the default size: the correction token after a rejection drawn from the
-    residual as if it summed to one (every honest sampler in the code scales by the total)."""
-    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=CONTROL_SESSIONS, over_grpc=True, patches=[
+    """An edge bug: the correction token after a rejection drawn from the residual as if it summed to
+    one (every honest sampler in the code scales by the total). Its bias is large (chi-square in the
+    hundreds at CONTROL_SESSIONS), so it runs at the gross controls' size."""
+    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=GROSS_CONTROL_SESSIONS, over_grpc=True, patches=[
         (verify_batch, "_residual_rows", unnormalised_residual), (verify_batch, "inverse_cdf_rows", sample_as_if_normalised)],
         **MODES["tslt"])
     assert_rejected(counts, law, "residual not renormalised")

@@ -10,11 +10,11 @@ import torch
 
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import verification
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.common.modeling import CachedLM, encode_prompt
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
-from tests.support.laws import (CONTROL_SESSIONS, LAW_SESSIONS, TREE_LAW, TREE_MODES, assert_lossless,
+from tests.support.laws import (GROSS_CONTROL_SESSIONS, LAW_SESSIONS, TREE_LAW, TREE_MODES, assert_lossless,
                                 assert_rejected, law_counts)
 
 PROMPTS = ["w1 w2 w3", "w300 w301 w302 w303 w9"]
@@ -80,7 +80,7 @@ def candidates_without_replacement(q, k, generator, with_replacement=True):
 
 
 def test_control_tree_siblings_drawn_without_replacement_are_detected(twin, tiny_pair_v8) -> None:
-    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=CONTROL_SESSIONS, over_grpc=True,
+    counts, law, _ = law_counts(twin, *tiny_pair_v8, num_sessions=GROSS_CONTROL_SESSIONS, over_grpc=True,
                                 patches=[(verification, "sample_candidates", candidates_without_replacement)],
                                 **TREE_LAW, **TREE_MODES["tslt"])
     assert_rejected(counts, law, "tree siblings without replacement")

@@ -17,11 +17,11 @@ from typing import Callable
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.modeling import LoadedModel
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.device.engine import clip_round, finished, run_round
 from specdec.device.session import DraftSession
 from specdec.edge.server import target_info
-from specdec.edge.verifier import EdgeLimits, VerifierSession
+from specdec.edge.verifier import EdgeLimits, TargetInfo, VerifierSession
 
 
 class Broken(Exception):
@@ -72,8 +72,20 @@ class EdgeLink:
         return answer
 
 
+# What the edge states about its target, once per loaded target as the server does at startup (the
+# fingerprint reads every weight tensor: per session it would cost a few percent of a law test).
+_TARGET_INFO: dict[int, tuple[LoadedModel, TargetInfo]] = {}
+
+
+def _target_info(target: LoadedModel) -> TargetInfo:
+    known = _TARGET_INFO.get(id(target))
+    if known is None or known[0] is not target:
+        known = _TARGET_INFO[id(target)] = (target, target_info(target))
+    return known[1]
+
+
 def new_edge(target: LoadedModel, hello: P.Hello, prefix: list[int], edge_cls=VerifierSession) -> VerifierSession:
-    edge = edge_cls(target, target_info(target), hello, EdgeLimits(), "in-process")
+    edge = edge_cls(target, _target_info(target), hello, EdgeLimits(), "in-process")
     edge.prefill(P.Prompt(tuple(prefix)))
     return edge
 

@@ -21,7 +21,7 @@ import torch
 
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.sampling import model_probs
-from specdec.common.settings import Mode
+from specdec.common.modes import Mode
 from specdec.device.session import DraftSession
 from tests.support.harness import SessionStats, device_config, load, load_spec, patched, split_sessions
 from tests.support.inprocess import run_seeds
@@ -33,8 +33,11 @@ TEMPERATURE = 1.0
 LAW_SESSIONS = 600            # default tier: every control below is rejected at p < 1e-9 here
 HIGH_POWER_SESSIONS = 1500    # slow tier: a bias of half the size is seen
 CONTROL_SESSIONS = 600        # a control whose bias is large needs no more
-# A gross control (the device drafting from another law than the packet it sends: TV ~0.4-0.8 at the
-# default size, chi-square in the thousands) is rejected with a quarter of the sessions: p < 1e-100 here.
+# A gross control, one whose chi-square at CONTROL_SESSIONS is in the hundreds or thousands (the
+# device drafting from another law than the packet it sends, TV ~0.4-0.8; a residual not renormalised;
+# tree siblings drawn without replacement), is rejected with a quarter of the sessions, far below the
+# cut (the chi-square's noncentrality grows linearly with the sessions): it shows the law test's
+# power at LAW_SESSIONS without running as many.
 GROSS_CONTROL_SESSIONS = 150
 CONCURRENCY = 4               # sessions in flight over gRPC: one's network waits overlap another's compute
 
