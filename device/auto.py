@@ -755,16 +755,12 @@ class AutoPolicy:
         self.net_config = N.with_discount(tracker.config.net, tracker.config.memory)
         self.net = tracker.net_start(hello.temperature)  # what each arm delivered (the safety net)
         self._last_t = 0.0            # when the last round was committed (session seconds)
-        # tokens an edge-only round asks for where the edge advises no drafting: the boundary model's
-        # (a round trip and the forward a busy batch makes without the session, A.edge_chunk)
-        self.advised_chunk = EDGE_CHUNK_MIN
 
     def choose(self) -> RoundPlan:
         """The next round's plan, from what committed rounds taught the tracker: the model's pick, unless
         the safety net calls the other arm (edge-only or drafted) or a link probe is due."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
                                    self.hello.draft.dssd_fallback_top_k, self.dssd_samples, self.gumbel)
-        self.advised_chunk = e.edge_chunk
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
         cold = (self.rounds == 0 and self.tracker.config.cold_start and not self.tracker.known
                 and A.Candidate(Mode.NONE) in self.candidates)
@@ -779,7 +775,7 @@ class AutoPolicy:
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
         return RoundPlan(self.settings_for(chosen.candidate, chunk),
                          choice=_explain(chosen, e, ranking, why, chunk, catch_up, net),
-                         decision=AutoDecision(chosen.candidate, e))
+                         decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk)
 
     def _net_call(self, pick: A.Prediction, ranking: list[A.Prediction]) -> N.NetCall | None:
         """The safety net's arm for the next round (None where one arm is not among the candidates)."""

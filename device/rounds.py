@@ -27,6 +27,9 @@ class RoundPlan:
     choice: Mapping[str, Any] | None = None  # mode auto: the choice and its estimates (round log, metrics)
     decision: Any = None                      # the policy's own record of the choice, handed back in the event
     retry: bool = False                       # a round repeated after a broken stream
+    # Mode auto: tokens an edge-only round asks for where the edge advises no drafting, from its
+    # boundary model (a round trip and the forward a busy batch makes without the session); 0: none.
+    edge_chunk: int = 0
 
 
 @dataclass

@@ -125,7 +125,7 @@ class DraftSession:
         if self.policy is not None and self.edge_hint == 0:
             # mode auto prices a round's boundary, so its edge-only rounds under the advice are no
             # shorter than its model's (nor its own short ones: the advice rules drafting out anyway)
-            chunk = max(chunk, self.policy.advised_chunk)
+            chunk = max(chunk, plan.edge_chunk)
             if plan.settings.mode is Mode.NONE:
                 plan = replace(plan, settings=replace(plan.settings, edge_tokens=max(plan.settings.edge_tokens, chunk)))
         return replace(plan, settings=S.within_draft_len(plan.settings, self.edge_hint, chunk))

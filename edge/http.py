@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 
 def probe_app(registry: CollectorRegistry | None, readiness) -> web.Application:
-    """``readiness()`` -> (ready, reason): the servicer's (SpeculativeDecodingServicer.readiness)."""
+    """``readiness()`` -> (ready, reason): the session registry's (SessionRegistry.readiness)."""
     async def metrics(_request: web.Request) -> web.Response:
         body = generate_latest(registry) if registry is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

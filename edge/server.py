@@ -144,20 +144,20 @@ async def stop_server(server, grace: float = GRACE_SECONDS) -> None:
 
 async def drain_server(server, drain_timeout_s: float, cut_short: asyncio.Event | None = None) -> None:
     """Drain (see the module docstring), then stop the server."""
-    servicer = server._specdec_servicer
-    drain = asyncio.ensure_future(servicer.drain(drain_timeout_s))
+    registry = server._specdec_servicer.registry
+    drain = asyncio.ensure_future(registry.drain(drain_timeout_s))
     waits = [drain] + ([asyncio.ensure_future(cut_short.wait())] if cut_short is not None else [])
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits[1:]:
         w.cancel()
     if not drain.done():  # a second signal: stop now
         drain.cancel()
-        servicer.moving = True
+        registry.moving = True
     with contextlib.suppress(asyncio.CancelledError):
         left = await drain
         if left:
             log.info("drain time is up: sending %d running sessions to another edge", left)
-            await servicer.wait_streams_ended(MOVE_GRACE_SECONDS)
+            await registry.wait_streams_ended(MOVE_GRACE_SECONDS)
     await stop_server(server)
 
 
@@ -171,7 +171,7 @@ async def serve(cfg: EdgeConfig) -> None:
     probes = None
     if cfg.metrics_port:
         probes, _ = await start_probe_server(cfg.host, cfg.metrics_port, metrics.registry,
-                                             server._specdec_servicer.readiness)
+                                             server._specdec_servicer.registry.readiness)
     signals = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

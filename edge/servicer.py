@@ -4,39 +4,21 @@ Thin by design (as TGI's servicer): protobuf <-> domain via :mod:`specdec.common
 torch work on a worker pool off the event loop, and one place that maps errors to gRPC statuses.
 A failure ends only its own session; the server and other sessions carry on.
 
-Sessions outlive their stream when it breaks: a stream that ends without ``Close`` (link cut,
-device crash, keepalive timeout) leaves its session detached for ``resume_window_s``, so the device
-can reconnect and resume with the session id and the secret resume token from ``Welcome``, under
-the same credentials. ``Close``, a bad message or an idle timeout free the session at once.
-
-New sessions pass admission (:mod:`specdec.edge.admission`): a cap per principal (the authenticated
-identity, else the peer's host), and a bounded queue when all ``max_sessions`` slots are held;
-a refusal is ``RESOURCE_EXHAUSTED`` with the limit and its value. Resuming one's own session is
-never refused: a detached session keeps its slot for the resume window.
-
-A resume of a session this edge does not hold (it ran on another edge of a fleet, this edge
-restarted, or its resume window ran out) starts a new session here, answered ``Welcome.resumed =
-false``: the device's Prompt is its whole verified prefix, which is re-prefilled. Every random number
-is keyed by (seed, purpose, position), so the session goes on with exactly the tokens it would have
-had. A Hello naming the target the session ran on (``target_fingerprint``) is refused here if this
-edge serves another one.
-
-Draining (SIGTERM, :meth:`SpeculativeDecodingServicer.drain`): the edge stops taking new sessions
-(``UNAVAILABLE``, reason ``draining``: the device tries another edge) and reports itself not ready;
-streams attached now get the drain time to finish; those still running then end at their next
-message with the same status, so their devices resume them elsewhere.
+Sessions, their owners, resumes, expiry, admission and draining are the registry's
+(:mod:`specdec.edge.registry`); this module reads and writes the stream and turns the registry's
+refusals into statuses: ``PERMISSION_DENIED`` for another's session, ``UNAVAILABLE`` with reason
+``draining`` while the edge drains (the device tries another edge), ``RESOURCE_EXHAUSTED`` with the
+limit and its value for an admission refusal.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -47,18 +29,17 @@ from specdec.common.loadaware import Acceptance, RecentAcceptance
 from specdec.common.modes import Mode
 from specdec.common.stats import edge_only_record, edge_record
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.edge.admission import Admission, AdmissionRefused, AdmissionSettings, Slot
+from specdec.edge.admission import AdmissionRefused, AdmissionSettings
 from specdec.edge.auth import Authenticator, admission_principal
 from specdec.edge.batching import ForwardScheduler
+from specdec.edge.registry import (MOVED, RESUME_TOKEN_BYTES, SESSION_ID_BYTES, Draining, Entry, NotOwner,
+                                  SessionRegistry, Stream)
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
                                    VerifierSession, forward_alone)
 
 log = logging.getLogger("specdec.edge")
 
-SESSION_ID_BYTES = 16    # 128 random bits: session ids are unguessable
-RESUME_TOKEN_BYTES = 32  # the secret that, with the same credentials, lets a stream resume a session
 SESSION_ID_RE = re.compile(f"[0-9a-f]{{{2 * SESSION_ID_BYTES}}}")  # secrets.token_hex's form
-MOVED = "moved"  # status of a session a drain ended so that its device resumes it on another edge
 END_WAIT_S = 5.0  # after an End, how long the device has to half-close before the status goes anyway
 
 
@@ -81,18 +62,6 @@ def status_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-@dataclass
-class _Entry:
-    """A session and what binds it: its owner, its resume secret, the stream now attached."""
-    session: VerifierSession
-    principal: str
-    resume_token: bytes
-    slot: Slot                     # its hold on one of the edge's max_sessions (admission)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one stream works on a session at a time
-    generation: int = 0            # bumped per attached stream; a superseded stream must not free it
-    detached: bool = False
-
-
 class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def __init__(self, target, info: TargetInfo, limits: EdgeLimits, executor: ThreadPoolExecutor,
                  metrics=None, auth: Authenticator | None = None,
@@ -104,38 +73,32 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         self.executor = executor
         self.metrics = metrics
         self.auth = auth or Authenticator()
-        self.sessions: dict[str, _Entry] = {}
-        self.admission = Admission(admission or AdmissionSettings(), limits.max_sessions, metrics)
+        self.registry = SessionRegistry(limits.max_sessions, limits.resume_window_s, admission, metrics, scheduler)
         self.scheduler = scheduler  # None: every session runs its own forwards (--no-batching)
         self.recent = RecentAcceptance()  # every session's drafts: where a new session's estimate starts
         self.name = name            # Welcome.edge_name: which edge of a fleet this is
-        self.draining = False       # SIGTERM: no new sessions, not ready
-        self.moving = False         # the drain time is up: running sessions are sent elsewhere
-        self._streams = 0           # streams attached to a session right now
-        self._no_streams = asyncio.Event()
-        self._no_streams.set()
 
     async def Generate(self, request_iterator, context):
-        state = {"sid": None, "gen": 0, "wants_end": False}
+        stream = Stream()
         # Credentials first: an unauthenticated caller gets no model work at all.
         principal = self.auth.principal(context.invocation_metadata(), context.auth_context())
         if principal is None:
-            self._observe_end("unauthenticated", False)
-            await self._refuse_unauthenticated(context, state)
-        state["counts_as"] = admission_principal(principal, context.peer())
+            self.registry.observe_end("unauthenticated", False)
+            await self._refuse_unauthenticated(context, stream)
+        stream.counts_as = admission_principal(principal, context.peer())
         status = None
         try:
-            closed = await self._serve(principal, context, state)
+            closed = await self._serve(principal, context, stream)
             status = "ok" if closed else None  # end of stream without Close: keep it for a resume
         except _SessionEnd as end:
-            status = MOVED if end.reason == P.DRAINING and state["sid"] else end.code.name.lower()
-            await self._end(context, state, end)
+            status = MOVED if end.reason == P.DRAINING and stream.sid else end.code.name.lower()
+            await self._end(context, stream, end)
         except asyncio.CancelledError:  # the stream broke: keep the session for a resume
             raise
         finally:
-            self._release(state, status)
+            self.registry.release(stream, status)
 
-    async def _end(self, context, state: dict, end: _SessionEnd):
+    async def _end(self, context, stream: Stream, end: _SessionEnd):
         """End the stream with ``end``'s status (and its reason as trailing metadata).
 
         To a device that reads End messages the status goes first as one, and the stream ends once the
@@ -143,33 +106,29 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         stream reset, which HAProxy 2.6 turns into CANCEL, dropping the status (its issue 1219)."""
         if end.reason:
             context.set_trailing_metadata(((P.REASON_KEY, end.reason),))
-        if state["wants_end"]:
+        if stream.wants_end:
             with contextlib.suppress(Exception):
                 await context.write(wire.end_to_pb(P.End(end.code.value[0], end.details, end.reason)))
                 await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
         await context.abort(end.code, end.details)
 
-    async def _refuse_unauthenticated(self, context, state: dict):
+    async def _refuse_unauthenticated(self, context, stream: Stream):
         """UNAUTHENTICATED; the Hello is read first (nothing more) to learn whether End is understood."""
         with contextlib.suppress(Exception):
             msg = await asyncio.wait_for(context.read(), END_WAIT_S)
-            state["wants_end"] = msg is not grpc.aio.EOF and msg.HasField("hello") and msg.hello.wants_end
-        await self._end(context, state, _SessionEnd(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials"))
+            stream.wants_end = msg is not grpc.aio.EOF and msg.HasField("hello") and msg.hello.wants_end
+        await self._end(context, stream, _SessionEnd(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials"))
 
     # -- session lifecycle ---------------------------------------------------------------------------
-    async def _serve(self, principal: str, context, state: dict) -> bool:
+    async def _serve(self, principal: str, context, stream: Stream) -> bool:
         """Serve one stream; True if the device closed the session, False if the stream just ended."""
         hello = await self._expect(context, P.Hello, "Hello")
-        state["wants_end"] = hello.wants_end
-        sid, entry, resumed = await self._attach(hello, principal, state["counts_as"])
-        state["sid"], state["gen"] = sid, entry.generation
-        self._stream_attached(1)
-        try:
+        stream.wants_end = hello.wants_end
+        entry, resumed = await self._attach(stream, hello, principal)
+        with self.registry.attached():
             return await self._stream(context, entry, resumed)
-        finally:
-            self._stream_attached(-1)
 
-    async def _stream(self, context, entry: _Entry, resumed: bool) -> bool:
+    async def _stream(self, context, entry: Entry, resumed: bool) -> bool:
         """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close."""
         welcome = replace(entry.session.welcome(), session_id=entry.session.session_id,
                           resume_token=entry.resume_token, resumed=resumed, edge_name=self.name,
@@ -192,96 +151,33 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             if isinstance(msg, P.Close):
                 self._observe_request(entry.session, len(prompt.token_ids), time.perf_counter() - t_start)
                 return True
-            if self.moving:  # at a round boundary: the device redrafts this round on another edge
+            if self.registry.moving:  # at a round boundary: the device redrafts this round on another edge
                 raise _SessionEnd(grpc.StatusCode.UNAVAILABLE, "edge is draining (shutting down): resume the "
                                   "session on another edge", P.DRAINING)
             async with entry.lock:
                 await self._dispatch(entry.session, msg, size, context)
 
-    async def _attach(self, hello: P.Hello, principal: str, counts_as: str) -> tuple[str, _Entry, bool]:
-        """(session id, entry, resumed): the session to resume, or a new one once admitted.
-        ``counts_as``: whom the session counts against for the per-principal cap."""
-        resuming = bool(hello.resume_session_id or hello.resume_token)
-        if resuming:
+    async def _attach(self, stream: Stream, hello: P.Hello, principal: str) -> tuple[Entry, bool]:
+        """(entry, resumed): the registry's session for ``hello``; its refusals as statuses."""
+        if hello.resume_session_id or hello.resume_token:
             _check_resume_fields(hello)
-            entry = self.sessions.get(hello.resume_session_id)
-            if entry is not None:
-                if entry.principal != principal or not hmac.compare_digest(entry.resume_token, hello.resume_token):
-                    raise _SessionEnd(grpc.StatusCode.PERMISSION_DENIED, "not the owner of that session")
-                if self.moving:  # the drain is over: resume it elsewhere
-                    self._refuse_draining()
-                entry.generation += 1  # a half-dead older stream is superseded
-                entry.detached = False
-                self.admission.rebind(entry.slot, counts_as)  # it holds its slot: never refused
-                if self.metrics:
-                    self.metrics.session_resumed()
-                return hello.resume_session_id, entry, True
-            # Unknown (another edge's, expired, or this edge restarted): a fresh session re-prefills
-            # the device's verified prefix.
-        if self.draining:
-            self._refuse_draining()
-        sid = secrets.token_hex(SESSION_ID_BYTES)
         try:
-            self.admission.check_cap(counts_as)  # over its cap: refused before any work
-            # The Hello is checked before queueing (cheap: no KV cache exists before the prompt), so
-            # a bad one is told so at once rather than after waiting in the admission queue.
-            session = await self._call(self._new_session, hello, sid)
-            slot = await self.admission.admit(counts_as)
+            return await self.registry.attach(stream, hello, principal, self._checked_session)
+        except NotOwner as exc:
+            raise _SessionEnd(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+        except Draining as exc:
+            raise _SessionEnd(grpc.StatusCode.UNAVAILABLE, str(exc), P.DRAINING) from None
         except AdmissionRefused as exc:
             log.debug("session refused (%s): %s", exc.reason, exc.message)
             raise _SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, exc.reason) from None
-        entry = _Entry(session=session, principal=principal, slot=slot,
-                       resume_token=secrets.token_bytes(RESUME_TOKEN_BYTES))
-        entry.generation = 1
-        self.sessions[sid] = entry
-        if self.metrics:
-            self.metrics.session_started(hello.draft.mode.value)
-            if resuming:
-                self.metrics.session_reprefilled()
-        return sid, entry, False
 
-    @staticmethod
-    def _refuse_draining():
-        raise _SessionEnd(grpc.StatusCode.UNAVAILABLE, "edge is draining (shutting down): it takes no new "
-                          "sessions; try another edge", P.DRAINING)
-
-    # -- draining and readiness ---------------------------------------------------------------------
-    def _stream_attached(self, delta: int) -> None:
-        self._streams += delta
-        if self._streams:
-            self._no_streams.clear()
-        else:
-            self._no_streams.set()
+    async def _checked_session(self, hello: P.Hello, sid: str) -> VerifierSession:
+        """A new session for ``hello``, checked on the worker pool (a bad Hello: its status)."""
+        return await self._call(self._new_session, hello, sid)
 
     @property
     def attached_streams(self) -> int:
-        return self._streams
-
-    def readiness(self) -> tuple[bool, str]:
-        """(ready, why): whether a new session would be taken now (what a load balancer's check or a
-        Kubernetes readiness probe asks); not while draining or while admission refuses at once."""
-        if self.draining:
-            return False, "draining"
-        if self.admission.saturated:
-            return False, (f"full: {self.admission.in_use} sessions held and {self.admission.queued} "
-                           "waiting in the admission queue")
-        return True, "ready"
-
-    async def drain(self, timeout_s: float) -> int:
-        """Take no new sessions; give the streams attached now up to ``timeout_s`` to finish, then
-        send those still running to another edge (at their next message). Returns how many were
-        still attached when the time was up."""
-        self.draining = True
-        if self.metrics:
-            self.metrics.set_draining(True)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
-        self.moving = True
-        return self._streams
-
-    async def wait_streams_ended(self, timeout_s: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+        return self.registry.attached_streams
 
     def _new_session(self, hello: P.Hello, sid: str) -> VerifierSession:
         if self.scheduler is None:
@@ -295,35 +191,6 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             raise
         session.acceptance = Acceptance.starting_at(self.recent.alpha)  # load-aware advice from round 1
         return session
-
-    def _release(self, state: dict, status: str | None) -> None:
-        """End of a stream: free its session, or (stream broke, status None) detach it for a while."""
-        entry = self.sessions.get(state["sid"]) if state["sid"] else None
-        if entry is None:
-            if status is not None:
-                self._observe_end(status, False)
-            return
-        if entry.generation != state["gen"]:
-            return  # another stream resumed this session; it owns it now
-        if status is None:
-            entry.detached = True
-            asyncio.get_running_loop().call_later(self.limits.resume_window_s, self._expire,
-                                                   state["sid"], state["gen"])
-            return
-        self._free(state["sid"], status)
-
-    def _expire(self, sid: str, generation: int) -> None:
-        entry = self.sessions.get(sid)
-        if entry is not None and entry.detached and entry.generation == generation:
-            self._free(sid, "expired")
-
-    def _free(self, sid: str, status: str) -> None:
-        entry = self.sessions.pop(sid, None)
-        if entry is not None:
-            self.admission.release(entry.slot)  # the longest waiting new session gets it
-            if self.scheduler is not None:
-                self.scheduler.forget(entry.session.lm)  # not due back: no forward waits for it
-            self._observe_end(status, True)
 
     # -- messages ------------------------------------------------------------------------------------
     async def _dispatch(self, session: VerifierSession, msg, size: int, context) -> None:
@@ -432,10 +299,6 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def _observe_request(self, session: VerifierSession, prompt_len: int, seconds: float) -> None:
         if self.metrics:
             self.metrics.request_done(session.hello.draft.mode.value, seconds, len(session.tokens) - prompt_len)
-
-    def _observe_end(self, status: str, started: bool) -> None:
-        if self.metrics:
-            self.metrics.session_ended(status, started)
 
 
 def _check_resume_fields(hello: P.Hello) -> None:

@@ -132,7 +132,7 @@ def test_no_import_by_name(path) -> None:
     assert not calls, f"{path} imports by name: {calls}"
 
 
-@pytest.mark.parametrize("path", ["device/session.py", "edge/verifier.py", "common/modeling.py"])
+@pytest.mark.parametrize("path", ["device/session.py", "edge/verifier.py", "edge/registry.py", "common/modeling.py"])
 def test_model_code_never_imports_grpc(path) -> None:
     assert "grpc" not in _roots(_imports(ROOT / path))
 
