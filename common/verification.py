@@ -117,8 +117,8 @@ BonusNoise = torch.Tensor | Callable[[], torch.Tensor]  # [V] float64 Gumbel noi
 
 def _coupled_bonus(p_row: torch.Tensor, noise: BonusNoise) -> int:
     """The coupled bonus token ``argmax log p + noise`` (:func:`sample_token_gumbel`). ``noise`` may be
-    a function that draws it: V Gumbels cost ~2-5 ms on a CPU core at V = 49-128k, and a one-hot
-    ``p`` (greedy) needs none, its only token wins whatever the noise."""
+    a function that draws it: V Gumbels are a draw over the whole vocabulary, and a one-hot ``p``
+    (greedy) needs none, its only token wins whatever the noise."""
     if callable(noise):
         if int((p_row > 0).sum()) == 1:
             return int(p_row.argmax())
