@@ -16,7 +16,8 @@ import torch
 
 from tests.support.harness import SwitchesEveryRound, load, split_sessions
 from tests.support.laws import (CONTROL_SESSIONS, GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, MODES, N_TOKENS,
-                                PROMPT, TEMPERATURE, assert_lossless, assert_rejected, exact_law, law_counts)
+                                PROMPT, TEMPERATURE, TRANSPORT_PATHS, assert_lossless, assert_rejected, exact_law,
+                                law_counts)
 from specdec.common import verification
 from specdec.common.distributions import densify, filter_target_logits
 from specdec.common.modeling import encode_prompt
@@ -26,8 +27,6 @@ from specdec.device.session import DraftSession
 from specdec.edge import servicer, verify_batch
 from specdec.edge.verifier import VerifierSession
 
-# a chain, DSSD's uplink scalars and fallback trips, edge-only streaming, gumbel's packed ids
-TRANSPORT_PATHS = ("tslt", "dssd", "none", "gumbel")
 PATCHES = {"dssd": [(verification, "DSSD_TAIL_SAMPLES", 1)]}
 
 

@@ -1,6 +1,7 @@
 """Every mode's exact law, in process: the device's round loop against a real edge session
 (tests/support/inprocess.py), the product's own code on both sides but no gRPC (the transport paths
-have their law tests over gRPC: test_lossless_e2e.py and the tree, batching and resume tests).
+have their law tests over gRPC: test_lossless_e2e.py and the tree, batching and resume tests; the
+modes those cover by default run here in the slow tier only, laws.TRANSPORT_PATHS).
 
 Sessions and law as in tests/support/laws.py; the high-power runs of each of these over gRPC are in
 the slow tier. Each law here that could hide a bug of its own has a negative control beside it.
@@ -12,7 +13,7 @@ import torch
 
 from tests.conftest import INT4_HEAD_IDS
 from tests.support.harness import SwitchesEveryRound
-from tests.support.laws import (GROSS_CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES, assert_lossless,
+from tests.support.laws import (GROSS_CONTROL_SESSIONS, MODES, TRANSPORT_PATHS, TREE_LAW, TREE_MODES, assert_lossless,
                                 assert_rejected, exact_law, law_counts, prompt_ids)
 from specdec.common import verification
 from specdec.device.draft_model import DraftStep
@@ -22,7 +23,8 @@ PATCHES = {"dssd": [(verification, "DSSD_TAIL_SAMPLES", 1)]}  # both fallback re
 TARGET_FILTER = dict(temperature=2.0, target_top_k=5, target_top_p=0.9)
 
 
-@pytest.mark.parametrize("name", list(MODES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in TRANSPORT_PATHS else n
+                                  for n in MODES])  # TRANSPORT_PATHS: over gRPC by default (laws.py)
 def test_mode_is_lossless(twin, tiny_pair_v8, name) -> None:
     counts, law, _ = law_counts(twin, *tiny_pair_v8, patches=PATCHES.get(name, ()), **MODES[name])
     assert_lossless(counts, law, name)

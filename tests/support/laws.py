@@ -56,6 +56,13 @@ MODES = {
 }
 
 
+# The transport paths whose law runs over real gRPC in the default tier: a chain, DSSD's uplink scalars
+# and fallback trips, edge-only streaming, gumbel's packed ids (test_lossless_e2e.py). In process they
+# run in the slow tier only (test_lossless_in_process.py): the same settings, seeds and sessions
+# through the same device and edge code would repeat those sessions without the transport.
+TRANSPORT_PATHS = ("tslt", "dssd", "none", "gumbel")
+
+
 # Token trees: every node's two children, two layers deep, in each codec a tree can use.
 TREE_LAW = dict(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, tree=(2, 2))
 TREE_MODES = {"dense": dict(mode=Mode.DENSE, dense_dtype="fp32"), "tslt": dict(mode=Mode.TSLT, top_k=3),
