@@ -45,13 +45,13 @@ from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT
                                      Hello, Welcome)
 from specdec.common.stats import RoundRecord
 from specdec.device import safety_net as N
+from specdec.device import tracker_state as TS
+from specdec.device.tracker_state import FAST_LINK_BPS, TIME_SCALE_MAX, TIME_SCALE_MIN
 from specdec.device.rounds import RoundEvent, RoundPlan
 from specdec.common.verification import dssd_fallback_bytes
 
-FAST_LINK_BPS = 1e9           # the most goodput the device believes in (and what a probe asks about)
 PRIOR_UPLINK_BPS = 10e6       # before any measurement: a middling link, so the first rounds carry tens
                               # of KB at most (a round sized for 1 Gbit/s takes seconds on a slow link)
-TIME_SCALE_MIN, TIME_SCALE_MAX = 0.5, 4.0  # bounds of the learned measured/modelled round-time ratio
 TRUST_MEMORY = 32             # rounds whose sizes say how large a round the goodput estimate covers
 RATE_GROWTH = 4.0             # the goodput estimate may rise this much per round, fall without limit
 MIN_RATE_SAMPLE_BYTES = 1200  # rounds smaller than about one segment say nothing about goodput
@@ -319,100 +319,68 @@ class LinkTracker:
         return _Ewma(prior, DECAY * self.config.memory)
 
     # -- remembered across processes (device/edge_memory.py) ------------------------------------------------
-    def export_state(self) -> dict:
-        """What this tracker knows, as plain JSON: ``link`` (the link and the edge: round trip,
-        goodput, forward times, learned time scales) and ``models`` (the drafter with this edge's
-        target: per temperature acceptance, codec estimates; the drafter's own speed)."""
+    def snapshot(self) -> TS.TrackerState:
+        """What this tracker knows (device/tracker_state.py): the link and the edge, and the drafter
+        with this edge's target per temperature."""
         with self.lock:
-            keys = lambda d: {_key_str(k): e.value for k, e in d.items() if e.value is not None}  # noqa: E731
-            link = {"rtt_s": self.rtt_s(), "uplink_bps": self.uplink_bps(),
-                    "measured_up_bits": max(self.sizes_sent, default=0.0),
-                    "downlink_bps": self.rate(self.down) if self.down else None,
-                    "verify": [list(x) for x in self.verify], "queue_s": self.queue_s.value,
-                    "decode_s": {m.value: e.value for m, e in self.decode_s.items() if e.value is not None},
-                    "time_scale": keys(self.time_scale)}
-            temps = {}
-            for t, side in self.models.items():
-                temps[repr(t)] = {"long": [side.long.hits, side.long.trials], "sigma": keys(side.sigma),
-                                  "packet_bytes": keys(side.packet_bytes), "encoded": side.encoded,
-                                  "guess": [side.guess.hits, side.guess.trials],
-                                  "fallback": [side.fallback.hits, side.fallback.trials],
-                                  "long_gumbel": [side.long_gumbel.hits, side.long_gumbel.trials]}
-            models = {"draft_s": self.draft_s.value, "fallback_bytes": self.fallback_bytes.value,
-                      "encode_s": {m.value: e.value for m, e in self.encode_s.items() if e.value is not None},
-                      "temperatures": temps}
-            return {"link": link, "models": models}
+            values = lambda d: {k: e.value for k, e in d.items() if e.value is not None}  # noqa: E731
+            link = TS.LinkState(rtt_s=self.rtt_s(), uplink_bps=self.uplink_bps(),
+                                measured_up_bits=max(self.sizes_sent, default=0.0),
+                                downlink_bps=self.rate(self.down) if self.down else None,
+                                verify=tuple(tuple(x) for x in self.verify), queue_s=self.queue_s.value,
+                                decode_s=values(self.decode_s), time_scale=values(self.time_scale))
+            temps = {t: TS.SideState(long=(side.long.hits, side.long.trials), guess=(side.guess.hits, side.guess.trials),
+                                     fallback=(side.fallback.hits, side.fallback.trials),
+                                     long_gumbel=(side.long_gumbel.hits, side.long_gumbel.trials),
+                                     sigma=values(side.sigma), packet_bytes=values(side.packet_bytes),
+                                     encoded=side.encoded) for t, side in self.models.items()}
+            models = TS.ModelsState(draft_s=self.draft_s.value, fallback_bytes=self.fallback_bytes.value,
+                                    encode_s=values(self.encode_s), temperatures=temps)
+            return TS.TrackerState(link, models)
 
-    def import_state(self, link: dict | None, models: dict | None) -> None:
-        """Start from a remembered state (either part may be left out: too old, or never saved). A
+    def restore(self, state: TS.TrackerState) -> None:
+        """Start from a remembered state (either part may be None: too old, or never saved). A
         remembered acceptance weighs at most REMEMBERED_POSITIONS positions, so that this device's new
-        rounds move it. ValueError (and nothing changed) if a part is malformed."""
-        updates = []
-        if link is not None:
-            updates.append(self._link_updates(link))
-        if models is not None:
-            updates.append(self._model_updates(models))
+        rounds move it."""
         with self.lock:
-            for apply in updates:
-                apply()
-            self.restored = self.restored or link is not None
+            if state.link is not None:
+                self._restore_link(state.link)
+            if state.models is not None:
+                self._restore_models(state.models)
+            self.restored = self.restored or state.link is not None
 
-    def _link_updates(self, d: dict):
-        rtt, bps = _num(d["rtt_s"], 0.0, 60.0), _num(d["uplink_bps"], 1.0, FAST_LINK_BPS)
-        up_bits = _num(d.get("measured_up_bits", 0.0), 0.0, 1e12)
-        down = None if d.get("downlink_bps") is None else _num(d["downlink_bps"], 1.0, FAST_LINK_BPS)
-        verify = [(int(_num(n, 1, 1e6)), _num(x, 0.0, 60.0)) for n, x in d.get("verify", [])][-VERIFY_WINDOW:]
-        queue = None if d.get("queue_s") is None else _num(d["queue_s"], 0.0, 60.0)
-        decode = {Mode(m): _num(v, 0.0, 60.0) for m, v in d.get("decode_s", {}).items()}
-        scale = {_key_of(k): _num(v, TIME_SCALE_MIN, TIME_SCALE_MAX) for k, v in d.get("time_scale", {}).items()}
+    def _restore_link(self, s: TS.LinkState) -> None:
+        self._link = (s.rtt_s, s.uplink_bps)
+        if s.measured_up_bits:
+            self.sizes_sent.append(s.measured_up_bits)
+        if s.downlink_bps is not None:
+            self.down.append((s.downlink_bps, 1.0))
+        self.verify.extend(s.verify[-VERIFY_WINDOW:])
+        if s.queue_s is not None:
+            self.queue_s.value = s.queue_s
+        for m, v in s.decode_s.items():
+            self.decode_s.setdefault(m, self._ewma()).value = v
+        for k, v in s.time_scale.items():
+            self.time_scale.setdefault(k, self._ewma()).value = v
 
-        def apply():
-            self._link = (rtt, bps)
-            if up_bits:
-                self.sizes_sent.append(up_bits)
-            if down is not None:
-                self.down.append((down, 1.0))
-            self.verify.extend(verify)
-            if queue is not None:
-                self.queue_s.value = queue
-            for m, v in decode.items():
-                self.decode_s.setdefault(m, self._ewma()).value = v
-            for k, v in scale.items():
-                self.time_scale.setdefault(k, self._ewma()).value = v
-        return apply
-
-    def _model_updates(self, d: dict):
-        draft = None if d.get("draft_s") is None else _num(d["draft_s"], 0.0, 60.0)
-        fb = None if d.get("fallback_bytes") is None else _num(d["fallback_bytes"], 0.0, 1e9)
-        encode = {Mode(m): _num(v, 0.0, 60.0) for m, v in d.get("encode_s", {}).items()}
-        sides = {}
-        for t, m in d.get("temperatures", {}).items():
-            ratio = lambda pair: (_num(pair[0], 0.0, 1e9), _num(pair[1], 0.0, 1e9))  # noqa: E731
-            sides[_num(float(t), 0.0, 1e3)] = (
-                ratio(m["long"]), {_key_of(k): _num(v, 0.0, 1.0) for k, v in m.get("sigma", {}).items()},
-                {_key_of(k): _num(v, 0.0, 1e9) for k, v in m.get("packet_bytes", {}).items()},
-                int(_num(m.get("encoded", 0), 0, 1e12)), ratio(m["guess"]), ratio(m["fallback"]),
-                ratio(m.get("long_gumbel", (0.0, 0.0))))
-
-        def apply():
-            if draft is not None:
-                self.draft_s.value = draft
-            if fb is not None:
-                self.fallback_bytes.value = fb
-            for mode, v in encode.items():
-                self.encode_s.setdefault(mode, self._ewma()).value = v
-            for t, (long, sigma, sizes, encoded, guess, fallback, long_gumbel) in sides.items():
-                side = self.model(t)
-                for ratio_, (hits, trials) in ((side.long, long), (side.long_gumbel, long_gumbel)):
-                    weight = min(1.0, REMEMBERED_POSITIONS / trials) if trials > 0 else 0.0
-                    ratio_.hits, ratio_.trials = hits * weight, trials * weight
-                for k, v in sigma.items():
-                    side.sigma.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
-                for k, v in sizes.items():
-                    side.packet_bytes.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
-                side.encoded = encoded
-                (side.guess.hits, side.guess.trials), (side.fallback.hits, side.fallback.trials) = guess, fallback
-        return apply
+    def _restore_models(self, s: TS.ModelsState) -> None:
+        if s.draft_s is not None:
+            self.draft_s.value = s.draft_s
+        if s.fallback_bytes is not None:
+            self.fallback_bytes.value = s.fallback_bytes
+        for mode, v in s.encode_s.items():
+            self.encode_s.setdefault(mode, self._ewma()).value = v
+        for t, kept in s.temperatures.items():
+            side = self.model(t)
+            for ratio, (hits, trials) in ((side.long, kept.long), (side.long_gumbel, kept.long_gumbel)):
+                weight = min(1.0, REMEMBERED_POSITIONS / trials) if trials > 0 else 0.0
+                ratio.hits, ratio.trials = hits * weight, trials * weight
+            for k, v in kept.sigma.items():
+                side.sigma.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
+            for k, v in kept.packet_bytes.items():
+                side.packet_bytes.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
+            side.encoded = kept.encoded
+            (side.guess.hits, side.guess.trials), (side.fallback.hits, side.fallback.trials) = kept.guess, kept.fallback
 
     def model(self, temperature: float) -> _ModelSide:
         if temperature not in self.models:
@@ -700,23 +668,6 @@ class LinkTracker:
 
 def _codec_key(s: DraftSettings) -> tuple[Mode, int]:
     return s.mode, s.top_k if s.mode in (Mode.TSLT, Mode.KSQS) else 0
-
-
-def _key_str(key: tuple[Mode, int]) -> str:
-    return f"{key[0].value}:{key[1]}"
-
-
-def _key_of(text: str) -> tuple[Mode, int]:
-    mode, _, k = str(text).partition(":")
-    return Mode(mode), int(k)
-
-
-def _num(x, lo: float, hi: float) -> float:
-    """A remembered number, checked: ValueError unless finite and within [lo, hi]."""
-    v = float(x)
-    if not (math.isfinite(v) and lo <= v <= hi):
-        raise ValueError(f"remembered value {x!r} outside [{lo}, {hi}]")
-    return v
 
 
 @dataclass(frozen=True)

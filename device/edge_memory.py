@@ -1,6 +1,6 @@
 """What a device remembers about each edge across sessions and processes, as the kernel keeps TCP
-metrics per destination (``ip tcp_metrics``): mode auto's estimates (device/auto.py
-:meth:`~specdec.device.auto.LinkTracker.export_state`), so that a new process starts from what the
+metrics per destination (``ip tcp_metrics``): mode auto's estimates (device/tracker_state.py's record, from
+:meth:`~specdec.device.auto.LinkTracker.snapshot`), so that a new process starts from what the
 last ones learned instead of from priors (a cold start: ``device-client`` is one process per run).
 
 One JSON file per edge address under ``$SPECDEC_CACHE_DIR/edges/``:
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from specdec.common.modeling import cache_root
+from specdec.device import tracker_state
 from specdec.device.auto import LinkTracker
 
 log = logging.getLogger("specdec.device")
@@ -76,10 +77,11 @@ def load(tracker: LinkTracker, edge: str, drafter: str, root: Path | None = None
     link = _fresh(data.get("link"), LINK_TTL_S, now)
     models = _fresh((data.get("drafters") or {}).get(drafter), MODEL_TTL_S, now)
     try:
-        tracker.import_state(link, models)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        state = tracker_state.from_json({"link": link, "models": models})
+    except ValueError as exc:
         log.warning("ignoring a malformed edge memory for %s: %s", edge, exc)
         return []
+    tracker.restore(state)
     return [name for name, part in (("link", link), ("models", models)) if part is not None]
 
 
@@ -97,7 +99,7 @@ def save(tracker: LinkTracker, edge: str, drafter: str, root: Path | None = None
     whose cache is read-only still works)."""
     path = memory_path(edge, root)
     now = time.time() if now is None else now
-    state = tracker.export_state()
+    state = tracker_state.to_json(tracker.snapshot())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path):

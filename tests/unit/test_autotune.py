@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdec.device import autotune as A
+from specdec.device import tracker_state as TS
 from specdec.common.modes import Mode
 from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
@@ -619,12 +620,12 @@ def test_the_long_run_gumbel_rate_is_remembered_with_the_rest() -> None:
     t = LinkTracker()
     for _ in range(20):
         t.observe_round(record(mode=Mode.GUMBEL, drafted=8, accepted=6, up=40, network=0.01), GUMBEL, 1.0, 49152)
-    state = t.export_state()
+    state = TS.to_json(t.snapshot())
     other = LinkTracker()
-    other.import_state(None, state["models"])
+    other.restore(TS.from_json({"models": state["models"]}))
     assert other.model(1.0).long_gumbel.rate == pytest.approx(t.model(1.0).long_gumbel.rate)
     assert other.estimates(1.0, 49152).alpha(A.Candidate(Mode.GUMBEL, 8)) == pytest.approx(
         t.estimates(1.0, 49152).alpha(A.Candidate(Mode.GUMBEL, 8)), abs=0.01)  # remembered at a capped weight
     old = {**state["models"], "temperatures": {k: {n: v for n, v in m.items() if n != "long_gumbel"}
                                                for k, m in state["models"]["temperatures"].items()}}
-    LinkTracker().import_state(None, old)  # a memory from before gumbel reads as none of it
+    LinkTracker().restore(TS.from_json({"models": old}))  # a memory from before gumbel reads as none of it

@@ -17,6 +17,7 @@ from specdec.common.modes import Mode
 from specdec.common.settings import resolve
 from specdec.common.stats import RoundRecord
 from specdec.device import edge_memory
+from specdec.device import tracker_state as TS
 from specdec.device.auto import REMEMBERED_POSITIONS, AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.rounds import RoundEvent, RoundPlan
 
@@ -79,6 +80,19 @@ def test_a_new_process_starts_from_what_the_last_one_learned(tmp_path) -> None:
     # another drafter, or another edge, starts cold
     assert edge_memory.load(LinkTracker(), EDGE, "drafter-b", tmp_path) == ["link"]
     assert edge_memory.load(LinkTracker(), "other:1", "drafter-a", tmp_path) == []
+
+
+def test_the_remembered_record_round_trips_through_json() -> None:
+    """tracker_state's pair: what a tracker knows, written and read back, is the same record; a
+    malformed field is a ValueError (the memory is then ignored), never a half-restored tracker."""
+    state = warm_tracker().snapshot()
+    assert state.link is not None and state.models.temperatures
+    assert TS.from_json(json.loads(json.dumps(TS.to_json(state)))) == state
+    assert TS.from_json({"link": None, "models": None}) == TS.TrackerState()
+    broken = TS.to_json(state)
+    broken["models"]["temperatures"]["1.0"]["sigma"] = {"tslt:256": 2.0}  # a TV above 1
+    with pytest.raises(ValueError):
+        TS.from_json(broken)
 
 
 def test_an_old_link_is_forgotten_before_the_models(tmp_path) -> None:

@@ -19,7 +19,7 @@ TOOLS = {"bench": "specdec.bench", "testbed": "specdec.testbed", "drafter_build"
 MATH_MODULES = [*(f"common/{m}" for m in ("distributions", "lattice", "codecs", "verification", "tree", "treeplan",
                                           "sampling", "settings", "modes", "stats", "streams", "validation",
                                           "idpack")),
-                *(f"device/{m}" for m in ("conformal", "budget", "latency", "autotune", "safety_net")),
+                *(f"device/{m}" for m in ("conformal", "budget", "latency", "autotune", "safety_net", "tracker_state")),
                 "edge/verify_batch"]
 MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typing", "collections",
                 "functools", "itertools", "bisect", "__future__", "specdec", "abc", "operator", "hashlib"}
