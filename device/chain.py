@@ -122,8 +122,7 @@ def draft_step(session: "DraftSession", part: ChainRound, base: list[int]) -> bo
     part.t_encode += t2 - t1
     if not part.fits(step.encoded.theoretical_bits):
         return False  # this position would overflow the round's bit budget B (SQS sec. 4)
-    if session.controller is not None and part.settings.mode is Mode.CSQS:
-        session.controller.observe(step.encoded.dropped_mass)
+    session.csqs.observe(part.settings, step.encoded.dropped_mass)
     part.steps.append(step)
     part.q_stats.append(measured)
     part.bits += step.encoded.theoretical_bits
@@ -227,6 +226,5 @@ def commit(session: "DraftSession", rd: RoundDraft, verdict: Verdict, next_token
         discarded = len(ahead.round.steps) if ahead is not None else 0
         session.model.truncate(min(session.model.cache_len, len(session.tokens) + n))
     session.tokens.extend(new)
-    if session.controller is not None and rd.settings.mode is Mode.CSQS:
-        session.controller.on_verdict(n)
+    session.csqs.on_verdict(rd.settings, n)
     return new, guess, discarded

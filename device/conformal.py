@@ -28,6 +28,9 @@ upper bound on beta does not hold for peaked distributions -- dropping all but t
 """
 from __future__ import annotations
 
+from specdec.common.modes import Mode
+from specdec.common.settings import DraftSettings
+
 from specdec.common.validation import check_int, check_positive, check_real, check_unit_interval
 
 
@@ -86,3 +89,51 @@ class ConformalController:
             beta = conformal_update(beta, dropped, self.alpha, self.eta)
         self.beta, self.checkpoint, self.round_dropped = beta, None, []
         return beta
+
+
+class SessionThreshold:
+    """A session's C-SQS across its rounds, in one place: which rounds read the threshold (C-SQS
+    ones), when a new controller starts (new C-SQS parameters; the same ones keep their threshold
+    across rounds of other modes) and the per-round calls of :class:`ConformalController`. Every
+    method is a no-op for a round of another mode."""
+
+    def __init__(self) -> None:
+        self.controller: ConformalController | None = None
+        self._key: tuple[float, float, float] | None = None
+
+    def _ours(self, settings: DraftSettings) -> bool:
+        return settings.mode is Mode.CSQS and self.controller is not None
+
+    def start_round(self, settings: DraftSettings) -> None:
+        """Before a round is drafted: its controller (new parameters: a new one), checkpointed."""
+        if settings.mode is not Mode.CSQS:
+            return
+        key = (settings.csqs_alpha, settings.csqs_eta, settings.csqs_beta0)
+        if key != self._key:
+            self.controller, self._key = ConformalController(*key), key
+        self.controller.start_round()  # one threshold per round (trees: updated along the path later)
+
+    def threshold(self, settings: DraftSettings) -> float | None:
+        """beta for the next drafted position of a round with ``settings``; None outside C-SQS."""
+        return self.controller.beta if self._ours(settings) else None
+
+    def observe(self, settings: DraftSettings, dropped_mass: float) -> None:
+        if self._ours(settings):
+            self.controller.observe(dropped_mass)
+
+    def on_verdict(self, settings: DraftSettings, num_accepted: int) -> None:
+        if self._ours(settings):
+            self.controller.on_verdict(num_accepted)
+
+    def on_path(self, settings: DraftSettings, dropped: list[float], nodes: list[int]) -> None:
+        """A tree's verdict: one update per internal node on the kept path (``dropped``: each
+        internal node's dropped mass), then the verdict for as many positions."""
+        if self._ours(settings):
+            for node in nodes:
+                self.controller.observe(dropped[node])
+            self.controller.on_verdict(len(nodes))
+
+    def abort_round(self) -> None:
+        """The round in flight never got its verdict: back to its checkpoint."""
+        if self.controller is not None:
+            self.controller.abort_round()

@@ -28,7 +28,7 @@ import torch
 from specdec.common import settings as S
 from specdec.common import verification as V
 from specdec.common.codecs import CodecConfig
-from specdec.device.conformal import ConformalController
+from specdec.device.conformal import SessionThreshold
 from specdec.common.distributions import race_token_unchecked
 from specdec.common.modeling import LoadedModel
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict, Welcome
@@ -71,8 +71,7 @@ class DraftSession:
         self.model = DraftModel(drafter, hello.temperature)
         self.edge_hint: int | None = None  # the edge's advised longest draft at its load (last committed verdict)
         self._advised_edge_only = 0       # edge-only rounds in a row committed under an advice of 0
-        self.controller: ConformalController | None = None  # C-SQS threshold (SQS Alg. 1)
-        self._controller_key: tuple | None = None
+        self.csqs = SessionThreshold()  # C-SQS's threshold across rounds (SQS Alg. 1)
         self.tokens: list[int] = []
         self.round_id = 0
         self.stats = SpecStats()          # the session's one account of its rounds
@@ -161,8 +160,7 @@ class DraftSession:
     def encode(self, q: torch.Tensor, settings: DraftSettings) -> EncodedQ:
         if settings.mode is Mode.GUMBEL:
             return gumbel_q(q, self.hello, self.vocab_size)
-        threshold = self.controller.beta if settings.mode is Mode.CSQS else None
-        return encode_q(q, self._codec(settings), threshold)
+        return encode_q(q, self._codec(settings), self.csqs.threshold(settings))
 
     def sample(self, encoded: EncodedQ, generator: torch.Generator) -> DraftStep:
         return sample_step(encoded, generator)
@@ -202,9 +200,7 @@ class DraftSession:
     def draft(self, plan: RoundPlan, max_tokens: int) -> RoundDraft:
         """Draft a round with ``plan``: up to ``max_tokens`` draft positions (at least one)."""
         s = plan.settings
-        self._ensure_controller(s)
-        if self.controller is not None and s.mode is Mode.CSQS:
-            self.controller.start_round()  # one threshold per round (trees: updated along the path later)
+        self.csqs.start_round(s)
         if self.policy is not None:
             self.policy.begin(plan)
         if s.tree:
@@ -276,8 +272,7 @@ class DraftSession:
         rd.q_stats = measured_up_to_mismatch(rd.q_stats, rd.settings, verdict.num_accepted)
         if dssd_correction:
             self.pending_correction = int(next_token)
-        threshold = self.controller.beta if self.controller is not None and rd.settings.mode is Mode.CSQS else None
-        record = round_record(rd, verdict, len(new), io, threshold, discarded)
+        record = round_record(rd, verdict, len(new), io, self.csqs.threshold(rd.settings), discarded)
         return self._commit_event(rd, record, new, guess, verdict)
 
     def finish_edge_round(self, rd: RoundDraft, totals: Verdict, io: RoundIO) -> RoundEvent:
@@ -335,8 +330,7 @@ class DraftSession:
         The next stream re-sends the whole verified prefix (which already holds any DSSD correction)
         and numbers its rounds from 1 again."""
         self.drop_drafted()
-        if self.controller is not None:
-            self.controller.abort_round()
+        self.csqs.abort_round()
         self.pending_correction = None
         self.round_id = 0
         rd, self._in_flight = self._in_flight, None
@@ -365,12 +359,3 @@ class DraftSession:
         if s not in self._codecs:
             self._codecs[s] = s.codec(self.vocab_size)
         return self._codecs[s]
-
-    def _ensure_controller(self, s: DraftSettings) -> None:
-        """C-SQS keeps its threshold across rounds; new C-SQS parameters start a new controller."""
-        if s.mode is not Mode.CSQS:
-            return
-        key = (s.csqs_alpha, s.csqs_eta, s.csqs_beta0)
-        if key != self._controller_key:
-            self.controller = ConformalController(*key)
-            self._controller_key = key

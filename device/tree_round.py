@@ -12,7 +12,6 @@ import torch
 
 from specdec.common import verification as V
 from specdec.common.protocol import Verdict
-from specdec.common.modes import Mode
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import path_cache_indices
@@ -57,13 +56,8 @@ def commit(session: "DraftSession", rd: RoundDraft, verdict: Verdict, next_token
     fed_until = spec.layer_offsets[spec.depth]  # the last layer never went through the drafter
     session.model.keep(path_cache_indices(len(session.tokens), path, fed_until))
     session.tokens.extend(new)
-    if session.controller is not None and rd.settings.mode is Mode.CSQS:
-        # C-SQS along the path (Alg. 1): one update per accepted position + the resampled one.
-        used = [0, *path][: len(path) + 1]
-        for node in used:
-            if node < spec.num_internal:
-                session.controller.observe(rd.dropped[node])
-        session.controller.on_verdict(sum(1 for n in used if n < spec.num_internal))
+    # C-SQS along the path (Alg. 1): one update per accepted position + the resampled one.
+    session.csqs.on_path(rd.settings, rd.dropped, [n for n in [0, *path][: len(path) + 1] if n < spec.num_internal])
     return new
 
 

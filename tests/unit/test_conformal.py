@@ -120,3 +120,38 @@ def test_bound_holds_over_rounds_with_backtracking():
     T = len(surviving)
     assert sum(d - alpha for d in surviving) == pytest.approx((beta0 - c.beta) / eta, abs=1e-8)
     assert sum(surviving) / T <= alpha + (abs(beta0) + 1 + eta * alpha) / (eta * T)
+
+
+def test_session_threshold_keeps_csqs_state_across_other_rounds_and_restarts_on_new_parameters() -> None:
+    from specdec.common.modes import Mode
+    from specdec.common.settings import DraftSettings
+    from specdec.device.conformal import SessionThreshold
+
+    csqs = DraftSettings(mode=Mode.CSQS, csqs_alpha=0.1, csqs_eta=0.5, csqs_beta0=0.01)
+    tslt = DraftSettings(mode=Mode.TSLT)
+    s = SessionThreshold()
+    assert s.threshold(csqs) is None  # nothing before a C-SQS round started
+    s.start_round(csqs)
+    s.observe(csqs, 0.5)
+    s.on_verdict(csqs, 0)
+    beta = s.threshold(csqs)
+    assert beta is not None and beta != 0.01 and s.threshold(tslt) is None
+    s.start_round(tslt)                 # another mode's round: no call reaches the controller
+    s.observe(tslt, 0.9)
+    s.on_verdict(tslt, 3)
+    assert s.threshold(csqs) == beta
+    s.start_round(csqs)
+    s.observe(csqs, 0.9)
+    s.abort_round()                     # no verdict: back to the checkpoint
+    assert s.threshold(csqs) == beta
+    s.start_round(csqs)                 # a tree's path: the same as its positions one by one
+    s.on_path(csqs, [0.2, 0.3, 0.4], [0, 2])
+    path_beta = s.threshold(csqs)
+    one = ConformalController(0.1, 0.5, beta)
+    one.start_round()
+    one.observe(0.2)
+    one.observe(0.4)
+    one.on_verdict(2)
+    assert path_beta == pytest.approx(one.beta)
+    s.start_round(DraftSettings(mode=Mode.CSQS, csqs_alpha=0.2, csqs_eta=0.5, csqs_beta0=0.07))
+    assert s.threshold(csqs) == 0.07  # new parameters: a new controller from its beta0
