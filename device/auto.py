@@ -39,7 +39,6 @@ from typing import Mapping
 import torch
 
 from specdec.device import autotune as A
-from specdec.common.loadaware import CostCurve
 from specdec.common.modes import Mode, RACE_MODES
 from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K, DraftSettings,
                                      Hello, Welcome)
@@ -48,6 +47,7 @@ from specdec.device import safety_net as N
 from specdec.device import tracker_state as TS
 from specdec.device.tracker_state import FAST_LINK_BPS, TIME_SCALE_MAX, TIME_SCALE_MIN
 from specdec.device.rounds import RoundEvent, RoundPlan
+from specdec.device.verify_fit import VerifyFit
 from specdec.common.verification import dssd_fallback_bytes
 
 PRIOR_UPLINK_BPS = 10e6       # before any measurement: a middling link, so the first rounds carry tens
@@ -63,7 +63,6 @@ STALL_REL, STALL_ABS_S = 2.0, 0.3      # ... and this far beyond it a stall: an 
                                        # cellular links stop for hundreds of ms; a lost segment's timeout,
                                        # 0.2 s, stays a cost rounds expect to pay)
 RATE_WINDOW = 6               # downlink goodput samples (DSSD's full p_j replies)
-VERIFY_WINDOW = 24            # (tokens, seconds) points in the verify-time fit
 DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
 ACCEPT_DECAY = 0.9            # per round (not per tested position, which a text rejected at depth 1
                               # every round hardly moves): a session's estimate follows its text in ~10
@@ -87,13 +86,6 @@ DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage towa
 DEPTH_DECAY = 0.95            # per round reaching a depth (~20 rounds: one sample a round)
 PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
 PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
-PRIOR_VERIFY_SLOPE = 0.15     # a forward's extra cost per token, relative to one token (a CPU's, the steeper kind)
-VERIFY_PRIOR_WEIGHT = 4.0     # forwards' worth of spread behind that prior slope
-PRIOR_VERIFY_BASE_S = 0.05    # a one-token forward before any verdict reported one
-# ... unless the edge's Welcome states its calibrated cost curve: its line over forwards of at most
-# this many tokens (a round's forward is at most the longest draft plus one) replaces both, so that a
-# GPU edge, whose forwards hardly grow with their tokens, is priced as one from the first round.
-EDGE_CURVE_UP_TO = 64
 EDGE_CHUNK_OVERHEAD = 0.05    # an edge-only round's boundary (round trip + a forward) may cost this share of it
 EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
 
@@ -296,8 +288,7 @@ class LinkTracker:
         self.stalls = 0                                            # rounds held out as stalled
         self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
         self.fallback_bytes = self._ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
-        self.verify = collections.deque(maxlen=VERIFY_WINDOW)  # (tokens in the forward, seconds)
-        self.verify_prior = (PRIOR_VERIFY_BASE_S, PRIOR_VERIFY_SLOPE)  # (one-token s, relative slope)
+        self.verify = VerifyFit()  # the edge's forward time by its tokens (device/verify_fit.py)
         self.draft_s = self._ewma()
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
@@ -327,7 +318,7 @@ class LinkTracker:
             link = TS.LinkState(rtt_s=self.rtt_s(), uplink_bps=self.uplink_bps(),
                                 measured_up_bits=max(self.sizes_sent, default=0.0),
                                 downlink_bps=self.rate(self.down) if self.down else None,
-                                verify=tuple(tuple(x) for x in self.verify), queue_s=self.queue_s.value,
+                                verify=tuple(tuple(x) for x in self.verify.points), queue_s=self.queue_s.value,
                                 decode_s=values(self.decode_s), time_scale=values(self.time_scale))
             temps = {t: TS.SideState(long=(side.long.hits, side.long.trials), guess=(side.guess.hits, side.guess.trials),
                                      fallback=(side.fallback.hits, side.fallback.trials),
@@ -355,7 +346,7 @@ class LinkTracker:
             self.sizes_sent.append(s.measured_up_bits)
         if s.downlink_bps is not None:
             self.down.append((s.downlink_bps, 1.0))
-        self.verify.extend(s.verify[-VERIFY_WINDOW:])
+        self.verify.points.extend(s.verify)
         if s.queue_s is not None:
             self.queue_s.value = s.queue_s
         for m, v in s.decode_s.items():
@@ -461,24 +452,16 @@ class LinkTracker:
         return same_way or faster
 
     def add_verify(self, tokens: int, seconds: float) -> None:
-        self.verify.append((max(1, tokens), seconds))
+        self.verify.add(tokens, seconds)
 
     def verify_fit(self) -> tuple[float, float]:
-        """(seconds of a one-token forward, seconds per further token) of the edge's recent forwards
-        (:func:`~specdec.device.autotune.fit_verify`), shrunk toward the edge's stated curve."""
-        base, slope = self.verify_prior
-        return A.fit_verify(list(self.verify), slope, VERIFY_PRIOR_WEIGHT, base)
+        """(seconds of a one-token forward, seconds per further token) of the edge's recent forwards."""
+        return self.verify.fit()
 
     def observe_edge_cost(self, points: tuple[tuple[int, float], ...]) -> None:
-        """The edge's calibrated cost curve (Welcome.forward_cost) becomes the prior of the verify fit:
-        its one-token cost and its slope relative to it, over the forwards a round makes."""
-        usable = [(t, s) for t, s in points if t <= EDGE_CURVE_UP_TO and s > 0]
-        if len(usable) < 2:
-            return
-        fixed, per_token = CostCurve(dict(usable)).fit_affine()
-        one = max(1e-4, fixed + per_token)
+        """The edge's calibrated cost curve (Welcome.forward_cost) becomes the verify fit's prior."""
         with self.lock:
-            self.verify_prior = (one, max(0.0, per_token) / one)
+            self.verify.observe_edge_cost(points)
 
     # -- encoded distributions ---------------------------------------------------------------------------
     def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings,
