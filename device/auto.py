@@ -46,6 +46,8 @@ from specdec.common.stats import RoundRecord
 from specdec.device import safety_net as N
 from specdec.device import tracker_state as TS
 from specdec.device.tracker_state import FAST_LINK_BPS, TIME_SCALE_MAX, TIME_SCALE_MIN
+from specdec.device import q_measure as Q
+from specdec.device.q_measure import QStats
 from specdec.device.rounds import RoundEvent, RoundPlan
 from specdec.device.verify_fit import VerifyFit
 from specdec.common.verification import dssd_fallback_bytes
@@ -73,9 +75,6 @@ PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (a stale
                               # on a fast link until a large round measures it)
 PROBE_MIN_GAIN = 0.1          # ... if a fast link would make rounds this much faster (where every codec
                               # sends a few bytes, as at T = 0, no goodput changes the choice)
-BYTES_REFRESH_EVERY = 256     # encoded q between two re-measurements of every candidate's packet size
-OBSERVE_Q_EVERY = 4           # encoded q per one whose dropped masses are measured: a top-K over the
-                              # vocabulary per drafted token is a few % of a drafter forward, inline
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
 CROSS_WEIGHT = 0.5            # a tested position of the other kind (gumbel / exact q), mapped, counts half:
                               # each kind's own rounds say most about it
@@ -263,15 +262,6 @@ class _ModelSide:
     def tv(self, key: tuple[Mode, int]) -> float:
         e = self.sigma.get(key)
         return e.value if e is not None and e.value is not None else 0.0
-
-
-@dataclass(frozen=True)
-class QStats:
-    """What one encoded q says about the codecs (LinkTracker.measure_q): TV(q_hat, q) per codec key
-    (a top-K's dropped mass, K-SQS's lattice error) and, now and then, every candidate's packet size."""
-    temperature: float
-    sigma: Mapping[tuple[Mode, int], float]
-    packet_bytes: Mapping[tuple[Mode, int], float]
 
 
 class LinkTracker:
@@ -466,27 +456,16 @@ class LinkTracker:
     # -- encoded distributions ---------------------------------------------------------------------------
     def measure_q(self, q: torch.Tensor, q_hat: torch.Tensor, settings: DraftSettings,
                   temperature: float) -> QStats | None:
-        """One in OBSERVE_Q_EVERY encoded q: the dropped mass of each candidate K, the used packet's TV;
-        one in BYTES_REFRESH_EVERY: every candidate's packet size. The estimates are averages over many
-        positions, which a regular subsample keeps. Nothing is learned here: the measurement travels
-        with its round and reaches the estimates only in the round's event (:meth:`add_q_stats`)."""
+        """The measurement of this encoded q where one is due (device/q_measure.py), else None."""
         with self.lock:
             side = self.model(temperature)
             side.encoded += 1
-            if (side.encoded - 1) % OBSERVE_Q_EVERY:
-                return None
-            refresh = side.encoded % BYTES_REFRESH_EVERY == 1
+            measured, refresh = Q.due(side.encoded)
+        if not measured:
+            return None
         cfg = self.config
-        ks = sorted({min(k, q.numel()) for k in (*cfg.top_ks, *cfg.ksqs_ks)})  # as the candidates clamp them
-        top = q.topk(max(ks, default=1)).values.cumsum(0)  # [max K]
-        sigma = {(Mode.TSLT, k): max(0.0, 1.0 - float(top[k - 1])) for k in ks}
-        if settings.mode is Mode.KSQS:
-            sigma[(Mode.KSQS, settings.top_k)] = 0.5 * float((q_hat.double() - q.double()).abs().sum())
-        sizes: dict[tuple[Mode, int], float] = {}
-        if refresh:
-            sizes, tvs = self._measure_packets(q, settings)
-            sigma.update(tvs)
-        return QStats(temperature, sigma, sizes)
+        return Q.measure(q, q_hat, settings, Q.Codecs(cfg.top_ks, cfg.ksqs_ks, cfg.lattice, cfg.dense), temperature,
+                         refresh)
 
     def add_q_stats(self, stats: "QStats") -> None:
         """A committed round's measurement of one of its encoded q's."""
@@ -496,27 +475,6 @@ class LinkTracker:
                 side.add_sigma(key, tv)
             for key, size in stats.packet_bytes.items():
                 side.add_bytes(key, size)
-
-    def _measure_packets(self, q: torch.Tensor, settings: DraftSettings) -> tuple[dict, dict]:
-        """Encode one q with every candidate codec: their payload bytes, and K-SQS's TV(q_hat, q) (its
-        lattice error on top of the dropped mass), so that codecs never sent still get estimates."""
-        from specdec.device.draft_model import encode_q  # the same encoder the rounds use
-        sizes, tvs = {}, {}
-        for key in self._codec_keys(q.numel()):
-            mode, k = key
-            s = replace(settings, mode=mode, top_k=k or settings.top_k, top_p=0.0, lattice=self.config.lattice,
-                        dense_dtype="fp16")
-            enc = encode_q(q, s.codec(q.numel()))
-            sizes[key] = float(len(enc.payload))
-            if mode is Mode.KSQS:
-                tvs[key] = 0.5 * float((enc.q_hat.double() - q.double()).abs().sum())
-        return sizes, tvs
-
-    def _codec_keys(self, vocab_size: int) -> list[tuple[Mode, int]]:
-        cfg = self.config
-        keys = [(Mode.TSLT, min(k, vocab_size)) for k in cfg.top_ks]
-        keys += [(Mode.KSQS, min(k, vocab_size)) for k in cfg.ksqs_ks]
-        return keys + ([(Mode.DENSE, 0)] if cfg.dense else [])
 
     # -- rounds ------------------------------------------------------------------------------------------
     def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,

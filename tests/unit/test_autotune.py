@@ -14,8 +14,9 @@ from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
-from specdec.device.auto import (LINK_WINDOW, OBSERVE_Q_EVERY, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, GumbelAcceptance,
+from specdec.device.auto import (LINK_WINDOW, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, GumbelAcceptance,
                                  AutoPolicy, LinkTracker, SessionAcceptance)
+from specdec.device.q_measure import OBSERVE_Q_EVERY
 from specdec.device.rounds import RoundEvent, RoundPlan
 
 TSLT_256 = (Mode.TSLT, 256)

@@ -20,7 +20,7 @@ MATH_MODULES = [*(f"common/{m}" for m in ("distributions", "lattice", "codecs", 
                                           "sampling", "settings", "modes", "stats", "streams", "validation",
                                           "idpack")),
                 *(f"device/{m}" for m in ("conformal", "budget", "latency", "autotune", "safety_net",
-                                          "tracker_state", "verify_fit")),
+                                          "tracker_state", "verify_fit", "q_measure")),
                 "edge/verify_batch"]
 MATH_ALLOWED = {"torch", "numpy", "math", "dataclasses", "enum", "struct", "typing", "collections",
                 "functools", "itertools", "bisect", "__future__", "specdec", "abc", "operator", "hashlib"}
