@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.support.harness import (EdgeProcess, device_cli, device_config, edge, load, run, run_sessions,
+from tests.support.harness import (device_cli, device_config, edge, load, run, run_sessions,
                                   target_greedy)
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
@@ -172,20 +172,17 @@ def test_control_auto_with_a_device_sampling_another_q_is_detected(twin, tiny_pa
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
 
 
-def test_cli_auto_round_log_names_each_choice_and_remembers_the_edge(tiny_pair_v512, tmp_path) -> None:
+def test_cli_auto_round_log_names_each_choice_and_remembers_the_edge(tiny_pair_v512, edge_v512, tmp_path) -> None:
     """Each round's choice and estimates in the round log; a device-client process on an edge this
-    device never used starts with an edge-only round, the next process starts from what the first
-    learned ($SPECDEC_CACHE_DIR/edges; --no-edge-memory: tests/unit/test_edge_memory.py)."""
-    target_dir, drafter_dir = tiny_pair_v512
-    proc = EdgeProcess("--model", str(target_dir))
+    device never used (its memory: an empty $SPECDEC_CACHE_DIR) starts with an edge-only round, the
+    next process starts from what the first learned ($SPECDEC_CACHE_DIR/edges; --no-edge-memory:
+    tests/unit/test_edge_memory.py). The shared edge process (conftest) serves them."""
+    drafter_dir = tiny_pair_v512[1]
     env = {"SPECDEC_CACHE_DIR": str(tmp_path)}
-    args = ("--edge", proc.address, "--draft-model", str(drafter_dir), "--prompt", "w1 w2 w3", "--raw",
+    args = ("--edge", edge_v512.address, "--draft-model", str(drafter_dir), "--prompt", "w1 w2 w3", "--raw",
             "--mode", "auto", "--json", "--round-log", "--max-new-tokens", "16", "--temperature", "1")
-    try:
-        runs = [device_cli(*args, env=env), device_cli(*args, env=env)]
-        bad = device_cli("--edge", proc.address, "--prompt", "x", "--mode", "automatic")
-    finally:
-        assert proc.stop() == 0
+    runs = [device_cli(*args, env=env), device_cli(*args, env=env)]
+    bad = device_cli("--edge", edge_v512.address, "--prompt", "x", "--mode", "automatic")
     for out in runs:
         assert out.returncode == 0, out.stderr
     first, second = (json.loads(out.stdout) for out in runs)
