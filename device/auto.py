@@ -34,7 +34,6 @@ import collections
 import math
 import threading
 from dataclasses import dataclass, replace
-from typing import Mapping
 
 import torch
 
@@ -269,6 +268,7 @@ class LinkTracker:
 
     def __init__(self, config: AutoConfig = AutoConfig()):
         self.config = config
+        self._codecs = Q.Codecs(config.top_ks, config.ksqs_ks, config.lattice, config.dense)  # measured (q_measure)
         self.lock = threading.Lock()   # encode hooks run in worker threads, rounds on the event loop
         self.link_samples = collections.deque(maxlen=LINK_WINDOW)  # (uplink bits, network s) per round
         self.sizes_sent = collections.deque(maxlen=TRUST_MEMORY)   # uplink bits of recent rounds
@@ -463,9 +463,7 @@ class LinkTracker:
             measured, refresh = Q.due(side.encoded)
         if not measured:
             return None
-        cfg = self.config
-        return Q.measure(q, q_hat, settings, Q.Codecs(cfg.top_ks, cfg.ksqs_ks, cfg.lattice, cfg.dense), temperature,
-                         refresh)
+        return Q.measure(q, q_hat, settings, self._codecs, temperature, refresh)
 
     def add_q_stats(self, stats: "QStats") -> None:
         """A committed round's measurement of one of its encoded q's."""

@@ -55,6 +55,11 @@ FINAL_STATUS_WAIT_S = 1.0
 FINAL_STATUS_POLL_S = 0.01
 
 
+# gRPC core reports some torn connections (a peer killed mid-frame) as INTERNAL with this text;
+# the servicer's own INTERNAL errors say "internal error: ...", and those are not retried.
+CORE_TRANSPORT_FAILURE = "Internal error from Core"
+
+
 def is_local_write_failure(code, details) -> bool:
     return code is grpc.StatusCode.INTERNAL and details == CORE_TRANSPORT_FAILURE
 
@@ -106,15 +111,8 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
 
 
-# gRPC core reports some torn connections (a peer killed mid-frame) as INTERNAL with this text;
-# the servicer's own INTERNAL errors say "internal error: ...", and those are not retried.
-CORE_TRANSPORT_FAILURE = "Internal error from Core"
-
-
 def retryable(error: EdgeError) -> bool:
-    if error.code in RETRYABLE:
-        return True
-    return error.code is grpc.StatusCode.INTERNAL and error.details == CORE_TRANSPORT_FAILURE
+    return error.code in RETRYABLE or is_local_write_failure(error.code, error.details)
 
 
 class ShieldedRead:

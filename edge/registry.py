@@ -34,6 +34,7 @@ SESSION_ID_BYTES = 16    # 128 random bits: session ids are unguessable
 RESUME_TOKEN_BYTES = 32  # the secret that, with the same credentials, lets a stream resume a session
 MOVED = "moved"  # status of a session a drain ended so that its device resumes it on another edge
 EXPIRED = "expired"  # status of a detached session whose resume window ran out
+DRAINING_REFUSAL = "edge is draining (shutting down): it takes no new sessions; try another edge"
 
 
 class NotOwner(Exception):
@@ -102,7 +103,7 @@ class SessionRegistry:
         if entry.principal != principal or not hmac.compare_digest(entry.resume_token, hello.resume_token):
             raise NotOwner("not the owner of that session")
         if self.moving:  # the drain is over: resume it elsewhere
-            raise Draining("edge is draining (shutting down): it takes no new sessions; try another edge")
+            raise Draining(DRAINING_REFUSAL)
         entry.generation += 1  # a half-dead older stream is superseded
         entry.detached = False
         self.admission.rebind(entry.slot, counts_as)  # it holds its slot: never refused
@@ -112,7 +113,7 @@ class SessionRegistry:
 
     async def _new(self, hello: P.Hello, principal: str, counts_as: str, new_session: NewSession) -> Entry:
         if self.draining:
-            raise Draining("edge is draining (shutting down): it takes no new sessions; try another edge")
+            raise Draining(DRAINING_REFUSAL)
         sid = secrets.token_hex(SESSION_ID_BYTES)
         self.admission.check_cap(counts_as)  # over its cap: refused before any work
         session = await new_session(hello, sid)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from specdec.common import protocol as P
-from specdec.common import settings as S
 from specdec.common.modes import Mode, RACE_MODES
 from specdec.device import cli as device_cli
 from specdec.device import openai_schema
