@@ -108,6 +108,7 @@ class DraftBlock:
     tree_depth: int = 0                        # tree: layers drafted this round (config prefix)
     settings: DraftSettings | None = None      # how this round was drafted; None = the session's (Hello)
     id_bits: int = 0                           # > 0: token_ids travel packed at this width (gumbel rounds)
+    sent_ahead: bool = False                   # edge-only: sent before the last round's end (void after an EOS)
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def prompt_from_pb(m: pb.Prompt) -> P.Prompt:
 
 def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
     msg = pb.Draft(round_id=d.round_id, distributions=list(d.distributions), dssd_scalars=d.dssd_scalars,
-                   tree_depth=d.tree_depth)
+                   tree_depth=d.tree_depth, sent_ahead=d.sent_ahead)
     if d.id_bits:
         msg.packed_ids, msg.id_bits = pack_ids(d.token_ids, d.id_bits), d.id_bits
     else:
@@ -144,6 +144,7 @@ def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
         correction_token=m.correction_token if m.HasField("correction_token") else None,
         tree_depth=m.tree_depth,
         settings=settings_from_pb(m.settings) if m.HasField("settings") else None,
+        sent_ahead=m.sent_ahead,
     )
 
 

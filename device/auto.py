@@ -477,13 +477,15 @@ class LinkTracker:
     # -- rounds ------------------------------------------------------------------------------------------
     def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,
                       acceptance: SessionAcceptance | None = None, catching_up: bool = False,
-                      first: bool = False, gumbel: GumbelAcceptance | None = None) -> bool:
+                      first: bool = False, gumbel: GumbelAcceptance | None = None, sent_ahead: bool = False) -> bool:
         """One round's record; its acceptance also goes to ``acceptance``, its session's (a gumbel
         round's to ``gumbel``, the session's gumbel estimate). ``catching_up``:
         the session's first drafted round, or the first after edge-only rounds: its drafting includes
         feeding the drafter the tokens it has not seen, and its network time the edge's prefill, so
         neither says anything about a round in steady state. ``first``: the session's first round (its
-        network time holds the edge's prefill). True if the round stalled on the link (an outage)."""
+        network time holds the edge's prefill). ``sent_ahead``: an edge-only round requested while the
+        one before it streamed (its first token's wait is no round trip). True if the round stalled
+        on the link (an outage)."""
         forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
         with self.lock:
             self.rounds_seen += 1
@@ -494,7 +496,7 @@ class LinkTracker:
             if not catching_up and settings.mode is not Mode.NONE:
                 stalled = self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes,
                                            r.residual_trips)
-            elif settings.mode is Mode.NONE and not first and r.generated:
+            elif settings.mode is Mode.NONE and not first and r.generated and not sent_ahead:
                 stalled = self.add_network(r.first_reply_s, r.uplink_bytes, 0)
             if settings.mode is Mode.NONE:
                 if r.generated:
@@ -757,7 +759,7 @@ class AutoPolicy:
             self.tracker.observe_guess(t, event.guess)
         stalled = self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
                                              catching_up=drafted and not self._drafted_last, first=self.rounds == 0,
-                                             gumbel=self.gumbel)
+                                             gumbel=self.gumbel, sent_ahead=event.sent_ahead)
         if (isinstance(d, AutoDecision) and d.estimates is not None and self._drafted_last == drafted
                 and self.rounds > 0 and not stalled):
             # the round's wall time against the model's (not a round that catches the drafter up, nor
@@ -765,7 +767,7 @@ class AutoPolicy:
             # an edge-only round is modelled for the tokens it streamed: one cut short (the session's
             # end, an exploration due) against a whole chunk's time would teach a scale far below 1
             e = d.estimates if drafted else replace(d.estimates, edge_chunk=max(1, r.generated))
-            modelled = A.first_round(d.candidate, e, event.ahead_steps, self.draft_ahead)
+            modelled = A.first_round(d.candidate, e, event.ahead_steps, self.draft_ahead, event.sent_ahead)
             self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
         self._observe_net(event, drafted)
         self._drafted_last = drafted

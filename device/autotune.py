@@ -212,9 +212,11 @@ def _round_parts(c: Candidate, e: Estimates) -> tuple[float, float, float]:
 def model_round(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
     """:func:`predict` in steady state, before the learned scale."""
     if c.mode is Mode.NONE:
+        # Drafting ahead's edge-only kin: the device sends the next edge-only round's request while
+        # this one streams (engine._send_ahead), so in steady state no boundary waits a round trip.
         n = max(1, e.edge_chunk)
-        seconds = (e.rtt_s + uplink_s(PROTO_BYTES_PER_ROUND, e)
-                   + n * (e.queue_s + e.verify_s(1) + _serialize_s(EDGE_TOKEN_BYTES, e.downlink_bps)))
+        boundary = 0.0 if draft_ahead else e.rtt_s + uplink_s(PROTO_BYTES_PER_ROUND, e)
+        seconds = boundary + n * (e.queue_s + e.verify_s(1) + _serialize_s(EDGE_TOKEN_BYTES, e.downlink_bps))
         return Prediction(c, float(n), seconds, 0.0)
     L = c.draft_len
     alphas = e.depth_alphas(c)
@@ -236,13 +238,15 @@ def _dssd_fallback_s(c: Candidate, e: Estimates) -> float:
     return rejected * e.dssd_fallback_rate * (e.rtt_s + _serialize_s(e.dssd_fallback_bytes, e.downlink_bps))
 
 
-def first_round(c: Candidate, e: Estimates, steps_ahead: int = 0, draft_ahead: bool = True) -> float:
+def first_round(c: Candidate, e: Estimates, steps_ahead: int = 0, draft_ahead: bool = True,
+                sent_ahead: bool = False) -> float:
     """Seconds one round run as ``c`` takes from the last verdict to its own (before the learned
     scale), given the ``steps_ahead`` of its tokens drafted while the last round was verified: it
-    drafts only the L - steps_ahead others after the verdict (eq. 5). The measured time of each
-    round against this teaches :attr:`Estimates.time_scale`."""
+    drafts only the L - steps_ahead others after the verdict (eq. 5); an edge-only round waits a
+    round trip for its first token unless it was ``sent_ahead``. The measured time of each round
+    against this teaches :attr:`Estimates.time_scale`."""
     if c.mode is Mode.NONE:
-        return model_round(c, e, draft_ahead).seconds
+        return model_round(c, e, draft_ahead=sent_ahead).seconds
     t_slm, comm, verify = _round_parts(c, e)
     usable = draft_ahead and c.mode in AHEAD_MODES
     to_draft = max(0, c.draft_len - steps_ahead) if usable else c.draft_len

@@ -8,6 +8,7 @@ as a round asking for the rest.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -18,20 +19,56 @@ if TYPE_CHECKING:
     from specdec.device.session import DraftSession
 
 
+# Tokens of slack when the next round's request goes out ahead: the round trip and the token interval
+# it is sized from are estimates, and a request a token early costs nothing while one late leaves
+# the edge idle until it arrives.
+SEND_AHEAD_SLACK = 2
+
+
 def draft(session: "DraftSession", plan: RoundPlan, remaining: int) -> RoundDraft:
     """An empty round asking the edge for up to ``edge_tokens`` tokens (0 = all ``remaining``)."""
     session.drop_ahead()
+    return _round(session, plan, remaining, len(session.tokens), sent_ahead=False)
+
+
+def draft_after(session: "DraftSession", rd: RoundDraft, plan: RoundPlan, remaining: int) -> RoundDraft:
+    """The edge-only round after ``rd``, sent while ``rd`` still streams: it starts where ``rd`` ends
+    if ``rd`` streams all its tokens (else it is void at the edge, or dropped by a retry of ``rd``)."""
+    return _round(session, plan, remaining, rd.start + rd.settings.edge_tokens, sent_ahead=True)
+
+
+def _round(session: "DraftSession", plan: RoundPlan, remaining: int, start: int, sent_ahead: bool) -> RoundDraft:
     s = plan.settings
     s = replace(s, edge_tokens=min(s.edge_tokens or remaining, remaining))  # the edge must know when to stop
     plan = replace(plan, settings=s)
-    return RoundDraft(block=session.block((), s), plan=plan, q_rows=[], theoretical_bits=0, support_sizes=[],
-                      draft_seconds=0.0, encode_seconds=0.0, start=len(session.tokens))
+    block = replace(session.block((), s), sent_ahead=sent_ahead)
+    return RoundDraft(block=block, plan=plan, q_rows=[], theoretical_bits=0, support_sizes=[],
+                      draft_seconds=0.0, encode_seconds=0.0, start=start, sent_ahead=sent_ahead)
+
+
+def send_ahead_lead(rtt_s: float, interval_s: float) -> int:
+    """How many tokens before a round's last one the next round's request goes out: its trip to the
+    edge must end before the edge sends that last token, and tokens leave the edge ``interval_s``
+    apart (the device sees them at that interval, a one-way trip later): ceil(rtt / interval)
+    tokens, plus SEND_AHEAD_SLACK."""
+    if interval_s <= 0:
+        return SEND_AHEAD_SLACK
+    return math.ceil(max(0.0, rtt_s) / interval_s) + SEND_AHEAD_SLACK
+
+
+def is_void(rd: RoundDraft, verdict: Verdict) -> bool:
+    """The edge's answer to a round sent ahead after the previous round ended at an end-of-sequence
+    token: no token at all."""
+    return (rd.sent_ahead and not rd.received and verdict.round_id == rd.block.round_id
+            and verdict.next_token is None and not verdict.num_accepted and not verdict.more)
 
 
 def take_token(session: "DraftSession", rd: RoundDraft, verdict: Verdict) -> int:
     """One streamed token: append it (the draft cache catches up in the next drafted round)."""
     if verdict.round_id != rd.block.round_id or verdict.next_token is None or verdict.num_accepted:
         raise ValueError(f"verdict does not belong to edge-only round {rd.block.round_id}")
+    if len(session.tokens) != rd.start + rd.received:
+        raise ValueError(f"edge-only round {rd.block.round_id} was sent ahead of a round that ended early")
     session.tokens.append(int(verdict.next_token))
     rd.received += 1
     return int(verdict.next_token)

@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 from specdec.common import protocol as P
 from specdec.common.modes import Mode
+from specdec.device import edge_only
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan
 from specdec.device.session import DraftSession
 
@@ -36,9 +37,13 @@ async def run_round(link: Link, session: DraftSession, remaining: int,
                     deliver: Callable[[list[int]], None]) -> RoundEvent:
     """Run the next round of ``session`` (at most ``remaining`` new tokens) and hand its tokens to
     ``deliver`` as they are verified: a drafted round's at its verdict, an edge-only round's one by one."""
+    sent = session.take_sent_ahead()
+    if sent is not None:
+        return await _edge_round(link, session, sent, remaining, deliver, time.perf_counter(), sent.block_bytes)
     plan = session.plan()
     if plan.settings.mode is Mode.NONE:
-        return await _edge_round(link, session, plan, remaining, deliver)
+        rd, t0 = session.edge_round(plan, remaining), time.perf_counter()
+        return await _edge_round(link, session, rd, remaining, deliver, t0, await link.send(rd.block))
     event = await _drafted_round(link, session, plan, remaining)
     deliver(list(event.new_tokens))
     return event
@@ -69,17 +74,18 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
     return await asyncio.to_thread(session.apply_verdict, rd, verdict, token, io, dssd_correction=correction)
 
 
-async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remaining: int,
-                      deliver: Callable[[list[int]], None]) -> RoundEvent:
-    """Mode none: ask the edge for the round's tokens and hand each on as soon as it arrives."""
-    rd = session.edge_round(plan, remaining)
-    t0 = time.perf_counter()
-    sent = await link.send(rd.block)
-    catch_up = _start_catch_up(session, plan)
-    received, edge_verify, edge_queue, first, verdict = 0, 0.0, 0.0, None, None
+async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaining: int,
+                      deliver: Callable[[list[int]], None], t0: float, sent_bytes: int) -> RoundEvent:
+    """Mode none: the edge streams the round's tokens (its request is sent already, by the caller or
+    ahead while the last round streamed); each is handed on as soon as it arrives. Once the last few
+    are due, the next round's request goes out if that round is edge-only too (:func:`_send_ahead`)."""
+    # t0: when the round's request went out, or (sent ahead) when it became the round in flight
+    catch_up = _start_catch_up(session, rd.plan)
+    received, edge_verify, edge_queue, first, verdict, arrived, planned = 0, 0.0, 0.0, None, None, [], False
+    after = remaining - rd.settings.edge_tokens  # tokens still wanted after this round, if it streams them all
 
     def io() -> RoundIO:
-        return RoundIO(sent, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
+        return RoundIO(sent_bytes, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
                        first_reply_s=first)
 
     def totals() -> P.Verdict:
@@ -91,8 +97,13 @@ async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remain
                 raise ProtocolError("expected a Verdict of the edge-only round")
             received += size
             edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
+            arrived.append(time.perf_counter())
             if first is None:
-                first = max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue)
+                first = max(0.0, arrived[0] - t0 - edge_verify - edge_queue)
+                if not rd.sent_ahead:
+                    session.edge_rtt_s = first
+            if edge_only.is_void(rd, verdict):
+                break
             try:
                 deliver([session.take_edge_token(rd, verdict)])
             except ValueError as exc:
@@ -101,6 +112,8 @@ async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remain
                 catch_up[2].set()
             if not verdict.more:
                 break
+            if not planned:
+                planned = await _send_ahead(link, session, rd, after, arrived)
     except BaseException:
         await _stop_worker(catch_up)
         if rd.received:  # its tokens are committed and delivered: the session's stats count them
@@ -108,6 +121,22 @@ async def _edge_round(link: Link, session: DraftSession, plan: RoundPlan, remain
         raise
     await _stop_worker(catch_up)  # the worker must be off the drafter before anyone touches it
     return session.finish_edge_round(rd, totals(), io())
+
+
+async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: int, arrived: list[float]) -> bool:
+    """Send the next round's request while ``rd`` streams, once its remaining tokens take about a
+    round trip to arrive (edge_only.send_ahead_lead, from the measured token interval): the edge then
+    goes on with it when ``rd`` ends, instead of waiting a round trip for it. True once the next round
+    is planned (sent or not)."""
+    if len(arrived) < 2 or session.edge_rtt_s is None:
+        return False  # no interval measured yet
+    interval = (arrived[-1] - arrived[0]) / (len(arrived) - 1)
+    if rd.settings.edge_tokens - rd.received > edge_only.send_ahead_lead(session.edge_rtt_s, interval):
+        return False
+    nxt = session.send_ahead(rd, after)
+    if nxt is not None:
+        nxt.block_bytes = await link.send(nxt.block)
+    return True
 
 
 def _start_catch_up(session: DraftSession, plan: RoundPlan):

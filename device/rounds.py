@@ -50,6 +50,8 @@ class RoundDraft:
     draft_forwards: int = 0         # drafter forwards in draft_seconds (chains; 0 for trees)
     q_stats: list[Any] = field(default_factory=list)  # the policy's measurements of its encoded q's
     received: int = 0               # edge-only rounds: tokens streamed so far
+    sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
+    block_bytes: int = 0            # ... and the serialized size of that request
 
     @property
     def settings(self) -> DraftSettings:
@@ -84,6 +86,8 @@ class RoundEvent:
     edge_hint: int | None           # the edge's draft-length advice in the round's verdict
     t: float                        # seconds since the session started
     ahead_steps: int = 0            # tokens drafted before it became the next round (drafted ahead)
+    sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
+                                    # (so its first token's wait is no round-trip sample)
 
     @property
     def settings(self) -> DraftSettings:

@@ -81,6 +81,8 @@ class DraftSession:
         self.ahead: chain.Ahead | None = None  # the next round, drafted ahead with its plan
         self._next: RoundPlan | None = None    # the next round's plan, when fixed already
         self._in_flight: RoundDraft | None = None  # drafted and sent, its verdict not applied yet
+        self._sent_ahead: RoundDraft | None = None  # an edge-only round sent while the one in flight streams
+        self.edge_rtt_s: float | None = None  # the network wait of the last edge-only round not sent ahead
         self._codecs: dict[DraftSettings, CodecConfig | None] = {}
         self._specs: dict[tuple[int, ...], TreeSpec] = {}
         # mode auto (device/auto.py AutoPolicy): plans each round, learns from each RoundEvent
@@ -219,6 +221,30 @@ class DraftSession:
         self._in_flight = rd
         return rd
 
+    def send_ahead(self, rd: RoundDraft, remaining: int) -> RoundDraft | None:
+        """While edge-only round ``rd`` streams: the round after it if that is edge-only too (planned
+        now, from the rounds committed before ``rd``), to be sent at once so that the edge goes on
+        without waiting a round trip; None where the next round is not sent ahead (drafting ahead is
+        off, ``rd`` ends where a drafted round is expected, nothing remains, or the plan drafts).
+        ``remaining``: the tokens still wanted after ``rd``."""
+        if (not self.draft_ahead_requested or remaining < 1 or self._sent_ahead is not None
+                or (rd.plan.choice or {}).get("catch_up") or self._next is not None):
+            return None
+        plan = self.choose()
+        if plan.settings.mode is not Mode.NONE:
+            return None  # planned again after rd's last token, from what rd taught
+        self._sent_ahead = edge_only.draft_after(self, rd, plan, remaining)
+        return self._sent_ahead
+
+    def take_sent_ahead(self) -> RoundDraft | None:
+        """The round sent ahead, as the round in flight now (its plan begins)."""
+        rd, self._sent_ahead = self._sent_ahead, None
+        if rd is not None:
+            if self.policy is not None:
+                self.policy.begin(rd.plan)
+            self._in_flight = rd
+        return rd
+
     def draft_ahead(self, rd: RoundDraft, plan: RoundPlan, max_tokens: int, stop) -> None:
         """In a worker thread while the edge verifies ``rd``: the next round with ``plan`` (chain.draft_ahead)."""
         chain.draft_ahead(self, rd, plan, max_tokens, stop)
@@ -299,7 +325,7 @@ class DraftSession:
         now = time.perf_counter()
         event = RoundEvent(record=record, plan=rd.plan, new_tokens=tuple(new), q_stats=tuple(rd.q_stats),
                            guess=guess, elapsed_s=now - self._round_began, edge_hint=verdict.draft_len_hint,
-                           t=now - self._t0, ahead_steps=rd.ahead_steps)
+                           t=now - self._t0, ahead_steps=rd.ahead_steps, sent_ahead=rd.sent_ahead)
         self._round_began = now
         self._publish(event)
         return event
@@ -310,7 +336,7 @@ class DraftSession:
             self.policy.observe(event)
         if self.round_log is not None:
             entry = {"t": event.t, **round_settings_json(event.settings), **event.record.to_json(),
-                     "edge_hint": self.edge_hint}
+                     "edge_hint": self.edge_hint, "sent_ahead": event.sent_ahead}
             if event.plan.choice is not None:
                 entry["auto"] = dict(event.plan.choice)
             self.round_log.append(entry)
@@ -333,6 +359,7 @@ class DraftSession:
         self.csqs.abort_round()
         self.pending_correction = None
         self.round_id = 0
+        self._sent_ahead = None  # a retry of the round in flight comes first; the next is planned after it
         rd, self._in_flight = self._in_flight, None
         if rd is not None:
             self._next = (edge_only.retry_plan(rd) if rd.settings.mode is Mode.NONE

@@ -232,7 +232,11 @@ class VerifierSession:
         Each token at sequence index t is the race of p_t with the position's noise
         (verification.token_noise): exactly the target's law, the very token a gumbel round emits
         there, and a resumed round redraws the same token. The round ends early at an end-of-sequence
-        token or when the context is full."""
+        token or when the context is full.
+
+        A round sent ahead (``draft.sent_ahead``: the device asked for it before the previous round's
+        last token arrived) that follows an end-of-sequence token is void: one Verdict with no token,
+        and no forward, since the device that sent it has most likely finished."""
         settings = self.round_settings(draft)
         if settings.mode is not Mode.NONE:
             raise ValueError(f"generate() takes edge-only rounds, got mode {settings.mode.value}")
@@ -241,6 +245,9 @@ class VerifierSession:
             raise ValueError("an edge-only round carries no draft")
         self._apply_correction(draft)
         self.round_id = draft.round_id
+        if draft.sent_ahead and self.tokens[-1] in self.eos_token_ids:
+            yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=None)
+            return
         want = settings.edge_tokens or 1
         round_start = len(self.tokens)
         for i in range(want):
@@ -369,6 +376,8 @@ class VerifierSession:
 
     def _check_round(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> None:
         self._check_order(draft)
+        if draft.sent_ahead:
+            raise ValueError("only an edge-only round is sent ahead")
         n = len(draft.token_ids)
         if spec is None and draft.tree_depth:
             raise ValueError("tree_depth set in a chain session")

@@ -208,6 +208,66 @@ def test_a_resume_on_a_fresh_edge_gives_the_same_tokens(models, edge_only) -> No
     assert tokens == edge_only
 
 
+class EdgeOnlyAhead(DraftSession):
+    """Edge-only rounds of 3 to 6 tokens (by seed and round), each after the first requested while the
+    one before streams (drafting ahead on: engine._send_ahead; a round goes ahead once the one before
+    has measured its token interval, from its second token), as mode auto runs them."""
+
+    def __init__(self, drafter, hello, **kw):
+        super().__init__(drafter, hello, **{"draft_ahead": True, **kw})
+
+    def choose(self):
+        return RoundPlan(S.resolve(dict(mode="none", edge_tokens=3 + (self.hello.seed + self.round_id) % 4),
+                                   vocab_size=self.vocab_size))
+
+
+def _ahead_counted(sent: Counter):
+    def make(drafter, hello):
+        session = EdgeOnlyAhead(drafter, hello)
+        session.listeners.append(lambda event: sent.update([event.sent_ahead]))
+        return session
+    return _counting_prompt(make)
+
+
+def test_edge_only_rounds_sent_ahead_give_the_same_tokens(models, edge_only) -> None:
+    """Requests sent ahead change where rounds are cut and when they start, never a token: the
+    sessions equal the one-round edge-only ones (whose law test_lossless_e2e.py checks), also when the
+    stream breaks inside a round, before a Draft, or before a request sent ahead (the device retries
+    the round in flight and plans the next again); the stats add up to every token generated."""
+    sent = Counter()
+    tokens, sessions = _tokens(models, "sharp", _ahead_counted(sent))
+    print(f"edge-only rounds sent ahead (True) or not: {dict(sent)}")
+    assert sent[True] > 3 * sent[False] and tokens == edge_only  # all but each session's first
+    fault, broke = _breaks_now_and_then()
+    sent.clear()
+    tokens, sessions = _tokens(models, "sharp", _ahead_counted(sent), fault=fault)
+    print(f"with breaks: sent ahead (True) or not: {dict(sent)}; breaks {dict(broke)}")
+    assert tokens == edge_only
+    assert sent[True] >= 10 and len(broke) == 3 and min(broke.values()) >= 3, broke
+    assert [s.stats.generated_tokens for s in sessions] == [len(s.tokens) - s.prompt_len for s in sessions]
+
+
+def _breaks_now_and_then():
+    """The stream breaks before every fifth Draft and every seventh streamed token, once per position
+    (so rounds also get far enough to send the next ahead); counted by where: before a Draft sent
+    ahead, before one that is not, inside a round."""
+    seen, broke = set(), Counter()
+
+    def fault(direction, msg, device) -> bool:
+        key = (id(device), len(device.tokens), direction)
+        if key in seen:
+            return False
+        seen.add(key)
+        if direction == "send" and len(seen) % 5 == 0:
+            broke["before a Draft sent ahead" if msg.sent_ahead else "before a Draft"] += 1
+            return True
+        if direction == "recv" and len(seen) % 7 == 0:
+            broke["inside a round"] += 1
+            return True
+        return False
+    return fault, broke
+
+
 def test_with_the_targets_top_k_and_top_p_the_drafter_still_changes_no_token(models) -> None:
     filters = dict(target_top_k=20, target_top_p=0.9)
     reference, _ = _tokens(models, "close", settings=dict(mode="none"), **filters)

@@ -79,6 +79,46 @@ def test_a_round_stops_at_edge_tokens_and_replays_on_a_fresh_edge(tiny_pair_v512
         assert [v.next_token for v in again] == tokens[cut:], cut
 
 
+def test_a_round_sent_ahead_after_an_eos_is_void_and_one_not_sent_ahead_goes_on(tiny_pair_v512) -> None:
+    """The device sends an edge-only round's request before the last one's end (engine._send_ahead);
+    if that round ended at an end-of-sequence token, the device has most likely finished: the edge
+    answers one token-less Verdict and runs no forward. A round asked for normally goes on past it."""
+    target_dir, drafter_dir = tiny_pair_v512
+    drafter = load(str(drafter_dir))
+    hello = _hello(drafter)
+    prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True) + [min(drafter.eos_token_ids)]
+    settings = resolve({"mode": "none", "edge_tokens": 3})
+    edge = _fresh_edge(target_dir, hello, prompt)
+    [void] = edge.generate(DraftBlock(1, (), settings=settings, sent_ahead=True))
+    assert void.next_token is None and not void.more and void.num_accepted == 0
+    assert edge.tokens == prompt and edge.lm.cache_len < len(prompt)  # nothing generated, no forward
+    on = [v.next_token for v in edge.generate(DraftBlock(2, (), settings=settings))]
+    assert len(on) >= 1 and all(t is not None for t in on) and edge.tokens == prompt + on
+    with pytest.raises(ValueError, match="only an edge-only round"):
+        edge.verify(DraftBlock(3, (5,), settings=resolve({"mode": "gumbel", "draft_len": 1}), sent_ahead=True))
+
+
+def test_edge_only_rounds_sent_ahead_over_grpc_are_the_targets_greedy_decode(tiny_pair_v512, edge_v512) -> None:
+    """Rounds of 4 tokens, each after the first requested while the one before streams, over a real
+    stream: the target's greedy tokens, in the rounds asked for."""
+    target_dir, drafter_dir = tiny_pair_v512
+    cfg = device_config(mode=Mode.NONE, edge_tokens=4, temperature=0.0, max_new_tokens=14, draft_ahead=True,
+                        edge=edge_v512.address)
+    drafter = load(str(drafter_dir))
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+    session = DraftSession(drafter, hello, draft_ahead=True, round_log=True)
+    ids = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+
+    async def main():
+        async with edge_channel(cfg) as channel:
+            return await generate(channel, session, hello, ids, drafter.eos_token_ids, policy=connection_policy(cfg))
+
+    r = run(main())
+    assert r.token_ids == target_greedy(target_dir, ids, 14) and len(r.token_ids) == 14  # no EOS on the way
+    assert [e["generated"] for e in session.round_log] == [4, 4, 4, 2]
+    assert [e["sent_ahead"] for e in session.round_log] == [False, True, True, True]
+
+
 def test_an_edge_only_round_with_a_draft_is_refused_and_the_edge_carries_on(tiny_pair_v512) -> None:
     target_dir, drafter_dir = tiny_pair_v512
     drafter = load(str(drafter_dir))

@@ -9,6 +9,7 @@ import torch
 
 from specdec.device import autotune as A
 from specdec.device import tracker_state as TS
+from specdec.device import edge_only
 from specdec.common.modes import Mode
 from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
@@ -57,8 +58,20 @@ SENDING_Q = A.candidate_grid((16, 64, 256, 1024), (1, 2, 3, 4, 6, 8, 12, 16), (6
 
 def test_edge_only_round_is_its_tokens_over_one_round_trip_and_their_forwards() -> None:
     e = estimates(rtt_s=0.1, edge_chunk=10, downlink_bps=math.inf)
-    p = A.predict(A.Candidate(Mode.NONE), e)
+    p = A.predict(A.Candidate(Mode.NONE), e, draft_ahead=False)
     assert p.tokens == 10 and p.seconds == pytest.approx(0.1 + 8 * A.PROTO_BYTES_PER_ROUND / 100e6 + 10 * 0.05)
+    # sent ahead of the last one's end, a round in steady state waits no round trip
+    ahead = A.predict(A.Candidate(Mode.NONE), e)
+    assert ahead.tokens == 10 and ahead.seconds == pytest.approx(10 * 0.05)
+    assert A.first_round(A.Candidate(Mode.NONE), e) == pytest.approx(p.seconds)
+    assert A.first_round(A.Candidate(Mode.NONE), e, sent_ahead=True) == pytest.approx(ahead.seconds)
+
+
+def test_the_next_edge_only_request_leads_by_a_round_trip_of_tokens() -> None:
+    assert edge_only.send_ahead_lead(0.08, 0.09) == 1 + edge_only.SEND_AHEAD_SLACK
+    assert edge_only.send_ahead_lead(0.30, 0.09) == 4 + edge_only.SEND_AHEAD_SLACK  # a slow link: earlier
+    assert edge_only.send_ahead_lead(0.0, 0.09) == edge_only.SEND_AHEAD_SLACK
+    assert edge_only.send_ahead_lead(0.1, 0.0) == edge_only.SEND_AHEAD_SLACK  # no interval measured
 
 
 def test_acceptance_of_a_support_is_the_exact_q_acceptance_minus_its_dropped_mass() -> None:
@@ -138,7 +151,9 @@ def test_a_round_takes_the_drafting_not_done_ahead() -> None:
     assert A.first_round(c, e, 4) == pytest.approx(fresh - 4 * 0.01)
     assert A.first_round(c, e, 9) == pytest.approx(fresh - 6 * 0.01)  # at most its L
     assert A.first_round(c, e, 4, draft_ahead=False) == fresh
-    assert A.first_round(A.Candidate(Mode.NONE), e, 4) == A.model_round(A.Candidate(Mode.NONE), e).seconds
+    edge = A.Candidate(Mode.NONE)  # no draft: what counts is whether its request was sent ahead
+    assert A.first_round(edge, e, 4) == A.model_round(edge, e, draft_ahead=False).seconds
+    assert A.first_round(edge, e, 4, sent_ahead=True) == A.model_round(edge, e).seconds
 
 
 def test_the_uplink_is_probed_only_where_a_fast_link_would_change_the_rate() -> None:

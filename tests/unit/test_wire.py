@@ -80,6 +80,15 @@ def test_a_gumbel_draft_carries_packed_ids_and_nothing_else() -> None:
     assert with_settings.settings.mode is Mode.GUMBEL and with_settings.token_ids == ids
 
 
+def test_an_edge_only_draft_sent_ahead_keeps_its_mark() -> None:
+    from specdec.common.settings import DraftSettings
+    block = P.DraftBlock(round_id=4, token_ids=(), settings=DraftSettings(mode=Mode.NONE, edge_tokens=8),
+                         sent_ahead=True)
+    back, _ = _draft_through_wire(block)
+    assert back.sent_ahead and (back.round_id, back.token_ids, back.settings.edge_tokens) == (4, (), 8)
+    assert not _draft_through_wire(replace(block, sent_ahead=False))[0].sent_ahead
+
+
 def test_a_draft_with_ids_both_ways_or_packed_without_width_is_refused() -> None:
     import pytest
     both = pb.Draft(round_id=1, token_ids=[1], packed_ids=b"\x01", id_bits=8)
