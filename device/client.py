@@ -116,6 +116,17 @@ class _Stream:
         self._observe(msg)
         return msg
 
+    async def drain(self) -> None:
+        """After Close: read and drop what the edge still sends until it ends the stream (the answer
+        to an edge-only round sent ahead that the session no longer needs: its Verdicts, or the void
+        one after an end-of-sequence token). A gRPC call's status waits until its messages are read."""
+        if self._read is None:
+            self._read = ShieldedRead(self.call)
+        while True:
+            msg = await self._read(self.round_timeout)
+            if msg is grpc.aio.EOF or msg.WhichOneof("kind") == "end":
+                return
+
     def _observe(self, msg) -> None:
         """What the fleet learns from the edge: where the session runs, and the edge's queue time."""
         if self.route is None:
@@ -253,6 +264,8 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     result.setup_bytes += await stream.write(wire.prompt_to_pb(P.Prompt(tuple(session.tokens))))
 
     def deliver(new: list[int]) -> None:
+        if finished(result.token_ids, hello.max_new_tokens, eos_ids):
+            return  # an edge-only round streams on past a token that ends the session here only
         new = clip_round(len(result.token_ids), new, hello.max_new_tokens, eos_ids)
         result.token_ids.extend(new)
         if stream.metrics:  # counted after the cut at EOS / max_new_tokens: what the caller gets
@@ -266,8 +279,11 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     result.setup_bytes += await stream.write(wire.close_to_pb())
     await stream.call.done_writing()
     # Wait for the edge's OK: cancelling the call (generate's finally) before it arrives would end
-    # a finished session as CANCELLED on the edge and count it as failed there.
-    await stream.call.code()
+    # a finished session as CANCELLED on the edge and count it as failed there. An edge that does not
+    # end the stream within a round's timeout is left to that cancel: every token is delivered already.
+    with contextlib.suppress(asyncio.TimeoutError):
+        await stream.drain()
+        await stream.call.code()
 
 
 def metrics_listener(metrics: DeviceMetrics):

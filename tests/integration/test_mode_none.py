@@ -3,7 +3,9 @@ every link benchmark compares with). Greedy identity and the exact-law test run 
 test_end_to_end.py and test_lossless_e2e.py; here: streaming, the round's bounds, replay, bad input."""
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 from dataclasses import replace
 
 import grpc
@@ -20,6 +22,7 @@ from specdec.device.client import generate
 from specdec.device.session import DraftSession
 from specdec.device.factory import connection_policy, edge_channel
 from specdec.edge.server import target_info
+from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.verifier import EdgeLimits, VerifierSession
 
 PROMPT = "w1 w2 w3"
@@ -117,6 +120,49 @@ def test_edge_only_rounds_sent_ahead_over_grpc_are_the_targets_greedy_decode(tin
     assert r.token_ids == target_greedy(target_dir, ids, 14) and len(r.token_ids) == 14  # no EOS on the way
     assert [e["generated"] for e in session.round_log] == [4, 4, 4, 2]
     assert [e["sent_ahead"] for e in session.round_log] == [False, True, True, True]
+
+
+@pytest.mark.parametrize("edge_knows_the_eos", (True, False))
+def test_a_session_that_ends_with_a_round_sent_ahead_closes_at_once(tiny_pair_v512, tmp_path,
+                                                                   edge_knows_the_eos) -> None:
+    """A session ends at an end-of-sequence token after the next round's request went out: the edge
+    answers that round void (its target's EOS) or streams it (a token only the device stops at), and
+    the device reads what comes and closes (a gRPC call's status waits for its messages to be read:
+    without that the device waited for the status forever). The edge counts the session as ok."""
+    target_dir, drafter_dir = tiny_pair_v512
+    drafter = load(str(drafter_dir))
+    ids = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    greedy = target_greedy(target_dir, ids, 12)
+    # chunks of 4: the second round's request for the third goes out after its second token (index 5)
+    end = next(i for i in (6, 7) if greedy[i] not in greedy[:i])
+    eos = greedy[end]
+    edge_dir = target_dir
+    if edge_knows_the_eos:
+        edge_dir = tmp_path / "target"
+        shutil.copytree(target_dir, edge_dir)
+        for name in ("config.json", "generation_config.json"):
+            if (edge_dir / name).exists():
+                conf = json.loads((edge_dir / name).read_text())
+                conf["eos_token_id"] = eos
+                (edge_dir / name).write_text(json.dumps(conf))
+    cfg = device_config(mode=Mode.NONE, edge_tokens=4, temperature=0.0, max_new_tokens=12)
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+    session = DraftSession(drafter, hello, draft_ahead=True, round_log=True)
+
+    metrics = EdgeMetrics()
+
+    async def main():
+        async with edge(edge_dir, metrics=metrics) as address:
+            async with edge_channel(replace(cfg, edge=address)) as channel:
+                return await asyncio.wait_for(generate(channel, session, hello, ids, (eos,),
+                                                       policy=connection_policy(cfg)), 20)
+
+    r = run(main())
+    assert r.token_ids == greedy[:end + 1]
+    assert session.take_sent_ahead() is not None  # the round asked for ahead was never needed
+    ended = metrics.registry.get_sample_value
+    assert ended("specdec_edge_sessions_ended_total", {"status": "ok"}) == 1
+    assert metrics.registry.get_sample_value("specdec_edge_sessions_active") == 0
 
 
 def test_an_edge_only_round_with_a_draft_is_refused_and_the_edge_carries_on(tiny_pair_v512) -> None:

@@ -103,7 +103,8 @@ async def generate(target: LoadedModel, device: DraftSession, prompt_ids: list[i
     out: list[int] = []
 
     def deliver(new: list[int]) -> None:
-        out.extend(clip_round(len(out), new, max_new, eos))
+        if not finished(out, max_new, eos):
+            out.extend(clip_round(len(out), new, max_new, eos))
 
     while not finished(out, max_new, eos):
         link = EdgeLink(edge, device, hint, fault, on_round)
