@@ -86,41 +86,43 @@ def rounds(link, session, max_new: int) -> tuple[list, list[int]]:
 
 
 def test_the_next_round_goes_out_before_the_last_token_and_streams_on(drafter) -> None:
+    """From the session's second round on (the plan after the first sees what it measured)."""
     session, link = session_of(drafter), ScriptedEdge(tokens_from(10))
-    events, delivered = rounds(link, session, 10)
-    assert delivered == list(range(10, 20)) and session.tokens == PROMPT + delivered
-    assert [asked(b) for b in link.sent] == [4, 4, 2]  # the last one asks for what remains
-    assert [b.sent_ahead for b in link.sent] == [False, True, True]
-    assert [b.round_id for b in link.sent] == [1, 2, 3]
-    assert all(n > 0 for n in link.sent_during[1:])  # each went out while the last round still streamed
-    assert [e.sent_ahead for e in events] == [False, True, True]
-    assert [e.new_tokens for e in events] == [tuple(range(10, 14)), tuple(range(14, 18)), (18, 19)]
+    events, delivered = rounds(link, session, 14)
+    assert delivered == list(range(10, 24)) and session.tokens == PROMPT + delivered
+    assert [asked(b) for b in link.sent] == [4, 4, 4, 2]  # the last one asks for what remains
+    assert [b.sent_ahead for b in link.sent] == [False, False, True, True]
+    assert [b.round_id for b in link.sent] == [1, 2, 3, 4]
+    assert link.sent_during[:2] == [0, 0] and all(n > 0 for n in link.sent_during[2:])  # out mid-stream
+    assert [e.sent_ahead for e in events] == [False, False, True, True]
+    assert [e.new_tokens for e in events] == [tuple(range(10, 14)), tuple(range(14, 18)), tuple(range(18, 22)),
+                                              (22, 23)]
 
 
 def test_without_drafting_ahead_each_round_waits_for_the_last(drafter) -> None:
     session, link = session_of(drafter, draft_ahead=False), ScriptedEdge(tokens_from(10))
-    _, delivered = rounds(link, session, 10)
-    assert delivered == list(range(10, 20))
-    assert not any(b.sent_ahead for b in link.sent) and link.sent_during == [0, 0, 0]
+    _, delivered = rounds(link, session, 14)
+    assert delivered == list(range(10, 24))
+    assert not any(b.sent_ahead for b in link.sent) and link.sent_during == [0, 0, 0, 0]
 
 
 def test_a_round_after_an_eos_is_void_and_the_device_carries_on(drafter) -> None:
-    """The edge ended the first round early at its end-of-sequence token (a device whose own EOS set
+    """The edge ended the second round early at its end-of-sequence token (a device whose own EOS set
     lacks it carries on): the round sent ahead is answered void, the device commits nothing for it
     and asks again, not ahead."""
     def answer(block):
-        if block.round_id == 1:
-            return [P.Verdict(1, 0, 10, more=True), P.Verdict(1, 0, 11, more=True), P.Verdict(1, 0, EOS)]
+        if block.round_id == 2:
+            return [P.Verdict(2, 0, 20, more=True), P.Verdict(2, 0, 21, more=True), P.Verdict(2, 0, EOS)]
         if block.sent_ahead:
             return [P.Verdict(block.round_id, 0, None)]
-        return [P.Verdict(block.round_id, 0, 20 + i, more=i + 1 < asked(block))
-                for i in range(asked(block))]
+        first = 10 if block.round_id == 1 else 30
+        return [P.Verdict(block.round_id, 0, first + i, more=i + 1 < asked(block)) for i in range(asked(block))]
     session, link = session_of(drafter), ScriptedEdge(answer)
-    events, delivered = rounds(link, session, 7)
-    assert delivered == [10, 11, EOS, 20, 21, 22, 23]
-    assert [b.sent_ahead for b in link.sent[:3]] == [False, True, False]
-    assert events[1].new_tokens == () and events[1].record.generated == 0
-    assert session.stats.generated_tokens == 7
+    events, delivered = rounds(link, session, 11)
+    assert delivered == [10, 11, 12, 13, 20, 21, EOS, 30, 31, 32, 33]
+    assert [b.sent_ahead for b in link.sent] == [False, False, True, False]
+    assert events[2].new_tokens == () and events[2].record.generated == 0
+    assert session.stats.generated_tokens == 11
 
 
 def test_a_token_for_a_round_that_cannot_start_yet_is_a_protocol_error(drafter) -> None:
@@ -130,48 +132,53 @@ def test_a_token_for_a_round_that_cannot_start_yet_is_a_protocol_error(drafter) 
 
     def answer(block):
         if block.round_id == 1:
-            return [P.Verdict(1, 0, 10, more=True), P.Verdict(1, 0, 11, more=True), P.Verdict(1, 0, 12)]
+            return tokens_from(10)(block)
+        if block.round_id == 2:  # three tokens where four were asked for, and no EOS
+            return [P.Verdict(2, 0, 20, more=True), P.Verdict(2, 0, 21, more=True), P.Verdict(2, 0, 22)]
         return [P.Verdict(block.round_id, 0, 30, more=True)]
     session, link = session_of(drafter), ScriptedEdge(answer)
     with pytest.raises(ProtocolError, match="ended early"):
-        rounds(link, session, 8)
+        rounds(link, session, 12)
 
 
-class DraftsAfterTheFirst(DraftSession):
-    """Plans a gumbel round once an edge-only round has been planned: nothing goes ahead."""
+class DraftsAfterTwo(DraftSession):
+    """Plans a gumbel round once two edge-only rounds have been planned: nothing goes ahead."""
 
     def choose(self):
-        mode = dict(mode="none", edge_tokens=4) if self.round_id == 0 else dict(mode="gumbel", draft_len=2)
+        mode = dict(mode="none", edge_tokens=4) if self.round_id < 2 else dict(mode="gumbel", draft_len=2)
         return RoundPlan(S.resolve(mode, vocab_size=self.vocab_size))
 
 
 def test_a_drafted_next_round_or_a_round_that_expects_one_sends_nothing_ahead(drafter) -> None:
-    session, link = session_of(drafter, cls=DraftsAfterTheFirst), ScriptedEdge(tokens_from(10))
-    events = []
+    session, link = session_of(drafter, cls=DraftsAfterTwo), ScriptedEdge(tokens_from(10))
 
-    async def first_round():
-        events.append(await run_round(link, session, 10, lambda _: None))
-    asyncio.run(first_round())
-    assert len(link.sent) == 1 and session.take_sent_ahead() is None and session.plan().settings.mode.value == "gumbel"
+    async def two_rounds():
+        for _ in range(2):
+            await run_round(link, session, 10, lambda _: None)
+    asyncio.run(two_rounds())
+    assert len(link.sent) == 2 and session.take_sent_ahead() is None and session.plan().settings.mode.value == "gumbel"
     # a round whose plan says a drafted round is due after it (auto's catch_up) plans nothing ahead
-    session = session_of(drafter)
-    rd = session.edge_round(replace(session.plan(), choice={"catch_up": True}), 10)
-    assert session.send_ahead(rd, 6) is None
+    session, link = session_of(drafter), ScriptedEdge(tokens_from(10))
+    asyncio.run(run_round(link, session, 10, lambda _: None))  # past the session's first round
+    rd = session.edge_round(replace(session.plan(), choice={"catch_up": True}), 6)
+    assert session.send_ahead(rd, 2) is None
+    rd = session.edge_round(session.plan(), 6)
+    assert session.send_ahead(rd, 2) is not None  # the same round without catch_up goes
 
 
 def test_a_break_drops_the_round_sent_ahead_and_retries_the_round_in_flight(drafter) -> None:
     class Breaks(ScriptedEdge):
         broke = False
 
-        async def recv(self):  # the link is cut just before the first round's last token
-            if not self.broke and len(self.sent) == 2 and self.queue[0].round_id == 1 and not self.queue[0].more:
+        async def recv(self):  # the link is cut just before the second round's last token
+            if not self.broke and len(self.sent) == 3 and self.queue[0].round_id == 2 and not self.queue[0].more:
                 self.broke = True
                 raise ConnectionError("link cut")
             return await super().recv()
     session, link = session_of(drafter), Breaks(tokens_from(10))
     with pytest.raises(ConnectionError):
         rounds(link, session, 10)
-    assert link.sent[1].sent_ahead and session.tokens == PROMPT + [10, 11, 12]
+    assert link.sent[2].sent_ahead and session.tokens == PROMPT + list(range(10, 17))
     session.abort_round()
     assert session.take_sent_ahead() is None
     retry = session.plan()
