@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 import torch
