@@ -19,7 +19,7 @@ from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
 from specdec.common.stats import SpecStats
-from specdec.device.engine import ProtocolError, clip_round, finished, run_round
+from specdec.device.engine import ProtocolError, deliverable, finished, run_round
 from specdec.device.fleet import Failover, Fleet, Route, SessionTrail
 from specdec.device.grpc_status import (EdgeError, ShieldedRead, STATUS_BY_NUMBER, final_error, half_close,
                                         retryable, watch_status)
@@ -100,10 +100,8 @@ class _Stream:
         return msg.ByteSize()
 
     async def read(self):
-        if self._read is None:
-            self._read = ShieldedRead(self.call)
         try:
-            msg = await self._read(self.round_timeout)
+            msg = await self._next()
         except asyncio.TimeoutError:
             raise EdgeError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no answer from the edge within {self.round_timeout:g} s") from None
@@ -120,12 +118,17 @@ class _Stream:
         """After Close: read and drop what the edge still sends until it ends the stream (the answer
         to an edge-only round sent ahead that the session no longer needs: its Verdicts, or the void
         one after an end-of-sequence token). A gRPC call's status waits until its messages are read."""
-        if self._read is None:
-            self._read = ShieldedRead(self.call)
         while True:
-            msg = await self._read(self.round_timeout)
+            msg = await self._next()
             if msg is grpc.aio.EOF or msg.WhichOneof("kind") == "end":
                 return
+
+    async def _next(self):
+        """The call's next message (or EOF) within the round timeout (asyncio.TimeoutError), the read
+        shielded across timeouts."""
+        if self._read is None:
+            self._read = ShieldedRead(self.call)
+        return await self._read(self.round_timeout)
 
     def _observe(self, msg) -> None:
         """What the fleet learns from the edge: where the session runs, and the edge's queue time."""
@@ -264,9 +267,7 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     result.setup_bytes += await stream.write(wire.prompt_to_pb(P.Prompt(tuple(session.tokens))))
 
     def deliver(new: list[int]) -> None:
-        if finished(result.token_ids, hello.max_new_tokens, eos_ids):
-            return  # an edge-only round streams on past a token that ends the session here only
-        new = clip_round(len(result.token_ids), new, hello.max_new_tokens, eos_ids)
+        new = deliverable(result.token_ids, new, hello.max_new_tokens, eos_ids)
         result.token_ids.extend(new)
         if stream.metrics:  # counted after the cut at EOS / max_new_tokens: what the caller gets
             stream.metrics.tokens_delivered(stream.mode, len(new))

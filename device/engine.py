@@ -39,11 +39,12 @@ async def run_round(link: Link, session: DraftSession, remaining: int,
     ``deliver`` as they are verified: a drafted round's at its verdict, an edge-only round's one by one."""
     sent = session.take_sent_ahead()
     if sent is not None:
-        return await _edge_round(link, session, sent, remaining, deliver, time.perf_counter(), sent.block_bytes)
+        return await _edge_round(link, session, sent, remaining, deliver, time.perf_counter())
     plan = session.plan()
     if plan.settings.mode is Mode.NONE:
         rd, t0 = session.edge_round(plan, remaining), time.perf_counter()
-        return await _edge_round(link, session, rd, remaining, deliver, t0, await link.send(rd.block))
+        rd.block_bytes = await link.send(rd.block)
+        return await _edge_round(link, session, rd, remaining, deliver, t0)
     event = await _drafted_round(link, session, plan, remaining)
     deliver(list(event.new_tokens))
     return event
@@ -75,7 +76,7 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
 
 
 async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaining: int,
-                      deliver: Callable[[list[int]], None], t0: float, sent_bytes: int) -> RoundEvent:
+                      deliver: Callable[[list[int]], None], t0: float) -> RoundEvent:
     """Mode none: the edge streams the round's tokens (its request is sent already, by the caller or
     ahead while the last round streamed); each is handed on as soon as it arrives. Once the last few
     are due, the next round's request goes out if that round is edge-only too (:func:`_send_ahead`)."""
@@ -85,7 +86,7 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
     after = remaining - rd.settings.edge_tokens  # tokens still wanted after this round, if it streams them all
 
     def io() -> RoundIO:
-        return RoundIO(sent_bytes, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
+        return RoundIO(rd.block_bytes, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
                        first_reply_s=first)
 
     def totals() -> P.Verdict:
@@ -199,6 +200,15 @@ async def _dssd_fallback(link: Link, session: DraftSession, rd: RoundDraft,
 def finished(tokens: list[int], max_new: int, eos_ids) -> bool:
     """Whether a session that delivered ``tokens`` is done: ``max_new`` of them, or one ends it."""
     return len(tokens) >= max_new or (bool(tokens) and tokens[-1] in eos_ids)
+
+
+def deliverable(delivered: list[int], new: list[int], max_new: int, eos_ids) -> list[int]:
+    """What of a round's ``new`` tokens a session that delivered ``delivered`` hands on: nothing once it
+    is finished (an edge-only round streams on past a token that ends the session on this side only,
+    the device's own end-of-sequence), else :func:`clip_round`."""
+    if finished(delivered, max_new, eos_ids):
+        return []
+    return clip_round(len(delivered), new, max_new, eos_ids)
 
 
 def clip_round(done: int, new: list[int], max_new: int, eos_ids) -> list[int]:

@@ -51,7 +51,7 @@ class RoundDraft:
     q_stats: list[Any] = field(default_factory=list)  # the policy's measurements of its encoded q's
     received: int = 0               # edge-only rounds: tokens streamed so far
     sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
-    block_bytes: int = 0            # ... and the serialized size of that request
+    block_bytes: int = 0            # edge-only: the serialized size of its request, once sent
 
     @property
     def settings(self) -> DraftSettings:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from specdec.common import protocol as P
 from specdec.common.modes import Mode
 from specdec.device.chain import chain_limit
-from specdec.device.engine import clip_round
+from specdec.device.engine import clip_round, deliverable
 
 from specdec.bench.capacity.recording import PositionTable, Proposal, SessionLog
 
@@ -62,7 +62,7 @@ class Script:
         return self.remaining <= 0 or (bool(self.generated) and self.generated[-1] in self.eos_ids)
 
     def _take(self, new: list[int]) -> list[int]:
-        new = clip_round(len(self.generated), new, self.max_new, self.eos_ids)
+        new = deliverable(self.generated, new, self.max_new, self.eos_ids)
         self.generated.extend(new)
         return new
 

@@ -18,7 +18,7 @@ from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.modeling import LoadedModel
 from specdec.common.modes import Mode
-from specdec.device.engine import clip_round, finished, run_round
+from specdec.device.engine import deliverable, finished, run_round
 from specdec.device.session import DraftSession
 from specdec.edge.server import target_info
 from specdec.edge.verifier import EdgeLimits, TargetInfo, VerifierSession
@@ -103,8 +103,7 @@ async def generate(target: LoadedModel, device: DraftSession, prompt_ids: list[i
     out: list[int] = []
 
     def deliver(new: list[int]) -> None:
-        if not finished(out, max_new, eos):
-            out.extend(clip_round(len(out), new, max_new, eos))
+        out.extend(deliverable(out, new, max_new, eos))
 
     while not finished(out, max_new, eos):
         link = EdgeLink(edge, device, hint, fault, on_round)
