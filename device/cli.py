@@ -85,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_draft_flags(p)
     p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
-                   help="draft each round only after the last verdict (default: draft the next round "
-                        "while the edge verifies; tokens are identical either way)")
+                   help="draft each round only after the last verdict, and ask for each edge-only round "
+                        "only after the last one ended (default: draft the next round while the edge "
+                        "verifies, send the next edge-only request while the last one streams; tokens are "
+                        "identical either way)")
     p.add_argument("--no-edge-memory", dest="edge_memory", action="store_false",
                    help="mode auto: start cold and keep nothing (default: start from what this device "
                         "learned about the edge in earlier runs, $SPECDEC_CACHE_DIR/edges)")
