@@ -89,7 +89,8 @@ def time_sampling(session, lm, tokens: list[int], temperature: float) -> list[fl
     for token in tokens:
         logits = lm.forward([token], num_logits=1)[0]
         t0 = time.perf_counter()
-        session.sample(session.encode(model_probs(logits.cpu(), temperature), session.hello.draft), generator)
+        encoded = session.drafting.encode(model_probs(logits.cpu(), temperature), session.hello.draft)
+        session.parts.sampler.sample(encoded, generator, 0)
         out.append(time.perf_counter() - t0)
     return out
 

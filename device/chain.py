@@ -2,7 +2,7 @@
 position, drafting the next round ahead, and applying the verdict.
 
 Drafting ahead: while the edge verifies round r, the device drafts round r + 1 on the guess that all
-of r is accepted and what the bonus token is (:func:`guess_bonus`). Round r + 1's plan is fixed
+of r is accepted and what the bonus token is (drafting.Drafting.guess_bonus). Round r + 1's plan is fixed
 before that (from committed rounds only, :meth:`DraftSession.plan_ahead`), and the round drafted
 ahead is bit for bit the round that would be drafted after the verdict with that plan (same context,
 same per-round stream, same forward calls). A right guess keeps the round and its plan; a wrong one
@@ -14,25 +14,20 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from specdec.common import verification as V
 from specdec.device.budget import MIN_DRAFT_LEN, fits_budget
 from specdec.common.codecs import dssd_theoretical_bits
-from specdec.common.distributions import sample_token_gumbel
 from specdec.common.idpack import id_bits
 from specdec.common.protocol import DraftSettings, Verdict
-from specdec.common.sampling import model_probs
 from specdec.common.modes import Mode
 from specdec.common.streams import Purpose, stream
 from specdec.device import dssd
 from specdec.device.draft_model import DraftStep
+from specdec.device.drafting import RoundHost
 from specdec.device.rounds import RoundDraft, RoundPlan
-
-if TYPE_CHECKING:
-    from specdec.device.session import DraftSession
 
 # Modes whose chain rounds carry no state but the cache and the tokens: their rounds can be drafted
 # ahead (C-SQS updates its threshold while drafting, trees and bit budgets shape the round: those
@@ -88,56 +83,55 @@ class Ahead:
 
 
 # -- drafting -------------------------------------------------------------------------------------------
-def draft(session: "DraftSession", plan: RoundPlan, max_tokens: int) -> RoundDraft:
+def draft(session: RoundHost, plan: RoundPlan, max_tokens: int) -> RoundDraft:
     """Draft up to ``min(L, max_tokens)`` tokens (at least one) with ``plan``, continuing the round
     drafted ahead with this very plan if the guess came true."""
     s = plan.settings
     limit = chain_limit(s, max_tokens)
     part = _take_ahead(session, plan, limit) or new_round(session, len(session.tokens), s)
     ahead_steps = len(part.steps) if part.drafted_ahead else 0
-    while len(part.steps) < limit and session.draft_step(part, session.tokens):
+    while len(part.steps) < limit and draft_step(session, part, session.tokens):
         pass
     return _round_draft(session, plan, part, ahead_steps)
 
 
-def new_round(session: "DraftSession", start: int, s: DraftSettings) -> ChainRound:
-    return ChainRound(start, s, stream(session.hello.seed, Purpose.DRAFT, start))
+def new_round(session: RoundHost, start: int, s: DraftSettings) -> ChainRound:
+    return ChainRound(start, s, stream(session.drafting.hello.seed, Purpose.DRAFT, start))
 
 
-def draft_step(session: "DraftSession", part: ChainRound, base: list[int]) -> bool:
+def draft_step(session: RoundHost, part: ChainRound, base: list[int]) -> bool:
     """Sample and encode one more draft token after ``base + part.ids``; False if the bit budget
     says the round ends before it."""
-    t0, n0 = time.perf_counter(), session.model.forwards
-    q = session.model.q_after(base + part.ids, one_token_per_forward=can_draft_ahead(part.settings))
+    d = session.drafting
+    t0, n0 = time.perf_counter(), d.model.forwards
+    q = d.model.q_after(base + part.ids, one_token_per_forward=can_draft_ahead(part.settings))
     t1 = time.perf_counter()
-    part.forwards += session.model.forwards - n0
-    encoded = session.encode(q, part.settings)
-    if part.settings.mode is Mode.GUMBEL:  # the race of the position's shared noise, not the round's stream
-        step = session.sample_gumbel(encoded, part.start, len(part.steps))
-    else:
-        step = session.sample(encoded, part.generator)
-    measured = session.measure(q, step.encoded, part.settings)
+    part.forwards += d.model.forwards - n0
+    encoded = d.encode(q, part.settings)
+    step = d.sample(encoded, part.settings, part.generator, part.start, len(part.steps))
+    measured = d.measure(q, step.encoded, part.settings)
     t2 = time.perf_counter()
     part.t_draft += t1 - t0
     part.t_encode += t2 - t1
     if not part.fits(step.encoded.theoretical_bits):
         return False  # this position would overflow the round's bit budget B (SQS sec. 4)
-    session.csqs.observe(part.settings, step.encoded.dropped_mass)
+    d.parts.observer.step(t2 - t0)
+    d.csqs.observe(part.settings, step.encoded.dropped_mass)
     part.steps.append(step)
     part.q_stats.append(measured)
     part.bits += step.encoded.theoretical_bits
     return True
 
 
-def _round_draft(session: "DraftSession", plan: RoundPlan, part: ChainRound, ahead_steps: int) -> RoundDraft:
+def _round_draft(session: RoundHost, plan: RoundPlan, part: ChainRound, ahead_steps: int) -> RoundDraft:
     s, ids = plan.settings, part.ids
     q_rows = [st.encoded.q_hat for st in part.steps]
     packed = 0
     if s.mode is Mode.DSSD:
         payloads, scalars = (), dssd.draft_scalars(q_rows, ids)
-        bits = dssd_theoretical_bits(len(ids), session.vocab_size)
+        bits = dssd_theoretical_bits(len(ids), session.drafting.vocab_size)
     elif s.mode is Mode.GUMBEL:  # the ids alone, each at ceil(log2 V) bits
-        payloads, scalars, bits, packed = (), b"", part.bits, id_bits(session.vocab_size)
+        payloads, scalars, bits, packed = (), b"", part.bits, id_bits(session.drafting.vocab_size)
     else:
         payloads, scalars, bits = tuple(st.encoded.payload for st in part.steps), b"", part.bits
     block = session.block(tuple(ids), s, distributions=payloads, dssd_scalars=scalars, id_bits=packed)
@@ -149,7 +143,7 @@ def _round_draft(session: "DraftSession", plan: RoundPlan, part: ChainRound, ahe
 
 
 # -- drafting ahead: the next round while the edge verifies this one ----------------------------------
-def draft_ahead(session: "DraftSession", rd: RoundDraft, plan: RoundPlan, max_tokens: int,
+def draft_ahead(session: RoundHost, rd: RoundDraft, plan: RoundPlan, max_tokens: int,
                 stop: threading.Event) -> None:
     """Called (in a worker thread) once ``rd`` is sent: guess that all of it is accepted and what the
     bonus token is, and draft the round after it with ``plan`` from there until ``stop`` is set (when
@@ -162,18 +156,18 @@ def draft_ahead(session: "DraftSession", rd: RoundDraft, plan: RoundPlan, max_to
     part = new_round(session, len(seq) + 1, s)
     part.drafted_ahead = True
     t0 = time.perf_counter()
-    logits = session.model.feed(seq)   # feeds the last draft token
+    logits = session.drafting.model.feed(seq)   # feeds the last draft token
     part.t_draft += time.perf_counter() - t0
     part.forwards += 1
-    guess = session.guess_bonus(logits, rd, len(seq))
+    guess = session.drafting.guess_bonus(logits, rd, len(seq))
     session.ahead = Ahead(plan=plan, guess=guess, round=part)
     base = seq + [guess]
     limit = chain_limit(s, max_tokens)
-    while len(part.steps) < limit and not stop.is_set() and session.draft_step(part, base):
+    while len(part.steps) < limit and not stop.is_set() and draft_step(session, part, base):
         pass
 
 
-def _take_ahead(session: "DraftSession", plan: RoundPlan, limit: int) -> ChainRound | None:
+def _take_ahead(session: RoundHost, plan: RoundPlan, limit: int) -> ChainRound | None:
     """The round drafted ahead with ``plan``, if :func:`commit` kept it, cut to ``limit`` steps (the
     tokens the session still wants: a function of the verified sequence only)."""
     ahead, session.ahead = session.ahead, None
@@ -190,41 +184,29 @@ def _take_ahead(session: "DraftSession", plan: RoundPlan, limit: int) -> ChainRo
         part.forwards -= len(part.steps) - limit  # one forward per dropped step
         part.steps, part.q_stats = part.steps[:limit], part.q_stats[:limit]
         part.bits = sum(step.encoded.theoretical_bits for step in part.steps)
-        session.model.truncate(min(session.model.cache_len, part.start + limit - 1))
+        model = session.drafting.model
+        model.truncate(min(model.cache_len, part.start + limit - 1))
     return part
 
 
-def guess_bonus(logits: torch.Tensor, position: int, temperature: float, seed: int, coupled: bool,
-                vocab_size: int) -> int:
-    """The edge's likely bonus token at sequence index ``position``. With the coupled bonus the edge
-    draws it as ``argmax log p + g`` with noise g both sides derive from the seed and the position
-    (verification.bonus_noise); the same draw on the drafter's q is the edge's token with probability
-    >= (1 - TV) / (1 + TV). Otherwise (and at T = 0) the drafter's argmax."""
-    if not coupled or temperature == 0:
-        return int(logits.argmax())
-    q = model_probs(logits.cpu(), temperature)
-    return sample_token_gumbel(q, V.bonus_noise(seed, position, vocab_size))
-
-
 # -- the verdict ------------------------------------------------------------------------------------------
-def commit(session: "DraftSession", rd: RoundDraft, verdict: Verdict, next_token: int) -> tuple[list[int], bool | None, int]:
-    """Keep the accepted prefix and roll the draft cache back. Returns (new tokens, whether the guess
-    of a round drafted ahead came true (None if none was drafted or not all was accepted), tokens
-    drafted ahead and dropped). A right guess fixes the next round's plan: the one it was drafted with."""
+@dataclass(frozen=True)
+class ChainCommit:
+    """What a chain round's verdict decides; the session applies it."""
+    new: list[int]              # the accepted drafts and the next token
+    guess: bool | None          # the round drafted ahead guessed right (None: none drafted, or not all accepted)
+    discarded: int              # draft tokens drafted ahead and dropped
+    keep_ahead: bool            # the round drafted ahead runs next, with its plan (the cache holds its context)
+    cache_len: int              # else the draft cache keeps at most this many entries (the verified prefix)
+
+
+def commit(rd: RoundDraft, verdict: Verdict, next_token: int, ahead: Ahead | None, verified: int) -> ChainCommit:
+    """Keep the accepted prefix of ``rd`` after ``verified`` tokens; ``ahead``: the round drafted
+    ahead of the verdict, kept if its guess (all accepted, and the bonus token) came true."""
     n = verdict.num_accepted
     ids = list(rd.block.token_ids)
     if not 0 <= n <= len(ids) or verdict.round_id != rd.block.round_id:
         raise ValueError(f"verdict does not match round {rd.block.round_id}")
-    new = ids[:n] + [int(next_token)]
-    ahead, session.ahead = session.ahead, None
     guess = None if ahead is None or n < len(ids) else int(next_token) == ahead.guess
-    discarded = 0
-    if guess:
-        session.ahead = ahead  # the cache already holds its context
-        session.fix_next(ahead.plan)
-    else:
-        discarded = len(ahead.round.steps) if ahead is not None else 0
-        session.model.truncate(min(session.model.cache_len, len(session.tokens) + n))
-    session.tokens.extend(new)
-    session.csqs.on_verdict(rd.settings, n)
-    return new, guess, discarded
+    discarded = len(ahead.round.steps) if ahead is not None and not guess else 0
+    return ChainCommit(ids[:n] + [int(next_token)], guess, discarded, bool(guess), verified + n)

@@ -9,35 +9,37 @@ as a round asking for the rest.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from specdec.common.protocol import Verdict
+from specdec.device.drafting import RoundHost
 from specdec.device.rounds import RoundDraft, RoundPlan
-
-if TYPE_CHECKING:
-    from specdec.device.session import DraftSession
 
 
 # Tokens of slack when the next round's request goes out ahead: the round trip and the token interval
 # it is sized from are estimates, and a request a token early costs nothing while one late leaves
 # the edge idle until it arrives.
 SEND_AHEAD_SLACK = 2
+# Tokens fed to the drafter at once while an edge-only round streams: a forward over a few tokens costs
+# about one over a single token, and the tokens arrive one at a time.
+CATCH_UP_MIN = 8
 
 
-def draft(session: "DraftSession", plan: RoundPlan, remaining: int) -> RoundDraft:
+def draft(session: RoundHost, plan: RoundPlan, remaining: int) -> RoundDraft:
     """An empty round asking the edge for up to ``edge_tokens`` tokens (0 = all ``remaining``)."""
-    session.drop_ahead()
+    if session.ahead is not None:
+        session.drop_drafted()  # a chain drafted ahead does not follow an edge-only round
     return _round(session, plan, remaining, len(session.tokens), sent_ahead=False)
 
 
-def draft_after(session: "DraftSession", rd: RoundDraft, plan: RoundPlan, remaining: int) -> RoundDraft:
+def draft_after(session: RoundHost, rd: RoundDraft, plan: RoundPlan, remaining: int) -> RoundDraft:
     """The edge-only round after ``rd``, sent while ``rd`` still streams: it starts where ``rd`` ends
     if ``rd`` streams all its tokens (else it is void at the edge, or dropped by a retry of ``rd``)."""
     return _round(session, plan, remaining, rd.start + rd.settings.edge_tokens, sent_ahead=True)
 
 
-def _round(session: "DraftSession", plan: RoundPlan, remaining: int, start: int, sent_ahead: bool) -> RoundDraft:
+def _round(session: RoundHost, plan: RoundPlan, remaining: int, start: int, sent_ahead: bool) -> RoundDraft:
     s = plan.settings
     s = replace(s, edge_tokens=min(s.edge_tokens or remaining, remaining))  # the edge must know when to stop
     plan = replace(plan, settings=s)
@@ -63,15 +65,29 @@ def is_void(rd: RoundDraft, verdict: Verdict) -> bool:
             and verdict.next_token is None and not verdict.num_accepted and not verdict.more)
 
 
-def take_token(session: "DraftSession", rd: RoundDraft, verdict: Verdict) -> int:
-    """One streamed token: append it (the draft cache catches up in the next drafted round)."""
+def take_token(rd: RoundDraft, verdict: Verdict, verified: int) -> int:
+    """One streamed token of ``rd``, after ``verified`` tokens: the session appends it (the draft cache
+    catches up in the next drafted round, or meanwhile: :func:`catch_up`)."""
     if verdict.round_id != rd.block.round_id or verdict.next_token is None or verdict.num_accepted:
         raise ValueError(f"verdict does not belong to edge-only round {rd.block.round_id}")
-    if len(session.tokens) != rd.start + rd.received:
+    if verified != rd.start + rd.received:
         raise ValueError(f"edge-only round {rd.block.round_id} was sent ahead of a round that ended early")
-    session.tokens.append(int(verdict.next_token))
     rd.received += 1
     return int(verdict.next_token)
+
+
+def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event) -> None:
+    """In a worker thread during an edge-only round: feed the drafter the verified tokens it has not
+    seen, CATCH_UP_MIN or more at a time (all but the last: the next forward needs an input), so the
+    next drafted round need not. Deterministic: no random number is drawn."""
+    model = session.drafting.model
+    while not stop.is_set():
+        target = len(session.tokens) - 1
+        if target - model.cache_len >= CATCH_UP_MIN:
+            model.feed(session.tokens[:target])
+            continue
+        arrived.wait()
+        arrived.clear()
 
 
 def retry_plan(rd: RoundDraft) -> RoundPlan | None:

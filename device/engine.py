@@ -67,7 +67,7 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
     correction = verdict.next_token is None  # DSSD rejection: the device draws the token itself
     token = verdict.next_token
     if correction:
-        token = await asyncio.to_thread(session.resolve_dssd, rd, verdict)
+        token = await asyncio.to_thread(session.resolve, rd, verdict)
         if token is None:
             t1 = time.perf_counter()
             token, up, down, trips = await _dssd_fallback(link, session, rd, verdict)
@@ -118,10 +118,10 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
     except BaseException:
         await _stop_worker(catch_up)
         if rd.received:  # its tokens are committed and delivered: the session's stats count them
-            session.break_edge_round(rd, totals(), io())
+            session.end_edge_round(rd, totals(), io(), broken=True)
         raise
     await _stop_worker(catch_up)  # the worker must be off the drafter before anyone touches it
-    return session.finish_edge_round(rd, totals(), io())
+    return session.end_edge_round(rd, totals(), io())
 
 
 async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: int, arrived: list[float]) -> bool:
@@ -146,7 +146,7 @@ def _start_catch_up(session: DraftSession, plan: RoundPlan):
     if not (plan.choice or {}).get("catch_up"):
         return None
     stop, arrived = threading.Event(), threading.Event()
-    return stop, asyncio.ensure_future(asyncio.to_thread(session.catch_up, stop, arrived)), arrived
+    return stop, asyncio.ensure_future(asyncio.to_thread(edge_only.catch_up, session, stop, arrived)), arrived
 
 
 def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):
@@ -189,7 +189,7 @@ async def _dssd_fallback(link: Link, session: DraftSession, rd: RoundDraft,
         if whole and residual.is_head:
             raise ProtocolError("asked for the whole p_j, got its head")
         try:
-            token = await asyncio.to_thread(session.resolve_residual, rd, verdict, residual)
+            token = await asyncio.to_thread(session.resolve, rd, verdict, residual)
         except ValueError as e:
             raise ProtocolError(f"malformed ResidualReply: {e}") from None
         if token is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -16,26 +16,24 @@ from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import path_cache_indices
 from specdec.device.draft_model import DraftModel, EncodedQ
+from specdec.device.drafting import RoundHost
 from specdec.device.rounds import RoundDraft, RoundPlan
 
-if TYPE_CHECKING:
-    from specdec.device.session import DraftSession
 
-
-def draft(session: "DraftSession", plan: RoundPlan, max_tokens: int) -> RoundDraft:
+def draft(session: RoundHost, plan: RoundPlan, max_tokens: int) -> RoundDraft:
     """Draft the configured tree, cut to ``max_tokens`` layers (at least one)."""
-    s = plan.settings
+    s, d = plan.settings, session.drafting
     config = s.tree[:max(1, min(len(s.tree), max_tokens))]
-    spec = session.tree_spec(config)
+    spec = d.tree_spec(config)
     start = len(session.tokens)
     measured = []
 
     def encode(q: torch.Tensor) -> EncodedQ:
-        enc = session.encode(q, s)
-        measured.append(session.measure(q, enc, s))
+        enc = d.encode(q, s)
+        measured.append(d.measure(q, enc, s))
         return enc
 
-    tree = draft_tree(session.model, spec, session.tokens, encode, stream(session.hello.seed, Purpose.DRAFT, start))
+    tree = draft_tree(d.model, spec, session.tokens, encode, stream(d.hello.seed, Purpose.DRAFT, start))
     block = session.block(tuple(tree.nodes[1:]), s, distributions=tuple(e.payload for e in tree.encoded),
                           tree_depth=spec.depth)
     return RoundDraft(block=block, plan=plan, q_rows=[e.q_hat for e in tree.encoded],
@@ -45,20 +43,25 @@ def draft(session: "DraftSession", plan: RoundPlan, max_tokens: int) -> RoundDra
                       dropped=[e.dropped_mass for e in tree.encoded], q_stats=measured)
 
 
-def commit(session: "DraftSession", rd: RoundDraft, verdict: Verdict, next_token: int) -> list[int]:
-    """Follow the accepted root path: keep its nodes' cache entries, append its tokens and the next."""
+@dataclass(frozen=True)
+class TreeCommit:
+    """What a tree round's verdict decides; the session applies it."""
+    new: list[int]                # the accepted root path's tokens and the next token
+    cache: list[int]              # the draft cache entries kept: the prefix's and the path's fed nodes
+    csqs_nodes: list[int]         # C-SQS (Alg. 1) updates along the path: the internal nodes tested
+
+
+def commit(rd: RoundDraft, verdict: Verdict, next_token: int, verified: int) -> TreeCommit:
+    """Follow the accepted root path of ``rd``'s tree, drafted after ``verified`` tokens."""
     spec = rd.tree
     path = list(verdict.accepted_nodes)
     if verdict.round_id != rd.block.round_id or not is_root_path(spec, path):
         raise ValueError(f"verdict path {path} is not a root path of round {rd.block.round_id}'s tree")
     nodes = (0, *rd.block.token_ids)
-    new = [nodes[n] for n in path] + [int(next_token)]
     fed_until = spec.layer_offsets[spec.depth]  # the last layer never went through the drafter
-    session.model.keep(path_cache_indices(len(session.tokens), path, fed_until))
-    session.tokens.extend(new)
-    # C-SQS along the path (Alg. 1): one update per accepted position + the resampled one.
-    session.csqs.on_path(rd.settings, rd.dropped, [n for n in [0, *path][: len(path) + 1] if n < spec.num_internal])
-    return new
+    tested = [n for n in [0, *path][: len(path) + 1] if n < spec.num_internal]
+    return TreeCommit([nodes[n] for n in path] + [int(next_token)],
+                      path_cache_indices(verified, path, fed_until), tested)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from specdec.common import wire
 from specdec.common.modeling import encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import run_async
 from specdec.device.client import generate
+from specdec.device.parts import Observer, SessionParts
 from specdec.device.session import DraftSession
 from specdec.device.factory import choose_drafter, connection_policy, edge_channel
 from specdec.bench.harness.driver import device_config, emit
@@ -39,38 +40,35 @@ from specdec.testbed import procs
 from specdec.bench.capacity.recording import LoggedRound, PositionTable, Proposal, SessionLog, save
 
 
-class LoggingSession(DraftSession):
-    """A DraftSession that keeps every round it sent, its drafting time and the verdict."""
+class RoundLog(Observer):
+    """Keeps every drafted round a session sent, its drafting time and the verdict (a listener of its
+    round events too: ``committed``)."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
+    def __init__(self):
         self.logged: list[LoggedRound] = []
-        self._sent_at = 0.0
+        self._sent: tuple | None = None  # the drafted round in flight: its message, drafting time, start
 
-    def draft(self, plan, max_tokens):
-        rd = super().draft(plan, max_tokens)
-        self._sent_at = time.perf_counter()
-        return rd
+    def sent(self, rd) -> None:
+        self._sent = (wire.draft_to_pb(rd.block).SerializeToString(), rd.draft_seconds + rd.encode_seconds,
+                      bool(rd.drafted_ahead), time.perf_counter())
 
-    def apply_verdict(self, rd, verdict, next_token, io, *, dssd_correction=False):
-        self.logged.append(LoggedRound(draft=wire.draft_to_pb(rd.block).SerializeToString(),
-                                       draft_s=rd.draft_seconds + rd.encode_seconds,
-                                       drafted_ahead=bool(rd.drafted_ahead), num_accepted=int(verdict.num_accepted),
-                                       next_token=int(next_token), wait_s=time.perf_counter() - self._sent_at))
-        return super().apply_verdict(rd, verdict, next_token, io, dssd_correction=dssd_correction)
+    def committed(self, event) -> None:
+        if self._sent is None:
+            return  # an edge-only round: nothing drafted
+        (draft, draft_s, ahead, sent_at), self._sent = self._sent, None
+        self.logged.append(LoggedRound(draft=draft, draft_s=draft_s, drafted_ahead=ahead,
+                                       num_accepted=int(event.record.accepted), next_token=int(event.new_tokens[-1]),
+                                       wait_s=time.perf_counter() - sent_at))
 
 
-class StepTimer(DraftSession):
-    """A DraftSession that times each drafting step (forward, sampling, encoding)."""
+class StepTimes(Observer):
+    """Times each drafting step (forward, sampling, encoding)."""
 
-    step_s: list[float]
+    def __init__(self):
+        self.step_s: list[float] = []
 
-    def draft_step(self, part, base):
-        t0 = time.perf_counter()
-        ok = super().draft_step(part, base)
-        if ok:
-            self.step_s.append(time.perf_counter() - t0)
-        return ok
+    def step(self, seconds: float) -> None:
+        self.step_s.append(seconds)
 
 
 WALK_PASSES = 2  # each position drafted this many times; its step times are the fastest pass's,
@@ -90,7 +88,8 @@ def walk(drafter, hello, prompt_ids: list[int], path: list[int]) -> dict[int, Pr
 
 
 def walk_once(drafter, hello, prompt_ids: list[int], path: list[int]) -> dict[int, Proposal]:
-    sess = StepTimer(drafter, hello, draft_ahead=False)
+    timer = StepTimes()
+    sess = DraftSession(drafter, hello, draft_ahead=False, parts=SessionParts(observer=timer))
     sess.start(prompt_ids)
     seq = list(prompt_ids) + list(path)
     out = {}
@@ -98,9 +97,9 @@ def walk_once(drafter, hello, prompt_ids: list[int], path: list[int]) -> dict[in
         s = len(prompt_ids) + i
         sess.tokens = seq[:s]
         sess.model.truncate(min(sess.model.cache_len, s - 1))  # a verified position's cache, as after a verdict
-        sess.round_id, sess.step_s = 0, []
+        sess.round_id, timer.step_s = 0, []
         rd = sess.draft(sess.plan(), hello.draft.draft_len)
-        out[i] = Proposal(list(rd.block.token_ids), list(rd.block.distributions), list(sess.step_s))
+        out[i] = Proposal(list(rd.block.token_ids), list(rd.block.distributions), list(timer.step_s))
     return out
 
 
@@ -109,7 +108,9 @@ async def record_job(channel, drafter, choice, edge: str, job: dict) -> dict:
     prompt_ids = encode_prompt(drafter.tokenizer, job["prompt"], raw=cfg.raw)
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=job["seed"],
                       operating_point=choice.operating_point)
-    session = LoggingSession(drafter, hello, draft_ahead=cfg.draft_ahead)
+    log = RoundLog()
+    session = DraftSession(drafter, hello, draft_ahead=cfg.draft_ahead, parts=SessionParts(observer=log))
+    session.listeners.append(log.committed)
     t0 = time.perf_counter()
     r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
                        policy=connection_policy(cfg))
@@ -122,7 +123,7 @@ async def record_job(channel, drafter, choice, edge: str, job: dict) -> dict:
         rec = PositionTable(path=list(r.token_ids), proposals=proposals, **common)
     else:
         rec = SessionLog(seed=job["seed"], temperature=job["temperature"], tokens=list(r.token_ids),
-                         rounds=session.logged, **common)
+                         rounds=log.logged, **common)
     save(rec, Path(job["out"]))
     return {"recorded": job["out"], "tokens": len(r.token_ids), "seconds": time.perf_counter() - t0}
 

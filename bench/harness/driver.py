@@ -37,9 +37,8 @@ import argparse
 import asyncio
 import json
 import sys
-import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import partial
 
 import torch
@@ -53,6 +52,7 @@ from specdec.device import factory, runner
 from specdec.device.auto import AutoConfig, LinkTracker
 from specdec.device.client import generate
 from specdec.device.factory import DeviceConfig
+from specdec.device.parts import Observer, SessionParts
 from specdec.device.session import DraftSession
 
 WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the channel warm up
@@ -61,17 +61,16 @@ WARMUP_TOKENS = 8  # one short untimed session first: allocators, caches and the
 AUTO_CONFIG = "auto_config"
 
 
-class RecordingSession(DraftSession):
-    """A DraftSession that also logs each round and each encoded distribution (read-only hooks).
+class Recording(Observer):
+    """Logs each round and each encoded distribution of a fixed-settings session (read-only).
 
     With drafting ahead, positions are encoded in a worker thread before their round is sent, and a
     round drafted on a wrong guess is thrown away: each encoding's entry travels with its round
-    (:meth:`measure`) and is logged only when :meth:`draft` returns the round that holds it, so the
-    logs describe exactly the distributions the edge received.
+    (:meth:`measure`) and is logged only when the round that holds it is sent, so the logs describe
+    exactly the distributions the edge received.
     """
 
-    def __init__(self, drafter, hello, topk_grid=None, **kw):
-        super().__init__(drafter, hello, **kw)
+    def __init__(self, topk_grid=None):
         self.rounds_log: list[tuple[int, int]] = []   # (draft positions, accepted) per round
         self.sigma: list[float] = []                  # dropped mass of each encoded q (TSLT Thm. 1)
         self.support: list[int] = []                  # transmitted support size K of each encoded q
@@ -80,9 +79,7 @@ class RecordingSession(DraftSession):
 
     def measure(self, q, encoded, settings):
         """Kept with the position's round, so only the positions of rounds sent are logged (not those
-        drafted ahead on a wrong guess, nor past a bit budget). Fixed settings only: mode auto's
-        measurements travel the same way."""
-        assert self.policy is None, "RecordingSession records fixed-settings sessions"
+        drafted ahead on a wrong guess, nor past a bit budget)."""
         if settings.mode in (Mode.DSSD, Mode.GUMBEL):
             return None  # DSSD and gumbel send no distribution: nothing to log
         return encoded.support_size, encoded.dropped_mass, self._topk_masses(q)
@@ -93,25 +90,28 @@ class RecordingSession(DraftSession):
         cum = q.double().sort(descending=True).values.cumsum(0)  # [V]; K beyond V means K = V
         return [min(1.0, float(cum[min(k, cum.numel()) - 1])) for k in self.topk_grid]
 
-    def _log(self, entry: tuple) -> None:
-        support, sigma, masses = entry
-        self.support.append(support)
-        self.sigma.append(sigma)
-        if masses:
-            self.topk_mass.append(masses)
-
-    def draft(self, plan, max_tokens):
-        rd = super().draft(plan, max_tokens)
+    def sent(self, rd) -> None:
         for entry in rd.q_stats:
             if entry is not None:
-                self._log(entry)
-        return rd
+                support, sigma, masses = entry
+                self.support.append(support)
+                self.sigma.append(sigma)
+                if masses:
+                    self.topk_mass.append(masses)
 
-    def apply_verdict(self, rd, verdict, next_token, io, *, dssd_correction=False):
-        event = super().apply_verdict(rd, verdict, next_token, io, dssd_correction=dssd_correction)
-        accepted = len(verdict.accepted_nodes) if rd.tree is not None else verdict.num_accepted
-        self.rounds_log.append((rd.positions, int(accepted)))
-        return event
+    def committed(self, event) -> None:
+        """A listener of the session's round events."""
+        self.rounds_log.append((event.record.positions, event.record.accepted))
+
+
+def recording_session(drafter, hello, topk_grid=None, *, policy=None, parts=SessionParts(), **kw) -> DraftSession:
+    """A session whose observer is a :class:`Recording` (``session.parts.observer``). Fixed settings
+    only: mode auto measures the encoded q's itself, and the observer would see none."""
+    assert policy is None, "a Recording records fixed-settings sessions"
+    recording = Recording(topk_grid)
+    session = DraftSession(drafter, hello, parts=replace(parts, observer=recording), **kw)
+    session.listeners.append(recording.committed)
+    return session
 
 
 def device_config(edge: str, overrides: dict) -> DeviceConfig:
@@ -173,7 +173,7 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed,
                       operating_point=operating_point)
     recording = "distributions" in extras
-    session_class = partial(RecordingSession, topk_grid=topk_grid) if recording else DraftSession
+    session_class = partial(recording_session, topk_grid=topk_grid) if recording else DraftSession
     session = factory.new_session(cfg, drafter, hello, tracker, session_class=session_class)
     timeline = add_timeline(session) if "timeline" in extras else None
     r = await generate(channel, session, hello, prompt_ids, drafter.eos_token_ids, timeout=cfg.timeout,
@@ -183,8 +183,9 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
     record["prompt_tokens"] = len(prompt_ids)
     extra = {}
     if recording:
-        extra.update(rounds=session.rounds_log, sigma=session.sigma, support=session.support,
-                     topk_mass=session.topk_mass, round_uplink_bytes=list(r.round_uplink_bytes))
+        log = session.parts.observer
+        extra.update(rounds=log.rounds_log, sigma=log.sigma, support=log.support,
+                     topk_mass=log.topk_mass, round_uplink_bytes=list(r.round_uplink_bytes))
     if timeline is not None:
         extra.update(timeline=timeline, session_t0=t0, session_t1=time.time())
     return record, extra

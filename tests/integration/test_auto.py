@@ -8,20 +8,19 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 
 from tests.support.harness import (device_cli, device_config, edge, load, run, run_sessions,
                                   target_greedy)
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
 from specdec.device.auto import AutoConfig, AutoDecision, AutoPolicy, LinkTracker
-from specdec.device.draft_model import DraftStep
 from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from specdec.device.openai_schema import parse_overrides
 from specdec.device.factory import DeviceConfig
 from specdec.edge.verifier import EdgeLimits
 from tests.support.laws import GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, N_TOKENS, PROMPT, law_counts
+from tests.support.parts import SamplesOtherQ
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
 AHEAD_KEPT_PER_SESSION = 20 / 1500  # at least: rounds drafted ahead and kept (> 20 at 1500 sessions)
@@ -151,18 +150,10 @@ def test_auto_switching_every_round_is_lossless(twin, tiny_pair_v8, sessions) ->
     assert fit.p_value > P_VALUE_CUT, str(fit)
 
 
-class SamplesUniformOnSupport(DraftSession):
+def random_auto_sampling_another_q(drafter, hello):
     """Control: the classic bug (the token is drafted from another law than the packet it sends,
     here uniform on the packet's support) under auto's switching: the law test must reject it."""
-
-    def sample(self, encoded, generator):
-        super().sample(encoded, generator)
-        other = (encoded.q_hat > 0).double()
-        return DraftStep(int(torch.multinomial(other / other.sum(), 1, generator=generator)), encoded)
-
-
-def random_auto_sampling_another_q(drafter, hello):
-    return random_auto_session(drafter, hello, SamplesUniformOnSupport)
+    return random_auto_session(drafter, hello, SamplesOtherQ)
 
 
 def test_control_auto_with_a_device_sampling_another_q_is_detected(twin, tiny_pair_v8) -> None:

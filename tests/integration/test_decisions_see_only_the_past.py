@@ -13,7 +13,6 @@ this process (inprocess.py), so each scenario affords hundreds of seeded session
 """
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from dataclasses import replace
 
@@ -24,7 +23,9 @@ from specdec.common import settings as S
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.parts import Observer, Planner, SessionParts
 from specdec.device.session import DraftSession
+from tests.support.parts import TO_THE_END, AheadToTheEnd
 from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
 from tests.support.laws import N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.harness import device_config, load
@@ -91,21 +92,18 @@ def _kind(s: S.DraftSettings) -> str:
 
 
 # -- planned before drafted ahead --------------------------------------------------------------------------
-class AheadToTheEnd(DraftSession):
-    """Drafts every round ahead in full, whatever the verdict's timing (the edge here answers at once)."""
-
-    def __init__(self, drafter, hello, **kw):
-        super().__init__(drafter, hello, **{"draft_ahead": True, **kw})
-
-    def draft_ahead(self, rd, plan, max_tokens, stop):
-        super().draft_ahead(rd, plan, max_tokens, threading.Event())
 
 
-class ReplansAfterPeeking(AheadToTheEnd):
+
+class ReplansAfterPeeking(DraftSession):
     """Control, the old wiring: once the guess came true the next round is planned again having seen
     the round drafted ahead (here: its first token was the packet's likeliest), and a new codec
-    redrafts it from the same stream."""
+    redrafts it from the same stream. White-box (it reads the session's round drafted ahead); every
+    round drafted ahead in full (tests.support.parts.AheadToTheEnd)."""
     replanned = 0
+
+    def __init__(self, drafter, hello, **kw):
+        super().__init__(drafter, hello, **{"draft_ahead": True, "parts": TO_THE_END, **kw})
 
     def plan(self):
         plan = super().plan()
@@ -171,24 +169,27 @@ def _breaks_each_first_fallback():
     return fault, broken
 
 
-class RetryTakesTheAdvice(DraftSession):
+class TakesTheAdvice(Observer, Planner):
     """Control, the old wiring: the retried round drafts no longer than the advice in the broken
-    attempt's verdict (0: an edge-only round), which the edge computed from that round's outcome."""
+    attempt's verdict (0: an edge-only round), which the edge computed from that round's outcome.
+    The faults here break a round before its fallback: the verdict that needed it is the one seen."""
     seen: int | None = None
 
-    def resolve_dssd(self, rd, verdict):
+    def fallback(self, rd, verdict):
         self.seen = verdict.draft_len_hint
-        return super().resolve_dssd(rd, verdict)
 
-    def abort_round(self):
-        super().abort_round()
-        plan = self.plan()
-        self.fix_next(replace(plan, settings=S.within_draft_len(plan.settings, self.seen)))
+    def retry(self, plan):
+        return replace(plan, settings=S.within_draft_len(plan.settings, self.seen))
+
+
+def retry_takes_the_advice(drafter, hello, **kw) -> DraftSession:
+    control = TakesTheAdvice()
+    return DraftSession(drafter, hello, parts=SessionParts(planner=control, observer=control), **kw)
 
 
 def test_control_a_retry_shortened_by_its_own_verdict_is_rejected(flat_target, sharp_drafter) -> None:
     fault, broken = _breaks_each_first_fallback()
-    results, law = _sessions(flat_target, sharp_drafter, RetryTakesTheAdvice, range(CONTROL_SESSIONS),
+    results, law = _sessions(flat_target, sharp_drafter, retry_takes_the_advice, range(CONTROL_SESSIONS),
                              RETRY_MAX_NEW, draft=RETRY, fault=fault, hint=_advice)
     fit = _fit(results, law)
     print(f"control, retry took its own verdict's advice: {len(broken)} rounds broken; {fit}")

@@ -10,7 +10,6 @@ client stops at the verdict, which only cuts the work shorter.
 """
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from dataclasses import replace
 from functools import partial
@@ -24,7 +23,9 @@ from tests.support.harness import device_config, edge, load, run, run_sessions, 
 from specdec.common import verification as V
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
+from specdec.device.parts import Sampler, SessionParts
 from specdec.device.session import DraftSession
+from tests.support.parts import AheadToTheEnd
 from specdec.device.factory import edge_channel
 from tests.support.laws import CONTROL_SESSIONS, HIGH_POWER_SESSIONS, LAW_SESSIONS, PROMPT, TEMPERATURE, law_counts
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
@@ -44,24 +45,37 @@ def diverse_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, make_close_drafter(target, root / "draft", noise=0.1)
 
 
-class AheadToTheEnd(DraftSession):
-    """Drafts every ahead round in full, whatever the verdict's timing."""
+class WhiteBox(DraftSession):
+    """Base of the white-box controls below, which look into the session's round drafted ahead (its
+    plan, its stream): drafts every round ahead in full (tests.support.parts.AheadToTheEnd)."""
 
-    def __init__(self, drafter, hello):
-        super().__init__(drafter, hello, draft_ahead=True)
-
-    def draft_ahead(self, rd, plan, max_tokens, stop):
-        super().draft_ahead(rd, plan, max_tokens, threading.Event())
+    def __init__(self, drafter, hello, **parts):
+        super().__init__(drafter, hello, draft_ahead=True, parts=SessionParts(ahead_stops_at_verdict=False, **parts))
 
 
-class AheadOwnStream(AheadToTheEnd):
+class OwnStreamAhead(Sampler):
+    """Draws a round's drafts ahead from a generator of their own while ``ahead`` is set."""
+    ahead = False
+
+    def sample(self, encoded, generator, position):
+        if self.ahead:
+            generator = torch.Generator().manual_seed(977 + position)
+        return super().sample(encoded, generator, position)
+
+
+class AheadOwnStream(WhiteBox):
     """Negative control: rounds drafted ahead draw from their own generator, not the one the round
     would use after the verdict (still lossless, but the seed no longer decides the tokens)."""
 
-    def draft_step(self, part, base):
-        if part.drafted_ahead and not part.steps:
-            part.generator = torch.Generator().manual_seed(977 + part.start)
-        return super().draft_step(part, base)
+    def __init__(self, drafter, hello):
+        super().__init__(drafter, hello, sampler=OwnStreamAhead())
+
+    def draft_ahead(self, rd, plan, max_tokens, stop):
+        self.parts.sampler.ahead = True  # the verdict waits for this worker: no other drafting meanwhile
+        try:
+            super().draft_ahead(rd, plan, max_tokens, stop)
+        finally:
+            self.parts.sampler.ahead = False
 
 
 _RUNS: dict = {}  # several tests compare against the same run: each distinct run happens once
@@ -103,7 +117,7 @@ def test_same_tokens_with_and_without_drafting_ahead(twin, diverse_pair, name) -
 LENGTHS = (3, 1, 5, 2, 6, 4)  # a round's draft length, by the position it starts at
 
 
-class AheadVarying(AheadToTheEnd):
+class AheadVarying(WhiteBox):
     """Each plan's draft length is a function of the verified length when it is made, as mode auto
     may change it between rounds; records each round drafted ahead with the plan it ran with."""
 
@@ -135,13 +149,12 @@ def test_a_round_drafted_ahead_runs_with_the_plan_it_was_drafted_with(diverse_pa
     assert len({ran for _, ran in planned}) >= 3, "the draft length hardly changed: the test proves little"
 
 
-class CountingForwards(AheadToTheEnd):
+def counting_forwards(drafter, hello) -> DraftSession:
     """Keeps every round's record: its drafter forwards against its drafts."""
-
-    def __init__(self, drafter, hello):
-        super().__init__(drafter, hello)
-        self.records = []
-        self.listeners.append(lambda event: self.records.append(event.record))
+    session = AheadToTheEnd(drafter, hello)
+    session.records = []
+    session.listeners.append(lambda event: session.records.append(event.record))
+    return session
 
 
 def test_rounds_count_their_drafter_forwards(diverse_pair) -> None:
@@ -149,7 +162,7 @@ def test_rounds_count_their_drafter_forwards(diverse_pair) -> None:
     (the correction is the one token to feed) and L + 1 after a full accept (the last draft and the
     bonus are fed one forward each), unless a round drafted ahead on a wrong guess already fed the
     last draft."""
-    results = _sessions(diverse_pair, CountingForwards, SEEDS[:16], **MODES["tslt"])
+    results = _sessions(diverse_pair, counting_forwards, SEEDS[:16], **MODES["tslt"])
     kinds = Counter()
     for _, _, session in results:
         records = session.records
@@ -269,17 +282,14 @@ def test_bench_driver_drafts_ahead_and_logs_only_what_was_sent(diverse_pair) -> 
     grid = [1, 4]
     seeds = SEEDS[:16]  # enough for wrong guesses to occur (the first assertion checks it)
 
-    class RecordingToTheEnd(driver.RecordingSession):
-        def draft_ahead(self, rd, plan, max_tokens, stop):
-            super().draft_ahead(rd, plan, max_tokens, threading.Event())
-
-    ahead = _sessions(diverse_pair, partial(RecordingToTheEnd, topk_grid=grid, draft_ahead=True), seeds,
-                      **MODES["tslt"])
-    plain = _sessions(diverse_pair, partial(driver.RecordingSession, topk_grid=grid), seeds, **MODES["tslt"])
+    ahead = _sessions(diverse_pair, partial(driver.recording_session, topk_grid=grid, draft_ahead=True,
+                                            parts=SessionParts(ahead_stops_at_verdict=False)), seeds, **MODES["tslt"])
+    plain = _sessions(diverse_pair, partial(driver.recording_session, topk_grid=grid), seeds, **MODES["tslt"])
     assert sum(s.stats.ahead_tokens_discarded for _, _, s in ahead) > 0, "no wrong guess: nothing to filter"
     assert sum(s.stats.ahead_rounds_used for _, _, s in ahead) >= 10
-    for (tokens, _, s), (plain_tokens, _, p) in zip(ahead, plain):
+    for (tokens, _, session), (plain_tokens, _, plain_session) in zip(ahead, plain):
         assert tokens == plain_tokens
+        s, p = session.parts.observer, plain_session.parts.observer
         sent = sum(positions for positions, _ in s.rounds_log)
         assert len(s.sigma) == len(s.support) == len(s.topk_mass) == sent
         assert (s.sigma, s.support, s.topk_mass) == (p.sigma, p.support, p.topk_mass)

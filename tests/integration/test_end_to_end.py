@@ -1,11 +1,10 @@
 """Device and edge over real gRPC on loopback, tiny real checkpoints: greedy identity, seeds, bytes."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from tests.support.harness import (ALL_MODES, SwitchesEveryRound, device_config, edge, load, run, run_sessions,
+from tests.support.parts import SwitchesEveryRound
+from tests.support.harness import (ALL_MODES, device_config, edge, load, run, run_sessions,
                      target_greedy)
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt

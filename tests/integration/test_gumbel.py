@@ -20,22 +20,21 @@ import pytest
 import torch
 
 from specdec.common import protocol as P
-from specdec.common import settings as S
 from specdec.common.modes import Mode
 from specdec.common import verification as V
 from specdec.edge.batched import ForwardRequest
-from specdec.common.distributions import densify, race_token, race_token_unchecked
+from specdec.common.distributions import densify, race_token
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.streams import Purpose, exponentials
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
-from specdec.device.draft_model import DraftModel, DraftStep
-from specdec.device.rounds import RoundPlan
+from specdec.device.draft_model import DraftModel
 from specdec.device.factory import new_session
+from specdec.device.parts import Sampler, SessionParts
 from specdec.device.session import DraftSession
 from specdec.device.safety_net import NetConfig
 from specdec.edge.verifier import VerifierSession
 from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
-from tests.integration.test_decisions_see_only_the_past import AheadToTheEnd
+from tests.support.parts import AheadToTheEnd, AlternatesGumbelAndNone, EdgeOnlyAhead, with_parts
 from tests.support.laws import N_TOKENS, PROMPT, exact_law
 from tests.support.harness import device_config, load
 from tests.support.inprocess import run_seeds
@@ -78,16 +77,6 @@ def _tokens(models, drafter: str, factory=DraftSession, temperature: float = 1.0
 @pytest.fixture(scope="module")
 def edge_only(models):
     return _tokens(models, "close", settings=dict(mode="none"))[0]
-
-
-class AlternatesGumbelAndNone(DraftSession):
-    """Switches every round between a gumbel round (L from 1 to 5) and an edge-only round (1 to 3
-    tokens), as mode auto may: each round's settings travel with it."""
-
-    def choose(self):
-        i = self.hello.seed + self.round_id
-        s = dict(mode="gumbel", draft_len=1 + i % 5) if i % 2 else dict(mode="none", edge_tokens=1 + i % 3)
-        return RoundPlan(S.resolve(s, vocab_size=self.vocab_size))
 
 
 def _breaks_every_third_round():
@@ -207,19 +196,6 @@ def test_a_resume_on_a_fresh_edge_gives_the_same_tokens(models, edge_only) -> No
     assert tokens == edge_only
 
 
-class EdgeOnlyAhead(DraftSession):
-    """Edge-only rounds of 3 to 6 tokens (by seed and round), each after the first requested while the
-    one before streams (drafting ahead on: engine._send_ahead; a round goes ahead once the one before
-    has measured its token interval, from its second token), as mode auto runs them."""
-
-    def __init__(self, drafter, hello, **kw):
-        super().__init__(drafter, hello, **{"draft_ahead": True, **kw})
-
-    def choose(self):
-        return RoundPlan(S.resolve(dict(mode="none", edge_tokens=3 + (self.hello.seed + self.round_id) % 4),
-                                   vocab_size=self.vocab_size))
-
-
 def _ahead_counted(sent: Counter):
     def make(drafter, hello):
         session = EdgeOnlyAhead(drafter, hello)
@@ -277,13 +253,16 @@ def test_with_the_targets_top_k_and_top_p_the_drafter_still_changes_no_token(mod
     assert unfiltered != reference  # the filters mattered
 
 
-class KeyedByRoundDevice(DraftSession):
+class KeyedByRound(Sampler):
     """Control for invariance: noise keyed by the round's start, a fresh vector per offset (lossless:
     no emitted token shares noise with another) but a function of where rounds start, so of the
     drafter and the draft length."""
 
-    def token_noise(self, start, offset):
-        return _round_keyed(self.hello.seed, start, offset, self.vocab_size)
+    def token_noise(self, seed, start, offset, vocab_size):
+        return _round_keyed(seed, start, offset, vocab_size)
+
+
+KeyedByRoundDevice = with_parts(sampler=KeyedByRound())
 
 
 class KeyedByRoundEdge(VerifierSession):
@@ -303,13 +282,16 @@ def test_control_noise_keyed_by_round_breaks_invariance(models, edge_only) -> No
     assert differ >= len(edge_only) // 2
 
 
-class NoiseOneAhead(AheadToTheEnd):
+class OneAhead(Sampler):
     """Control for the coupling: the device races with the next position's noise (the two sides off by
     one position). Its tokens are still the edge's, so the law and invariance tests cannot see it; only
     its acceptance falls."""
 
-    def token_noise(self, start, offset):
-        return super().token_noise(start, offset + 1)
+    def token_noise(self, seed, start, offset, vocab_size):
+        return super().token_noise(seed, start, offset + 1, vocab_size)
+
+
+NoiseOneAhead = with_parts(draft_ahead=True, ahead_stops_at_verdict=False, sampler=OneAhead())
 
 
 def _drafts_off_the_race(models, factory, prompts=INVARIANCE_PROMPTS) -> tuple[int, int]:
@@ -382,30 +364,34 @@ GUMBEL_L2 = dict(mode="gumbel", draft_len=2)
 
 def test_control_noise_keyed_by_round_start_is_rejected(law_models_closer) -> None:
     """Both sides key the noise by the round's start: every position of a round races with the same."""
-    class Device(DraftSession):
-        def token_noise(self, start, offset):
-            return super().token_noise(start, 0)
+    class KeyedByStart(Sampler):
+        def token_noise(self, seed, start, offset, vocab_size):
+            return super().token_noise(seed, start, 0, vocab_size)
 
     class Edge(VerifierSession):
         def token_noise(self, start, offset):
             return super().token_noise(start, 0)
 
-    fit, _ = _law_fit(law_models_closer, Device, CONTROL_SESSIONS, GUMBEL_L2, edge_cls=Edge)
+    fit, _ = _law_fit(law_models_closer, with_parts(sampler=KeyedByStart()), CONTROL_SESSIONS, GUMBEL_L2,
+                      edge_cls=Edge)
     print(f"control, noise keyed by round start: {fit}")
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"
 
 
-class DraftsDenseByTheSharedNoise(DraftSession):
-    """The trap's device: dense rounds (q sent) whose drafts are q's race with the position's shared
-    noise."""
+class RacesTheSharedNoise(Sampler):
+    """The trap's sampler: a dense round's draft (q sent) is q's race with the position's shared noise."""
 
-    def draft_step(self, part, base):
-        self._position = part.start + len(part.steps)
-        return super().draft_step(part, base)
+    def __init__(self, seed: int, vocab_size: int):
+        self.seed, self.vocab_size = seed, vocab_size
 
-    def sample(self, encoded, generator):
-        noise = V.token_noise(self.hello.seed, self._position, self.vocab_size)
-        return DraftStep(race_token_unchecked(encoded.q_hat, noise), encoded)
+    def sample(self, encoded, generator, position):
+        return self.race(encoded, V.token_noise(self.seed, position, self.vocab_size))
+
+
+def drafts_dense_by_the_shared_noise(drafter, hello, **kw) -> DraftSession:
+    """The trap's device: its sampler knows the session's seed."""
+    return DraftSession(drafter, hello, parts=SessionParts(sampler=RacesTheSharedNoise(hello.seed, drafter.vocab_size)),
+                        **kw)
 
 
 class VerifiesByRatioWithTheSharedNoise(VerifierSession):
@@ -424,7 +410,7 @@ class VerifiesByRatioWithTheSharedNoise(VerifierSession):
 
 
 def test_control_accept_by_ratio_with_the_shared_noise_is_rejected(law_models) -> None:
-    fit, _ = _law_fit(law_models, DraftsDenseByTheSharedNoise, CONTROL_SESSIONS,
+    fit, _ = _law_fit(law_models, drafts_dense_by_the_shared_noise, CONTROL_SESSIONS,
                       dict(mode="dense", dense_dtype="fp32", draft_len=2), edge_cls=VerifiesByRatioWithTheSharedNoise)
     print(f"control, u < p/q with the shared noise: {fit}")
     assert fit.p_value < P_VALUE_CUT, f"negative control passed: {fit}"

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from tests.support.harness import SwitchesEveryRound, load, split_sessions
+from tests.support.harness import load, split_sessions
+from tests.support.parts import SamplesOtherQ, SwitchesEveryRound
 from tests.support.laws import (CONTROL_SESSIONS, GROSS_CONTROL_SESSIONS, HIGH_POWER_SESSIONS, MODES, N_TOKENS,
                                 PROMPT, TEMPERATURE, TRANSPORT_PATHS, assert_lossless, assert_rejected, exact_law,
                                 law_counts)
@@ -22,8 +23,6 @@ from specdec.common import verification
 from specdec.common.distributions import densify, filter_target_logits
 from specdec.common.modeling import encode_prompt
 from specdec.common.sampling import TargetLaw
-from specdec.device.draft_model import DraftStep
-from specdec.device.session import DraftSession
 from specdec.edge import servicer, verify_batch
 from specdec.edge.verifier import VerifierSession
 
@@ -160,18 +159,6 @@ def test_int4_reduced_head_drafter_is_lossless_end_to_end_high_power(twin, tiny_
     counts, law, _ = law_counts(twin, tiny_pair_v8[0], int4_reduced_head_drafter, num_sessions=HIGH_POWER_SESSIONS,
                                 over_grpc=True, **MODES["tslt"])
     assert_lossless(counts, law, "int4 reduced-head drafter")
-
-
-class SamplesOtherQ(DraftSession):
-    """Classic bug: the packet carries q_hat but the token is sampled from another law over the same
-    support (here uniform on it, as when sampling and packet use different settings). Same support,
-    so the edge's "q_hat(x) = 0" check cannot catch it: only the statistics can."""
-
-    def sample(self, encoded, generator):
-        super().sample(encoded, generator)  # draws what the honest device draws, then ignores it
-        other = (encoded.q_hat > 0).double()
-        token = int(torch.multinomial(other / other.sum(), 1, generator=generator))
-        return DraftStep(token, encoded)
 
 
 def test_control_device_sampling_other_q_is_detected(twin, tiny_pair_v8) -> None:

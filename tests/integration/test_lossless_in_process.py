@@ -9,14 +9,12 @@ the slow tier. Each law here that could hide a bug of its own has a negative con
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.conftest import INT4_HEAD_IDS
-from tests.support.harness import SwitchesEveryRound
+from tests.support.parts import SwitchesAndSamplesOtherQ, SwitchesEveryRound
 from tests.support.laws import (GROSS_CONTROL_SESSIONS, MODES, TRANSPORT_PATHS, TREE_LAW, TREE_MODES, assert_lossless,
                                 assert_rejected, exact_law, law_counts, prompt_ids)
 from specdec.common import verification
-from specdec.device.draft_model import DraftStep
 
 PATCHES = {"dssd": [(verification, "DSSD_TAIL_SAMPLES", 1)]}  # both fallback replies (laws.MODES)
 # The target's own top-k / top-p define the law (test_lossless_e2e.py: the control over gRPC).
@@ -55,17 +53,6 @@ def test_settings_changed_every_round_stay_lossless(twin, tiny_pair_v8) -> None:
     controller would change them): each round is verified with the settings it says it used."""
     counts, law, _ = law_counts(twin, *tiny_pair_v8, session_factory=SwitchesEveryRound, **MODES["tslt"])
     assert_lossless(counts, law, "per-round settings")
-
-
-class SwitchesAndSamplesOtherQ(SwitchesEveryRound):
-    """Control for the per-round test: rounds switch settings, and each round's token is drafted
-    from another law than the packet it sends (uniform on the packet's support, as when sampling and
-    encoding use different rounds' settings); same support, so only the statistics can catch it."""
-
-    def sample(self, encoded, generator):
-        super().sample(encoded, generator)
-        other = (encoded.q_hat > 0).double()
-        return DraftStep(int(torch.multinomial(other / other.sum(), 1, generator=generator)), encoded)
 
 
 def test_control_per_round_settings_sampling_another_q_is_detected(twin, tiny_pair_v8) -> None:

@@ -35,6 +35,7 @@ from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.protocol import Prompt, ResidualRequest
 from specdec.device.client import ConnectionPolicy, generate
+from specdec.device.parts import Observer, SessionParts
 from specdec.device.session import DraftSession
 from specdec.device.factory import open_channel
 from specdec.edge import servicer
@@ -56,17 +57,16 @@ DSSD = dict(mode=Mode.DSSD, dssd_samples=1, dssd_fallback_top_k=2)  # fallbacks:
 TREE = dict(mode=Mode.TSLT, top_k=3, tree=(2,))
 
 
-class CutOnFallback(DraftSession):
+class CutOnFallback(Observer):
     """Cuts the link (once) right when the device decides it needs a DSSD fallback round trip."""
 
-    cut = None  # (loop, callback), set per session
+    def __init__(self, loop, callback):
+        self.cut = (loop, callback)
 
-    def resolve_dssd(self, rd, verdict):
-        token = super().resolve_dssd(rd, verdict)
-        if token is None and self.cut is not None:
+    def fallback(self, rd, verdict):
+        if self.cut is not None:
             (loop, callback), self.cut = self.cut, None
             loop.call_soon_threadsafe(callback)
-        return token
 
 
 class OneGeneratorPerSession(VerifierSession):
@@ -106,11 +106,12 @@ async def _session(seed, cfg, drafter, first: str, second: str | None, fallback_
         cuts.append(seed)
         link.cut(0)
 
-    session = (CutOnFallback if fallback_cut else DraftSession)(drafter, hello)
     on_tokens = None
     if fallback_cut:
-        session.cut = (asyncio.get_running_loop(), cut)
+        observer = CutOnFallback(asyncio.get_running_loop(), cut)
+        session = DraftSession(drafter, hello, parts=SessionParts(observer=observer))
     else:
+        session = DraftSession(drafter, hello)
         retarget = tuple(second.split(":")) if second else None
         on_tokens = _cut_after_first_round(link, eos, (retarget[0], int(retarget[1])) if retarget else None)
     try:

@@ -12,9 +12,7 @@ from pathlib import Path
 
 from specdec.common.modes import Mode
 from specdec.common.modeling import LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
-from specdec.common.settings import resolve as resolve_settings
 from specdec.device.client import generate
-from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from specdec.device.factory import DeviceConfig, connection_policy, edge_channel, open_channel
 from specdec.edge.metrics import EdgeMetrics
@@ -138,22 +136,6 @@ def device_cli(*args: str, timeout: float = 300, env: dict | None = None) -> sub
 
 
 ALL_MODES = [m for m in Mode]
-
-
-class SwitchesEveryRound(DraftSession):
-    """A device whose settings change every round, as a link-aware controller's would: the round
-    index and the seed pick one of ``PLAN`` (modes, K, lattice, length, a tree), and each Draft says
-    how it was drafted. Transitions include a DSSD rejection followed by a round of another mode."""
-
-    PLAN: tuple[dict, ...] = (
-        dict(mode="tslt", top_k=3), dict(mode="dssd", dssd_samples=1), dict(mode="dense", dense_dtype="bf16"),
-        dict(mode="ksqs", top_k=3, lattice=8), dict(mode="csqs", csqs_beta0=0.05, lattice=8, max_k=8),
-        dict(mode="tslt", top_k=4, tree=(2,)), dict(mode="none", edge_tokens=1), dict(mode="gumbel"))
-
-    def choose(self):
-        plan = self.PLAN[(self.hello.seed + self.round_id) % len(self.PLAN)]
-        return RoundPlan(resolve_settings({"draft_len": self.hello.draft.draft_len, **plan},
-                                          vocab_size=self.vocab_size))
 
 
 # -- a second process for the statistical runs ------------------------------------------------------

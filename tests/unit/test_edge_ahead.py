@@ -16,9 +16,8 @@ from dataclasses import replace
 import pytest
 
 from specdec.common import protocol as P
-from specdec.common import settings as S
 from specdec.device.engine import run_round
-from specdec.device.rounds import RoundPlan
+from tests.support.parts import ScriptedPlanner, with_parts
 from specdec.device.session import DraftSession
 from specdec.testbed.tiny_models import make_model
 from tests.support.harness import device_config, load
@@ -141,12 +140,12 @@ def test_a_token_for_a_round_that_cannot_start_yet_is_a_protocol_error(drafter) 
         rounds(link, session, 12)
 
 
-class DraftsAfterTwo(DraftSession):
-    """Plans a gumbel round once two edge-only rounds have been planned: nothing goes ahead."""
+def none_then_gumbel(hello, round_id: int) -> dict:
+    """A gumbel round once two edge-only rounds have been planned: nothing goes ahead."""
+    return dict(mode="none", edge_tokens=4) if round_id < 2 else dict(mode="gumbel", draft_len=2)
 
-    def choose(self):
-        mode = dict(mode="none", edge_tokens=4) if self.round_id < 2 else dict(mode="gumbel", draft_len=2)
-        return RoundPlan(S.resolve(mode, vocab_size=self.vocab_size))
+
+DraftsAfterTwo = with_parts(planner=ScriptedPlanner(none_then_gumbel))
 
 
 def test_a_drafted_next_round_or_a_round_that_expects_one_sends_nothing_ahead(drafter) -> None:

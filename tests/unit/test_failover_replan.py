@@ -13,6 +13,7 @@ from specdec.common import protocol as P
 from specdec.common import settings as S
 from specdec.common.modes import Mode
 from specdec.device.factory import new_session
+from specdec.device.session import DraftSession
 from specdec.testbed.tiny_models import make_model
 from tests.support.harness import device_config, load
 
@@ -74,8 +75,7 @@ def test_mode_auto_chooses_again_within_the_new_edge(drafter) -> None:
     hello = c.hello("fp", drafter.vocab_size, seed=7)
     config = AutoConfig(top_ks=(16,), ksqs_ks=(), dense=False, dssd=False, draft_lens=(3, 16), cold_start=False)
     policy = AutoPolicy(LinkTracker(config), hello, drafter.vocab_size)
-    session = new_session(c, drafter, hello)
-    session.policy = policy
+    session = DraftSession(drafter, hello, policy=policy, draft_ahead=c.draft_ahead, reproducible=c.reproducible)
     session.start(PROMPT)
     session.observe_welcome(welcome())
     gumbel16 = Candidate(Mode.GUMBEL, draft_len=16)

@@ -93,6 +93,40 @@ def test_sides_import_common_and_never_each_other() -> None:
         assert not {m: d for m, d in bad.items() if d}, f"{top}/ imports across sides: {bad}"
 
 
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` ({module: modules it imports}) as a path that returns to its
+    start, or None (depth-first search: a module met again while still on the path closes a cycle)."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        for dep in sorted(graph.get(module, ())):
+            cycle = visit(dep, path + [module])
+            if cycle:
+                return cycle
+        done.add(module)
+        return None
+    return next((c for c in (visit(m, []) for m in sorted(graph)) if c), None)
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+@pytest.mark.parametrize("top", list(PACKAGES))
+def test_no_import_cycle_within_a_package(top) -> None:
+    """A module that imports a module importing it back (even under TYPE_CHECKING or inside a
+    function) has two halves of one thing: the round kinds take the session's narrow interface
+    (device/drafting.py) instead of importing the session that imports them."""
+    graph = {m: {d.split(".")[1] for d in deps if d.startswith(f"{top}.")} - {m}
+             for m, deps in _package_deps(top).items()}
+    assert _a_cycle(graph) is None, f"{top}/ import cycle: {' -> '.join(_a_cycle(graph))}"
+
+
 def test_common_holds_only_what_both_sides_use() -> None:
     """Every module of common/ is reached by the device's code and by the edge's (directly or through
     other common modules); side-only code lives on its side."""
