@@ -7,12 +7,9 @@ round's :class:`~specdec.device.rounds.RoundEvent`. The choice itself is :func:`
 pure math over the :class:`~specdec.device.autotune.Estimates` built here.
 
 What is measured, per round (all from what the device already sees):
-  * round trip and uplink goodput: each round's network time (device wall time minus the edge's
-    reported queue, decode and verify time) against its uplink bits, a line fitted over the last few
-    rounds (newest weighted most; :func:`~specdec.device.autotune.fit_link`): the intercept is the
-    round trip (its mean, jitter and loss included: what a round expects to pay), the slope the
-    inverse goodput; downlink goodput from DSSD's full-p_j replies;
-  * the edge's time per forward, an affine fit in the tokens of the forward (each Verdict reports it);
+  * round trip, uplink and downlink goodput, stalls and changes of the link (:mod:`.link_fit`);
+  * the edge's time per forward, an affine fit in the tokens of the forward (each Verdict reports it;
+    :mod:`.verify_fit`);
   * drafter time per forward (a round of L drafts takes L or L + 1) and codec time per drafted token;
   * acceptance: every tested position adds (accepted + TV(q_hat, q) of its packet) to alpha_base, the
     acceptance the exact q would have (TSLT eq. 22), overall and per depth in the round (acceptance
@@ -30,7 +27,6 @@ Lossless whatever it picks: each round is drafted, sent and verified with the se
 """
 from __future__ import annotations
 
-import collections
 import math
 import threading
 from dataclasses import dataclass, replace
@@ -44,6 +40,7 @@ from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT
 from specdec.common.stats import RoundRecord
 from specdec.device import safety_net as N
 from specdec.device import tracker_state as TS
+from specdec.device.link_fit import LinkConfig, LinkFit
 from specdec.device.tracker_state import FAST_LINK_BPS, TIME_SCALE_MAX, TIME_SCALE_MIN
 from specdec.device import q_measure as Q
 from specdec.device.q_measure import QStats
@@ -51,29 +48,14 @@ from specdec.device.rounds import RoundEvent, RoundPlan
 from specdec.device.verify_fit import VerifyFit
 from specdec.common.verification import dssd_fallback_bytes
 
-PRIOR_UPLINK_BPS = 10e6       # before any measurement: a middling link, so the first rounds carry tens
-                              # of KB at most (a round sized for 1 Gbit/s takes seconds on a slow link)
-TRUST_MEMORY = 32             # rounds whose sizes say how large a round the goodput estimate covers
-RATE_GROWTH = 4.0             # the goodput estimate may rise this much per round, fall without limit
-MIN_RATE_SAMPLE_BYTES = 1200  # rounds smaller than about one segment say nothing about goodput
-MIN_EXCESS_S = 2e-4           # below this the serialization is lost in timer noise
-LINK_WINDOW = 6               # rounds in the round-trip / goodput fit ...
-LINK_DECAY = 0.7              # ... newest weighted most
-CHANGE_REL, CHANGE_ABS_S = 0.5, 0.01   # a round this far off the fit (relative and absolute) is an outlier
-STALL_REL, STALL_ABS_S = 2.0, 0.3      # ... and this far beyond it a stall: an outage met in flight (recorded
-                                       # cellular links stop for hundreds of ms; a lost segment's timeout,
-                                       # 0.2 s, stays a cost rounds expect to pay)
-RATE_WINDOW = 6               # downlink goodput samples (DSSD's full p_j replies)
 DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
 ACCEPT_DECAY = 0.9            # per round (not per tested position, which a text rejected at depth 1
                               # every round hardly moves): a session's estimate follows its text in ~10
 LONG_ACCEPT_DECAY = 0.995     # per round: the device's long-run acceptance, where each session starts (not
                               # the last session's: one bad text's tail must not set the next sessions)
-PROBE_EVERY = 12              # rounds without a goodput sample before a large round re-measures it ...
-PROBE_AFTER_CHANGE = 2        # ... or this many after the link changed (a stale goodput keeps small rounds
-                              # on a fast link until a large round measures it)
-PROBE_MIN_GAIN = 0.1          # ... if a fast link would make rounds this much faster (where every codec
-                              # sends a few bytes, as at T = 0, no goodput changes the choice)
+PROBE_MIN_GAIN = 0.1          # a goodput probe (LinkFit.probe_due) runs if a fast link would make rounds
+                              # this much faster (where every codec sends a few bytes, as at T = 0, no
+                              # goodput changes the choice)
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
 CROSS_WEIGHT = 0.5            # a tested position of the other kind (gumbel / exact q), mapped, counts half:
                               # each kind's own rounds say most about it
@@ -119,6 +101,7 @@ class AutoConfig:
     # remembered) is edge-only: it cannot lose to edge-only, and while it streams the drafter reads
     # the prompt.
     cold_start: bool = True
+    link: LinkConfig = LinkConfig()  # the link's fit (device/link_fit.py)
     # Weight of what was learned before each new observation, relative to the decays above: 1 keeps
     # them; 0 makes every estimate its latest observation (tests: a controller as sensitive to each
     # round as it can be, so that a choice that could see a round's own draws would show it).
@@ -270,13 +253,7 @@ class LinkTracker:
         self.config = config
         self._codecs = Q.Codecs(config.top_ks, config.ksqs_ks, config.lattice, config.dense)  # measured (q_measure)
         self.lock = threading.Lock()   # encode hooks run in worker threads, rounds on the event loop
-        self.link_samples = collections.deque(maxlen=LINK_WINDOW)  # (uplink bits, network s) per round
-        self.sizes_sent = collections.deque(maxlen=TRUST_MEMORY)   # uplink bits of recent rounds
-        self._link = (0.0, PRIOR_UPLINK_BPS)                       # fitted (round trip s, uplink bits/s)
-        self._last_off = 0.0                                       # the last round's miss, if an outlier
-        self._held: tuple[float, float] | None = None              # the last round, if it stalled
-        self.stalls = 0                                            # rounds held out as stalled
-        self.down = collections.deque(maxlen=RATE_WINDOW)          # (downlink bits, seconds)
+        self.link = LinkFit(config.link, config.memory)  # round trip, goodputs, stalls (device/link_fit.py)
         self.fallback_bytes = self._ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
         self.verify = VerifyFit()  # the edge's forward time by its tokens (device/verify_fit.py)
         self.draft_s = self._ewma()
@@ -284,7 +261,6 @@ class LinkTracker:
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
         self.queue_s = self._ewma(0.0)          # edge: wait for its worker per round
         self.models: dict[float, _ModelSide] = {}
-        self.rounds_since_rate = 0
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
         self.rounds_seen = 0      # committed rounds observed (by any session)
@@ -305,9 +281,9 @@ class LinkTracker:
         with this edge's target per temperature."""
         with self.lock:
             values = lambda d: {k: e.value for k, e in d.items() if e.value is not None}  # noqa: E731
-            link = TS.LinkState(rtt_s=self.rtt_s(), uplink_bps=self.uplink_bps(),
-                                measured_up_bits=max(self.sizes_sent, default=0.0),
-                                downlink_bps=self.rate(self.down) if self.down else None,
+            link = TS.LinkState(rtt_s=self.link.rtt_s(), uplink_bps=self.link.uplink_bps(),
+                                measured_up_bits=max(self.link.sizes_sent, default=0.0),
+                                downlink_bps=self.link.downlink_bps(),
                                 verify=tuple(tuple(x) for x in self.verify.points), queue_s=self.queue_s.value,
                                 decode_s=values(self.decode_s), time_scale=values(self.time_scale))
             temps = {t: TS.SideState(long=(side.long.hits, side.long.trials), guess=(side.guess.hits, side.guess.trials),
@@ -331,11 +307,7 @@ class LinkTracker:
             self.restored = self.restored or state.link is not None
 
     def _restore_link(self, s: TS.LinkState) -> None:
-        self._link = (s.rtt_s, s.uplink_bps)
-        if s.measured_up_bits:
-            self.sizes_sent.append(s.measured_up_bits)
-        if s.downlink_bps is not None:
-            self.down.append((s.downlink_bps, 1.0))
+        self.link.restore(s)
         self.verify.points.extend(s.verify)
         if s.queue_s is not None:
             self.queue_s.value = s.queue_s
@@ -368,86 +340,7 @@ class LinkTracker:
             self.models[float(temperature)] = _ModelSide(temperature == 0, self.config.memory)
         return self.models[float(temperature)]
 
-    # -- link ---------------------------------------------------------------------------------------------
-    def rate(self, samples) -> float:
-        bits, secs = sum(b for b, _ in samples), sum(s for _, s in samples)
-        return bits / secs if samples and secs > 0 else FAST_LINK_BPS
-
-    def rtt_s(self) -> float:
-        return self._link[0]
-
-    def uplink_bps(self) -> float:
-        return self._link[1]
-
-    def add_network(self, network: float, up_bytes: int, down_bytes: int, residual_trips: int = 0) -> bool:
-        """One round's network time. Round trip and uplink goodput are fitted jointly over recent rounds
-        (:func:`~specdec.device.autotune.fit_link`): a round's time cannot say by itself how much of it
-        was propagation and how much serialization, rounds of different sizes can. True if the round
-        stalled (held out: see below)."""
-        if residual_trips:  # a DSSD fallback's round trips and p_j (head or whole) down: a downlink sample
-            excess = network - (1 + residual_trips) * self.rtt_s() - 8 * up_bytes / self.uplink_bps()
-            self.down.append((8 * down_bytes, max(MIN_EXCESS_S, excess)))
-            return False
-        bits = 8.0 * up_bytes
-        stalled = self._stalled(bits, network)
-        changed = self._check_change(bits, network)
-        self.sizes_sent.append(bits)
-        if stalled and not changed:
-            # Far slower than the link has been: it met an outage in flight. Held out of the fit (one
-            # such round would hold the round trip up, or the goodput down, for the next rounds);
-            # the next round says whether the link itself got slower (_check_change takes both).
-            self._held = (bits, network)
-            self.stalls += 1
-            return True
-        self._held = None
-        self.link_samples.append((bits, network))
-        n = len(self.link_samples)
-        weights = [(LINK_DECAY * self.config.memory) ** (n - 1 - i) for i in range(n)]
-        rtt, rate = A.fit_link(list(self.link_samples), weights, self.rtt_s(), self.uplink_bps(),
-                               8.0 * MIN_RATE_SAMPLE_BYTES)
-        self.rounds_since_rate = 0 if up_bytes >= MIN_RATE_SAMPLE_BYTES else self.rounds_since_rate + 1
-        if changed:  # small rounds cannot tell a new round trip from a new goodput: probe soon
-            self.rounds_since_rate = max(self.rounds_since_rate, PROBE_EVERY - PROBE_AFTER_CHANGE)
-        # A slower link shows at once; a faster one at most RATE_GROWTH x per round, so that one
-        # noisy window cannot send dense rounds down a slow link (each would take seconds).
-        rate = min(rate, self.uplink_bps() * RATE_GROWTH, FAST_LINK_BPS)
-        self._link = (rtt, rate)
-        return False
-
-    def _stalled(self, bits: float, network: float) -> bool:
-        """Whether a round took STALL_REL times its expected network time beyond it, and STALL_ABS_S."""
-        expected = self.rtt_s() + bits / self.uplink_bps()
-        return len(self.link_samples) >= 2 and network - expected > max(STALL_REL * expected, STALL_ABS_S)
-
-    def _check_change(self, bits: float, network: float) -> bool:
-        """Two rounds in a row far from what the fit predicts (in the same direction), or one far faster:
-        the link changed, so the rounds before them describe another link; a single slow one (a lost
-        segment) does not."""
-        rtt = self.rtt_s()
-        expected = rtt + bits / self.uplink_bps()
-        off = network - expected
-        outlier = abs(off) > max(CHANGE_REL * expected, CHANGE_ABS_S) and len(self.link_samples) >= 2
-        same_way = outlier and self._last_off * off > 0
-        # Loss and queues only slow a round down, and no round beats the round trip: one far faster than
-        # the round-trip estimate alone is a faster link, at once (token-bucket bursts can beat the
-        # goodput fit, not the round trip; waiting for a second round would run it with settings
-        # chosen for the old, slower link).
-        faster = bool(self.link_samples) and network < rtt - max(CHANGE_REL * rtt, CHANGE_ABS_S)
-        self._last_off = off if outlier else 0.0
-        if same_way or faster:
-            last = [self._held or self.link_samples[-1]] if same_way else []
-            self.link_samples.clear()
-            self.link_samples.extend(last)
-            self.down.clear()  # downlink goodput measured on the link before
-        return same_way or faster
-
-    def add_verify(self, tokens: int, seconds: float) -> None:
-        self.verify.add(tokens, seconds)
-
-    def verify_fit(self) -> tuple[float, float]:
-        """(seconds of a one-token forward, seconds per further token) of the edge's recent forwards."""
-        return self.verify.fit()
-
+    # -- the edge ---------------------------------------------------------------------------------------
     def observe_edge_cost(self, points: tuple[tuple[int, float], ...]) -> None:
         """The edge's calibrated cost curve (Welcome.forward_cost) becomes the verify fit's prior."""
         with self.lock:
@@ -494,16 +387,16 @@ class LinkTracker:
             # (their sum grows with the round): its first token's is the round-trip sample. Its kind's
             # learned time scale covers those costs instead.
             if not catching_up and settings.mode is not Mode.NONE:
-                stalled = self.add_network(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes,
-                                           r.residual_trips)
+                stalled = self.link.add(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes,
+                                        r.residual_trips)
             elif settings.mode is Mode.NONE and not first and r.generated and not sent_ahead:
-                stalled = self.add_network(r.first_reply_s, r.uplink_bytes, 0)
+                stalled = self.link.add(r.first_reply_s, r.uplink_bytes, 0)
             if settings.mode is Mode.NONE:
                 if r.generated:
-                    self.add_verify(1, forward / r.generated)
+                    self.verify.add(1, forward / r.generated)
                     self.queue_s.add(queue / r.generated)
                 return stalled
-            self.add_verify(r.drafted_tokens + 1, forward)
+            self.verify.add(r.drafted_tokens + 1, forward)
             self.queue_s.add(queue)
             if r.drafted_tokens:
                 per_token = {name: r.phases.get(name, 0.0) / r.drafted_tokens for name in ("encode", "decode")}
@@ -585,10 +478,11 @@ class LinkTracker:
             side = self.model(temperature)
             acceptance = acceptance or side.session()
             gumbel_alpha, gumbel_depth = (gumbel or GumbelAcceptance()).estimate(side.gumbel_prior(acceptance.alpha_base))
-            base, slope = self.verify_fit()
+            base, slope = self.verify.fit()
+            link, down = self.link, self.link.downlink_bps()
             return A.Estimates(
-                rtt_s=self.rtt_s(), uplink_bps=self.uplink_bps(),
-                downlink_bps=self.rate(self.down) if self.down else self.uplink_bps(),
+                rtt_s=link.rtt_s(), uplink_bps=link.uplink_bps(),
+                downlink_bps=down if down is not None else link.uplink_bps(),
                 draft_s=self.draft_s.value if self.draft_s.value is not None else 0.01,
                 verify_base_s=base, verify_per_token_s=slope, alpha_base=acceptance.alpha_base,
                 alpha_depth=acceptance.alpha_depth(),
@@ -602,9 +496,9 @@ class LinkTracker:
                 dssd_fallback_bytes=(self.fallback_bytes.value if self.fallback_bytes.value is not None
                                      else float(dssd_fallback_bytes(fallback_top_k, vocab_size))),
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
-                measured_up_bits=max(self.sizes_sent, default=8.0 * MIN_RATE_SAMPLE_BYTES),
+                measured_up_bits=link.measured_up_bits(),
                 gumbel_alpha=gumbel_alpha, gumbel_depth=gumbel_depth, greedy=side.greedy,
-                edge_chunk=A.edge_chunk(self.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
+                edge_chunk=A.edge_chunk(link.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
 
 
 def _codec_key(s: DraftSettings) -> tuple[Mode, int]:
@@ -688,11 +582,11 @@ class AutoPolicy:
     def _probe(self, pick: A.Prediction, e: A.Estimates) -> A.Prediction | None:
         """Goodput is only measured by rounds that carry enough bytes. If none did for a while and a
         fast link would change the choice, run the best-predicted round large enough to measure it."""
-        if self.tracker.rounds_since_rate < PROBE_EVERY or not A.probe_pays(
+        if not self.tracker.link.probe_due() or not A.probe_pays(
                 self.candidates, e, pick.candidate, FAST_LINK_BPS, PROBE_MIN_GAIN, self.draft_ahead):
             return None
         informative = [p for p in A.rank(self.candidates, e, self.draft_ahead)
-                       if A.uplink_bytes(p.candidate, e) >= MIN_RATE_SAMPLE_BYTES]
+                       if A.uplink_bytes(p.candidate, e) >= self.tracker.link.config.min_rate_sample_bytes]
         return informative[0] if informative else None
 
     def _edge_chunk(self, chosen: A.Prediction, net: N.NetCall | None, e: A.Estimates,

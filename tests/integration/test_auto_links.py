@@ -32,7 +32,7 @@ class MeasuresWithDense(AutoPolicy):
     known, varied size (L = 1-3) for the link fit to read."""
 
     def choose(self):
-        c = Candidate(Mode.DENSE, 1 + len(self.tracker.link_samples) % 3)
+        c = Candidate(Mode.DENSE, 1 + len(self.tracker.link.samples) % 3)
         return RoundPlan(self.settings_for(c, 0), choice={"mode": "dense"}, decision=AutoDecision(c, None))
 
 

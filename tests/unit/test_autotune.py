@@ -15,7 +15,8 @@ from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
-from specdec.device.auto import (LINK_WINDOW, PROBE_AFTER_CHANGE, PROBE_EVERY, AutoConfig, GumbelAcceptance,
+from specdec.device.link_fit import LinkConfig
+from specdec.device.auto import (AutoConfig, GumbelAcceptance,
                                  AutoPolicy, LinkTracker, SessionAcceptance)
 from specdec.device.q_measure import OBSERVE_Q_EVERY
 from specdec.device.rounds import RoundEvent, RoundPlan
@@ -211,14 +212,14 @@ def test_a_changed_link_shows_within_three_rounds() -> None:
     sizes = (300, 5000, 2500, 300, 9000, 4000)
     for up in sizes * 2:
         t.observe_round(record(up=up, network=link_network(0.005, 100e6, up)), SETTINGS, 1.0, 49152)
-    assert t.rtt_s() == pytest.approx(0.005, abs=0.002) and t.uplink_bps() > 30e6
-    assert t.uplink_bps() <= 10e6 * 4 ** 12  # it grew from the prior at most 4x per round
+    assert t.link.rtt_s() == pytest.approx(0.005, abs=0.002) and t.link.uplink_bps() > 30e6
+    assert t.link.uplink_bps() <= 10e6 * 4 ** 12  # it grew from the prior at most 4x per round
     for up in sizes[:3]:
         t.observe_round(record(up=up, network=link_network(0.1, 1e6, up)), SETTINGS, 1.0, 49152)
-    assert t.rtt_s() > 0.05 and t.uplink_bps() < 3e6, (t.rtt_s(), t.uplink_bps())
+    assert t.link.rtt_s() > 0.05 and t.link.uplink_bps() < 3e6, (t.link.rtt_s(), t.link.uplink_bps())
     for up in sizes:
         t.observe_round(record(up=up, network=link_network(0.1, 1e6, up)), SETTINGS, 1.0, 49152)
-    assert t.rtt_s() == pytest.approx(0.1, rel=0.05) and t.uplink_bps() == pytest.approx(1e6, rel=0.05)
+    assert t.link.rtt_s() == pytest.approx(0.1, rel=0.05) and t.link.uplink_bps() == pytest.approx(1e6, rel=0.05)
 
 
 def test_one_round_faster_than_the_round_trip_estimate_resets_it_and_one_slow_round_does_not() -> None:
@@ -228,11 +229,11 @@ def test_one_round_faster_than_the_round_trip_estimate_resets_it_and_one_slow_ro
     t = LinkTracker()
     for up in (600, 5000, 600, 9000, 2500, 600):
         t.observe_round(record(up=up, network=link_network(0.15, 10e6, up)), SETTINGS, 1.0, 49152)
-    t.down.append((8 * 393216, 0.3))
+    t.link.down.append((8 * 393216, 0.3))
     t.observe_round(record(up=600, network=0.15 + 0.2), SETTINGS, 1.0, 49152)  # one lost segment
-    assert t.rtt_s() >= 0.15 and t.down and len(t.link_samples) == LINK_WINDOW  # in the fit, not a change
+    assert t.link.rtt_s() >= 0.15 and t.link.down and len(t.link.samples) == LinkConfig().window  # in the fit, not a change
     t.observe_round(record(up=600, network=link_network(0.002, 10e6, 600)), SETTINGS, 1.0, 49152)
-    assert t.rtt_s() < 0.005 and not t.down, t.rtt_s()
+    assert t.link.rtt_s() < 0.005 and not t.link.down, t.link.rtt_s()
 
 
 def test_auto_dssd_rounds_send_enough_samples_to_spare_the_full_p() -> None:
@@ -250,25 +251,26 @@ def test_auto_dssd_rounds_send_enough_samples_to_spare_the_full_p() -> None:
 
 def test_a_changed_link_is_probed_soon_when_only_small_rounds_are_sent() -> None:
     """Rounds below a segment cannot tell a longer round trip from a slower uplink: after the round
-    trip changes the tracker asks for a goodput probe within PROBE_AFTER_CHANGE rounds, not
-    PROBE_EVERY."""
+    trip changes the tracker asks for a goodput probe within LinkConfig.probe_after_change rounds, not
+    probe_every."""
     t = LinkTracker()
     for _ in range(6):
         t.observe_round(record(up=600, network=link_network(0.02, 100e6, 600)), SETTINGS, 1.0, 49152)
-    assert t.rounds_since_rate == 6 < PROBE_EVERY
-    for n in range(2 + PROBE_AFTER_CHANGE):  # two rounds to see the change, then the wait
+    c = LinkConfig()
+    assert t.link.rounds_since_rate == 6 < c.probe_every and not t.link.probe_due()
+    for n in range(2 + c.probe_after_change):  # two rounds to see the change, then the wait
         t.observe_round(record(up=600, network=link_network(0.06, 100e6, 600)), SETTINGS, 1.0, 49152)
-    assert t.rounds_since_rate >= PROBE_EVERY
+    assert t.link.probe_due()
 
 
 def test_goodput_estimate_rises_gradually_and_falls_at_once() -> None:
     t = LinkTracker()
     for up in (300, 5000, 2500):
         t.observe_round(record(up=up, network=link_network(0.01, 1e9, up)), SETTINGS, 1.0, 49152)
-    assert t.uplink_bps() <= 10e6 * 4 ** 3
+    assert t.link.uplink_bps() <= 10e6 * 4 ** 3
     for up in (5000, 300, 9000):
         t.observe_round(record(up=up, network=link_network(0.01, 0.5e6, up)), SETTINGS, 1.0, 49152)
-    assert t.uplink_bps() < 1e6
+    assert t.link.uplink_bps() < 1e6
 
 
 def test_link_fit_separates_round_trip_from_serialization() -> None:
@@ -285,8 +287,8 @@ def test_link_fit_separates_round_trip_from_serialization() -> None:
 def test_verify_time_fit_recovers_base_and_slope() -> None:
     t = LinkTracker()
     for n in (2, 5, 9, 3, 13, 5):
-        t.add_verify(n, 0.05 + 0.01 * (n - 1))
-    base, slope = t.verify_fit()
+        t.verify.add(n, 0.05 + 0.01 * (n - 1))
+    base, slope = t.verify.fit()
     assert base == pytest.approx(0.05, rel=0.1) and slope == pytest.approx(0.01, rel=0.15)
 
 
@@ -491,7 +493,7 @@ def test_dssd_fallbacks_are_charged_what_their_replies_measured_and_sample_the_d
         t.observe_round(fallback, dssd, 1.0, 49152)
     e = t.estimates(1.0, 49152)
     assert reply < e.dssd_fallback_bytes < reply + 8 * 49152  # the run-out's whole p_j counts too
-    assert len(t.down) == 2 and e.downlink_bps == pytest.approx(1e6, rel=0.1)
+    assert len(t.link.down) == 2 and e.downlink_bps == pytest.approx(1e6, rel=0.1)
     assert t.model(1.0).fallback.hits > 0
 
 
@@ -536,7 +538,7 @@ def _welcomed(points, rtt_s: float) -> AutoPolicy:
     policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,
                                    max_draft_len=32, max_k=8192, forward_cost=tuple(points)))
     policy.tracker.draft_s.add(0.002)
-    policy.tracker._link = (rtt_s, 100e6)
+    policy.tracker.link.fit = (rtt_s, 100e6)
     policy.acceptance = SessionAcceptance(0.9)
     return policy
 
@@ -552,9 +554,9 @@ def test_the_edge_s_stated_cost_curve_makes_auto_draft_long_on_a_gpu() -> None:
     assert _welcomed(H100_8B, 0.02).choose().settings.draft_len >= _welcomed(CPU_135M, 0.02).choose().settings.draft_len
     # forwards the device measures still move the fit (the curve is its prior only)
     for _ in range(24):
-        gpu.tracker.add_verify(9, 0.05)
-        gpu.tracker.add_verify(2, 0.01)
-    _, slope = gpu.tracker.verify_fit()
+        gpu.tracker.verify.add(9, 0.05)
+        gpu.tracker.verify.add(2, 0.01)
+    _, slope = gpu.tracker.verify.fit()
     assert slope > 0.004  # (0.05 - 0.01) / 7 s per token measured, far above the curve's 21 us
 
 
@@ -572,14 +574,14 @@ def test_a_round_stalled_by_an_outage_leaves_the_link_estimates_alone() -> None:
                                   q_stats=(), guess=None, elapsed_s=sum(r.phases.values()), edge_hint=None, t=0.0))
     for up in (600, 3000, 600, 5000, 1200, 3000, 600, 5000):
         commit(up, link_network(rtt, rate, up))
-    before = (t.rtt_s(), t.uplink_bps(), dict((k, e.value) for k, e in t.time_scale.items()))
+    before = (t.link.rtt_s(), t.link.uplink_bps(), dict((k, e.value) for k, e in t.time_scale.items()))
     commit(3000, link_network(rtt, rate, 3000) + 0.8)  # an outage while it was in flight
-    assert t.stalls == 1
-    assert (t.rtt_s(), t.uplink_bps()) == pytest.approx(before[:2], rel=1e-6)
+    assert t.link.stalls == 1
+    assert (t.link.rtt_s(), t.link.uplink_bps()) == pytest.approx(before[:2], rel=1e-6)
     assert {k: e.value for k, e in t.time_scale.items()} == before[2]
     commit(3000, link_network(rtt, rate, 3000))  # back to normal: the stall is forgotten
-    assert t.rtt_s() == pytest.approx(rtt, rel=0.05) and t.uplink_bps() == pytest.approx(rate, rel=0.1)
-    predicted = lambda up: t.rtt_s() + 8 * up / t.uplink_bps()  # noqa: E731
+    assert t.link.rtt_s() == pytest.approx(rtt, rel=0.05) and t.link.uplink_bps() == pytest.approx(rate, rel=0.1)
+    predicted = lambda up: t.link.rtt_s() + 8 * up / t.link.uplink_bps()  # noqa: E731
     for _ in range(3):  # the link itself slows down: 0.6 s more a round, round after round
         commit(3000, link_network(rtt, rate, 3000) + 0.6)
     assert predicted(3000) == pytest.approx(link_network(rtt, rate, 3000) + 0.6, rel=0.1)

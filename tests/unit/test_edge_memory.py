@@ -198,10 +198,10 @@ def test_edge_only_rounds_measure_the_round_trip_by_their_first_token() -> None:
     tracker = LinkTracker()
     policy = AutoPolicy(tracker, HELLO, V)
     commit(policy, policy.choose().settings, edge_only(8, first=0.5))  # the session's first: the prefill's too
-    assert tracker.rtt_s() == 0.0
+    assert tracker.link.rtt_s() == 0.0
     for _ in range(3):
         commit(policy, replace(DraftSettings(), mode=Mode.NONE, edge_tokens=16), edge_only(16, first=0.12))
-    assert tracker.rtt_s() == pytest.approx(0.12, abs=0.005)
+    assert tracker.link.rtt_s() == pytest.approx(0.12, abs=0.005)
 
 
 # -- exploring -------------------------------------------------------------------------------------
