@@ -134,6 +134,48 @@ class BatchStats:
     rounds: int = 0                    # rounds verified
 
 
+class Arrivals:
+    """When each session is due back with its next forward: the gap it usually leaves between its
+    forwards, from when its last one ended (module docstring). Keyed by the session's cache runner;
+    the scheduler holds its lock around every call. Pure: the times are passed in."""
+
+    def __init__(self):
+        self.done: dict[int, float] = {}  # when its last forward ended: the load, and who is due back
+        self.gap: dict[int, float] = {}   # its usual gap until the next hand-in
+        self.size: dict[int, int] = {}    # tokens of its last request
+
+    def handed_in(self, key: int, tokens: int, now: float) -> None:
+        if key in self.done:
+            gap = now - self.done[key]
+            old = self.gap.get(key)
+            self.gap[key] = gap if old is None else (1 - GAP_EWMA) * old + GAP_EWMA * gap
+        self.size[key] = tokens
+
+    def forget(self, key: int) -> None:
+        for table in (self.done, self.gap, self.size):
+            table.pop(key, None)
+
+    def active(self, now: float) -> int:
+        """Sessions that ran a forward within ACTIVE_WINDOW_S."""
+        return sum(now - done <= ACTIVE_WINDOW_S for done in self.done.values())
+
+    def worth_waiting_for(self, now: float, pending: set[int], saving: Callable[[int], float]) -> float | None:
+        """Until when to wait for the sessions not ``pending`` that are due back before what a shared
+        forward saves (``saving(their tokens)``), or None; forgets those away far longer than a round."""
+        until = None
+        for key, done in list(self.done.items()):
+            if now - done > ACTIVE_WINDOW_S:  # left, or away far longer than a round
+                self.forget(key)
+                continue
+            if key in pending or key not in self.gap:
+                continue
+            due, gap = done + self.gap[key], self.gap[key]
+            latest = due + DUE_TOLERANCE * gap
+            if now <= latest and due - now <= saving(self.size.get(key, 1)):
+                until = latest if until is None else max(until, latest)
+        return until
+
+
 @dataclass
 class _Pending:
     request: ForwardRequest
@@ -161,10 +203,7 @@ class ForwardScheduler:
         self._workspace = BatchWorkspace()  # the padded caches' memory, reused by every forward
         self.cost = CostCurve()  # seconds per forward by tokens: calibrated, then refreshed by every forward
         self._busy: deque[tuple[float, float]] = deque()  # (end, seconds) of forwards in the window
-        # id(CachedLM) -> when its last forward ended (under _cond): the load, and who is due back
-        self._done: dict[int, float] = {}
-        self._gap: dict[int, float] = {}    # id(CachedLM) -> its usual gap until the next hand-in
-        self._size: dict[int, int] = {}     # id(CachedLM) -> tokens of its last request
+        self.arrivals = Arrivals()  # by id(CachedLM), under _cond: who is due back, and when
         self._load_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="forward-scheduler", daemon=True)
         self._thread.start()
@@ -194,21 +233,10 @@ class ForwardScheduler:
     def _through(self, request: ForwardRequest, round_: ChainRound | None = None):
         """``request``'s chunks through forwards in order; the last one's answer (logits, or with
         ``round_`` its outcome)."""
-        *chunks, last = self._chunks(request)
-        for chunk in chunks:
+        *head, last = chunks(request, self.settings.max_batch_tokens)
+        for chunk in head:
             self._submit(chunk).result()
         return self._submit(last, round_).result()
-
-    def _chunks(self, r: ForwardRequest) -> list[ForwardRequest]:
-        """A causal request longer than a batch, split in order; only the last chunk, which holds
-        every position whose logits are asked for, returns logits. Trees are never split."""
-        n, size = r.num_tokens, self.settings.max_batch_tokens
-        if r.attend is not None or n <= size:
-            return [r]
-        last = max(r.num_logits, n % size or size)
-        head = r.new_ids[:n - last]
-        chunks = [ForwardRequest(r.lm, head[c:c + size], 0) for c in range(0, len(head), size)]
-        return [*chunks, ForwardRequest(r.lm, r.new_ids[n - last:], r.num_logits)]
 
     def _submit(self, request: ForwardRequest, round_: ChainRound | None = None) -> Future:
         future: Future = Future()
@@ -216,12 +244,7 @@ class ForwardScheduler:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the edge is shutting down")
-            key = id(request.lm)
-            if key in self._done:
-                gap = now - self._done[key]
-                old = self._gap.get(key)
-                self._gap[key] = gap if old is None else (1 - GAP_EWMA) * old + GAP_EWMA * gap
-            self._size[key] = request.num_tokens
+            self.arrivals.handed_in(id(request.lm), request.num_tokens, now)
             self._pending.append(_Pending(request, future, now, round_))
             self._cond.notify_all()
         return future
@@ -233,8 +256,7 @@ class ForwardScheduler:
     def forget(self, lm) -> None:
         """A session ended: it is not due back, and its KV slot is free."""
         with self._cond:
-            for table in (self._done, self._gap, self._size):
-                table.pop(id(lm), None)
+            self.arrivals.forget(id(lm))
         release = getattr(lm, "release", None)
         if release is not None:
             release()
@@ -260,7 +282,7 @@ class ForwardScheduler:
         """Open sessions that ran a forward within ACTIVE_WINDOW_S: the load the edge shares."""
         now = time.perf_counter()
         with self._cond:
-            return sum(now - done <= ACTIVE_WINDOW_S for done in self._done.values())
+            return self.arrivals.active(now)
 
     def utilization(self) -> float:
         """Share of the last ACTIVE_WINDOW_S the target spent in forwards."""
@@ -305,7 +327,8 @@ class ForwardScheduler:
         with self._cond:
             while True:
                 if self._stopped:
-                    self._fail_pending()
+                    while self._pending:
+                        self._pending.popleft().future.set_exception(RuntimeError("the edge is shutting down"))
                     return None
                 if self._pending:
                     now = time.perf_counter()
@@ -322,26 +345,10 @@ class ForwardScheduler:
         tokens = sum(p.request.num_tokens for p in self._pending)
         if tokens >= self.settings.max_batch_tokens:
             return now, True
-        wait_for = self._worth_waiting_for(now, tokens)
+        pending = {id(p.request.lm) for p in self._pending}
+        wait_for = self.arrivals.worth_waiting_for(now, pending, lambda joining: self._saving(tokens, joining))
         deadline = max(self._pending[0].since + self.settings.wait_s, wait_for or 0.0)
         return deadline, len(self._pending) >= self._working and wait_for is None
-
-    def _worth_waiting_for(self, now: float, tokens: int) -> float | None:
-        """Until when to wait for the sessions due back that are worth it (module docstring), or None."""
-        pending = {id(p.request.lm) for p in self._pending}
-        until = None
-        for key, done in list(self._done.items()):
-            if now - done > ACTIVE_WINDOW_S:  # left, or away far longer than a round
-                for table in (self._done, self._gap, self._size):
-                    table.pop(key, None)
-                continue
-            if key in pending or key not in self._gap:
-                continue
-            due, gap = done + self._gap[key], self._gap[key]
-            latest = due + DUE_TOLERANCE * gap
-            if now <= latest and due - now <= self._saving(tokens, self._size.get(key, 1)):
-                until = latest if until is None else max(until, latest)
-        return until
 
     def _saving(self, pending_tokens: int, joining_tokens: int) -> float:
         """Seconds one forward over both saves over two: c(a) + c(b) - c(a + b)."""
@@ -367,10 +374,6 @@ class ForwardScheduler:
             tokens += nxt.num_tokens
         return batch
 
-    def _fail_pending(self) -> None:
-        while self._pending:
-            self._pending.popleft().future.set_exception(RuntimeError("the edge is shutting down"))
-
     def _run(self, batch: list[_Pending]) -> None:
         start = time.perf_counter()
         try:
@@ -385,11 +388,11 @@ class ForwardScheduler:
                 self._run([p])
             return
         seconds = time.perf_counter() - start
-        answers, verified = self._verified(batch, results)
+        answers, verified = _answers(batch, results)
         with self._cond:  # before the answers: a session may hand in its next forward at once
             end = time.perf_counter()
             for p in batch:
-                self._done[id(p.request.lm)] = end
+                self.arrivals.done[id(p.request.lm)] = end
         for p, answer in zip(batch, answers):
             if isinstance(answer, BaseException):
                 p.future.set_exception(answer)
@@ -403,23 +406,34 @@ class ForwardScheduler:
                                       forward_seconds=seconds, verify_seconds=verified,
                                       rounds=sum(p.round is not None for p in batch)))
 
-    @staticmethod
-    def _verified(batch: list[_Pending], results: list[torch.Tensor]) -> tuple[list, float]:
-        """What each request waits for (its logits, or its round's outcome, or the error verifying it
-        raised) and the seconds verification took: the batch's rounds together, or if that fails,
-        one by one."""
-        answers: list = list(results)
-        mine = [k for k, p in enumerate(batch) if p.round is not None]
-        if not mine:
-            return answers, 0.0
-        start = time.perf_counter()
-        try:
-            outcomes: list = verify_rounds([results[k] for k in mine], [batch[k].round for k in mine])
-        except Exception:  # noqa: BLE001 - one session's bad round must not fail the others
-            outcomes = [_verify_one(results[k], batch[k].round) for k in mine]
-        for k, outcome in zip(mine, outcomes):
-            answers[k] = outcome
-        return answers, time.perf_counter() - start
+def chunks(r: ForwardRequest, size: int) -> list[ForwardRequest]:
+    """A causal request longer than a batch of ``size`` tokens, split in order; only the last chunk,
+    which holds every position whose logits are asked for, returns logits. Trees are never split."""
+    n = r.num_tokens
+    if r.attend is not None or n <= size:
+        return [r]
+    last = max(r.num_logits, n % size or size)
+    head = r.new_ids[:n - last]
+    out = [ForwardRequest(r.lm, head[c:c + size], 0) for c in range(0, len(head), size)]
+    return [*out, ForwardRequest(r.lm, r.new_ids[n - last:], r.num_logits)]
+
+
+def _answers(batch: list[_Pending], results: list[torch.Tensor]) -> tuple[list, float]:
+    """What each request waits for (its logits, or its round's outcome, or the error verifying it
+    raised) and the seconds verification took: the batch's rounds together, or if that fails,
+    one by one."""
+    answers: list = list(results)
+    mine = [k for k, p in enumerate(batch) if p.round is not None]
+    if not mine:
+        return answers, 0.0
+    start = time.perf_counter()
+    try:
+        outcomes: list = verify_rounds([results[k] for k in mine], [batch[k].round for k in mine])
+    except Exception:  # noqa: BLE001 - one session's bad round must not fail the others
+        outcomes = [_verify_one(results[k], batch[k].round) for k in mine]
+    for k, outcome in zip(mine, outcomes):
+        answers[k] = outcome
+    return answers, time.perf_counter() - start
 
 
 def _verify_one(logits: torch.Tensor, round_: ChainRound) -> RoundOutcome | Exception:

@@ -111,7 +111,7 @@ class VerifierSession:
     def __init__(self, target: LoadedModel, info: TargetInfo, hello: Hello, limits: EdgeLimits,
                  session_id: str, forward: Forward = forward_alone, lm: CachedLM | None = None,
                  verify: VerifyForward = verify_alone):
-        self._check_hello(info, hello, limits)
+        check_hello(info, hello, limits)
         self._forward = forward
         self._verify = verify
         self.hello = hello
@@ -132,23 +132,6 @@ class VerifierSession:
         self._specs: dict[tuple[int, ...], TreeSpec] = {}  # tree configuration (prefix) -> spec
         self.acceptance = Acceptance()  # of this device's drafts, for load-aware speculation
 
-    @staticmethod
-    def _check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
-        if hello.protocol_version != PROTOCOL_VERSION:
-            raise RefusedError(f"protocol version {hello.protocol_version} not supported "
-                               f"(edge speaks {PROTOCOL_VERSION})")
-        if hello.vocab_fingerprint != info.fingerprint or hello.vocab_size != info.vocab_size:
-            raise RefusedError(
-                f"vocabulary mismatch: device {hello.vocab_fingerprint[:12]}/{hello.vocab_size}, "
-                f"edge {info.fingerprint[:12]}/{info.vocab_size} ({info.name})")
-        if hello.target_fingerprint and hello.target_fingerprint != info.target_fingerprint:
-            raise RefusedError(
-                f"target mismatch: the session ran on target {hello.target_fingerprint[:12]}, this edge "
-                f"serves {info.target_fingerprint[:12] or 'an unfingerprinted target'} ({info.name}); "
-                "continuing here would change the output distribution", TARGET_MISMATCH)
-        validate_hello(hello)
-        _check_limits(hello.draft, info, limits)
-
     def welcome(self) -> Welcome:
         return Welcome(session_id=self.session_id, model_name=self.info.name,
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
@@ -164,7 +147,7 @@ class VerifierSession:
         max_prompt = self.limits.max_prompt_tokens or self.max_context
         if len(ids) >= min(max_prompt, self.max_context):
             raise LimitError(f"prompt of {len(ids)} tokens exceeds the limit {min(max_prompt, self.max_context) - 1}")
-        self._check_ids(ids, "prompt")
+        check_ids(ids, self.info.vocab_size, "prompt")
         if self.tokens:
             raise ValueError("prompt sent twice")
         self.tokens = ids
@@ -183,7 +166,7 @@ class VerifierSession:
         if len(ids) + 1 > self.max_context:
             raise LimitError(f"prefix of {len(ids)} tokens exceeds the context limit {self.max_context}",
                              CONTEXT_FULL)
-        self._check_ids(ids, "prefix")
+        check_ids(ids, self.info.vocab_size, "prefix")
         common = 0
         for a, b in zip(ids, self.tokens):
             if a != b:
@@ -200,8 +183,9 @@ class VerifierSession:
     def verify(self, draft: DraftBlock) -> Verdict:
         start = time.perf_counter()
         settings = self.round_settings(draft)
-        spec = self._tree_spec(draft, settings) if settings.tree else None
-        self._check_round(draft, settings, spec)
+        spec = tree_spec(draft, settings, self._specs) if settings.tree else None
+        self._check_order(draft)
+        check_round(draft, settings, spec, self.info.vocab_size, len(self.tokens), self.max_context)
         self._apply_correction(draft)
         t_decode = time.perf_counter()
         q = self._decode_q(draft, settings, spec)
@@ -339,15 +323,6 @@ class VerifierSession:
         return Verdict(round_id=draft.round_id, num_accepted=len(result.accepted_nodes),
                        next_token=result.tokens[-1], accepted_nodes=tuple(result.accepted_nodes))
 
-    def _tree_spec(self, draft: DraftBlock, settings: DraftSettings) -> TreeSpec:
-        depth = draft.tree_depth
-        if not 1 <= depth <= len(settings.tree):
-            raise ValueError(f"tree_depth {depth} outside 1..{len(settings.tree)}")
-        config = settings.tree[:depth]
-        if config not in self._specs:
-            self._specs[config] = TreeSpec.from_config(config)
-        return self._specs[config]
-
     def residual(self, request: ResidualRequest) -> ResidualReply:
         """DSSD fallback: p_j of the pending rejection (float64, exactly what was verified), as its head
         and tail samples when the round set ``dssd_fallback_top_k`` (unless the device asks for the
@@ -362,11 +337,6 @@ class VerifierSession:
         return ResidualReply(round_id=request.round_id, **head.to_values())
 
     # -- internals -------------------------------------------------------------------------------
-    def _check_ids(self, ids, what: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.info.vocab_size]
-        if bad:
-            raise ValueError(f"{what} token id {bad[0]} out of range [0, {self.info.vocab_size})")
-
     def _check_order(self, draft: DraftBlock) -> None:
         """Every round, edge-only or not: after the prompt, numbered in order."""
         if not self.tokens:
@@ -374,28 +344,11 @@ class VerifierSession:
         if draft.round_id != self.round_id + 1:
             raise ValueError(f"round id {draft.round_id} out of order (expected {self.round_id + 1})")
 
-    def _check_round(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None) -> None:
-        self._check_order(draft)
-        if draft.sent_ahead:
-            raise ValueError("only an edge-only round is sent ahead")
-        n = len(draft.token_ids)
-        if spec is None and draft.tree_depth:
-            raise ValueError("tree_depth set in a chain session")
-        if spec is not None:
-            if n != spec.num_nodes - 1:
-                raise ValueError(f"tree of depth {spec.depth} has {spec.num_nodes - 1} nodes, got {n} tokens")
-        elif not 1 <= n <= settings.draft_len:
-            raise LimitError(f"draft of {n} tokens; allowed 1..{settings.draft_len}")
-        self._check_ids(draft.token_ids, "draft")
-        extra = 1 if draft.correction_token is not None else 0
-        if len(self.tokens) + extra + n + 1 > self.max_context:
-            raise LimitError(f"context limit {self.max_context} tokens reached", CONTEXT_FULL)
-
     def _apply_correction(self, draft: DraftBlock) -> None:
         if self._pending_reject is not None:
             if draft.correction_token is None:
                 raise ValueError("DSSD: this draft must carry the correction token of the last rejection")
-            self._check_ids([draft.correction_token], "correction")
+            check_ids([draft.correction_token], self.info.vocab_size, "correction")
             self.tokens.append(int(draft.correction_token))
             self._pending_reject = None
         elif draft.correction_token is not None:
@@ -430,6 +383,62 @@ class VerifierSession:
         if next_token is not None:
             self.tokens.append(int(next_token))
 
+
+
+def check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
+    """A Hello this edge can serve: its protocol, vocabulary and target, valid settings within the
+    edge's limits (RefusedError, ValueError or LimitError, before any model work)."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise RefusedError(f"protocol version {hello.protocol_version} not supported "
+                           f"(edge speaks {PROTOCOL_VERSION})")
+    if hello.vocab_fingerprint != info.fingerprint or hello.vocab_size != info.vocab_size:
+        raise RefusedError(
+            f"vocabulary mismatch: device {hello.vocab_fingerprint[:12]}/{hello.vocab_size}, "
+            f"edge {info.fingerprint[:12]}/{info.vocab_size} ({info.name})")
+    if hello.target_fingerprint and hello.target_fingerprint != info.target_fingerprint:
+        raise RefusedError(
+            f"target mismatch: the session ran on target {hello.target_fingerprint[:12]}, this edge "
+            f"serves {info.target_fingerprint[:12] or 'an unfingerprinted target'} ({info.name}); "
+            "continuing here would change the output distribution", TARGET_MISMATCH)
+    validate_hello(hello)
+    _check_limits(hello.draft, info, limits)
+
+
+def check_ids(ids, vocab_size: int, what: str) -> None:
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{what} token id {bad[0]} out of range [0, {vocab_size})")
+
+
+def check_round(draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None, vocab_size: int,
+                verified: int, max_context: int) -> None:
+    """A drafted round's shape: its tokens (a chain's within the draft length, a tree's its node
+    count), their ids, and the context they need after the ``verified`` tokens."""
+    if draft.sent_ahead:
+        raise ValueError("only an edge-only round is sent ahead")
+    n = len(draft.token_ids)
+    if spec is None and draft.tree_depth:
+        raise ValueError("tree_depth set in a chain session")
+    if spec is not None:
+        if n != spec.num_nodes - 1:
+            raise ValueError(f"tree of depth {spec.depth} has {spec.num_nodes - 1} nodes, got {n} tokens")
+    elif not 1 <= n <= settings.draft_len:
+        raise LimitError(f"draft of {n} tokens; allowed 1..{settings.draft_len}")
+    check_ids(draft.token_ids, vocab_size, "draft")
+    extra = 1 if draft.correction_token is not None else 0
+    if verified + extra + n + 1 > max_context:
+        raise LimitError(f"context limit {max_context} tokens reached", CONTEXT_FULL)
+
+
+def tree_spec(draft: DraftBlock, settings: DraftSettings, specs: dict[tuple[int, ...], TreeSpec]) -> TreeSpec:
+    """The round's tree: the configured one cut to its depth (cached in ``specs`` by configuration)."""
+    depth = draft.tree_depth
+    if not 1 <= depth <= len(settings.tree):
+        raise ValueError(f"tree_depth {depth} outside 1..{len(settings.tree)}")
+    config = settings.tree[:depth]
+    if config not in specs:
+        specs[config] = TreeSpec.from_config(config)
+    return specs[config]
 
 
 def _check_limits(settings: DraftSettings, info: TargetInfo, limits: EdgeLimits) -> None:

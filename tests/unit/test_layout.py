@@ -127,6 +127,24 @@ def test_no_import_cycle_within_a_package(top) -> None:
     assert _a_cycle(graph) is None, f"{top}/ import cycle: {' -> '.join(_a_cycle(graph))}"
 
 
+MAX_CLASS_METHODS, MAX_CLASS_LINES = 20, 300  # beyond these a class holds more than one thing
+
+
+def test_no_product_class_holds_more_than_one_thing() -> None:
+    """The objects every feature reaches into stay small: a session, a tracker or a scheduler that
+    grows past these limits gets its parts out (device/parts.py, link_fit.py, batching.Arrivals)."""
+    big = []
+    for top in PACKAGES:
+        for path in sorted((ROOT / top).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+                    lines = node.end_lineno - node.lineno + 1
+                    if methods > MAX_CLASS_METHODS or lines > MAX_CLASS_LINES:
+                        big.append(f"{top}/{path.name} {node.name}: {methods} methods, {lines} lines")
+    assert not big, big
+
+
 def test_common_holds_only_what_both_sides_use() -> None:
     """Every module of common/ is reached by the device's code and by the edge's (directly or through
     other common modules); side-only code lives on its side."""

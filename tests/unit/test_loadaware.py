@@ -130,7 +130,7 @@ def test_scheduler_advises_the_longest_draft_until_the_edge_is_saturated(monkeyp
         assert scheduler.draft_len_hint(0.7, 16) == 16  # idle: the device decides
         now = time.perf_counter()
         scheduler._busy.extend([(now, 0.45), (now, 0.45)])  # 90 % of the last second in forwards
-        scheduler._done.update({i: now for i in range(64)})  # 64 sessions just ran a forward
+        scheduler.arrivals.done.update({i: now for i in range(64)})  # 64 sessions just ran a forward
         assert scheduler.utilization() == pytest.approx(0.9)
         assert scheduler.draft_len_hint(0.7, 16) == best_draft_len(64, 0.7, CPU, 16) == 0
         monkeypatch.setattr(batching, "ACTIVE_WINDOW_S", 1e-9)  # all of it is old now
@@ -169,8 +169,9 @@ def test_on_an_h100_the_scheduler_waits_for_sessions_due_back() -> None:
         now = time.perf_counter()
         for due_in, waits in ((0.005, True), (0.020, False)):
             gap = 0.010 + due_in  # its last forward ended 10 ms ago
-            scheduler._done, scheduler._gap, scheduler._size = {1: now - 0.010}, {1: gap}, {1: 8}
-            until = scheduler._worth_waiting_for(now, 31 * 8)
+            arrivals = batching.Arrivals()
+            arrivals.done, arrivals.gap, arrivals.size = {1: now - 0.010}, {1: gap}, {1: 8}
+            until = arrivals.worth_waiting_for(now, set(), lambda joining: scheduler._saving(31 * 8, joining))
             assert (until is not None) == waits, due_in
             if waits:
                 assert until == pytest.approx(now + due_in + batching.DUE_TOLERANCE * gap)
