@@ -23,8 +23,7 @@ from specdec.device.engine import ProtocolError, deliverable, finished, run_roun
 from specdec.device.fleet import Failover, Fleet, Route, SessionTrail
 from specdec.device.grpc_status import (EdgeError, ShieldedRead, STATUS_BY_NUMBER, final_error, half_close,
                                         retryable, watch_status)
-from specdec.device.metrics import DeviceMetrics
-from specdec.device.rounds import RoundEvent
+from specdec.device.metrics import DeviceMetrics, SessionMeter
 from specdec.device.session import DraftSession
 
 log = logging.getLogger("specdec.device")
@@ -76,8 +75,7 @@ class GenerationResult:
 class _Stream:
     """One gRPC stream as the round loop's link (engine.Link): domain messages in and out."""
     call: object
-    metrics: DeviceMetrics | None = None
-    mode: str = ""
+    meter: SessionMeter = SessionMeter(None, "")
     round_timeout: float | None = None
     _read: ShieldedRead | None = None
     seen: dict | None = None            # watch_status(call): the first final status it gets
@@ -139,8 +137,7 @@ class _Stream:
             self.route.observe_queue(msg.verdict.timings.queue_seconds)
         elif kind == "welcome" and self.trail is not None:
             self.edge, resume, moved = self.trail.welcomed(wire.welcome_from_pb(msg.welcome), self.route)
-            if self.metrics:
-                self.metrics.fleet_welcomed(self.edge, resume, moved)
+            self.meter.welcomed(self.edge, resume, moved)
 
 
 CLOSE_GRACE_S = 1.0  # how long a cancelled session waits to deliver its Close
@@ -169,16 +166,13 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
     A refusal is never retried. ``timeout`` bounds the whole session.
     """
     fleet = edges if isinstance(edges, Fleet) else Fleet.of_channel(edges)
-    mode = "auto" if session.policy is not None else hello.draft.mode.value
-    if metrics:
-        metrics.session_started(mode)
-        session.listeners.append(metrics_listener(metrics))
+    meter = SessionMeter(metrics, "auto" if session.policy is not None else hello.draft.mode.value)
+    meter.started(session.listeners)
     status = "ok"
     try:
         result = await asyncio.wait_for(
-            _resilient(fleet, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy), timeout)
-        if metrics:
-            metrics.request_done(mode, result.wall_seconds, len(result.token_ids))
+            _resilient(fleet, session, hello, prompt_ids, eos_ids, on_tokens, meter, policy), timeout)
+        meter.done(result.wall_seconds, len(result.token_ids))
         return result
     except asyncio.TimeoutError:
         status = "deadline_exceeded"
@@ -190,11 +184,11 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
         status = "cancelled"
         raise
     finally:
-        if metrics:
-            metrics.session_ended(status)
+        meter.ended(status)
 
 
-async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_tokens, metrics, policy) -> GenerationResult:
+async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_tokens, meter: SessionMeter,
+                     policy) -> GenerationResult:
     result = GenerationResult(token_ids=[], welcome=None, stats=session.stats)
     session.start(prompt_ids)
     failover = Failover(fleet, policy, retryable)
@@ -203,8 +197,7 @@ async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_token
     hello = replace(hello, wants_end=True)  # End messages: statuses that survive proxies (see the proto)
     while True:
         call = pb_grpc.SpeculativeDecodingStub(route.channel).Generate(metadata=metadata)
-        stream = _Stream(call, metrics=metrics, mode="auto" if session.policy is not None else hello.draft.mode.value,
-                         round_timeout=policy.round_timeout_s, seen=watch_status(call), route=route,
+        stream = _Stream(call, meter=meter, round_timeout=policy.round_timeout_s, seen=watch_status(call), route=route,
                          trail=result.trail)
         route.open_sessions += 1
         try:
@@ -223,8 +216,7 @@ async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_token
         finally:
             call.cancel()
             route.open_sessions -= 1
-            if metrics and stream.edge is not None:
-                metrics.fleet_left(stream.edge)
+            meter.left(stream.edge)
         if stream.edge is not None:
             home = route
             # Wherever it continues, the target must be the one it ran on (else the law changes).
@@ -269,8 +261,7 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     def deliver(new: list[int]) -> None:
         new = deliverable(result.token_ids, new, hello.max_new_tokens, eos_ids)
         result.token_ids.extend(new)
-        if stream.metrics:  # counted after the cut at EOS / max_new_tokens: what the caller gets
-            stream.metrics.tokens_delivered(stream.mode, len(new))
+        stream.meter.delivered(len(new))
         if on_tokens and new:
             on_tokens(new)
 
@@ -286,11 +277,3 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
         await stream.drain()
         await stream.call.code()
 
-
-def metrics_listener(metrics: DeviceMetrics):
-    """A session listener that exports each committed round (and mode auto's choice for it)."""
-    def observe(event: RoundEvent) -> None:
-        metrics.observe_round(event.record)
-        if event.plan.choice is not None:
-            metrics.observe_auto(event.plan.choice)
-    return observe

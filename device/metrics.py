@@ -101,3 +101,44 @@ class DeviceMetrics(SpecMetrics):
     def tokens_delivered(self, mode: str, n: int) -> None:
         """Verified tokens handed to the caller (after the cut at EOS / max_new_tokens)."""
         self.generated_tokens.labels(mode).inc(n)
+
+
+class SessionMeter:
+    """All that one session's client feeds the device's metrics, in one place: its start and end,
+    each committed round (a listener of the session's round events), the fleet's welcomes, and the
+    tokens handed to the caller. Every method is a no-op without metrics."""
+
+    def __init__(self, metrics: DeviceMetrics | None, mode: str):
+        self.metrics, self.mode = metrics, mode
+
+    def started(self, listeners: list) -> None:
+        if self.metrics:
+            self.metrics.session_started(self.mode)
+            listeners.append(self.round)
+
+    def round(self, event) -> None:
+        """A committed round (device/rounds.py RoundEvent), and mode auto's choice for it."""
+        self.metrics.observe_round(event.record)
+        if event.plan.choice is not None:
+            self.metrics.observe_auto(event.plan.choice)
+
+    def welcomed(self, edge: str, resume: str | None, moved: bool) -> None:
+        if self.metrics:
+            self.metrics.fleet_welcomed(edge, resume, moved)
+
+    def left(self, edge: str | None) -> None:
+        if self.metrics and edge is not None:
+            self.metrics.fleet_left(edge)
+
+    def delivered(self, n: int) -> None:
+        """Counted after the cut at EOS / max_new_tokens: what the caller gets."""
+        if self.metrics:
+            self.metrics.tokens_delivered(self.mode, n)
+
+    def done(self, seconds: float, tokens: int) -> None:
+        if self.metrics:
+            self.metrics.request_done(self.mode, seconds, tokens)
+
+    def ended(self, status: str) -> None:
+        if self.metrics:
+            self.metrics.session_ended(status)
