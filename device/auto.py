@@ -40,7 +40,8 @@ from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT
 from specdec.common.stats import RoundRecord
 from specdec.device import safety_net as N
 from specdec.device import tracker_state as TS
-from specdec.device.link_fit import LinkConfig, LinkFit
+from specdec.device.auto_config import AutoConfig, EstimateConfig
+from specdec.device.link_fit import LinkFit
 from specdec.device.tracker_state import FAST_LINK_BPS, TIME_SCALE_MAX, TIME_SCALE_MIN
 from specdec.device import q_measure as Q
 from specdec.device.q_measure import QStats
@@ -48,76 +49,8 @@ from specdec.device.rounds import RoundEvent, RoundPlan
 from specdec.device.verify_fit import VerifyFit
 from specdec.common.verification import dssd_fallback_bytes
 
-DECAY = 0.9                   # weight kept by older samples per new one (EWMA)
-ACCEPT_DECAY = 0.9            # per round (not per tested position, which a text rejected at depth 1
-                              # every round hardly moves): a session's estimate follows its text in ~10
-LONG_ACCEPT_DECAY = 0.995     # per round: the device's long-run acceptance, where each session starts (not
-                              # the last session's: one bad text's tail must not set the next sessions)
-PROBE_MIN_GAIN = 0.1          # a goodput probe (LinkFit.probe_due) runs if a fast link would make rounds
-                              # this much faster (where every codec sends a few bytes, as at T = 0, no
-                              # goodput changes the choice)
-PRIOR_ALPHA, PRIOR_WEIGHT = 0.8, 8.0   # acceptance before any round (8 positions' worth)
-CROSS_WEIGHT = 0.5            # a tested position of the other kind (gumbel / exact q), mapped, counts half:
-                              # each kind's own rounds say most about it
-REMEMBERED_POSITIONS = 32.0   # the most a remembered long-run acceptance weighs: a few sessions' rounds
-                              # move it (the drafter or its texts may have changed since)
-MAX_DEPTH = 32                # depths with their own acceptance estimate (deeper ones share the last)
-DEPTH_PRIOR_WEIGHT = 4.0      # rounds' worth behind each depth's shrinkage toward alpha_base
-DEPTH_DECAY = 0.95            # per round reaching a depth (~20 rounds: one sample a round)
-PRIOR_GUESS = 0.7             # P(bonus guessed | all accepted) before any evidence
-PRIOR_FALLBACK_WEIGHT = 2.0   # rejections' worth of the alpha^m prior on DSSD's fallback share
-EDGE_CHUNK_OVERHEAD = 0.05    # an edge-only round's boundary (round trip + a forward) may cost this share of it
-EDGE_CHUNK_MIN, EDGE_CHUNK_MAX = 8, 64
-
-
-@dataclass(frozen=True)
-class AutoConfig:
-    """The candidates ``mode auto`` chooses among, and how eagerly it switches. Why these values:
-    docs/modes.md, "Why mode auto's constants are what they are"."""
-    # TSLT supports. Not 1024: at T = 1 its packet is 4x K = 256's for little more acceptance.
-    top_ks: tuple[int, ...] = (16, 64, 256)
-    ksqs_ks: tuple[int, ...] = (64,)                   # K-SQS supports (lattice below)
-    lattice: int = 1000
-    draft_lens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
-    dense: bool = True
-    # DSSD: its rounds draft ahead like the other chains (coupled bonus) and send the exact q's
-    # acceptance in a few bytes. The model charges it for its fallback: a trip and p_j's head
-    # (measured; before that verification.dssd_fallback_bytes).
-    dssd: bool = True
-    # m of auto's DSSD rounds: a rejection needs a fallback trip when all m samples y ~ p_j fail, each
-    # with probability 1 - TV(p_j, q_j), most of the time for a close drafter at small m; 12 bytes a
-    # sample, and the edge's default cap.
-    dssd_samples: int = DEFAULT_DSSD_MAX_SAMPLES
-    # Gumbel rounds send token ids only (2 bytes a position at V = 49152), accepted a little less often
-    # than the exact q's rejection sampling (make bench-coupling). Only against edges that verify them
-    # (Welcome.modes).
-    gumbel: bool = True
-    edge_only: bool = True
-    hysteresis: float = 0.05   # keep the current choice unless another is predicted this much faster
-    # The safety net (device/safety_net.py): which of edge-only and drafted rounds runs, from what each
-    # delivered (the model's pick within the drafted arm), and how the worse arm is explored.
-    net: N.NetConfig = N.NetConfig()
-    # The first round of a session on a link the device knows nothing of (no round seen, nothing
-    # remembered) is edge-only: it cannot lose to edge-only, and while it streams the drafter reads
-    # the prompt.
-    cold_start: bool = True
-    link: LinkConfig = LinkConfig()  # the link's fit (device/link_fit.py)
-    # Weight of what was learned before each new observation, relative to the decays above: 1 keeps
-    # them; 0 makes every estimate its latest observation (tests: a controller as sensitive to each
-    # round as it can be, so that a choice that could see a round's own draws would show it).
-    memory: float = 1.0
-
-    def candidates(self, vocab_size: int, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN,
-                   max_k: int = DEFAULT_MAX_K) -> list[A.Candidate]:
-        cap = min(vocab_size, max_k)
-        ks = tuple(sorted({min(k, cap) for k in self.top_ks}))
-        lens = tuple(L for L in self.draft_lens if L <= max_draft_len)
-        return A.candidate_grid(ks, lens, tuple(sorted({min(k, cap) for k in self.ksqs_ks})), self.dense,
-                                self.dssd, self.edge_only, self.gumbel)
-
-
 class _Ewma:
-    def __init__(self, prior: float | None = None, decay: float = DECAY):
+    def __init__(self, prior: float | None, decay: float):
         self.value, self.decay = prior, decay
 
     def add(self, x: float) -> None:
@@ -127,7 +60,7 @@ class _Ewma:
 class _Ratio:
     """A decayed ratio: each :meth:`add` keeps ``decay`` of the hits and trials before it."""
 
-    def __init__(self, hits: float = 0.0, trials: float = 0.0, decay: float = DECAY):
+    def __init__(self, hits: float, trials: float, decay: float):
         self.hits, self.trials, self.decay = hits, trials, decay
 
     def add(self, hits: float, trials: float = 1.0) -> None:
@@ -147,17 +80,17 @@ class _Acceptance:
     """Acceptance per tested position, overall and per depth in the round, decayed per round so that it
     follows a session's text."""
 
-    def __init__(self, accept: _Ratio, memory: float):
-        self.accept = accept
+    def __init__(self, accept: _Ratio, memory: float, cfg: EstimateConfig):
+        self.accept, self.cfg = accept, cfg
         # the same per depth d + 1, over the rounds that reached it: acceptance is correlated along a
         # round (a draft accepted at depth 1 makes the next likelier), which eq. (8)'s one rate misses,
         # and with it how often a long round is accepted whole
-        self.depth = [_Ratio(decay=DEPTH_DECAY * memory) for _ in range(MAX_DEPTH)]
+        self.depth = [_Ratio(0.0, 0.0, cfg.depth_decay * memory) for _ in range(cfg.max_depth)]
 
     def add_positions(self, values: list[float], weight: float = 1.0) -> None:
         """One round's tested positions, each its (expected) acceptance, with ``weight`` trials each."""
         self.accept.add(weight * sum(values), weight * len(values))
-        for d, v in enumerate(values[:MAX_DEPTH]):  # one sample per depth the round reached
+        for d, v in enumerate(values[:self.cfg.max_depth]):  # one sample per depth the round reached
             self.depth[d].add(weight * v, weight)
 
 
@@ -166,8 +99,9 @@ class SessionAcceptance(_Acceptance):
     depth. Each session has its own (sessions running at once draft different texts); it starts from
     the device's long-run rate (``start``)."""
 
-    def __init__(self, start: float = PRIOR_ALPHA, memory: float = 1.0):
-        super().__init__(_Ratio(start * PRIOR_WEIGHT, PRIOR_WEIGHT, ACCEPT_DECAY * memory), memory)
+    def __init__(self, start: float | None = None, memory: float = 1.0, cfg: EstimateConfig = EstimateConfig()):
+        start = cfg.prior_alpha if start is None else start
+        super().__init__(_Ratio(start * cfg.prior_weight, cfg.prior_weight, cfg.accept_decay * memory), memory, cfg)
 
     def add(self, accepted: int, tested: int, tv: float) -> None:
         self.add_positions([(d < accepted) + tv for d in range(tested)])
@@ -180,42 +114,43 @@ class SessionAcceptance(_Acceptance):
         """Acceptance per depth given the earlier drafts accepted: each depth's counts shrunk toward
         alpha_base, so a depth no round reached is predicted at the overall rate."""
         base = self.alpha_base
-        return tuple(min(1.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT)) for d in self.depth)
+        return tuple(min(1.0, d.shrunk(base, self.cfg.depth_prior_weight)) for d in self.depth)
 
 
 class GumbelAcceptance(_Acceptance):
     """One session's gumbel acceptance (a draft kept iff it is the target's own race, another event than
     the exact q's acceptance): kept drafts per tested position of its gumbel rounds, and the other
-    rounds' through :func:`~specdec.device.autotune.race_from_exact` at CROSS_WEIGHT; no prior of its
+    rounds' through :func:`~specdec.device.autotune.race_from_exact` at ``cross_weight``; no prior of its
     own (:meth:`estimate` shrinks toward one)."""
 
-    def __init__(self, memory: float = 1.0):
-        super().__init__(_Ratio(decay=ACCEPT_DECAY * memory), memory)
+    def __init__(self, memory: float = 1.0, cfg: EstimateConfig = EstimateConfig()):
+        super().__init__(_Ratio(0.0, 0.0, cfg.accept_decay * memory), memory, cfg)
 
     def estimate(self, prior: float) -> tuple[float, tuple[float, ...]]:
-        """(acceptance per position, per depth): the counts shrunk toward ``prior`` (PRIOR_WEIGHT
-        positions' worth), each depth's toward that (DEPTH_PRIOR_WEIGHT rounds' worth)."""
-        base = min(1.0, max(0.0, self.accept.shrunk(prior, PRIOR_WEIGHT)))
-        return base, tuple(min(1.0, max(0.0, d.shrunk(base, DEPTH_PRIOR_WEIGHT))) for d in self.depth)
+        """(acceptance per position, per depth): the counts shrunk toward ``prior`` (``prior_weight``
+        positions' worth), each depth's toward that (``depth_prior_weight`` rounds' worth)."""
+        c = self.cfg
+        base = min(1.0, max(0.0, self.accept.shrunk(prior, c.prior_weight)))
+        return base, tuple(min(1.0, max(0.0, d.shrunk(base, c.depth_prior_weight))) for d in self.depth)
 
 
 class _ModelSide:
     """Estimates that depend on the two models and the temperature, not on the link or the text."""
 
-    def __init__(self, greedy: bool = False, memory: float = 1.0):
-        self.greedy = greedy
-        self.memory = memory
+    def __init__(self, greedy: bool, memory: float, cfg: EstimateConfig):
+        self.greedy, self.memory, self.cfg = greedy, memory, cfg
         # (accepted + TV) per tested position over many sessions: where each new session starts
-        self.long = _Ratio(PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT, LONG_ACCEPT_DECAY * memory)
+        self.long = _Ratio(cfg.prior_alpha * cfg.prior_weight, cfg.prior_weight, cfg.long_accept_decay * memory)
         # the same over gumbel rounds (their own event), no prior of its own: gumbel_prior's of the above
-        self.long_gumbel = _Ratio(decay=LONG_ACCEPT_DECAY * memory)
+        self.long_gumbel = _Ratio(0.0, 0.0, cfg.long_accept_decay * memory)
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
         # payload bytes per draft position per codec key: they depend on q (a greedy q is one token,
         # whatever K), so per temperature; from sample encodings and from the rounds actually sent
         self.packet_bytes: dict[tuple[Mode, int], _Ewma] = {}
         self.encoded = 0                                 # q encoded at this temperature
-        self.guess = _Ratio(PRIOR_GUESS * 2, 2.0, DECAY * memory)  # bonus guessed, of fully accepted rounds drafted ahead
-        self.fallback = _Ratio(decay=DECAY * memory)                # fallbacks, of DSSD rejections
+        # bonus guessed, of fully accepted rounds drafted ahead (two rounds' worth of prior)
+        self.guess = _Ratio(cfg.prior_guess * 2, 2.0, cfg.decay * memory)
+        self.fallback = _Ratio(0.0, 0.0, cfg.decay * memory)  # fallbacks, of DSSD rejections
 
     def fallback_rate(self, samples: int, alpha: float) -> float:
         """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
@@ -223,23 +158,26 @@ class _ModelSide:
         the better the drafter, the likelier a rejection costs a second round trip. At T = 0 a
         rejection means q_j missed p_j's one token, and that token is always kept."""
         prior = 0.0 if self.greedy else alpha ** samples  # T = 0: y = argmax p always survives
-        return self.fallback.shrunk(prior, PRIOR_FALLBACK_WEIGHT)
+        return self.fallback.shrunk(prior, self.cfg.prior_fallback_weight)
 
     def gumbel_prior(self, alpha_base: float) -> float:
         """Where a session's gumbel estimate starts: the device's long-run gumbel rate, shrunk toward
         the prior from ``alpha_base`` (all prior until gumbel rounds have run)."""
-        return self.long_gumbel.shrunk(A.gumbel_prior(alpha_base, self.greedy), PRIOR_WEIGHT)
+        return self.long_gumbel.shrunk(A.gumbel_prior(alpha_base, self.greedy), self.cfg.prior_weight)
 
     def session(self) -> SessionAcceptance:
-        """A new text's acceptance, starting from the device's long-run rate (PRIOR_WEIGHT positions'
+        """A new text's acceptance, starting from the device's long-run rate (``prior_weight`` positions'
         worth; its per-depth counts start from nothing and shrink toward that rate)."""
-        return SessionAcceptance(min(1.0, self.long.rate), self.memory)
+        return SessionAcceptance(min(1.0, self.long.rate), self.memory, self.cfg)
 
     def add_sigma(self, key: tuple[Mode, int], tv: float) -> None:
-        self.sigma.setdefault(key, _Ewma(decay=DECAY * self.memory)).add(tv)
+        self.sigma.setdefault(key, self._ewma()).add(tv)
 
     def add_bytes(self, key: tuple[Mode, int], size: float) -> None:
-        self.packet_bytes.setdefault(key, _Ewma(decay=DECAY * self.memory)).add(size)
+        self.packet_bytes.setdefault(key, self._ewma()).add(size)
+
+    def _ewma(self) -> _Ewma:
+        return _Ewma(None, self.cfg.decay * self.memory)
 
     def tv(self, key: tuple[Mode, int]) -> float:
         e = self.sigma.get(key)
@@ -273,7 +211,7 @@ class LinkTracker:
         return self.rounds_seen > 0 or self.restored
 
     def _ewma(self, prior: float | None = None) -> _Ewma:
-        return _Ewma(prior, DECAY * self.config.memory)
+        return _Ewma(prior, self.config.estimates.decay * self.config.memory)
 
     # -- remembered across processes (device/edge_memory.py) ------------------------------------------------
     def snapshot(self) -> TS.TrackerState:
@@ -297,7 +235,7 @@ class LinkTracker:
 
     def restore(self, state: TS.TrackerState) -> None:
         """Start from a remembered state (either part may be None: too old, or never saved). A
-        remembered acceptance weighs at most REMEMBERED_POSITIONS positions, so that this device's new
+        remembered acceptance weighs at most ``remembered_positions`` positions, so that this device's new
         rounds move it."""
         with self.lock:
             if state.link is not None:
@@ -326,18 +264,18 @@ class LinkTracker:
         for t, kept in s.temperatures.items():
             side = self.model(t)
             for ratio, (hits, trials) in ((side.long, kept.long), (side.long_gumbel, kept.long_gumbel)):
-                weight = min(1.0, REMEMBERED_POSITIONS / trials) if trials > 0 else 0.0
+                weight = min(1.0, self.config.estimates.remembered_positions / trials) if trials > 0 else 0.0
                 ratio.hits, ratio.trials = hits * weight, trials * weight
             for k, v in kept.sigma.items():
-                side.sigma.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
+                side.sigma.setdefault(k, side._ewma()).value = v
             for k, v in kept.packet_bytes.items():
-                side.packet_bytes.setdefault(k, _Ewma(decay=DECAY * side.memory)).value = v
+                side.packet_bytes.setdefault(k, side._ewma()).value = v
             side.encoded = kept.encoded
             (side.guess.hits, side.guess.trials), (side.fallback.hits, side.fallback.trials) = kept.guess, kept.fallback
 
     def model(self, temperature: float) -> _ModelSide:
         if temperature not in self.models:
-            self.models[float(temperature)] = _ModelSide(temperature == 0, self.config.memory)
+            self.models[float(temperature)] = _ModelSide(temperature == 0, self.config.memory, self.config.estimates)
         return self.models[float(temperature)]
 
     # -- the edge ---------------------------------------------------------------------------------------
@@ -423,7 +361,7 @@ class LinkTracker:
                             acceptance: SessionAcceptance | None, gumbel: GumbelAcceptance | None) -> None:
         """A round's acceptance teaches both estimates, the exact q's and gumbel's, since both follow the
         same TV of the same text: its own kind's directly, the other through the measured relation
-        1 - alpha_gumbel = GUMBEL_TV_FACTOR (1 - alpha) at CROSS_WEIGHT, so that neither goes stale
+        1 - alpha_gumbel = GUMBEL_TV_FACTOR (1 - alpha) at ``cross_weight``, so that neither goes stale
         while only the other kind runs (a session on gumbel rounds would otherwise keep the exact q's
         acceptance from its first rounds, whatever its text became)."""
         if settings.mode is Mode.GUMBEL:
@@ -435,12 +373,12 @@ class LinkTracker:
             raced = [A.race_from_exact(min(1.0, v), side.greedy) for v in exact]
         own_exact = settings.mode is not Mode.GUMBEL
         for ratio, values, own in ((side.long, exact, own_exact), (side.long_gumbel, raced, not own_exact)):
-            w = 1.0 if own else CROSS_WEIGHT
+            w = 1.0 if own else side.cfg.cross_weight
             ratio.add(w * max(0.0, sum(values)), w * len(values))  # a round all rejected maps below 0
         if acceptance is not None:
-            acceptance.add_positions(exact, 1.0 if own_exact else CROSS_WEIGHT)
+            acceptance.add_positions(exact, 1.0 if own_exact else side.cfg.cross_weight)
         if gumbel is not None:
-            gumbel.add_positions(raced, CROSS_WEIGHT if own_exact else 1.0)
+            gumbel.add_positions(raced, side.cfg.cross_weight if own_exact else 1.0)
 
     def add_round_time(self, key: tuple[Mode, int], measured_s: float, modelled_s: float) -> None:
         """A round took ``measured_s`` where the model said ``modelled_s`` (before any scale)."""
@@ -477,7 +415,8 @@ class LinkTracker:
         with self.lock:
             side = self.model(temperature)
             acceptance = acceptance or side.session()
-            gumbel_alpha, gumbel_depth = (gumbel or GumbelAcceptance()).estimate(side.gumbel_prior(acceptance.alpha_base))
+            gumbel = gumbel or GumbelAcceptance(self.config.memory, self.config.estimates)
+            gumbel_alpha, gumbel_depth = gumbel.estimate(side.gumbel_prior(acceptance.alpha_base))
             base, slope = self.verify.fit()
             link, down = self.link, self.link.downlink_bps()
             return A.Estimates(
@@ -498,7 +437,8 @@ class LinkTracker:
                 time_scale={k: e.value for k, e in self.time_scale.items() if e.value is not None},
                 measured_up_bits=link.measured_up_bits(),
                 gumbel_alpha=gumbel_alpha, gumbel_depth=gumbel_depth, greedy=side.greedy,
-                edge_chunk=A.edge_chunk(link.rtt_s(), base, EDGE_CHUNK_OVERHEAD, EDGE_CHUNK_MIN, EDGE_CHUNK_MAX))
+                edge_chunk=A.edge_chunk(link.rtt_s(), base, self.config.edge_chunk_overhead,
+                                        self.config.edge_chunk_min, self.config.edge_chunk_max))
 
 
 def _codec_key(s: DraftSettings) -> tuple[Mode, int]:
@@ -533,7 +473,7 @@ class AutoPolicy:
         self.dssd_samples = tracker.config.dssd_samples  # within the edge's cap once its Welcome says it
         # its own text's acceptance (sessions running at once share the link, not the text)
         self.acceptance = tracker.session_acceptance(hello.temperature)
-        self.gumbel = GumbelAcceptance(tracker.config.memory)  # its gumbel rounds' (their own event)
+        self.gumbel = GumbelAcceptance(tracker.config.memory, tracker.config.estimates)  # its gumbel rounds' (their own event)
         self.current: A.Candidate | None = None  # the candidate of the round drafted last
         self.last: dict = {}          # that round's choice and the estimates behind it (JSON-able)
         self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
@@ -583,7 +523,7 @@ class AutoPolicy:
         """Goodput is only measured by rounds that carry enough bytes. If none did for a while and a
         fast link would change the choice, run the best-predicted round large enough to measure it."""
         if not self.tracker.link.probe_due() or not A.probe_pays(
-                self.candidates, e, pick.candidate, FAST_LINK_BPS, PROBE_MIN_GAIN, self.draft_ahead):
+                self.candidates, e, pick.candidate, FAST_LINK_BPS, self.tracker.config.probe_min_gain, self.draft_ahead):
             return None
         informative = [p for p in A.rank(self.candidates, e, self.draft_ahead)
                        if A.uplink_bytes(p.candidate, e) >= self.tracker.link.config.min_rate_sample_bytes]
@@ -598,13 +538,13 @@ class AutoPolicy:
         if chosen.candidate.mode is not Mode.NONE:
             return e.edge_chunk, False
         if cold:
-            return EDGE_CHUNK_MIN, True
+            return self.tracker.config.edge_chunk_min, True
         if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0:
             return e.edge_chunk, False
         due = math.ceil(max(0.0, net.probe_due_s) * net.edge_rate)
         if due >= e.edge_chunk:
             return e.edge_chunk, False
-        return max(EDGE_CHUNK_MIN, due), True
+        return max(self.tracker.config.edge_chunk_min, due), True
 
     def settings_for(self, c: A.Candidate, edge_chunk: int) -> DraftSettings:
         base = replace(self.hello.draft, tree=(), bit_budget=0, top_p=0.0)

@@ -190,7 +190,7 @@ def test_auto_advised_edge_only_asks_for_rounds_its_boundary_model_pays_for(tiny
     costs a session an eighth of its forwards. The device's auto would draft (edge-only is not among its
     candidates: on this fast tiny edge it would choose edge-only on its own), so only the advice makes
     its rounds edge-only. Tokens stay the target's greedy decode."""
-    from specdec.device.auto import EDGE_CHUNK_MIN, AutoConfig, AutoPolicy, LinkTracker
+    from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
     tracker = LinkTracker(AutoConfig(edge_only=False))  # one device: later sessions start from the first
 
     def auto_session(drafter, hello):
@@ -202,7 +202,7 @@ def test_auto_advised_edge_only_asks_for_rounds_its_boundary_model_pays_for(tiny
     assert any(e["mode"] != "none" for e in first), first  # it drafts until the edge advises against it
     for log in later:
         assert all(e["mode"] == "none" for e in log), log  # advised 0 from the Welcome on
-        assert all(e["generated"] > 2 * EDGE_CHUNK_MIN for e in log[:-1]) and len(log) <= 2, log
+        assert all(e["generated"] > 2 * AutoConfig().edge_chunk_min for e in log[:-1]) and len(log) <= 2, log
 
 
 # -- same seed, same tokens (factory.DeviceConfig.reproducible) -------------------------------------------

@@ -18,7 +18,7 @@ from specdec.common.settings import resolve
 from specdec.common.stats import RoundRecord
 from specdec.device import edge_memory
 from specdec.device import tracker_state as TS
-from specdec.device.auto import REMEMBERED_POSITIONS, AutoConfig, AutoPolicy, LinkTracker
+from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.rounds import RoundEvent, RoundPlan
 
 V = 49152
@@ -74,9 +74,9 @@ def test_a_new_process_starts_from_what_the_last_one_learned(tmp_path) -> None:
     assert e1.rtt_s == pytest.approx(e0.rtt_s) and e1.uplink_bps == pytest.approx(e0.uplink_bps)
     assert (e1.verify_base_s, e1.verify_per_token_s) == pytest.approx((e0.verify_base_s, e0.verify_per_token_s))
     assert e1.draft_s == pytest.approx(e0.draft_s)
-    # the long-run acceptance comes back, weighing at most REMEMBERED_POSITIONS positions
+    # the long-run acceptance comes back, weighing at most EstimateConfig.remembered_positions positions
     assert after.model(1.0).long.rate == pytest.approx(before.model(1.0).long.rate)
-    assert after.model(1.0).long.trials == pytest.approx(min(REMEMBERED_POSITIONS, before.model(1.0).long.trials))
+    assert after.model(1.0).long.trials == pytest.approx(min(AutoConfig().estimates.remembered_positions, before.model(1.0).long.trials))
     # another drafter, or another edge, starts cold
     assert edge_memory.load(LinkTracker(), EDGE, "drafter-b", tmp_path) == ["link"]
     assert edge_memory.load(LinkTracker(), "other:1", "drafter-a", tmp_path) == []
