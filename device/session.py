@@ -76,7 +76,8 @@ class DraftSession:
         # round whose tokens depend on where rounds end (every mode but the race modes).
         self.fixed_cuts = reproducible and hello.temperature > 0
         self.vocab_size = drafter.vocab_size
-        # mode auto (device/auto.py AutoPolicy): plans each round, learns from each RoundEvent
+        # mode auto (device/auto.py AutoPolicy): plans each round, learns from each RoundEvent; fixed
+        # for the session's life (its drafting measures the encoded q's for it)
         self.policy = policy
         self.drafting = Drafting(drafter, hello, parts, policy)
         self.model, self.csqs = self.drafting.model, self.drafting.csqs
