@@ -194,9 +194,10 @@ def _take_ahead(session: RoundHost, plan: RoundPlan, limit: int) -> ChainRound |
 class ChainCommit:
     """What a chain round's verdict decides; the session applies it."""
     new: list[int]              # the accepted drafts and the next token
-    guess: bool | None          # the round drafted ahead guessed right (None: none drafted, or not all accepted)
+    # the round drafted ahead guessed right (None: none drafted, or not all accepted); if so it runs
+    # next, with its plan (the cache holds its context)
+    guess: bool | None
     discarded: int              # draft tokens drafted ahead and dropped
-    keep_ahead: bool            # the round drafted ahead runs next, with its plan (the cache holds its context)
     cache_len: int              # else the draft cache keeps at most this many entries (the verified prefix)
 
 
@@ -209,4 +210,4 @@ def commit(rd: RoundDraft, verdict: Verdict, next_token: int, ahead: Ahead | Non
         raise ValueError(f"verdict does not match round {rd.block.round_id}")
     guess = None if ahead is None or n < len(ids) else int(next_token) == ahead.guess
     discarded = len(ahead.round.steps) if ahead is not None and not guess else 0
-    return ChainCommit(ids[:n] + [int(next_token)], guess, discarded, bool(guess), verified + n)
+    return ChainCommit(ids[:n] + [int(next_token)], guess, discarded, verified + n)

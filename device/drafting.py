@@ -72,7 +72,7 @@ class Drafting:
         chains the coupled bonus's guess (:func:`coupled_guess`)."""
         if rd.settings.mode is Mode.GUMBEL:
             encoded = gumbel_q(self.model.probs(logits), self.hello, self.vocab_size)
-            return self.sample(encoded, rd.settings, None, rd.start, position - rd.start).token
+            return self.parts.sampler.race(encoded, self.token_noise(rd.start, position - rd.start)).token
         return coupled_guess(logits, position, self.hello.temperature, self.hello.seed, rd.settings.coupled,
                              self.vocab_size)
 

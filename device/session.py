@@ -248,7 +248,7 @@ class DraftSession:
             new = t.new
         else:
             c = chain.commit(rd, verdict, next_token, self.ahead, len(self.tokens))
-            if c.keep_ahead:
+            if c.guess:
                 self.fix_next(self.ahead.plan)
             else:
                 self.ahead = None
