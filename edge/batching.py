@@ -151,6 +151,9 @@ class Arrivals:
             self.gap[key] = gap if old is None else (1 - GAP_EWMA) * old + GAP_EWMA * gap
         self.size[key] = tokens
 
+    def forward_ended(self, key: int, end: float) -> None:
+        self.done[key] = end
+
     def forget(self, key: int) -> None:
         for table in (self.done, self.gap, self.size):
             table.pop(key, None)
@@ -392,7 +395,7 @@ class ForwardScheduler:
         with self._cond:  # before the answers: a session may hand in its next forward at once
             end = time.perf_counter()
             for p in batch:
-                self.arrivals.done[id(p.request.lm)] = end
+                self.arrivals.forward_ended(id(p.request.lm), end)
         for p, answer in zip(batch, answers):
             if isinstance(answer, BaseException):
                 p.future.set_exception(answer)
