@@ -3,6 +3,7 @@ scripted plans, the classic bugs planted in the sampler, drafting ahead to the e
 that a session factory built from them travels to the twin process (pickled)."""
 from __future__ import annotations
 
+from dataclasses import fields
 from functools import partial
 
 import torch
@@ -17,7 +18,7 @@ from specdec.device.session import DraftSession
 def with_parts(**kw) -> partial:
     """A session factory ``(drafter, hello, **kw) -> DraftSession`` built with these parts (the
     SessionParts fields) and DraftSession keywords (``draft_ahead`` ...)."""
-    part_names = {"sampler", "planner", "observer", "ahead_stops_at_verdict"}
+    part_names = {f.name for f in fields(SessionParts)}
     parts = SessionParts(**{k: v for k, v in kw.items() if k in part_names})
     return partial(DraftSession, parts=parts, **{k: v for k, v in kw.items() if k not in part_names})
 
