@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.common.adjust import NO_ADJUST, LogitAdjust
 from specdec.common.modes import Mode
 from specdec.common.settings import DraftSettings
 
@@ -24,6 +25,9 @@ from specdec.common.settings import DraftSettings
 # packed_ids. An edge that lists it draws mode none's tokens by the same race as gumbel rounds (an
 # older one by inverse CDF: the same law, other tokens), so a session that moves between the two
 # keeps its law but not its tokens.
+# So are min-p, logit bias and penalties (Hello.target_min_p, Hello.adjust): an older edge ignores
+# them and says nothing of them in its Welcome, and a device whose Hello sets any stops there
+# (Welcome.adjusts_law), before any round; Prompt.prompt_len, which only such an edge reads.
 PROTOCOL_VERSION = 1
 
 __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
@@ -65,6 +69,13 @@ class Hello:
     protocol_version: int = PROTOCOL_VERSION
     target_fingerprint: str = ""  # the target the session ran on (Welcome's); "" = any target
     wants_end: bool = False       # the device reads End messages (and half-closes on one)
+    target_min_p: float = 0.0     # 0 = off; applied to the target distribution
+    adjust: LogitAdjust = NO_ADJUST  # logit bias and penalties, applied to the target distribution
+
+    @property
+    def adjusts_law(self) -> bool:
+        """Whether the law asks what only an edge that says ``Welcome.adjusts_law`` applies."""
+        return bool(self.target_min_p) or self.adjust.active
 
 
 # An edge's limits unless its operator sets others (edge.verifier.EdgeLimits and edge-server's flags
@@ -92,6 +103,7 @@ class Welcome:
     forward_cost: tuple[tuple[int, float], ...] = ()
     modes: tuple[Mode, ...] = ()  # the draft modes it verifies; () = an edge before the field (all but gumbel)
     draft_len_hint: int | None = None  # the load-aware advice for the first round (None: no advice)
+    adjusts_law: bool = False     # applies Hello.target_min_p and Hello.adjust (False: an older edge)
 
     def verifies(self, mode: Mode) -> bool:
         """Whether this edge takes rounds of ``mode`` (an edge that does not say: every mode but gumbel)."""
@@ -151,6 +163,7 @@ class ResidualRequest:
 @dataclass(frozen=True)
 class Prompt:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
+    prompt_len: int = 0  # of token_ids, the prompt (a resumed session's prefix has output after it); 0 = all
 
 
 @dataclass(frozen=True)

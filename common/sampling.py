@@ -5,12 +5,14 @@ Pure functions over tensors and settings; no model, socket or clock inside.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from specdec.common.settings import validate as validate_settings
 from specdec.common.distributions import check_logits, filter_target_logits, probs_from_logits
+from specdec.common.adjust import NO_ADJUST, History, LogitAdjust
 from specdec.common.protocol import Hello
 
 
@@ -28,16 +30,31 @@ class TargetLaw:
     temperature: float   # 0: greedy (one-hot at the argmax)
     top_k: int = 0       # 0: off
     top_p: float = 0.0   # 0: off
+    min_p: float = 0.0   # 0: off
+    adjust: LogitAdjust = field(default=NO_ADJUST)  # bias and penalties, before all of the above
+
+    def shaped(self, logits: torch.Tensor,  # [n, V]
+               history: History | None, paths: Sequence[Sequence[int]]) -> torch.Tensor:  # [n, V]
+        """The logits with the law's prefix-dependent part applied (:class:`LogitAdjust`), or the
+        logits themselves when it has none; :meth:`probs32` and :meth:`probs` take the result."""
+        if not self.adjust.active:
+            return logits
+        return self.adjust.apply(logits, history, paths)
 
     def probs32(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float32
         """The law before its float64 renormalisation: ``probs_from_logits`` (float32, one-hot at
-        temperature 0), or with top-k / top-p as transformers' sampling defines it: the float32
-        logits divided by the temperature, filtered by its warpers (:func:`filter_target_logits`),
-        then softmax. Greedy ignores the filters, as there."""
-        if self.temperature == 0 or not (self.top_k or self.top_p):
+        temperature 0), or with top-k / top-p / min-p as transformers' sampling defines it: the float32
+        logits divided by the temperature, filtered by its warpers in its order
+        (:func:`filter_target_logits`, then :func:`min_p_filter`), then softmax. Greedy ignores the
+        filters, as there."""
+        if self.temperature == 0 or not (self.top_k or self.top_p or self.min_p):
             return probs_from_logits(logits, self.temperature)
         check_logits(logits, self.temperature)
-        scores = filter_target_logits(logits.float() / self.temperature, self.top_k or None, self.top_p or None)
+        scores = logits.float() / self.temperature
+        if self.top_k or self.top_p:
+            scores = filter_target_logits(scores, self.top_k or None, self.top_p or None)
+        if self.min_p:
+            scores = min_p_filter(scores, self.min_p)
         return torch.softmax(scores, dim=-1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
@@ -47,19 +64,33 @@ class TargetLaw:
         return probs.double() / probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
 
 
+def min_p_filter(scores: torch.Tensor, min_p: float) -> torch.Tensor:  # [..., V] float32 -> [..., V]
+    """Min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling", sec. 3) exactly as transformers'
+    ``MinPLogitsWarper`` (one token kept at least): tokens whose probability is below ``min_p`` times
+    the top token's are set to ``-inf``."""
+    probs = torch.softmax(scores, dim=-1)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+    return scores.masked_fill(remove, -math.inf)
+
+
 def model_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
     """Probabilities as both sides use them: [..., V] float64, each row summing to 1
     (:class:`TargetLaw`; 0 = off for ``top_k`` and ``top_p``)."""
     return TargetLaw(temperature, top_k, top_p).probs(logits)
 
 
-def filter_probs(q: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
-    """``q`` [V] float64 with transformers' top-k / top-p warpers applied (0 = off) and renormalised:
-    the warpers are invariant to a shift of the scores, so filtering ``log q`` keeps what filtering the
-    tempered logits that made ``q`` keeps."""
-    if not (top_k or top_p):
+def filter_probs(q: torch.Tensor, top_k: int = 0, top_p: float = 0.0, min_p: float = 0.0) -> torch.Tensor:
+    """``q`` [V] float64 with transformers' top-k / top-p / min-p warpers applied (0 = off) and
+    renormalised: the warpers are invariant to a shift of the scores, so filtering ``log q`` keeps what
+    filtering the tempered logits that made ``q`` keeps."""
+    if not (top_k or top_p or min_p):
         return q
-    scores = filter_target_logits(torch.log(q.float()), top_k or None, top_p or None)
+    scores = torch.log(q.float())
+    if top_k or top_p:
+        scores = filter_target_logits(scores, top_k or None, top_p or None)
+    if min_p:
+        scores = min_p_filter(scores, min_p)
     return torch.softmax(scores, dim=-1).double()
 
 
@@ -70,4 +101,7 @@ def validate_hello(hello: Hello) -> None:
         raise ValueError(f"temperature must be finite and >= 0, got {hello.temperature}")
     if not 0.0 <= hello.target_top_p <= 1.0:
         raise ValueError(f"target top_p must be in [0, 1], got {hello.target_top_p}")
+    if not 0.0 <= hello.target_min_p <= 1.0:
+        raise ValueError(f"target min_p must be in [0, 1], got {hello.target_min_p}")
+    hello.adjust.check(hello.vocab_size)
     validate_settings(hello.draft)

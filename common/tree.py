@@ -100,6 +100,17 @@ class TreeSpec:
             raise ValueError(f"no node x_{{{layer},{i}}} in a tree with widths {self.layer_widths}")
         return self.layer_offsets[layer] + i - 1
 
+    def paths(self, node_tokens: Sequence[int]) -> list[list[int]]:
+        """Each node's tokens from the root down to it, the root's own entry left out (``[]`` for the
+        root): what follows the verified prefix at the position after that node. ``node_tokens``:
+        [num_nodes] (nodes built in layer order, so a parent's path exists before its children's)."""
+        if len(node_tokens) != self.num_nodes:
+            raise ValueError(f"{len(node_tokens)} node tokens for {self.num_nodes} nodes")
+        paths: list[list[int]] = [[]]
+        for n, parent in enumerate(self.parents.tolist()[1:], start=1):
+            paths.append(paths[parent] + [int(node_tokens[n])])
+        return paths
+
     def children(self, node: int) -> range:
         """C(x_{l,i}) of eq. (23) as node indices (empty for a leaf)."""
         if not 0 <= node < self.num_nodes:

@@ -6,6 +6,7 @@ with a message that the servicer turns into ``INVALID_ARGUMENT``.
 from __future__ import annotations
 
 from specdec.common import protocol as P
+from specdec.common.adjust import LogitAdjust
 from specdec.common.idpack import pack_ids, unpack_ids
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.modes import Mode
@@ -69,7 +70,24 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         target_top_p=h.target_top_p, target_top_k=h.target_top_k, draft=settings_to_pb(h.draft),
         seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
         resume_token=h.resume_token, target_fingerprint=h.target_fingerprint, wants_end=h.wants_end,
+        target_min_p=h.target_min_p, adjust=adjust_to_pb(h.adjust),
     ))
+
+
+def adjust_to_pb(a: LogitAdjust) -> pb.LogitAdjust:
+    return pb.LogitAdjust(bias_ids=[i for i, _ in a.logit_bias], bias_values=[b for _, b in a.logit_bias],
+                          repetition_penalty=0.0 if a.repetition_penalty == 1.0 else a.repetition_penalty,
+                          presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty)
+
+
+def adjust_from_pb(m: pb.LogitAdjust) -> LogitAdjust:
+    """ValueError on a malformed one (ids and values of different lengths; what LogitAdjust.check refuses)."""
+    if len(m.bias_ids) != len(m.bias_values):
+        raise ValueError(f"logit bias: {len(m.bias_ids)} ids, {len(m.bias_values)} values")
+    adjust = LogitAdjust(tuple(zip(m.bias_ids, m.bias_values)), repetition_penalty=m.repetition_penalty or 1.0,
+                         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty)
+    adjust.check()
+    return adjust
 
 
 def hello_from_pb(m: pb.Hello) -> P.Hello:
@@ -80,6 +98,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         draft=settings_from_pb(m.draft, mode=m.mode),
         seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
         resume_token=m.resume_token, target_fingerprint=m.target_fingerprint, wants_end=m.wants_end,
+        target_min_p=m.target_min_p, adjust=adjust_from_pb(m.adjust),
     )
 
 
@@ -90,7 +109,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
         max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed, dssd_max_samples=w.dssd_max_samples,
         target_fingerprint=w.target_fingerprint, edge_name=w.edge_name,
         forward_cost=[pb.CostPoint(tokens=t, seconds=sec) for t, sec in w.forward_cost],
-        modes=[_MODE_TO_PB[m] for m in w.modes],
+        modes=[_MODE_TO_PB[m] for m in w.modes], adjusts_law=w.adjusts_law,
     )
     if w.draft_len_hint is not None:
         msg.draft_len_hint = w.draft_len_hint
@@ -107,15 +126,16 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         # a mode this device does not know is one it never sends: left out
         modes=tuple(_PB_TO_MODE[v] for v in m.modes if v in _PB_TO_MODE),
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
+        adjusts_law=m.adjusts_law,
     )
 
 
 def prompt_to_pb(p: P.Prompt) -> pb.DeviceMessage:
-    return pb.DeviceMessage(prompt=pb.Prompt(token_ids=list(p.token_ids)))
+    return pb.DeviceMessage(prompt=pb.Prompt(token_ids=list(p.token_ids), prompt_len=p.prompt_len))
 
 
 def prompt_from_pb(m: pb.Prompt) -> P.Prompt:
-    return P.Prompt(token_ids=tuple(m.token_ids))
+    return P.Prompt(token_ids=tuple(m.token_ids), prompt_len=m.prompt_len)
 
 
 def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
@@ -188,6 +208,7 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         accepted_nodes=tuple(m.accepted_nodes), more=m.more, verify_seconds=m.timings.verify_seconds,
         queue_seconds=m.timings.queue_seconds, decode_seconds=m.timings.decode_seconds,
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
+        adjusts_law=m.adjusts_law,
     )
 
 

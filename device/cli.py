@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
+from specdec.common.adjust import MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY, LogitAdjust
 from specdec.common.modeling import DTYPES
 from specdec.common.modes import ALL_MODES, Mode
 from specdec.common.settings import DraftSettings, check_value, setting_info, setting_names
@@ -103,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="top-p of the target distribution itself (default: off)")
     p.add_argument("--target-top-k", type=bounded(int, 1), default=0,
                    help="top-k of the target distribution itself (default: off)")
+    p.add_argument("--target-min-p", type=bounded(float, 0.0, 1.0), default=0.0,
+                   help="min-p of the target distribution itself (default: off)")
+    p.add_argument("--logit-bias", type=_logit_bias, default={},
+                   help='JSON object of token id -> bias in [-100, 100] added to the target\'s logits, '
+                        'e.g. \'{"50256": -100}\' (default: none)')
+    p.add_argument("--presence-penalty", type=bounded(float, -MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY), default=0.0,
+                   help="OpenAI's presence penalty on the target's logits (default: off)")
+    p.add_argument("--frequency-penalty", type=bounded(float, -MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY),
+                   default=0.0, help="OpenAI's frequency penalty on the target's logits (default: off)")
+    p.add_argument("--repetition-penalty", type=bounded(float, 0.0, MAX_REPETITION_PENALTY, low_open=True),
+                   default=1.0, help="transformers' / vLLM's repetition penalty on the target's logits "
+                                     "(default: 1, off)")
     p.add_argument("--seed", type=bounded(int, 0, SEED_MAX), default=0)
     p.add_argument("--max-new-tokens", type=bounded(int, 1), default=128)
     p.add_argument("--num-samples", type=bounded(int, 1), default=1)
@@ -140,7 +154,25 @@ _NOT_CONFIG = {"threads", "log_level", "listen", "served_model_name", "connect_t
 def config_from_args(a) -> DeviceConfig:
     given = vars(a)
     draft = {name: given[name] for name in setting_names() if name in given}
-    return DeviceConfig(**{k: v for k, v in given.items() if k not in _NOT_CONFIG}, draft=draft)
+    adjust = LogitAdjust.of(**{name: given.pop(name) for name in ADJUST_FLAGS})
+    return DeviceConfig(**{k: v for k, v in given.items() if k not in _NOT_CONFIG}, draft=draft, adjust=adjust)
+
+
+# Flags that together make DeviceConfig.adjust (LogitAdjust.of's keywords).
+ADJUST_FLAGS = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    """``--logit-bias``: a JSON object of token ids (strings, as OpenAI's) to biases (argparse error else)."""
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        bias = {int(k): float(v) for k, v in raw.items()}
+        LogitAdjust.of(bias)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return bias
 
 
 # Flags only the one-shot form has. `serve` takes every other flag of build_parser(), so the draft and

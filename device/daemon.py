@@ -175,6 +175,8 @@ def request_config(base: DeviceConfig, p: openai_schema.SamplingParams) -> Devic
     return replace(base, draft={**base.draft, **p.overrides},
                    temperature=base.temperature if p.temperature is None else p.temperature,
                    target_top_p=target_top_p, target_top_k=target_top_k,
+                   target_min_p=base.target_min_p if p.min_p is None else p.min_p,
+                   adjust=p.adjust if p.adjust.active else base.adjust,
                    max_new_tokens=p.max_tokens or base.max_new_tokens,
                    # a request without a seed gets a fresh one: nothing to reproduce
                    reproducible=base.reproducible and p.seed is not None)
@@ -204,7 +206,12 @@ class DeviceEngine:
                            code="edge_unavailable")
 
     def settings(self, p: openai_schema.SamplingParams) -> DeviceConfig:
-        return request_config(self.cfg.device, p)
+        cfg = request_config(self.cfg.device, p)
+        try:
+            cfg.adjust.check(self.drafter.vocab_size)
+        except ValueError as exc:
+            raise openai_schema.bad(str(exc), "logit_bias") from None
+        return cfg
 
     def encode_text(self, text: str) -> list[int]:
         ids = encode_prompt(self.drafter.tokenizer, text, raw=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.common.adjust import NO_ADJUST, History, LogitAdjust
 from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
 from specdec.common.distributions import densify, sample_token
 from specdec.common.modeling import CachedLM, LoadedModel
@@ -20,12 +21,18 @@ from specdec.common.treeplan import draft_layer_inputs, layer_node_ids
 
 
 class DraftModel:
-    """q after a sequence, with the cache rolled forward and back. Blocking (torch)."""
+    """q after a sequence, with the cache rolled forward and back. Blocking (torch).
 
-    def __init__(self, drafter: LoadedModel, temperature: float):
+    q is the drafter's tempered softmax after the target law's bias and penalties (the Hello's
+    ``adjust``, read from the same prefix as the edge reads it): drafts then stay where the target's law
+    puts its mass, so acceptance holds up; any q is lossless, as the edge verifies against its own law."""
+
+    def __init__(self, drafter: LoadedModel, temperature: float, adjust: LogitAdjust = NO_ADJUST):
         self.lm = CachedLM(drafter.model, drafter.device)
         self.temperature = temperature
+        self.adjust = adjust
         self.vocab_size = drafter.vocab_size
+        self.prompt_len = 0  # of the sequences q is asked after, the prompt (the session sets it)
         self.forwards = 0   # chain forwards so far: the drafter's cost is per forward, not per token
 
     @property
@@ -44,22 +51,33 @@ class DraftModel:
             self.forwards += 1
             pending = pending[1:]
         self.forwards += 1
-        return self.probs(self.lm.forward(pending, num_logits=1)[0])
+        return self.probs(self.shaped(self.lm.forward(pending, num_logits=1), seq)[0])
 
     def feed(self, seq: list[int]) -> torch.Tensor:
-        """Feed what ``seq`` has beyond the cache; the last position's logits: [V]."""
+        """Feed what ``seq`` has beyond the cache; the last position's logits, shaped: [V]."""
         self.forwards += 1
-        return self.lm.forward(seq[self.lm.cache_len:], num_logits=1)[0]
+        return self.shaped(self.lm.forward(seq[self.lm.cache_len:], num_logits=1), seq)[0]
+
+    def shaped(self, logits: torch.Tensor,  # [n, V]
+               seq: list[int], paths: list[list[int]] | None = None) -> torch.Tensor:  # [n, V]
+        """The law's bias and penalties on the logits of the positions after ``seq`` (+ ``paths[r]``
+        for row r: a tree node's path), as :meth:`TargetLaw.shaped` on the edge."""
+        if not self.adjust.active:
+            return logits
+        history = History.of(seq, self.prompt_len, logits.shape[-1]) if self.adjust.needs_history else None
+        return self.adjust.apply(logits, history, paths if paths is not None else [[]] * logits.shape[0])
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
         return model_probs(logits.cpu(), self.temperature)
 
-    def tree_layer_qs(self, spec: TreeSpec, layer: int, nodes: list[int], prefix_len: int) -> list[torch.Tensor]:
-        """q of every node of ``layer`` (one batched forward with tree attention): [V] float64 each."""
+    def tree_layer_qs(self, spec: TreeSpec, layer: int, nodes: list[int], prefix: list[int]) -> list[torch.Tensor]:
+        """q of every node of ``layer`` after the verified ``prefix`` (one batched forward with tree
+        attention): [V] float64 each."""
         ids = layer_node_ids(spec, layer)
-        attend, positions = draft_layer_inputs(spec, layer, prefix_len)
+        attend, positions = draft_layer_inputs(spec, layer, len(prefix))
         logits = self.lm.forward_masked([nodes[n] for n in ids], attend, positions, len(ids))
-        return list(self.probs(logits))
+        paths = spec.paths(nodes) if self.adjust.active else None
+        return list(self.probs(self.shaped(logits, prefix, [paths[n] for n in ids] if paths else None)))
 
     def truncate(self, length: int) -> None:
         self.lm.truncate(length)
@@ -100,7 +118,7 @@ def gumbel_q(q: torch.Tensor, hello: Hello, vocab_size: int) -> EncodedQ:
     """A gumbel round's q [V]: the drafter's, with the target's own top-k / top-p applied (the coupling
     is tighter the closer q is to the filtered target; the output never depends on q). Nothing of it is
     sent: the packet is the token id alone."""
-    q_hat = filter_probs(q, hello.target_top_k, hello.target_top_p) if hello.temperature > 0 else q
+    q_hat = filter_probs(q, hello.target_top_k, hello.target_top_p, hello.target_min_p) if hello.temperature > 0 else q
     return EncodedQ(b"", q_hat, id_bits(vocab_size), 0, 0.0)
 
 

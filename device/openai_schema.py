@@ -5,10 +5,11 @@ Requests are plain JSON objects in, frozen dataclasses out; anything malformed o
 plain dicts matching the OpenAI API (``text_completion``, ``chat.completion``,
 ``chat.completion.chunk``), so the official clients parse them unchanged.
 
-Lossless rule: ``temperature``, ``top_p`` and ``top_k`` shape the TARGET distribution on
-the edge, so the output is distributed as the target sampling alone with those settings. Parameters
-that would need another output distribution (penalties, logit bias) or data the protocol does not
-carry (logprobs) are refused rather than silently ignored.
+Lossless rule: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``logit_bias`` and the presence,
+frequency and repetition penalties shape the TARGET distribution on the edge (common/sampling.TargetLaw),
+so the output is distributed as the target sampling alone with those settings. Parameters this server
+cannot honour yet (logprobs, tools, structured outputs) are refused rather than silently ignored
+(docs/api.md lists every parameter).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.common.adjust import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
+                                   NO_ADJUST, LogitAdjust)
 from specdec.common.settings import canonical_name, check_value, setting_names
 
 MAX_STOP_STRINGS = 4          # OpenAI's own limit on `stop`
@@ -29,7 +32,6 @@ SPECDEC_FIELD = "specdec"     # the request's extension object: per-request draf
 # Parameters OpenAI defines that this server cannot honour losslessly, with the value that means "off".
 _UNSUPPORTED = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
 }
 
@@ -125,12 +127,14 @@ class SamplingParams:
     temperature: float | None       # None = the daemon's --temperature
     top_p: float | None             # target nucleus; None = off
     top_k: int | None               # target top-k (vLLM's extension); None = off
+    min_p: float | None             # target min-p (vLLM's extension); None = off
     seed: int | None                # None = a fresh random seed per request
     stop: tuple[str, ...]
     n: int
     stream: bool
     include_usage: bool             # stream_options.include_usage: a final usage chunk
     overrides: dict = field(default_factory=dict)  # DeviceConfig field -> value (the `specdec` object)
+    adjust: LogitAdjust = NO_ADJUST  # logit_bias and the penalties (token ids checked against the vocabulary later)
 
 
 @dataclass(frozen=True)
@@ -168,10 +172,32 @@ def _params(body: dict, *, max_tokens_keys: tuple[str, ...]) -> SamplingParams:
         temperature=_optional(body, "temperature", float, 0.0, MAX_TEMPERATURE),
         top_p=_optional(body, "top_p", float, 0.0, 1.0, low_open=True),
         top_k=_optional(body, "top_k", int, -1),
+        min_p=_optional(body, "min_p", float, 0.0, 1.0),
+        adjust=_adjust(body),
         seed=_optional(body, "seed", int, 0, MAX_SEED),
         stop=_stop(body.get("stop")), n=n, stream=stream,
         include_usage=bool((options or {}).get("include_usage")),
         overrides=parse_overrides(body.get(SPECDEC_FIELD)))
+
+
+def _adjust(body: dict) -> LogitAdjust:
+    """``logit_bias`` (token id strings, as OpenAI's, to [-100, 100]) and the presence, frequency and
+    (vLLM's extension) repetition penalties."""
+    raw = body.get("logit_bias")
+    if raw is not None and not isinstance(raw, dict):
+        raise bad("`logit_bias` must be an object of token ids to numbers", "logit_bias")
+    if raw and len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(f"`logit_bias` takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(raw)}", "logit_bias")
+    bias = {}
+    for key, value in (raw or {}).items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise bad(f"`logit_bias` keys are token ids, got {key!r}", "logit_bias")
+        bias[int(key)] = _number(value, f"logit_bias.{key}", float, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    penalty = {k: _optional(body, k, float, -MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY)
+               for k in ("presence_penalty", "frequency_penalty")}
+    repetition = _optional(body, "repetition_penalty", float, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+    return LogitAdjust.of(bias, repetition_penalty=1.0 if repetition is None else repetition,
+                          **{k: v or 0.0 for k, v in penalty.items()})
 
 
 def _require_object(body: Any) -> dict:

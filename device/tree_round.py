@@ -96,7 +96,7 @@ def draft_tree(model: DraftModel, spec: TreeSpec, tokens: list[int], encode: Cal
             encoded.append(enc)
         if layer + 1 < spec.depth:
             t3 = time.perf_counter()
-            q_layer = model.tree_layer_qs(spec, layer + 1, nodes, len(tokens))
+            q_layer = model.tree_layer_qs(spec, layer + 1, nodes, tokens)
             t_draft += time.perf_counter() - t3
     return TreeDraft(spec, nodes, encoded, t_draft, t_encode)
 

@@ -25,6 +25,7 @@ from specdec.common.modes import Mode, TOP_K_MODES
 from specdec.common.distributions import SparseDist, densify
 from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
+from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, History
 from specdec.common.sampling import TargetLaw, validate_hello
 from specdec.edge.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
 from specdec.common.streams import Purpose, stream
@@ -73,6 +74,7 @@ class EdgeLimits:
     resume_window_s: float = 60.0   # a session whose stream broke waits this long for a resume
     dssd_max_samples: int = DEFAULT_DSSD_MAX_SAMPLES  # downlink samples per DSSD rejection
     max_tree_nodes: int = 256       # drafted nodes per round (one target forward covers them all)
+    max_logit_bias: int = MAX_LOGIT_BIAS_ENTRIES  # entries of a session's logit bias map
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,9 @@ class VerifierSession:
         self._forward = forward
         self._verify = verify
         self.hello = hello
-        self.law = TargetLaw(hello.temperature, hello.target_top_k, hello.target_top_p)
+        self.law = TargetLaw(hello.temperature, hello.target_top_k, hello.target_top_p, hello.target_min_p,
+                             hello.adjust)
+        self.prompt_len = 0  # of self.tokens, the prompt: the penalties count the rest as generated
         self.info = info
         self.limits = limits
         self.session_id = session_id
@@ -137,7 +141,7 @@ class VerifierSession:
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
                        max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
                        dssd_max_samples=self.limits.dssd_max_samples,
-                       target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode))
+                       target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode), adjusts_law=True)
 
     # -- prompt ----------------------------------------------------------------------------------
     def prefill(self, prompt: Prompt) -> None:
@@ -151,6 +155,7 @@ class VerifierSession:
         if self.tokens:
             raise ValueError("prompt sent twice")
         self.tokens = ids
+        self.prompt_len = len(ids)
         if len(ids) > 1:
             self._forward(ForwardRequest(self.lm, ids[:-1], num_logits=0))
 
@@ -167,6 +172,8 @@ class VerifierSession:
             raise LimitError(f"prefix of {len(ids)} tokens exceeds the context limit {self.max_context}",
                              CONTEXT_FULL)
         check_ids(ids, self.info.vocab_size, "prefix")
+        if prompt.prompt_len > len(ids):
+            raise ValueError(f"prompt_len {prompt.prompt_len} beyond the prefix's {len(ids)} tokens")
         common = 0
         for a, b in zip(ids, self.tokens):
             if a != b:
@@ -175,6 +182,7 @@ class VerifierSession:
         keep = min(self.lm.cache_len, common, len(ids) - 1)  # cache stays strictly behind tokens
         self.lm.truncate(keep)
         self.tokens = ids
+        self.prompt_len = prompt.prompt_len or len(ids)
         self.round_id = 0  # round numbering restarts on every stream
         self._pending_reject = None
         return keep
@@ -249,7 +257,7 @@ class VerifierSession:
         """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""
         offset = len(self.tokens) - round_start
         race = gumbel_round(torch.empty(0, dtype=torch.long), self.law,
-                            lambda i: self.token_noise(round_start, offset + i))
+                            lambda i: self.token_noise(round_start, offset + i), self.history())
         token = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race).next_token
         self.tokens.append(token)
         return token
@@ -292,11 +300,17 @@ class VerifierSession:
         ids = torch.tensor(draft_ids, dtype=torch.long)
         if settings.mode is Mode.GUMBEL:
             start = len(self.tokens)
-            return gumbel_round(ids, self.law, lambda i: self.token_noise(start, i))
+            return gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), self.history())
         bonus = self._bonus_noise(len(draft_ids), settings)
         if settings.mode is Mode.DSSD:
-            return dssd_round(ids, q, self.law, generator, settings.dssd_samples, bonus)
-        return chain_round(ids, q, self.law, generator, bonus)
+            return dssd_round(ids, q, self.law, generator, settings.dssd_samples, bonus, self.history())
+        return chain_round(ids, q, self.law, generator, bonus, self.history())
+
+    def history(self) -> History | None:
+        """What the law's penalties read of the verified prefix (None: they are off)."""
+        if not self.law.adjust.needs_history:
+            return None
+        return History.of(self.tokens, self.prompt_len, self.info.vocab_size)
 
     def _bonus_noise(self, num_drafts: int, settings: DraftSettings):
         """What draws the coupled bonus's Gumbel noise for the position after this round's drafts (a
@@ -313,8 +327,9 @@ class VerifierSession:
         attend, positions = edge_tree_inputs(spec, self.lm.cache_len, len(tail))
         logits = self._forward(ForwardRequest(self.lm, tail + list(draft.token_ids), spec.num_nodes,
                                               attend=attend, positions=positions))
-        p = self._target_probs(logits.cpu())  # row 0: after the prefix; row n: after node n (host math)
         node_tokens = torch.tensor([0, *draft.token_ids], dtype=torch.long)  # root entry unused
+        rows = self.law.shaped(logits.cpu(), self.history(), spec.paths(node_tokens.tolist()))
+        p = self.law.probs(rows)  # row 0: after the prefix; row n: after node n (host math)
         result = tree_verify(spec, node_tokens, q, p, generator)
         prefix_len = len(self.tokens)
         # Keep KV only for the prefix and the accepted path; the final token is not in the cache.
@@ -373,9 +388,6 @@ class VerifierSession:
             return tuple(rows)
         return torch.stack([densify(sd) for sd in rows])
 
-    def _target_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.law.probs(logits)
-
     def _commit(self, accepted: list[int], num_accepted: int, next_token: int | None) -> None:
         """Keep KV only for the verified prefix; append the accepted tokens (and the next one)."""
         self.lm.truncate(len(self.tokens) + num_accepted)
@@ -401,6 +413,9 @@ def check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
             f"serves {info.target_fingerprint[:12] or 'an unfingerprinted target'} ({info.name}); "
             "continuing here would change the output distribution", TARGET_MISMATCH)
     validate_hello(hello)
+    if len(hello.adjust.logit_bias) > limits.max_logit_bias:
+        raise LimitError(f"logit bias of {len(hello.adjust.logit_bias)} entries exceeds the edge limit "
+                         f"{limits.max_logit_bias}")
     _check_limits(hello.draft, info, limits)
 
 

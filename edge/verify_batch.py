@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from specdec.common.distributions import SparseDist, first_argmax, first_argmin, inverse_cdf_rows
+from specdec.common.adjust import History, chain_paths
 from specdec.common.sampling import TargetLaw
 from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_int, check_logits,
                                        check_prob_scalars, check_token_ids)
@@ -73,6 +74,7 @@ class ChainRound:
     bonus_noise: BonusNoise | None = None     # the coupled bonus's noise (chain, dssd), or None
     dssd_samples: int = 0                     # dssd: m samples of p_j at a rejection
     token_noise: Callable[[int], torch.Tensor] | None = None  # gumbel: noise(i) [V] of draft position i
+    history: History | None = None           # what the law's penalties read of the verified prefix
 
     @property
     def length(self) -> int:
@@ -94,7 +96,7 @@ class RoundOutcome:
 # ------------------------------------------------------------------------------------ building rounds
 def chain_round(draft_ids: torch.Tensor,  # [L] int64
                 q_rows: Sequence[SparseDist], law: TargetLaw, generator: torch.Generator,
-                bonus_noise: BonusNoise | None = None) -> ChainRound:
+                bonus_noise: BonusNoise | None = None, history: History | None = None) -> ChainRound:
     """A chain round (dense, tslt, ksqs, csqs) whose drafts were sampled from ``q_rows`` (the decoded
     packets), with ``L + 1`` uniforms of ``generator``. ValueError on what ``chain_verify`` refuses."""
     ids = _draft_ids(draft_ids, minimum=1)
@@ -103,27 +105,37 @@ def chain_round(draft_ids: torch.Tensor,  # [L] int64
     q_of_draft = _checked_q_of_draft(q_rows, ids)
     check_drafts_sampleable(ids, q_of_draft, "draft_ids")
     return ChainRound(RoundKind.CHAIN, law, ids, q_of_draft, tuple(q_rows),
-                      _uniforms(generator, ids.numel() + 1), bonus_noise)
+                      _uniforms(generator, ids.numel() + 1), bonus_noise, history=_history(law, history))
 
 
 def dssd_round(draft_ids: torch.Tensor,  # [L] int64
                q_of_draft: torch.Tensor,  # [L] float64, q_i(x_i) as the device sent them
                law: TargetLaw, generator: torch.Generator, num_samples: int,
-               bonus_noise: BonusNoise | None = None) -> ChainRound:
+               bonus_noise: BonusNoise | None = None, history: History | None = None) -> ChainRound:
     """DSSD's edge half of a round, with ``L + max(m, 1)`` uniforms of ``generator``."""
     ids = _draft_ids(draft_ids, minimum=1)
     check_int(num_samples, "num_samples", 0)
     check_prob_scalars(q_of_draft, "q_of_draft", ids.numel())
     check_drafts_sampleable(ids, q_of_draft, "draft_ids")
     return ChainRound(RoundKind.DSSD, law, ids, q_of_draft.cpu(), (),
-                      _uniforms(generator, ids.numel() + max(num_samples, 1)), bonus_noise, num_samples)
+                      _uniforms(generator, ids.numel() + max(num_samples, 1)), bonus_noise, num_samples,
+                      history=_history(law, history))
 
 
 def gumbel_round(draft_ids: torch.Tensor,  # [L] int64, L >= 0
-                 law: TargetLaw, token_noise: Callable[[int], torch.Tensor]) -> ChainRound:
+                 law: TargetLaw, token_noise: Callable[[int], torch.Tensor],
+                 history: History | None = None) -> ChainRound:
     """A gumbel round (``token_noise(i)``: [V] exponential noise of draft position i), or with no
     draft the target's own token at the position (mode none)."""
-    return ChainRound(RoundKind.GUMBEL, law, _draft_ids(draft_ids, minimum=0), token_noise=token_noise)
+    return ChainRound(RoundKind.GUMBEL, law, _draft_ids(draft_ids, minimum=0), token_noise=token_noise,
+                      history=_history(law, history))
+
+
+def _history(law: TargetLaw, history: History | None) -> History | None:
+    """``history``, which a law with penalties needs (ValueError without it)."""
+    if law.adjust.needs_history and history is None:
+        raise ValueError("the law's penalties need the verified prefix's history")
+    return history
 
 
 def _draft_ids(draft_ids: torch.Tensor, minimum: int) -> torch.Tensor:
@@ -187,6 +199,8 @@ def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i af
         raise ValueError(f"{len(logits)} logits for {len(rounds)} rounds")
     for rows, r in zip(logits, rounds):
         _check_pair(rows, r)
+    # the law's bias and penalties, row by row with the drafts before each (before any decision)
+    logits = [r.law.shaped(rows, r.history, chain_paths(r.draft_ids.tolist())) for rows, r in zip(logits, rounds)]
     if len({rows.shape[1] for rows in logits}) > 1:
         raise ValueError("the rounds of one forward share the target's vocabulary")
     outcomes: list[RoundOutcome | None] = [None] * len(rounds)

@@ -400,7 +400,7 @@ class VerifiesByRatioWithTheSharedNoise(VerifierSession):
 
     def _verify_chain(self, draft, settings, q, generator):
         ids = list(draft.token_ids)
-        p = self._target_probs(self._forward(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:] + ids,
+        p = self.law.probs(self._forward(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:] + ids,
                                                             len(ids) + 1)))
         start = len(self.tokens)
         q_rows = [densify(sd) for sd in q]
