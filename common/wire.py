@@ -208,7 +208,6 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         accepted_nodes=tuple(m.accepted_nodes), more=m.more, verify_seconds=m.timings.verify_seconds,
         queue_seconds=m.timings.queue_seconds, decode_seconds=m.timings.decode_seconds,
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
-        adjusts_law=m.adjusts_law,
     )
 
 

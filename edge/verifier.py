@@ -155,7 +155,7 @@ class VerifierSession:
         if self.tokens:
             raise ValueError("prompt sent twice")
         self.tokens = ids
-        self.prompt_len = len(ids)
+        self.prompt_len = _prompt_len(prompt)
         if len(ids) > 1:
             self._forward(ForwardRequest(self.lm, ids[:-1], num_logits=0))
 
@@ -172,8 +172,7 @@ class VerifierSession:
             raise LimitError(f"prefix of {len(ids)} tokens exceeds the context limit {self.max_context}",
                              CONTEXT_FULL)
         check_ids(ids, self.info.vocab_size, "prefix")
-        if prompt.prompt_len > len(ids):
-            raise ValueError(f"prompt_len {prompt.prompt_len} beyond the prefix's {len(ids)} tokens")
+        prompt_len = _prompt_len(prompt)
         common = 0
         for a, b in zip(ids, self.tokens):
             if a != b:
@@ -182,7 +181,7 @@ class VerifierSession:
         keep = min(self.lm.cache_len, common, len(ids) - 1)  # cache stays strictly behind tokens
         self.lm.truncate(keep)
         self.tokens = ids
-        self.prompt_len = prompt.prompt_len or len(ids)
+        self.prompt_len = prompt_len
         self.round_id = 0  # round numbering restarts on every stream
         self._pending_reject = None
         return keep
@@ -417,6 +416,13 @@ def check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
         raise LimitError(f"logit bias of {len(hello.adjust.logit_bias)} entries exceeds the edge limit "
                          f"{limits.max_logit_bias}")
     _check_limits(hello.draft, info, limits)
+
+
+def _prompt_len(prompt: Prompt) -> int:
+    """How many of the prompt message's tokens are the prompt (a re-sent prefix holds output too)."""
+    if prompt.prompt_len > len(prompt.token_ids):
+        raise ValueError(f"prompt_len {prompt.prompt_len} beyond the {len(prompt.token_ids)} tokens sent")
+    return prompt.prompt_len or len(prompt.token_ids)
 
 
 def check_ids(ids, vocab_size: int, what: str) -> None:

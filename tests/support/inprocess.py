@@ -84,9 +84,12 @@ def _target_info(target: LoadedModel) -> TargetInfo:
     return known[1]
 
 
-def new_edge(target: LoadedModel, hello: P.Hello, prefix: list[int], edge_cls=VerifierSession) -> VerifierSession:
+def new_edge(target: LoadedModel, hello: P.Hello, prefix: list[int], edge_cls=VerifierSession,
+             prompt_len: int = 0) -> VerifierSession:
+    """An edge session given ``prefix`` (its first ``prompt_len`` tokens the prompt; 0: all), as the
+    client's Prompt message gives it."""
     edge = edge_cls(target, _target_info(target), hello, EdgeLimits(), "in-process")
-    edge.prefill(P.Prompt(tuple(prefix)))
+    edge.prefill(P.Prompt(tuple(prefix), prompt_len))
     return edge
 
 
@@ -113,9 +116,9 @@ async def generate(target: LoadedModel, device: DraftSession, prompt_ids: list[i
         except Broken:
             await asyncio.to_thread(device.abort_round)
             if resync:
-                edge.resync(P.Prompt(tuple(device.tokens)))
+                edge.resync(P.Prompt(tuple(device.tokens), len(prompt_ids)))
             else:
-                edge = new_edge(target, device.hello, device.tokens, edge_cls)
+                edge = new_edge(target, device.hello, device.tokens, edge_cls, len(prompt_ids))
     return out
 
 

@@ -19,10 +19,12 @@ from functools import lru_cache
 
 import torch
 
+from specdec.common.adjust import NO_ADJUST, LogitAdjust
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.sampling import model_probs
 from specdec.common.modes import Mode
 from specdec.device.session import DraftSession
+from tests.support import reference_law
 from tests.support.harness import SessionStats, device_config, load, load_spec, patched, split_sessions
 from tests.support.inprocess import run_seeds
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
@@ -71,20 +73,26 @@ TREE_MODES = {"dense": dict(mode=Mode.DENSE, dense_dtype="fp32"), "tslt": dict(m
 
 @lru_cache(maxsize=4)
 def exact_law(target_dir: str, prompt_ids: tuple[int, ...], temperature: float = TEMPERATURE, top_k: int = 0,
-              top_p: float = 0.0) -> dict[tuple[int, ...], float]:
+              top_p: float = 0.0, adjust: LogitAdjust = NO_ADJUST, min_p: float = 0.0) -> dict[tuple[int, ...], float]:
     """P(first N_TOKENS generated tokens = s) for the target alone, by enumeration (with the target's
-    own temperature, top-k and top-p, as transformers samples it)."""
+    own temperature, top-k and top-p, as transformers samples it; with bias, penalties or min-p, as
+    ``generate`` applies them through transformers' own processors: reference_law.py)."""
     m = load(target_dir)
     eos = set(m.eos_token_ids)
     law: dict[tuple[int, ...], float] = {}
+    shaped = adjust.active or min_p > 0
+    assert not (shaped and (top_k or top_p)), "the reference law here takes bias, penalties and min-p alone"
 
     def visit(seq: tuple[int, ...], prob: float) -> None:
         if len(seq) == N_TOKENS or (seq and seq[-1] in eos):
             law[seq] = law.get(seq, 0.0) + prob
             return
-        with torch.inference_mode():
-            logits = m.model(torch.tensor([list(prompt_ids) + list(seq)])).logits[0, -1].float()
-        p = model_probs(logits, temperature, top_k, top_p)
+        if shaped:
+            p = reference_law.next_probs(m, prompt_ids, seq, adjust, temperature, min_p)
+        else:
+            with torch.inference_mode():
+                logits = m.model(torch.tensor([list(prompt_ids) + list(seq)])).logits[0, -1].float()
+            p = model_probs(logits, temperature, top_k, top_p)
         for tok, pt in enumerate(p.tolist()):
             if pt > 0:
                 visit(seq + (tok,), prob * pt)
@@ -98,28 +106,33 @@ def prompt_ids(drafter) -> tuple[int, ...]:
     return tuple(encode_prompt(load_spec(drafter).tokenizer, PROMPT, raw=True))
 
 
-def sessions_in_process(seeds, target_dir, drafter, cfg_kw: dict, session_factory=DraftSession):
+def sessions_in_process(seeds, target_dir, drafter, cfg_kw: dict, session_factory=DraftSession, **run_kw):
     """One seeded session per seed, the device's round loop against an edge session in this process:
-    [(tokens, SessionStats)] (picklable: the unit of work of ``Twin.split``)."""
+    [(tokens, SessionStats)] (picklable: the unit of work of ``Twin.split``); ``run_kw``: inprocess.generate's
+    (``edge_cls``, ``fault``, ``resync``)."""
     drafter_model = load_spec(drafter)
     cfg = device_config(**cfg_kw)
     hello = cfg.hello(vocab_fingerprint(drafter_model.tokenizer), drafter_model.vocab_size, seed=0)
     results = run_seeds(load(str(target_dir)), drafter_model, hello, list(prompt_ids(drafter)), cfg.max_new_tokens,
-                        list(seeds), session_factory)
+                        list(seeds), session_factory, **run_kw)
     return [(tokens, SessionStats(session.stats)) for tokens, session in results]
 
 
 def law_counts(twin, target_dir, drafter, *, num_sessions: int = LAW_SESSIONS, over_grpc: bool = False,
                session_factory=DraftSession, patches=(), temperature: float = TEMPERATURE, max_new_tokens=N_TOKENS,
-               draft_len: int | None = 2, **kw) -> tuple[Counter, dict, list]:
+               draft_len: int | None = 2, run_kw: dict | None = None, **kw) -> tuple[Counter, dict, list]:
     """(counts of the first N_TOKENS of ``num_sessions`` seeded sessions, the exact law, [(tokens,
     stats)]), in process or ``over_grpc``, half in ``twin`` if given; ``patches`` (module, attribute,
-    value) apply in both processes while the sessions run. ``drafter``: a directory or a ModelSpec."""
+    value) apply in both processes while the sessions run; ``run_kw``: inprocess.generate's keywords
+    (in process only). ``drafter``: a directory or a ModelSpec."""
     cfg_kw = dict(temperature=temperature, max_new_tokens=max_new_tokens, **kw)
     if draft_len is not None:  # None: the harness's default (device_config)
         cfg_kw["draft_len"] = draft_len
     cfg = device_config(**cfg_kw)
-    law = exact_law(str(target_dir), prompt_ids(drafter), temperature, cfg.target_top_k, cfg.target_top_p)
+    law = exact_law(str(target_dir), prompt_ids(drafter), temperature, cfg.target_top_k, cfg.target_top_p,
+                    cfg.adjust, cfg.target_min_p)
+    run_kw = run_kw or {}
+    assert not (run_kw and over_grpc), "run_kw drives the in-process link"
     seeds = range(num_sessions)
     if over_grpc:
         runs = split_sessions(twin, seeds, target_dir, drafter, cfg_kw, PROMPT, session_factory,
@@ -127,10 +140,10 @@ def law_counts(twin, target_dir, drafter, *, num_sessions: int = LAW_SESSIONS, o
         results = [(tokens, stats) for tokens, _, stats in runs]
     elif twin is None:
         with patched(patches):
-            results = sessions_in_process(seeds, target_dir, drafter, cfg_kw, session_factory)
+            results = sessions_in_process(seeds, target_dir, drafter, cfg_kw, session_factory, **run_kw)
     else:
         here, there = twin.split(sessions_in_process, seeds, patches=patches, target_dir=target_dir, drafter=drafter,
-                                 cfg_kw=cfg_kw, session_factory=session_factory)
+                                 cfg_kw=cfg_kw, session_factory=session_factory, **run_kw)
         results = here + there
     return Counter(tuple(tokens[:N_TOKENS]) for tokens, _ in results), law, results
 
