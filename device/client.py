@@ -251,11 +251,11 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     welcome = wire.edge_message_from_pb(msg)
     if not isinstance(welcome, P.Welcome):
         raise EdgeError(grpc.StatusCode.INTERNAL, "expected Welcome")
+    result.welcome = welcome
     if hello.adjusts_law and not welcome.adjusts_law:
         raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
                         f"edge {welcome.edge_name or welcome.model_name} does not apply min-p, logit bias or "
                         "penalties: its output would not follow the requested law")
-    result.welcome = welcome
     session.observe_welcome(welcome)
     result.setup_bytes += setup + msg.ByteSize()
     if result.t_start is None:

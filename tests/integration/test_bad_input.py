@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import math
 import struct
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
+from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, LogitAdjust
 from specdec.common.codecs import CodecConfig, encode_distribution
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
@@ -66,6 +68,12 @@ def _bad_cases(drafter):
     bad_fp = pb.DeviceMessage(hello=pb.Hello(**{**_fields(hello.hello), "vocab_fingerprint": "0" * 64}))
     big_k = wire.hello_to_pb(_hello(drafter, top_k=V + 1))
     nan_payload = _tslt_with_nan(good)
+    bias_beyond = wire.hello_to_pb(replace(_hello(drafter), adjust=LogitAdjust(((V, 1.0),))))
+    bias_too_big = wire.hello_to_pb(replace(_hello(drafter), adjust=LogitAdjust.of(
+        {i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)})))
+    bias_uneven = wire.hello_to_pb(replace(_hello(drafter), adjust=LogitAdjust.of({3: 1.0})))
+    bias_uneven.hello.adjust.bias_values.append(2.0)
+    penalty = wire.hello_to_pb(replace(_hello(drafter), adjust=LogitAdjust(presence_penalty=3.0)))
     return {
         "vocabulary mismatch": ([bad_fp], grpc.StatusCode.FAILED_PRECONDITION),
         "K > V": ([big_k], grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -77,6 +85,12 @@ def _bad_cases(drafter):
         "missing distribution": ([hello, prompt, draft(distributions=())], grpc.StatusCode.INVALID_ARGUMENT),
         "draft before prompt": ([hello, draft()], grpc.StatusCode.INVALID_ARGUMENT),
         "empty message": ([pb.DeviceMessage()], grpc.StatusCode.INVALID_ARGUMENT),
+        "logit bias beyond the vocabulary": ([bias_beyond], grpc.StatusCode.INVALID_ARGUMENT),
+        "logit bias over the edge's limit": ([bias_too_big], grpc.StatusCode.RESOURCE_EXHAUSTED),
+        "logit bias ids and values uneven": ([bias_uneven], grpc.StatusCode.INVALID_ARGUMENT),
+        "presence penalty out of range": ([penalty], grpc.StatusCode.INVALID_ARGUMENT),
+        "prompt_len beyond the prompt": ([hello, wire.prompt_to_pb(Prompt((1, 2), prompt_len=3))],
+                                         grpc.StatusCode.INVALID_ARGUMENT),
         "draft too long": ([hello, prompt, draft(token_ids=(5,) * 5, distributions=(good,) * 5)],
                            grpc.StatusCode.RESOURCE_EXHAUSTED),
     }

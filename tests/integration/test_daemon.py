@@ -27,7 +27,9 @@ import pytest
 
 from specdec.testbed import tiny_models
 from tests.support.harness import VENV_BIN, edge, load, run_main, target_greedy
+from tests.support import reference_law
 from tests.support.raw_stream import RawSession
+from specdec.common.adjust import LogitAdjust
 from specdec.common.modeling import ModelSpec, encode_prompt
 from specdec.device import cli as device_main
 from specdec.device import openai_schema
@@ -221,6 +223,25 @@ def test_completion_greedy_equals_target_alone(client, chat_pair, overrides) -> 
     assert r.usage.total_tokens == len(prompt_ids) + len(expected)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_bias_and_penalties_shape_the_target_law(client, chat_pair, stream) -> None:
+    """OpenAI's logit_bias, presence and frequency penalties, and vLLM's repetition_penalty and min_p
+    (extra_body), through the real client: the output is ``generate``'s with transformers' own
+    processors (tests/support/reference_law.py), and differs from the plain greedy decode."""
+    prompt_ids = encode_prompt(_tok(chat_pair), PROMPT, raw=True)
+    plain = _greedy(chat_pair, prompt_ids)
+    bias = {plain[0]: -100.0, plain[2]: 3.0}
+    adjust = LogitAdjust.of(bias, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    expected = reference_law.greedy(load(str(chat_pair[0])), prompt_ids, MAX_TOKENS, adjust)
+    assert expected != plain
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  logit_bias={str(k): v for k, v in bias.items()}, presence_penalty=0.5,
+                                  frequency_penalty=0.3, stream=stream,
+                                  extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "specdec": {"mode": "tslt"}})
+    text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+    assert text == _text(chat_pair, expected)
+
+
 def test_chat_greedy_goes_through_the_template_and_equals_target_alone(client, chat_pair) -> None:
     messages = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w5 w6"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
@@ -346,6 +367,19 @@ def _open_stream(base: str, body: dict):
     ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"w5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": [1]}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "frequency_penalty": "high"}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/completions", {"prompt": PROMPT, "specdec": {"nope": 1}}, "specdec.nope"),
     ("/v1/completions", {"prompt": PROMPT, "specdec": {"mode": "zip"}}, "specdec.mode"),
     ("/v1/completions", {"prompt": PROMPT, "specdec": {"draft_len": 0}}, "specdec.draft_len"),

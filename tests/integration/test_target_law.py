@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import grpc
 import pytest
 
 from specdec.common import protocol as P
 from specdec.common.adjust import NO_ADJUST, LogitAdjust
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.modes import Mode
+from specdec.device.client import EdgeError
 from specdec.device.session import DraftSession
 from specdec.edge.verifier import VerifierSession
 from tests.support import reference_law
@@ -199,3 +201,25 @@ def test_control_edge_verifying_the_plain_law_is_rejected(twin, tiny_pair_v8) ->
 def test_law_over_grpc(twin, tiny_pair_v8) -> None:
     counts, law, _ = law_counts(twin, *tiny_pair_v8, over_grpc=True, **LAW, **MODES["tslt"])
     assert_lossless(counts, law, "over gRPC, bias + penalties + min-p")
+
+
+def test_a_device_stops_on_an_edge_that_does_not_apply_the_law(accepting_pair_v512, monkeypatch) -> None:
+    """An edge from before Hello.adjust ignores it (and says nothing of it in its Welcome): the session
+    ends with FAILED_PRECONDITION before any round, instead of sampling the plain law; a plain session
+    on the same edge runs."""
+    target_dir, drafter_dir = accepting_pair_v512
+    older = VerifierSession.welcome
+    monkeypatch.setattr(VerifierSession, "welcome", lambda self: replace(older(self), adjusts_law=False))
+    adjusted = device_config(temperature=0.0, max_new_tokens=8, adjust=LogitAdjust.of({5: -100.0}), **MODES["tslt"])
+    plain = device_config(temperature=0.0, max_new_tokens=8, **MODES["tslt"])
+
+    async def main():
+        async with edge(target_dir) as address:
+            with pytest.raises(EdgeError) as refused:
+                await run_sessions(address, drafter_dir, adjusted, PROMPTS[0], [0])
+            [(tokens, _, session)] = await run_sessions(address, drafter_dir, plain, PROMPTS[0], [0])
+            return refused.value, tokens, session
+
+    refused, tokens, session = run(main())
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "does not apply" in refused.details
+    assert len(tokens) == 8 and session.stats.rounds >= 1

@@ -20,6 +20,11 @@ DEVICE = ["--edge", "127.0.0.1:1", "--prompt", "hi"]
     (device_cli.build_parser, [*DEVICE, "--timeout", "0"], "--timeout", "must be a finite real > 0"),
     (device_cli.build_parser, [*DEVICE, "--temperature", "inf"], "--temperature", "must be a finite real >= 0"),
     (device_cli.build_parser, [*DEVICE, "--target-top-p", "1.5"], "--target-top-p", "must be a finite real in (0, 1]"),
+    (device_cli.build_parser, [*DEVICE, "--logit-bias", '{"5": 200}'], "--logit-bias", "outside [-100, 100]"),
+    (device_cli.build_parser, [*DEVICE, "--logit-bias", "[1]"], "--logit-bias", "not a JSON object"),
+    (device_cli.build_parser, [*DEVICE, "--presence-penalty", "3"], "--presence-penalty", "must be a finite real in [-2"),
+    (device_cli.build_parser, [*DEVICE, "--repetition-penalty", "0"], "--repetition-penalty", "must be a finite real in (0"),
+    (device_cli.build_parser, [*DEVICE, "--target-min-p", "2"], "--target-min-p", "must be a finite real in [0"),
     (device_cli.build_parser, [*DEVICE, "--seed", "-1"], "--seed", "must be an int in [0, 18446744073709551615]"),
     (device_cli.build_serve_parser, ["--edge", "127.0.0.1:1", "--connect-timeout", "-2"], "--connect-timeout",
      "must be a finite real > 0"),
@@ -37,3 +42,12 @@ def test_good_values_parse_to_their_types() -> None:
     assert (edge.max_sessions, edge.batch_wait_ms, edge.port) == (8, 0.0, 0)
     device = device_cli.build_parser().parse_args([*DEVICE, "--temperature", "0.5", "--seed", str(2**64 - 1)])
     assert (device.temperature, device.seed) == (0.5, 2**64 - 1)
+
+
+def test_the_law_flags_make_one_logit_adjust() -> None:
+    args = device_cli.build_parser().parse_args([*DEVICE, "--logit-bias", '{"7": -100, "3": 2.5}', "--presence-penalty",
+                                                 "0.5", "--repetition-penalty", "1.2", "--target-min-p", "0.1"])
+    cfg = device_cli.config_from_args(args)
+    assert cfg.adjust.logit_bias == ((3, 2.5), (7, -100.0)) and cfg.adjust.presence_penalty == 0.5
+    assert cfg.adjust.repetition_penalty == 1.2 and cfg.adjust.frequency_penalty == 0.0 and cfg.target_min_p == 0.1
+    assert cfg.hello("f", 16, seed=0).adjust == cfg.adjust
