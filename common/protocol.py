@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.common.adjust import NO_ADJUST, LogitAdjust
+from specdec.common.grammar import Grammar
 from specdec.common.modes import Mode
 from specdec.common.settings import DraftSettings
 
@@ -25,7 +26,7 @@ from specdec.common.settings import DraftSettings
 # packed_ids. An edge that lists it draws mode none's tokens by the same race as gumbel rounds (an
 # older one by inverse CDF: the same law, other tokens), so a session that moves between the two
 # keeps its law but not its tokens.
-# So are min-p, logit bias and penalties (Hello.target_min_p, Hello.adjust): an older edge ignores
+# So are min-p, logit bias, penalties and a grammar (Hello.target_min_p, .adjust, .grammar): an older edge ignores
 # them and says nothing of them in its Welcome, and a device whose Hello sets any stops there
 # (Welcome.adjusts_law), before any round; Prompt.prompt_len, which only such an edge reads.
 PROTOCOL_VERSION = 1
@@ -71,11 +72,12 @@ class Hello:
     wants_end: bool = False       # the device reads End messages (and half-closes on one)
     target_min_p: float = 0.0     # 0 = off; applied to the target distribution
     adjust: LogitAdjust = NO_ADJUST  # logit bias and penalties, applied to the target distribution
+    grammar: Grammar | None = None   # what the output must match (structured outputs); None: anything
 
     @property
     def adjusts_law(self) -> bool:
         """Whether the law asks what only an edge that says ``Welcome.adjusts_law`` applies."""
-        return bool(self.target_min_p) or self.adjust.active
+        return bool(self.target_min_p) or self.adjust.active or self.grammar is not None
 
 
 # An edge's limits unless its operator sets others (edge.verifier.EdgeLimits and edge-server's flags

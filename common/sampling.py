@@ -13,6 +13,7 @@ import torch
 from specdec.common.settings import validate as validate_settings
 from specdec.common.distributions import check_logits, filter_target_logits, probs_from_logits
 from specdec.common.adjust import NO_ADJUST, History, LogitAdjust
+from specdec.common.grammar import MASKED_LOGIT
 from specdec.common.protocol import Hello
 
 
@@ -34,12 +35,18 @@ class TargetLaw:
     adjust: LogitAdjust = field(default=NO_ADJUST)  # bias and penalties, before all of the above
 
     def shaped(self, logits: torch.Tensor,  # [n, V]
-               history: History | None, paths: Sequence[Sequence[int]]) -> torch.Tensor:  # [n, V]
-        """The logits with the law's prefix-dependent part applied (:class:`LogitAdjust`), or the
-        logits themselves when it has none; :meth:`probs32` and :meth:`probs` take the result."""
-        if not self.adjust.active:
-            return logits
-        return self.adjust.apply(logits, history, paths)
+               history: History | None, paths: Sequence[Sequence[int]],
+               masks: torch.Tensor | None = None) -> torch.Tensor:  # masks: [n, V] bool -> [n, V]
+        """The logits with the law's prefix-dependent part applied: the bias and penalties
+        (:class:`LogitAdjust`), then the grammar's ``masks`` (the tokens each row's prefix may continue
+        with, common/grammar.py; the others get MASKED_LOGIT), or the logits themselves when there is
+        none; :meth:`probs32` and :meth:`probs` take the result."""
+        if self.adjust.active:
+            logits = self.adjust.apply(logits, history, paths)
+        if masks is not None:
+            assert masks.shape == logits.shape and masks.dtype == torch.bool, (tuple(masks.shape), masks.dtype)
+            logits = logits.to(torch.float32).masked_fill(~masks.to(logits.device), MASKED_LOGIT)
+        return logits
 
     def probs32(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float32
         """The law before its float64 renormalisation: ``probs_from_logits`` (float32, one-hot at
@@ -104,4 +111,6 @@ def validate_hello(hello: Hello) -> None:
     if not 0.0 <= hello.target_min_p <= 1.0:
         raise ValueError(f"target min_p must be in [0, 1], got {hello.target_min_p}")
     hello.adjust.check(hello.vocab_size)
+    if hello.grammar is not None:
+        hello.grammar.check()
     validate_settings(hello.draft)

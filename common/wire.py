@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from specdec.common import protocol as P
 from specdec.common.adjust import LogitAdjust
+from specdec.common.grammar import Grammar, GrammarKind
 from specdec.common.idpack import pack_ids, unpack_ids
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.modes import Mode
@@ -70,8 +71,26 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         target_top_p=h.target_top_p, target_top_k=h.target_top_k, draft=settings_to_pb(h.draft),
         seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
         resume_token=h.resume_token, target_fingerprint=h.target_fingerprint, wants_end=h.wants_end,
-        target_min_p=h.target_min_p, adjust=adjust_to_pb(h.adjust),
+        target_min_p=h.target_min_p, adjust=adjust_to_pb(h.adjust), grammar=grammar_to_pb(h.grammar),
     ))
+
+
+_GRAMMAR_TO_PB = {GrammarKind.JSON_SCHEMA: pb.GRAMMAR_KIND_JSON_SCHEMA, GrammarKind.JSON_OBJECT: pb.GRAMMAR_KIND_JSON_OBJECT,
+                  GrammarKind.REGEX: pb.GRAMMAR_KIND_REGEX, GrammarKind.LARK: pb.GRAMMAR_KIND_LARK}
+_PB_TO_GRAMMAR = {v: k for k, v in _GRAMMAR_TO_PB.items()}
+
+
+def grammar_to_pb(g: Grammar | None) -> pb.Grammar | None:
+    return None if g is None else pb.Grammar(kind=_GRAMMAR_TO_PB[g.kind], source=g.source)
+
+
+def grammar_from_pb(m: pb.Hello) -> Grammar | None:
+    """The Hello's grammar, or None; ValueError on an unknown kind."""
+    if not m.HasField("grammar"):
+        return None
+    if m.grammar.kind not in _PB_TO_GRAMMAR:
+        raise ValueError(f"unknown grammar kind {m.grammar.kind}")
+    return Grammar(_PB_TO_GRAMMAR[m.grammar.kind], m.grammar.source)
 
 
 def adjust_to_pb(a: LogitAdjust) -> pb.LogitAdjust:
@@ -98,7 +117,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         draft=settings_from_pb(m.draft, mode=m.mode),
         seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
         resume_token=m.resume_token, target_fingerprint=m.target_fingerprint, wants_end=m.wants_end,
-        target_min_p=m.target_min_p, adjust=adjust_from_pb(m.adjust),
+        target_min_p=m.target_min_p, adjust=adjust_from_pb(m.adjust), grammar=grammar_from_pb(m),
     )
 
 

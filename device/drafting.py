@@ -30,7 +30,7 @@ class Drafting:
     def __init__(self, drafter: LoadedModel, hello: Hello, parts: SessionParts, policy=None):
         self.hello = hello
         self.vocab_size = drafter.vocab_size
-        self.model = DraftModel(drafter, hello.temperature, hello.adjust)
+        self.model = DraftModel(drafter, hello.temperature, hello.adjust, hello.grammar)
         self.parts = parts
         self.policy = policy
         self.csqs = SessionThreshold()  # C-SQS's threshold across rounds (SQS Alg. 1)

@@ -25,7 +25,8 @@ from specdec.common.modes import Mode, TOP_K_MODES
 from specdec.common.distributions import SparseDist, densify
 from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
-from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, History
+from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, History, chain_paths
+from specdec.common.grammar import GrammarState
 from specdec.common.sampling import TargetLaw, validate_hello
 from specdec.edge.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
 from specdec.common.streams import Purpose, stream
@@ -120,6 +121,9 @@ class VerifierSession:
         self.law = TargetLaw(hello.temperature, hello.target_top_k, hello.target_top_p, hello.target_min_p,
                              hello.adjust)
         self.prompt_len = 0  # of self.tokens, the prompt: the penalties count the rest as generated
+        # the grammar's matcher (compiled once per grammar on this edge, copied per session)
+        self.grammar = None if hello.grammar is None else GrammarState(
+            hello.grammar, target.tokenizer, info.vocab_size, target.eos_token_ids)
         self.info = info
         self.limits = limits
         self.session_id = session_id
@@ -256,7 +260,7 @@ class VerifierSession:
         """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""
         offset = len(self.tokens) - round_start
         race = gumbel_round(torch.empty(0, dtype=torch.long), self.law,
-                            lambda i: self.token_noise(round_start, offset + i), self.history())
+                            lambda i: self.token_noise(round_start, offset + i), self.history(), self.masks([[]]))
         token = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race).next_token
         self.tokens.append(token)
         return token
@@ -297,19 +301,24 @@ class VerifierSession:
         """The round to verify, checked before any model work: gumbel (no q: accept iff each draft is the
         target's own race), DSSD (the scalars q_i(x_i)) or a chain (the decoded packets)."""
         ids = torch.tensor(draft_ids, dtype=torch.long)
+        shape = dict(history=self.history(), masks=self.masks(chain_paths(draft_ids)))
         if settings.mode is Mode.GUMBEL:
             start = len(self.tokens)
-            return gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), self.history())
+            return gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), **shape)
         bonus = self._bonus_noise(len(draft_ids), settings)
         if settings.mode is Mode.DSSD:
-            return dssd_round(ids, q, self.law, generator, settings.dssd_samples, bonus, self.history())
-        return chain_round(ids, q, self.law, generator, bonus, self.history())
+            return dssd_round(ids, q, self.law, generator, settings.dssd_samples, bonus, **shape)
+        return chain_round(ids, q, self.law, generator, bonus, **shape)
 
     def history(self) -> History | None:
         """What the law's penalties read of the verified prefix (None: they are off)."""
         if not self.law.adjust.needs_history:
             return None
         return History.of(self.tokens, self.prompt_len, self.info.vocab_size)
+
+    def masks(self, paths: list[list[int]]):  # -> [len(paths), V] bool, or None without a grammar
+        """The grammar's allowed tokens after the verified prefix and each path."""
+        return None if self.grammar is None else self.grammar.masks(self.tokens[self.prompt_len:], paths)
 
     def _bonus_noise(self, num_drafts: int, settings: DraftSettings):
         """What draws the coupled bonus's Gumbel noise for the position after this round's drafts (a
@@ -327,7 +336,8 @@ class VerifierSession:
         logits = self._forward(ForwardRequest(self.lm, tail + list(draft.token_ids), spec.num_nodes,
                                               attend=attend, positions=positions))
         node_tokens = torch.tensor([0, *draft.token_ids], dtype=torch.long)  # root entry unused
-        rows = self.law.shaped(logits.cpu(), self.history(), spec.paths(node_tokens.tolist()))
+        paths = spec.paths(node_tokens.tolist())
+        rows = self.law.shaped(logits.cpu(), self.history(), paths, self.masks(paths))
         p = self.law.probs(rows)  # row 0: after the prefix; row n: after node n (host math)
         result = tree_verify(spec, node_tokens, q, p, generator)
         prefix_len = len(self.tokens)

@@ -75,6 +75,7 @@ class ChainRound:
     dssd_samples: int = 0                     # dssd: m samples of p_j at a rejection
     token_noise: Callable[[int], torch.Tensor] | None = None  # gumbel: noise(i) [V] of draft position i
     history: History | None = None           # what the law's penalties read of the verified prefix
+    masks: torch.Tensor | None = None         # [L + 1, V] bool: the grammar's allowed tokens of each row
 
     @property
     def length(self) -> int:
@@ -96,7 +97,8 @@ class RoundOutcome:
 # ------------------------------------------------------------------------------------ building rounds
 def chain_round(draft_ids: torch.Tensor,  # [L] int64
                 q_rows: Sequence[SparseDist], law: TargetLaw, generator: torch.Generator,
-                bonus_noise: BonusNoise | None = None, history: History | None = None) -> ChainRound:
+                bonus_noise: BonusNoise | None = None, history: History | None = None,
+                masks: torch.Tensor | None = None) -> ChainRound:
     """A chain round (dense, tslt, ksqs, csqs) whose drafts were sampled from ``q_rows`` (the decoded
     packets), with ``L + 1`` uniforms of ``generator``. ValueError on what ``chain_verify`` refuses."""
     ids = _draft_ids(draft_ids, minimum=1)
@@ -105,13 +107,14 @@ def chain_round(draft_ids: torch.Tensor,  # [L] int64
     q_of_draft = _checked_q_of_draft(q_rows, ids)
     check_drafts_sampleable(ids, q_of_draft, "draft_ids")
     return ChainRound(RoundKind.CHAIN, law, ids, q_of_draft, tuple(q_rows),
-                      _uniforms(generator, ids.numel() + 1), bonus_noise, history=_history(law, history))
+                      _uniforms(generator, ids.numel() + 1), bonus_noise, history=_history(law, history), masks=masks)
 
 
 def dssd_round(draft_ids: torch.Tensor,  # [L] int64
                q_of_draft: torch.Tensor,  # [L] float64, q_i(x_i) as the device sent them
                law: TargetLaw, generator: torch.Generator, num_samples: int,
-               bonus_noise: BonusNoise | None = None, history: History | None = None) -> ChainRound:
+               bonus_noise: BonusNoise | None = None, history: History | None = None,
+               masks: torch.Tensor | None = None) -> ChainRound:
     """DSSD's edge half of a round, with ``L + max(m, 1)`` uniforms of ``generator``."""
     ids = _draft_ids(draft_ids, minimum=1)
     check_int(num_samples, "num_samples", 0)
@@ -119,16 +122,16 @@ def dssd_round(draft_ids: torch.Tensor,  # [L] int64
     check_drafts_sampleable(ids, q_of_draft, "draft_ids")
     return ChainRound(RoundKind.DSSD, law, ids, q_of_draft.cpu(), (),
                       _uniforms(generator, ids.numel() + max(num_samples, 1)), bonus_noise, num_samples,
-                      history=_history(law, history))
+                      history=_history(law, history), masks=masks)
 
 
 def gumbel_round(draft_ids: torch.Tensor,  # [L] int64, L >= 0
                  law: TargetLaw, token_noise: Callable[[int], torch.Tensor],
-                 history: History | None = None) -> ChainRound:
+                 history: History | None = None, masks: torch.Tensor | None = None) -> ChainRound:
     """A gumbel round (``token_noise(i)``: [V] exponential noise of draft position i), or with no
     draft the target's own token at the position (mode none)."""
     return ChainRound(RoundKind.GUMBEL, law, _draft_ids(draft_ids, minimum=0), token_noise=token_noise,
-                      history=_history(law, history))
+                      history=_history(law, history), masks=masks)
 
 
 def _history(law: TargetLaw, history: History | None) -> History | None:
@@ -200,7 +203,8 @@ def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i af
     for rows, r in zip(logits, rounds):
         _check_pair(rows, r)
     # the law's bias and penalties, row by row with the drafts before each (before any decision)
-    logits = [r.law.shaped(rows, r.history, chain_paths(r.draft_ids.tolist())) for rows, r in zip(logits, rounds)]
+    logits = [r.law.shaped(rows, r.history, chain_paths(r.draft_ids.tolist()), r.masks)
+              for rows, r in zip(logits, rounds)]
     if len({rows.shape[1] for rows in logits}) > 1:
         raise ValueError("the rounds of one forward share the target's vocabulary")
     outcomes: list[RoundOutcome | None] = [None] * len(rounds)
@@ -221,6 +225,8 @@ def _check_pair(rows: torch.Tensor, r: ChainRound) -> None:
     vocab = rows.shape[1]
     if r.length:
         check_token_ids(r.draft_ids, "draft_ids", vocab)
+    if r.masks is not None and (r.masks.shape != rows.shape or r.masks.dtype != torch.bool):
+        raise ValueError(f"grammar masks {tuple(r.masks.shape)} {r.masks.dtype} for logits {tuple(rows.shape)}")
     if r.q_rows and r.q_rows[0].vocab_size != vocab:
         raise ValueError(f"draft distributions over {r.q_rows[0].vocab_size} tokens, target over {vocab}")
 

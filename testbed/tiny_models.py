@@ -23,6 +23,23 @@ def make_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
+BYTE_VOCAB = 258  # "<unk>", "<eos>", then one token per byte
+
+
+def make_byte_tokenizer():
+    """A byte-level tokenizer (GPT-2's byte-to-unicode alphabet, no merges): any text, JSON included,
+    is some sequence of its tokens, and a grammar engine reads its tokens' bytes from its decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<eos>": EOS_ID, **{c: i + 2 for i, c in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
 def _random_llama(vocab_size: int, seed: int, hidden: int, layers: int, max_positions: int):
     """A random Llama (untied head, 4 heads over 2 key/value heads, wide initialisation)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -36,19 +53,21 @@ def _random_llama(vocab_size: int, seed: int, hidden: int, layers: int, max_posi
     ))
 
 
-def _save(model, vocab_size: int, path: Path) -> Path:
+def _save(model, vocab_size: int, path: Path, byte_level: bool = False) -> Path:
     model.save_pretrained(path)
-    make_tokenizer(vocab_size).save_pretrained(path)
+    (make_byte_tokenizer() if byte_level else make_tokenizer(vocab_size)).save_pretrained(path)
     return path
 
 
 def make_model(path: Path, vocab_size: int, *, seed: int, hidden: int = 32, layers: int = 2,
-               logit_scale: float = 4.0, max_positions: int = 256) -> Path:
-    """Save a random Llama with peaky, context-dependent next-token distributions to ``path``."""
+               logit_scale: float = 4.0, max_positions: int = 256, byte_level: bool = False) -> Path:
+    """Save a random Llama with peaky, context-dependent next-token distributions to ``path``
+    (``byte_level``: over :func:`make_byte_tokenizer`'s vocabulary, whose size it must be)."""
+    assert not byte_level or vocab_size == BYTE_VOCAB, vocab_size
     model = _random_llama(vocab_size, seed, hidden, layers, max_positions)
     with torch.no_grad():  # sharpen the head so distributions are far from uniform
         model.lm_head.weight.mul_(logit_scale)
-    return _save(model, vocab_size, path)
+    return _save(model, vocab_size, path, byte_level)
 
 
 def make_pair(root: Path, vocab_size: int, *, target_seed: int = 1, draft_seed: int = 2,

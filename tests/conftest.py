@@ -23,6 +23,16 @@ def tiny_pair_v8(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def byte_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Target and a close drafter over a byte-level vocabulary (258 tokens): grammars (JSON, regexes)
+    can be matched against it, and any text is a sequence of its tokens."""
+    root = tmp_path_factory.mktemp("bytes")
+    target = tiny_models.make_model(root / "target-bytes", tiny_models.BYTE_VOCAB, seed=1, byte_level=True,
+                                    logit_scale=2.0)
+    return target, tiny_models.make_close_drafter(target, root / "draft-bytes", noise=0.1)
+
+
+@pytest.fixture(scope="session")
 def tiny_pair_v512(tmp_path_factory) -> tuple[Path, Path]:
     """Target and drafter with a 512-token vocabulary (greedy identity, byte accounting)."""
     return tiny_models.make_pair(tmp_path_factory.mktemp("tiny512"), 512, logit_scale=2.0)

@@ -19,7 +19,7 @@ from specdec.device.session import DraftSession
 from specdec.edge.verifier import VerifierSession
 from tests.support import reference_law
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
-from tests.support.inprocess import run_seeds
+from tests.support.inprocess import cut_the_second_verdict, run_seeds
 from tests.support.laws import (GROSS_CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES, assert_lossless, assert_rejected,
                                 exact_law, law_counts, prompt_ids)
 
@@ -128,15 +128,6 @@ def test_every_mode_samples_the_adjusted_law(twin, tiny_pair_v8, name) -> None:
 def test_a_tree_samples_the_adjusted_law(twin, tiny_pair_v8) -> None:
     counts, law, _ = law_counts(twin, *tiny_pair_v8, **LAW, **TREE_LAW, **TREE_MODES["dense"])
     assert_lossless(counts, law, "tree <2,2>, bias + penalties + min-p")
-
-
-def cut_the_second_verdict(direction: str, msg, device) -> bool:
-    """Break the stream as the session's second verdict arrives: the device aborts the round and a
-    fresh edge takes the verified prefix, its output included, with the prompt's length."""
-    if direction != "recv" or not isinstance(msg, P.Verdict):
-        return False
-    device.verdicts_seen = getattr(device, "verdicts_seen", 0) + 1
-    return device.verdicts_seen == 2
 
 
 def test_a_resumed_session_samples_the_adjusted_law(twin, tiny_pair_v8) -> None:

@@ -36,6 +36,15 @@ OnRound = Callable[[tuple, P.DraftBlock, P.Verdict, VerifierSession], None]
 Fault = Callable[[str, object, DraftSession], bool]
 
 
+def cut_the_second_verdict(direction: str, msg, device) -> bool:
+    """A Fault: break the stream as the session's second verdict arrives. The device aborts the round
+    and the edge takes the verified prefix again (its output included, with the prompt's length)."""
+    if direction != "recv" or not isinstance(msg, P.Verdict):
+        return False
+    device.verdicts_seen = getattr(device, "verdicts_seen", 0) + 1
+    return device.verdicts_seen == 2
+
+
 class EdgeLink:
     """engine.Link straight to one VerifierSession."""
 

@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 
 from specdec.common.adjust import NO_ADJUST, LogitAdjust
+from specdec.common.grammar import Grammar
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.sampling import model_probs
 from specdec.common.modes import Mode
@@ -73,14 +74,15 @@ TREE_MODES = {"dense": dict(mode=Mode.DENSE, dense_dtype="fp32"), "tslt": dict(m
 
 @lru_cache(maxsize=4)
 def exact_law(target_dir: str, prompt_ids: tuple[int, ...], temperature: float = TEMPERATURE, top_k: int = 0,
-              top_p: float = 0.0, adjust: LogitAdjust = NO_ADJUST, min_p: float = 0.0) -> dict[tuple[int, ...], float]:
+              top_p: float = 0.0, adjust: LogitAdjust = NO_ADJUST, min_p: float = 0.0,
+              grammar: Grammar | None = None) -> dict[tuple[int, ...], float]:
     """P(first N_TOKENS generated tokens = s) for the target alone, by enumeration (with the target's
     own temperature, top-k and top-p, as transformers samples it; with bias, penalties or min-p, as
     ``generate`` applies them through transformers' own processors: reference_law.py)."""
     m = load(target_dir)
     eos = set(m.eos_token_ids)
     law: dict[tuple[int, ...], float] = {}
-    shaped = adjust.active or min_p > 0
+    shaped = adjust.active or min_p > 0 or grammar is not None
     assert not (shaped and (top_k or top_p)), "the reference law here takes bias, penalties and min-p alone"
 
     def visit(seq: tuple[int, ...], prob: float) -> None:
@@ -88,7 +90,7 @@ def exact_law(target_dir: str, prompt_ids: tuple[int, ...], temperature: float =
             law[seq] = law.get(seq, 0.0) + prob
             return
         if shaped:
-            p = reference_law.next_probs(m, prompt_ids, seq, adjust, temperature, min_p)
+            p = reference_law.next_probs(m, prompt_ids, seq, adjust, temperature, min_p, grammar)
         else:
             with torch.inference_mode():
                 logits = m.model(torch.tensor([list(prompt_ids) + list(seq)])).logits[0, -1].float()
@@ -130,7 +132,7 @@ def law_counts(twin, target_dir, drafter, *, num_sessions: int = LAW_SESSIONS, o
         cfg_kw["draft_len"] = draft_len
     cfg = device_config(**cfg_kw)
     law = exact_law(str(target_dir), prompt_ids(drafter), temperature, cfg.target_top_k, cfg.target_top_p,
-                    cfg.adjust, cfg.target_min_p)
+                    cfg.adjust, cfg.target_min_p, cfg.grammar)
     run_kw = run_kw or {}
     assert not (run_kw and over_grpc), "run_kw drives the in-process link"
     seeds = range(num_sessions)
@@ -158,6 +160,11 @@ def assert_lossless(counts: Counter, law: dict, what: str) -> None:
 def assert_rejected(counts: Counter, law: dict, what: str) -> None:
     """A negative control: sequences outside the law, or a fit far below the cut."""
     outside = sum(c for seq, c in counts.items() if seq not in law)
-    fit = goodness_of_fit(Counter({s: c for s, c in counts.items() if s in law}), law)
+    inside = Counter({s: c for s, c in counts.items() if s in law})
+    if not inside:  # nothing to fit: every sequence is one the target cannot produce
+        print(f"control, {what}: all {outside} sequences outside the law")
+        assert outside > 0, f"negative control passed: {what}: no sequence at all"
+        return
+    fit = goodness_of_fit(inside, law)
     print(f"control, {what}: {outside} sequences outside the law, {fit}")
     assert outside > 0 or fit.p_value < P_VALUE_CUT, f"negative control passed: {what}: {fit}"

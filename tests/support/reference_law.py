@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     SequenceBiasLogitsProcessor, TemperatureLogitsWarper)
 
 from specdec.common.adjust import LogitAdjust
+from specdec.common.grammar import Grammar
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -33,9 +34,36 @@ class OpenAIPenalties(LogitsProcessor):
         return out
 
 
+class GrammarMask(LogitsProcessor):
+    """A grammar as llguidance's own numpy helpers apply it (``fill_next_token_bitmask``, then
+    ``apply_token_bitmask_inplace``: ``-inf`` off the mask), its matcher fed each generated token:
+    independent of common/grammar.py's state and masks."""
+
+    def __init__(self, grammar: Grammar, model, prompt_len: int):
+        import llguidance
+        import llguidance.hf
+        tok = llguidance.hf.from_tokenizer(model.tokenizer, n_vocab=model.vocab_size,
+                                           eos_token=list(model.eos_token_ids))
+        self.matcher = llguidance.LLMatcher(tok, grammar.llguidance_grammar(), log_level=0)
+        self.vocab, self.prompt_len, self.fed = model.vocab_size, prompt_len, 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+        out = input_ids[0, self.prompt_len:].tolist()
+        for token in out[self.fed:]:
+            assert self.matcher.consume_token(token), f"the decode left the grammar at {token}"
+        self.fed = len(out)
+        bitmask = allocate_token_bitmask(1, self.vocab)
+        fill_next_token_bitmask(self.matcher, bitmask, 0)
+        logits = scores.numpy().copy()
+        apply_token_bitmask_inplace(logits, bitmask)
+        return torch.from_numpy(logits)
+
+
 def processors(adjust: LogitAdjust, prompt_len: int, temperature: float = 0.0,
-               min_p: float = 0.0) -> LogitsProcessorList:
-    """What ``generate`` would apply for this law: the processors, then (T > 0) the warpers."""
+               min_p: float = 0.0, grammar: Grammar | None = None, model=None) -> LogitsProcessorList:
+    """What ``generate`` would apply for this law: the processors (the grammar after the bias and
+    penalties), then (T > 0) the warpers."""
     out = LogitsProcessorList()
     if adjust.logit_bias:
         out.append(SequenceBiasLogitsProcessor({(i,): b for i, b in adjust.logit_bias}))
@@ -43,6 +71,8 @@ def processors(adjust: LogitAdjust, prompt_len: int, temperature: float = 0.0,
         out.append(RepetitionPenaltyLogitsProcessor(adjust.repetition_penalty))
     if adjust.presence_penalty or adjust.frequency_penalty:
         out.append(OpenAIPenalties(prompt_len, adjust.presence_penalty, adjust.frequency_penalty))
+    if grammar is not None:
+        out.append(GrammarMask(grammar, model, prompt_len))
     if temperature > 0:
         out.append(TemperatureLogitsWarper(temperature))
         if min_p:
@@ -50,20 +80,20 @@ def processors(adjust: LogitAdjust, prompt_len: int, temperature: float = 0.0,
     return out
 
 
-def greedy(model, prompt_ids: list[int], max_new: int, adjust: LogitAdjust) -> list[int]:
+def greedy(model, prompt_ids: list[int], max_new: int, adjust: LogitAdjust, grammar: Grammar | None = None) -> list[int]:
     """transformers' own greedy ``generate`` with the law's processors."""
     ids = torch.tensor([prompt_ids])
     out = model.model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=0,
                                eos_token_id=list(model.eos_token_ids),
-                               logits_processor=processors(adjust, len(prompt_ids)))
+                               logits_processor=processors(adjust, len(prompt_ids), grammar=grammar, model=model))
     return out[0, len(prompt_ids):].tolist()
 
 
 def next_probs(model, prompt_ids: tuple[int, ...], seq: tuple[int, ...], adjust: LogitAdjust,
-               temperature: float, min_p: float = 0.0) -> torch.Tensor:  # [V] float64
+               temperature: float, min_p: float = 0.0, grammar: Grammar | None = None) -> torch.Tensor:  # [V] float64
     """The target's law of the token after ``prompt_ids + seq``, as ``generate`` samples it."""
     ids = torch.tensor([list(prompt_ids) + list(seq)])
     with torch.inference_mode():
         logits = model.model(ids).logits[:, -1].float()
-    scores = processors(adjust, len(prompt_ids), temperature, min_p)(ids, logits)
+    scores = processors(adjust, len(prompt_ids), temperature, min_p, grammar, model)(ids, logits)
     return torch.softmax(scores[0], dim=-1).double()
