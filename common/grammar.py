@@ -38,6 +38,10 @@ MASKED_LOGIT = -1e30
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
+class GrammarError(ValueError):
+    """A grammar the engine refuses, or one the vocabulary cannot satisfy (the engine's message)."""
+
+
 class GrammarKind(enum.Enum):
     JSON_SCHEMA = "json_schema"   # a JSON schema (OpenAI's response_format json_schema, tools)
     JSON_OBJECT = "json_object"   # any JSON object (response_format json_object)
@@ -53,14 +57,14 @@ class Grammar:
     source: str = ""
 
     def check(self) -> None:
-        """ValueError on a source over MAX_GRAMMAR_BYTES or a schema that is not JSON."""
+        """GrammarError on a source over MAX_GRAMMAR_BYTES or a schema that is not JSON."""
         if len(self.source.encode()) > MAX_GRAMMAR_BYTES:
-            raise ValueError(f"grammar of {len(self.source.encode())} bytes exceeds {MAX_GRAMMAR_BYTES}")
+            raise GrammarError(f"grammar of {len(self.source.encode())} bytes exceeds {MAX_GRAMMAR_BYTES}")
         if self.kind is GrammarKind.JSON_SCHEMA:
             try:
                 json.loads(self.source)
             except ValueError as exc:
-                raise ValueError(f"JSON schema is not JSON: {exc}") from None
+                raise GrammarError(f"JSON schema is not JSON: {exc}") from None
 
     def llguidance_grammar(self) -> str:
         import llguidance
@@ -73,10 +77,6 @@ class Grammar:
         if self.kind is GrammarKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         return llguidance.LLMatcher.grammar_from_lark(self.source)
-
-
-class GrammarError(ValueError):
-    """A grammar the engine refuses, or one the vocabulary cannot satisfy (the engine's message)."""
 
 
 # ------------------------------------------------------------------------------------ tokenizers

@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from specdec.common import protocol as P
 from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import is_loopback
+from specdec.common.grammar import GrammarError, GrammarState
 from specdec.device import openai_schema
 from specdec.device.client import EdgeError, generate
 from specdec.device.detokenize import Detokenizer
@@ -177,6 +178,7 @@ def request_config(base: DeviceConfig, p: openai_schema.SamplingParams) -> Devic
                    target_top_p=target_top_p, target_top_k=target_top_k,
                    target_min_p=base.target_min_p if p.min_p is None else p.min_p,
                    adjust=p.adjust if p.adjust.active else base.adjust,
+                   grammar=p.grammar if p.grammar is not None else base.grammar,
                    max_new_tokens=p.max_tokens or base.max_new_tokens,
                    # a request without a seed gets a fresh one: nothing to reproduce
                    reproducible=base.reproducible and p.seed is not None)
@@ -211,6 +213,11 @@ class DeviceEngine:
             cfg.adjust.check(self.drafter.vocab_size)
         except ValueError as exc:
             raise openai_schema.bad(str(exc), "logit_bias") from None
+        if cfg.grammar is not None:  # compiled here (cached): a grammar the engine refuses is the client's 400
+            try:
+                GrammarState(cfg.grammar, self.drafter.tokenizer, self.drafter.vocab_size, self.drafter.eos_token_ids)
+            except GrammarError as exc:
+                raise openai_schema.bad(f"grammar: {exc}", "response_format") from None
         return cfg
 
     def encode_text(self, text: str) -> list[int]:

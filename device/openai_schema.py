@@ -13,6 +13,7 @@ cannot honour yet (logprobs, tools, structured outputs) are refused rather than 
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 from specdec.common.adjust import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
                                    NO_ADJUST, LogitAdjust)
+from specdec.common.grammar import Grammar, GrammarKind
 from specdec.common.settings import canonical_name, check_value, setting_names
 
 MAX_STOP_STRINGS = 4          # OpenAI's own limit on `stop`
@@ -114,9 +116,35 @@ def _refuse_unsupported(body: dict) -> None:
     for key, off in _UNSUPPORTED.items():
         if key in body and body[key] not in off:
             raise bad(f"`{key}` is not supported by the specdec device daemon", key)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad("only `response_format` {\"type\": \"text\"} is supported", "response_format")
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """OpenAI's ``response_format`` (``json_object``, ``json_schema``) or the extension's
+    ``specdec.grammar`` (``{"regex": ...}``, ``{"lark": ...}``, ``{"json_schema": {...}}``): the
+    grammar the output must match. Compiled (and refused with the engine's message) by the daemon."""
+    fmt, ext = body.get("response_format"), (body.get(SPECDEC_FIELD) or {}).get("grammar") \
+        if isinstance(body.get(SPECDEC_FIELD), dict) else None
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")):
+        raise bad("`response_format` is {\"type\": \"text\" | \"json_object\" | \"json_schema\"}", "response_format")
+    kind = None if fmt is None else fmt["type"]
+    if ext is not None and kind not in (None, "text"):
+        raise bad(f"`response_format` and `{SPECDEC_FIELD}.grammar` both set", "response_format")
+    if kind == "json_object":
+        return Grammar(GrammarKind.JSON_OBJECT)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad("`response_format.json_schema` must be an object with a `schema` object", "response_format")
+        return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(spec.get("schema", {})))
+    if ext is None:
+        return None
+    param = f"{SPECDEC_FIELD}.grammar"
+    if not isinstance(ext, dict) or len(ext) != 1 or next(iter(ext)) not in ("regex", "lark", "json_schema"):
+        raise bad(f"`{param}` is one of {{\"regex\": str}}, {{\"lark\": str}}, {{\"json_schema\": object}}", param)
+    (key, value), = ext.items()
+    if not isinstance(value, dict if key == "json_schema" else str):
+        raise bad(f"`{param}.{key}` must be {'an object' if key == 'json_schema' else 'a string'}", param)
+    return Grammar(GrammarKind(key), json.dumps(value) if key == "json_schema" else value)
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -135,6 +163,7 @@ class SamplingParams:
     include_usage: bool             # stream_options.include_usage: a final usage chunk
     overrides: dict = field(default_factory=dict)  # DeviceConfig field -> value (the `specdec` object)
     adjust: LogitAdjust = NO_ADJUST  # logit_bias and the penalties (token ids checked against the vocabulary later)
+    grammar: Grammar | None = None   # response_format or specdec.grammar (compiled against the vocabulary later)
 
 
 @dataclass(frozen=True)
@@ -173,11 +202,16 @@ def _params(body: dict, *, max_tokens_keys: tuple[str, ...]) -> SamplingParams:
         top_p=_optional(body, "top_p", float, 0.0, 1.0, low_open=True),
         top_k=_optional(body, "top_k", int, -1),
         min_p=_optional(body, "min_p", float, 0.0, 1.0),
-        adjust=_adjust(body),
+        adjust=_adjust(body), grammar=_grammar(body),
         seed=_optional(body, "seed", int, 0, MAX_SEED),
         stop=_stop(body.get("stop")), n=n, stream=stream,
         include_usage=bool((options or {}).get("include_usage")),
-        overrides=parse_overrides(body.get(SPECDEC_FIELD)))
+        overrides=parse_overrides(_without_grammar(body.get(SPECDEC_FIELD))))
+
+
+def _without_grammar(ext: Any) -> Any:
+    """The extension object's draft settings (its ``grammar`` is the law's, read by :func:`_grammar`)."""
+    return {k: v for k, v in ext.items() if k != "grammar"} if isinstance(ext, dict) else ext
 
 
 def _adjust(body: dict) -> LogitAdjust:

@@ -97,8 +97,8 @@ class Stack:
         return self.lt.call(self.exits.enter_async_context(edge(target, **kw)))
 
     def start_daemon(self, edge_address: str, connect_timeout: float = 2.0, device_kw=None, **kw) -> str:
-        device = DeviceConfig.of(edge=edge_address, draft_model=self.drafter, draft_len=3, temperature=1.0,
-                              max_new_tokens=16, timeout=60.0, **(device_kw or {}))
+        device = DeviceConfig.of(**{"edge": edge_address, "draft_model": self.drafter, "draft_len": 3,
+                                    "temperature": 1.0, "max_new_tokens": 16, "timeout": 60.0, **(device_kw or {})})
         cfg = DaemonConfig(device=device, port=0, model_name=MODEL, connect_timeout=connect_timeout)
         daemon = self.lt.call(start_daemon(cfg, drafter=load(self.drafter), **kw))
         self.exits.push_async_callback(daemon.stop)
