@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from specdec.common.adjust import NO_ADJUST, LogitAdjust
 from specdec.common.grammar import Grammar
+from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob
 from specdec.common.modes import Mode
 from specdec.common.settings import DraftSettings
 
@@ -73,6 +74,7 @@ class Hello:
     target_min_p: float = 0.0     # 0 = off; applied to the target distribution
     adjust: LogitAdjust = NO_ADJUST  # logit bias and penalties, applied to the target distribution
     grammar: Grammar | None = None   # what the output must match (structured outputs); None: anything
+    logprobs: int = NO_LOGPROBS      # each verdict's tokens' log-probabilities (0) and their top N (N > 0)
 
     @property
     def adjusts_law(self) -> bool:
@@ -138,6 +140,7 @@ class Verdict:
     accepted_nodes: tuple[int, ...] = ()       # tree: accepted path (node indices, depth order)
     more: bool = False                         # mode none: more tokens of this round follow
     draft_len_hint: int | None = None          # edge: longest draft that pays at its load (None: no advice)
+    logprobs: tuple[TokenLogprob, ...] = ()    # one per emitted token, if the Hello asked (common/logprobs.py)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from specdec.common.settings import validate as validate_settings
 from specdec.common.distributions import check_logits, filter_target_logits, probs_from_logits
 from specdec.common.adjust import NO_ADJUST, History, LogitAdjust
 from specdec.common.grammar import MASKED_LOGIT
+from specdec.common.logprobs import MAX_TOP_LOGPROBS, NO_LOGPROBS
 from specdec.common.protocol import Hello
 
 
@@ -47,6 +48,11 @@ class TargetLaw:
             assert masks.shape == logits.shape and masks.dtype == torch.bool, (tuple(masks.shape), masks.dtype)
             logits = logits.to(torch.float32).masked_fill(~masks.to(logits.device), MASKED_LOGIT)
         return logits
+
+    def reported(self) -> "TargetLaw":
+        """The law whose log-probabilities a verdict reports for the shaped logits
+        (common/logprobs.py): this one, or at T = 0 their softmax at temperature 1 without filters."""
+        return self if self.temperature > 0 else TargetLaw(1.0)
 
     def probs32(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float32
         """The law before its float64 renormalisation: ``probs_from_logits`` (float32, one-hot at
@@ -113,4 +119,6 @@ def validate_hello(hello: Hello) -> None:
     hello.adjust.check(hello.vocab_size)
     if hello.grammar is not None:
         hello.grammar.check()
+    if not (hello.logprobs == NO_LOGPROBS or 0 <= hello.logprobs <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"logprobs asks for the top {hello.logprobs}; at most {MAX_TOP_LOGPROBS}")
     validate_settings(hello.draft)

@@ -5,9 +5,12 @@ with a message that the servicer turns into ``INVALID_ARGUMENT``.
 """
 from __future__ import annotations
 
+import math
+
 from specdec.common import protocol as P
 from specdec.common.adjust import LogitAdjust
 from specdec.common.grammar import Grammar, GrammarKind
+from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob
 from specdec.common.idpack import pack_ids, unpack_ids
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.modes import Mode
@@ -72,6 +75,7 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
         resume_token=h.resume_token, target_fingerprint=h.target_fingerprint, wants_end=h.wants_end,
         target_min_p=h.target_min_p, adjust=adjust_to_pb(h.adjust), grammar=grammar_to_pb(h.grammar),
+        logprobs=None if h.logprobs == NO_LOGPROBS else h.logprobs,
     ))
 
 
@@ -118,6 +122,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
         resume_token=m.resume_token, target_fingerprint=m.target_fingerprint, wants_end=m.wants_end,
         target_min_p=m.target_min_p, adjust=adjust_from_pb(m.adjust), grammar=grammar_from_pb(m),
+        logprobs=m.logprobs if m.HasField("logprobs") else NO_LOGPROBS,
     )
 
 
@@ -216,7 +221,33 @@ def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
         msg.next_token = v.next_token
     if v.draft_len_hint is not None:
         msg.draft_len_hint = v.draft_len_hint
+    if v.logprobs:
+        _logprobs_to_pb(v.logprobs, msg)
     return pb.EdgeMessage(verdict=msg)
+
+
+def _logprobs_to_pb(logprobs: tuple[TokenLogprob, ...], msg: pb.Verdict) -> None:
+    """Flat: every token's top list padded to the longest with (0, -inf)."""
+    width = max(len(t.top) for t in logprobs)
+    msg.logprobs.extend(t.logprob for t in logprobs)
+    for t in logprobs:
+        pad = width - len(t.top)
+        msg.top_ids.extend([i for i, _ in t.top] + [0] * pad)
+        msg.top_logprobs.extend([lp for _, lp in t.top] + [-math.inf] * pad)
+
+
+def _logprobs_from_pb(m: pb.Verdict) -> tuple[TokenLogprob, ...]:
+    """ValueError unless the top lists split evenly among the tokens."""
+    n = len(m.logprobs)
+    if not n:
+        return ()
+    if len(m.top_ids) != len(m.top_logprobs) or len(m.top_ids) % n:
+        raise ValueError(f"verdict logprobs: {len(m.top_ids)} top ids, {len(m.top_logprobs)} values for {n} tokens")
+    width = len(m.top_ids) // n
+    return tuple(TokenLogprob(lp, tuple((i, v) for i, v in zip(m.top_ids[k * width:(k + 1) * width],
+                                                               m.top_logprobs[k * width:(k + 1) * width])
+                                        if v > -math.inf))
+                 for k, lp in enumerate(m.logprobs))
 
 
 def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
@@ -227,6 +258,7 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         accepted_nodes=tuple(m.accepted_nodes), more=m.more, verify_seconds=m.timings.verify_seconds,
         queue_seconds=m.timings.queue_seconds, decode_seconds=m.timings.decode_seconds,
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
+        logprobs=_logprobs_from_pb(m),
     )
 
 

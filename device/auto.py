@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.device import autotune as A
+from specdec.common.logprobs import NO_LOGPROBS
 from specdec.common.modes import Mode, RACE_MODES
 from specdec.common.protocol import (DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K, DraftSettings,
                                      Hello, Welcome)
@@ -570,7 +571,10 @@ class AutoPolicy:
 
     def _within(self, candidates: list[A.Candidate]) -> list[A.Candidate]:
         """The candidates this session may choose: the race rounds only where it must be reproducible
-        (edge-only is always among them unless configured out; then gumbel alone)."""
+        (edge-only is always among them unless configured out; then gumbel alone), and no DSSD round
+        in a session that asks for logprobs (a DSSD correction is drawn on the device, without them)."""
+        if self.hello.logprobs != NO_LOGPROBS:
+            candidates = [c for c in candidates if c.mode is not Mode.DSSD]
         if not self.race_only:
             return candidates
         race = [c for c in candidates if c.mode in RACE_MODES]

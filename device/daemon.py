@@ -383,7 +383,7 @@ async def _respond(request: web.Request, p: openai_schema.SamplingParams, prompt
                    chat: bool) -> web.StreamResponse:
     """Run prompts x n choices (choice index = prompt * n + j, OpenAI's order), answer JSON or SSE."""
     engine = request.app[ENGINE]
-    cfg = engine.settings(p)
+    cfg = await asyncio.to_thread(engine.settings, p)  # a grammar compiles there: off the loop
     await engine.check_edge()
     seed = secrets.randbits(63) if p.seed is None else p.seed
     model = p.model or engine.cfg.model_name

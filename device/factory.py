@@ -14,6 +14,7 @@ import grpc
 from specdec.common import settings as S
 from specdec.common.adjust import NO_ADJUST, LogitAdjust
 from specdec.common.grammar import Grammar
+from specdec.common.logprobs import NO_LOGPROBS
 from specdec.common.modeling import LoadedModel, ModelSpec
 from specdec.common.protocol import Hello
 from specdec.common.runtime import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
@@ -59,6 +60,7 @@ class DeviceConfig:
     target_min_p: float = 0.0           # 0 = off
     adjust: LogitAdjust = NO_ADJUST     # logit bias and penalties of the target distribution
     grammar: Grammar | None = None      # what the output must match (structured outputs)
+    logprobs: int = NO_LOGPROBS         # the tokens' log-probabilities (0) and their top N (N > 0)
     seed: int = 0
     max_new_tokens: int = 128
     num_samples: int = 1
@@ -113,7 +115,7 @@ class DeviceConfig:
                      draft=S.resolve(self.draft, operating_point, vocab_size), seed=seed,
                      max_new_tokens=self.max_new_tokens, target_top_p=self.target_top_p,
                      target_top_k=self.target_top_k, target_min_p=self.target_min_p, adjust=self.adjust,
-                     grammar=self.grammar)
+                     grammar=self.grammar, logprobs=self.logprobs)
 
 
 @dataclass(frozen=True)

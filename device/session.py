@@ -26,6 +26,7 @@ from typing import Callable
 
 from specdec.common import settings as S
 from specdec.common.modeling import LoadedModel
+from specdec.common.logprobs import TokenLogprob
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict, Welcome
 from specdec.common.modes import Mode, RACE_MODES
 from specdec.common.stats import SpecStats
@@ -84,6 +85,7 @@ class DraftSession:
         self.edge_hint: int | None = None  # the edge's advised longest draft at its load (last committed verdict)
         self._advised_edge_only = 0       # edge-only rounds in a row committed under an advice of 0
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # of the generated tokens, in order, if the Hello asked
         self.round_id = 0
         self.stats = SpecStats()          # the session's one account of its rounds
         self.listeners: list[Listener] = []  # further consumers of each RoundEvent (device metrics)
@@ -220,6 +222,7 @@ class DraftSession:
         """One streamed token of an edge-only round, committed as it arrives."""
         token = edge_only.take_token(rd, verdict, len(self.tokens))
         self.tokens.append(token)
+        self.logprobs.extend(verdict.logprobs)
         if verdict.draft_len_hint is not None:
             self.edge_hint = verdict.draft_len_hint
         self.parts.observer.edge_token(token)
@@ -257,6 +260,7 @@ class DraftSession:
             self.csqs.on_verdict(rd.settings, verdict.num_accepted)
             new, guess, discarded = c.new, c.guess, c.discarded
         self.tokens.extend(new)
+        self.logprobs.extend(verdict.logprobs)  # one per new token, if the Hello asked
         rd.q_stats = measured_up_to_mismatch(rd.q_stats, rd.settings, verdict.num_accepted)
         if dssd_correction:
             self.pending_correction = int(next_token)

@@ -27,6 +27,7 @@ from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, History, chain_paths
 from specdec.common.grammar import GrammarState
+from specdec.common.logprobs import NO_LOGPROBS, token_logprobs
 from specdec.common.sampling import TargetLaw, validate_hello
 from specdec.edge.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
 from specdec.common.streams import Purpose, stream
@@ -249,21 +250,23 @@ class VerifierSession:
             start = time.perf_counter()
             if len(self.tokens) + 1 > self.max_context:
                 raise LimitError(f"context limit {self.max_context} tokens reached", CONTEXT_FULL)
-            token = self._edge_token(round_start)
+            outcome = self._edge_token(round_start)
+            token = outcome.next_token
             last = i + 1 == want or token in self.eos_token_ids or len(self.tokens) + 1 > self.max_context
             yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=token, more=not last,
-                          verify_seconds=time.perf_counter() - start)
+                          verify_seconds=time.perf_counter() - start, logprobs=outcome.logprobs)
             if last:
                 return
 
-    def _edge_token(self, round_start: int) -> int:
+    def _edge_token(self, round_start: int) -> RoundOutcome:
         """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""
         offset = len(self.tokens) - round_start
-        race = gumbel_round(torch.empty(0, dtype=torch.long), self.law,
-                            lambda i: self.token_noise(round_start, offset + i), self.history(), self.masks([[]]))
-        token = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race).next_token
-        self.tokens.append(token)
-        return token
+        race = self._asking(gumbel_round(torch.empty(0, dtype=torch.long), self.law,
+                                         lambda i: self.token_noise(round_start, offset + i), self.history(),
+                                         self.masks([[]])))
+        outcome = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race)
+        self.tokens.append(outcome.next_token)
+        return outcome
 
     def token_noise(self, start: int, offset: int) -> torch.Tensor:  # [V] float64
         """The exponential noise of sequence index ``start + offset`` in a round starting at ``start``:
@@ -289,7 +292,8 @@ class VerifierSession:
         n = outcome.num_accepted
         self._commit(draft_ids[:n], n, outcome.next_token)
         if outcome.next_token is not None:
-            return Verdict(round_id=draft.round_id, num_accepted=n, next_token=outcome.next_token)
+            return Verdict(round_id=draft.round_id, num_accepted=n, next_token=outcome.next_token,
+                           logprobs=outcome.logprobs)
         # DSSD: the device resolves the rejection; p_j waits on the host for its fallback (rare)
         self._pending_reject = _PendingReject(draft.round_id, outcome.reject_p, len(self.tokens) - n,
                                               settings.dssd_fallback_top_k)
@@ -304,11 +308,18 @@ class VerifierSession:
         shape = dict(history=self.history(), masks=self.masks(chain_paths(draft_ids)))
         if settings.mode is Mode.GUMBEL:
             start = len(self.tokens)
-            return gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), **shape)
+            return self._asking(gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), **shape))
         bonus = self._bonus_noise(len(draft_ids), settings)
         if settings.mode is Mode.DSSD:
+            if self.hello.logprobs != NO_LOGPROBS:
+                raise ValueError("a session that asks for logprobs sends no DSSD round (its corrections are "
+                                 "drawn on the device)")
             return dssd_round(ids, q, self.law, generator, settings.dssd_samples, bonus, **shape)
-        return chain_round(ids, q, self.law, generator, bonus, **shape)
+        return self._asking(chain_round(ids, q, self.law, generator, bonus, **shape))
+
+    def _asking(self, round_: ChainRound) -> ChainRound:
+        """The round with the session's logprobs request on it."""
+        return round_ if self.hello.logprobs == NO_LOGPROBS else replace(round_, logprobs=self.hello.logprobs)
 
     def history(self) -> History | None:
         """What the law's penalties read of the verified prefix (None: they are off)."""
@@ -345,7 +356,15 @@ class VerifierSession:
         self.lm.keep(path_cache_indices(prefix_len, result.accepted_nodes, fed_until=spec.num_nodes))
         self.tokens.extend(result.tokens)
         return Verdict(round_id=draft.round_id, num_accepted=len(result.accepted_nodes),
-                       next_token=result.tokens[-1], accepted_nodes=tuple(result.accepted_nodes))
+                       next_token=result.tokens[-1], accepted_nodes=tuple(result.accepted_nodes),
+                       logprobs=self._tree_logprobs(rows, result.accepted_nodes, result.tokens))
+
+    def _tree_logprobs(self, rows: torch.Tensor, accepted: list[int], tokens: list[int]):
+        """The emitted tokens' log-probabilities: each under the row of the node before it (root first)."""
+        if self.hello.logprobs == NO_LOGPROBS:
+            return ()
+        before = torch.tensor([0, *accepted], dtype=torch.long)
+        return token_logprobs(self.law.reported().probs(rows[before]), list(tokens), self.hello.logprobs)
 
     def residual(self, request: ResidualRequest) -> ResidualReply:
         """DSSD fallback: p_j of the pending rejection (float64, exactly what was verified), as its head

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from specdec.common.distributions import SparseDist, first_argmax, first_argmin, inverse_cdf_rows
 from specdec.common.adjust import History, chain_paths
+from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob, token_logprobs
 from specdec.common.sampling import TargetLaw
 from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_int, check_logits,
                                        check_prob_scalars, check_token_ids)
@@ -76,6 +77,7 @@ class ChainRound:
     token_noise: Callable[[int], torch.Tensor] | None = None  # gumbel: noise(i) [V] of draft position i
     history: History | None = None           # what the law's penalties read of the verified prefix
     masks: torch.Tensor | None = None         # [L + 1, V] bool: the grammar's allowed tokens of each row
+    logprobs: int = NO_LOGPROBS               # report the emitted tokens' log-probabilities (and top N)
 
     @property
     def length(self) -> int:
@@ -92,6 +94,7 @@ class RoundOutcome:
     reject_samples: tuple[int, ...] = ()       # dssd: y_k ~ p_j
     reject_sample_probs: tuple[float, ...] = ()  # dssd: p_j(y_k)
     reject_p: torch.Tensor | None = None       # dssd: [V] float64 p_j on the host, for the fallback
+    logprobs: tuple[TokenLogprob, ...] = ()    # one per emitted token, if the round asked
 
 
 # ------------------------------------------------------------------------------------ building rounds
@@ -214,8 +217,19 @@ def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i af
     for law, members in groups.items():
         done = _Lockstep(law, [logits[b] for b in members], [rounds[b] for b in members]).run()
         for b, outcome in zip(members, done):
-            outcomes[b] = outcome
+            outcomes[b] = _with_logprobs(outcome, rounds[b], logits[b])
     return outcomes  # type: ignore[return-value]
+
+
+def _with_logprobs(outcome: RoundOutcome, r: ChainRound, rows: torch.Tensor) -> RoundOutcome:
+    """The emitted tokens' log-probabilities (common/logprobs.py), where the round asks for them."""
+    if r.logprobs == NO_LOGPROBS:
+        return outcome
+    if outcome.next_token is None:
+        raise ValueError("a DSSD rejection's correction is drawn on the device: no logprobs")
+    n = outcome.num_accepted
+    emitted = r.draft_ids[:n].tolist() + [outcome.next_token]
+    return replace(outcome, logprobs=token_logprobs(r.law.reported().probs(rows[:n + 1]), emitted, r.logprobs))
 
 
 def _check_pair(rows: torch.Tensor, r: ChainRound) -> None:

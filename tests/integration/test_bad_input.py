@@ -12,6 +12,7 @@ import pytest
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from specdec.common import wire
 from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, LogitAdjust
+from specdec.common.grammar import Grammar, GrammarKind
 from specdec.common.codecs import CodecConfig, encode_distribution
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
@@ -74,6 +75,10 @@ def _bad_cases(drafter):
     bias_uneven = wire.hello_to_pb(replace(_hello(drafter), adjust=LogitAdjust.of({3: 1.0})))
     bias_uneven.hello.adjust.bias_values.append(2.0)
     penalty = wire.hello_to_pb(replace(_hello(drafter), adjust=LogitAdjust(presence_penalty=3.0)))
+    bad_regex = wire.hello_to_pb(replace(_hello(drafter), grammar=Grammar(GrammarKind.REGEX, "(unclosed")))
+    huge_grammar = wire.hello_to_pb(replace(_hello(drafter), grammar=Grammar(GrammarKind.REGEX, "a" * 70_000)))
+    odd_kind = wire.hello_to_pb(replace(_hello(drafter), grammar=Grammar(GrammarKind.REGEX, "a")))
+    odd_kind.hello.grammar.kind = 99
     return {
         "vocabulary mismatch": ([bad_fp], grpc.StatusCode.FAILED_PRECONDITION),
         "K > V": ([big_k], grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -89,6 +94,9 @@ def _bad_cases(drafter):
         "logit bias over the edge's limit": ([bias_too_big], grpc.StatusCode.RESOURCE_EXHAUSTED),
         "logit bias ids and values uneven": ([bias_uneven], grpc.StatusCode.INVALID_ARGUMENT),
         "presence penalty out of range": ([penalty], grpc.StatusCode.INVALID_ARGUMENT),
+        "grammar the engine refuses": ([bad_regex], grpc.StatusCode.INVALID_ARGUMENT),
+        "grammar over the size limit": ([huge_grammar], grpc.StatusCode.INVALID_ARGUMENT),
+        "grammar of an unknown kind": ([odd_kind], grpc.StatusCode.INVALID_ARGUMENT),
         "prompt_len beyond the prompt": ([hello, wire.prompt_to_pb(Prompt((1, 2), prompt_len=3))],
                                          grpc.StatusCode.INVALID_ARGUMENT),
         "draft too long": ([hello, prompt, draft(token_ids=(5,) * 5, distributions=(good,) * 5)],

@@ -5,10 +5,12 @@ control the law test must reject: an edge that verifies against the plain law wh
 from the adjusted one."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import grpc
 import pytest
+import torch
 
 from specdec.common import protocol as P
 from specdec.common.adjust import NO_ADJUST, LogitAdjust
@@ -214,3 +216,41 @@ def test_a_device_stops_on_an_edge_that_does_not_apply_the_law(accepting_pair_v5
     refused, tokens, session = run(main())
     assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "does not apply" in refused.details
     assert len(tokens) == 8 and session.stats.rounds >= 1
+
+
+# -- logprobs ----------------------------------------------------------------------------------------
+LOGPROB_MODES = {"tslt": dict(mode=Mode.TSLT, top_k=16), "dense": dict(mode=Mode.DENSE, dense_dtype="fp16"),
+                 "gumbel": dict(mode=Mode.GUMBEL), "none": dict(mode=Mode.NONE),
+                 "tree": dict(mode=Mode.TSLT, top_k=16, tree=(2, 2))}
+LOGPROB_TOL = 1e-4  # float32 on the wire; the law itself is computed as the reference computes it
+TOP_N = 5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", list(LOGPROB_MODES))
+def test_logprobs_are_the_laws_at_every_emitted_position(accepting_pair_v512, name, temperature) -> None:
+    """Each emitted token's log-probability and the top N, against transformers' own processors and
+    warpers at that position (at T = 0: the shaped logits' log-softmax at temperature 1)."""
+    target, drafter = load(str(accepting_pair_v512[0])), load(str(accepting_pair_v512[1]))
+    ids = encode_prompt(drafter.tokenizer, PROMPTS[1], raw=True)
+    adjust = LogitAdjust.of({7: -3.0, 9: 2.0}, **PENALTIES)
+    cfg = device_config(temperature=temperature, max_new_tokens=MAX_NEW, draft_len=4, adjust=adjust, target_min_p=0.02,
+                        logprobs=TOP_N, **LOGPROB_MODES[name])
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=5)
+    [(tokens, session)] = run_seeds(target, drafter, hello, ids, MAX_NEW, [5])
+    assert len(session.logprobs) >= len(tokens) > 0  # committed tokens past the delivered ones have theirs too
+    for i, (token, got) in enumerate(zip(tokens, session.logprobs)):
+        law = reference_law.next_probs(target, tuple(ids), tuple(tokens[:i]), adjust, temperature or 1.0,
+                                       0.02 if temperature else 0.0)
+        assert abs(got.logprob - math.log(law[token])) < LOGPROB_TOL, (i, got.logprob, math.log(law[token]))
+        top = torch.topk(law, TOP_N)
+        assert [t for t, _ in got.top] == top.indices.tolist()[:len(got.top)], i
+        assert all(abs(lp - math.log(p)) < LOGPROB_TOL for (_, lp), p in zip(got.top, top.values.tolist())), i
+
+
+def test_a_logprobs_session_refuses_dssd_rounds(accepting_pair_v512) -> None:
+    target, drafter = load(str(accepting_pair_v512[0])), load(str(accepting_pair_v512[1]))
+    cfg = device_config(temperature=1.0, max_new_tokens=8, logprobs=0, **MODES["dssd"])
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+    with pytest.raises(ValueError, match="no DSSD round"):
+        run_seeds(target, drafter, hello, encode_prompt(drafter.tokenizer, PROMPTS[0], raw=True), 8, [0])

@@ -12,6 +12,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.adjust import History, LogitAdjust, chain_paths
+from specdec.common.grammar import Grammar, GrammarKind
 from specdec.common.sampling import TargetLaw, min_p_filter
 from specdec.common.settings import DraftSettings
 from specdec.common.tree import TreeSpec
@@ -161,3 +162,11 @@ def test_a_malformed_bias_on_the_wire_is_refused() -> None:
     msg.adjust.bias_ids.append(3)
     with pytest.raises(ValueError, match="distinct"):
         wire.hello_from_pb(msg)
+
+
+@pytest.mark.parametrize("grammar", [Grammar(GrammarKind.JSON_OBJECT), Grammar(GrammarKind.REGEX, "[ab]+"),
+                                     Grammar(GrammarKind.LARK, 'start: "x"'), Grammar(GrammarKind.JSON_SCHEMA, "{}")])
+def test_a_grammar_round_trips_the_wire(grammar) -> None:
+    hello = P.Hello(vocab_fingerprint="f", vocab_size=V, temperature=1.0, draft=DraftSettings(), grammar=grammar)
+    back = wire.hello_from_pb(wire.hello_to_pb(hello).hello)
+    assert back.grammar == grammar and back.adjusts_law

@@ -1,0 +1,40 @@
+"""Log-probabilities of emitted tokens, as a verdict carries them when the session asks (OpenAI's
+``logprobs`` / ``top_logprobs``). Pure functions over tensors.
+
+What is reported: at T > 0 the log-probability under the law the token was drawn from (temperature,
+bias, penalties, grammar, top-k, top-p, min-p: :class:`~specdec.common.sampling.TargetLaw`); at T = 0,
+where that law is one-hot, the log-softmax of the same shaped logits at temperature 1 without the
+filters (what OpenAI reports for a greedy request: the model's own confidence, bias, penalties and
+grammar included). Tokens the law excludes have log-probability ``-inf`` and are never among the top.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# OpenAI's bound on top_logprobs (the edge refuses more: each entry costs the downlink ~6 bytes a token).
+MAX_TOP_LOGPROBS = 20
+NO_LOGPROBS = -1  # a session that asks for none (0: the emitted tokens' own, N: and the top N)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability and, when asked, the ``N`` most likely tokens' (descending)."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(probs: torch.Tensor,   # [n, V] float64, the law of each emitted token's position
+                   tokens: list[int], top_n: int) -> tuple[TokenLogprob, ...]:
+    """Each emitted token's log-probability under its row, and the top ``top_n`` of the row."""
+    assert probs.ndim == 2 and probs.shape[0] == len(tokens), (tuple(probs.shape), len(tokens))
+    assert 0 <= top_n <= MAX_TOP_LOGPROBS, top_n
+    logs = torch.log(probs.double())                                   # [n, V]; log 0 = -inf
+    chosen = logs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if not top_n:
+        return tuple(TokenLogprob(lp) for lp in chosen)
+    values, ids = torch.topk(logs, min(top_n, logs.shape[1]), dim=-1)  # [n, N], descending
+    return tuple(TokenLogprob(lp, tuple((i, v) for i, v in zip(row_ids, row_values) if v > -math.inf))
+                 for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist()))
