@@ -5,6 +5,7 @@ with a message that the servicer turns into ``INVALID_ARGUMENT``.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from specdec.common import protocol as P
@@ -227,27 +228,31 @@ def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
 
 
 def _logprobs_to_pb(logprobs: tuple[TokenLogprob, ...], msg: pb.Verdict) -> None:
-    """Flat: every token's top list padded to the longest with (0, -inf)."""
+    """Flat: every token's top list padded to the longest with (0, -inf), its ids ascending and sent as
+    differences (varints of the gaps: ~2 bytes each where whole ids of a 49k vocabulary take 3)."""
     width = max(len(t.top) for t in logprobs)
     msg.logprobs.extend(t.logprob for t in logprobs)
     for t in logprobs:
-        pad = width - len(t.top)
-        msg.top_ids.extend([i for i, _ in t.top] + [0] * pad)
-        msg.top_logprobs.extend([lp for _, lp in t.top] + [-math.inf] * pad)
+        top = sorted(t.top)
+        ids = [i for i, _ in top]
+        msg.top_ids.extend([b - a for a, b in zip([0] + ids, ids)] + [0] * (width - len(top)))
+        msg.top_logprobs.extend([lp for _, lp in top] + [-math.inf] * (width - len(top)))
 
 
 def _logprobs_from_pb(m: pb.Verdict) -> tuple[TokenLogprob, ...]:
-    """ValueError unless the top lists split evenly among the tokens."""
+    """ValueError unless the top lists split evenly among the tokens; each list back in descending order."""
     n = len(m.logprobs)
     if not n:
         return ()
     if len(m.top_ids) != len(m.top_logprobs) or len(m.top_ids) % n:
         raise ValueError(f"verdict logprobs: {len(m.top_ids)} top ids, {len(m.top_logprobs)} values for {n} tokens")
     width = len(m.top_ids) // n
-    return tuple(TokenLogprob(lp, tuple((i, v) for i, v in zip(m.top_ids[k * width:(k + 1) * width],
-                                                               m.top_logprobs[k * width:(k + 1) * width])
-                                        if v > -math.inf))
-                 for k, lp in enumerate(m.logprobs))
+    out = []
+    for k, lp in enumerate(m.logprobs):
+        ids = list(itertools.accumulate(m.top_ids[k * width:(k + 1) * width]))
+        top = [(i, v) for i, v in zip(ids, m.top_logprobs[k * width:(k + 1) * width]) if v > -math.inf]
+        out.append(TokenLogprob(lp, tuple(sorted(top, key=lambda e: (-e[1], e[0])))))
+    return tuple(out)
 
 
 def verdict_from_pb(m: pb.Verdict) -> P.Verdict:

@@ -36,6 +36,8 @@ from specdec.common import protocol as P
 from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.runtime import is_loopback
 from specdec.common.grammar import GrammarError, GrammarState
+from specdec.common.logprobs import NO_LOGPROBS
+from specdec.common.modes import Mode
 from specdec.device import openai_schema
 from specdec.device.client import EdgeError, generate
 from specdec.device.detokenize import Detokenizer
@@ -178,7 +180,7 @@ def request_config(base: DeviceConfig, p: openai_schema.SamplingParams) -> Devic
                    target_top_p=target_top_p, target_top_k=target_top_k,
                    target_min_p=base.target_min_p if p.min_p is None else p.min_p,
                    adjust=p.adjust if p.adjust.active else base.adjust,
-                   grammar=p.grammar if p.grammar is not None else base.grammar,
+                   grammar=p.grammar if p.grammar is not None else base.grammar, logprobs=p.logprobs,
                    max_new_tokens=p.max_tokens or base.max_new_tokens,
                    # a request without a seed gets a fresh one: nothing to reproduce
                    reproducible=base.reproducible and p.seed is not None)
@@ -213,6 +215,8 @@ class DeviceEngine:
             cfg.adjust.check(self.drafter.vocab_size)
         except ValueError as exc:
             raise openai_schema.bad(str(exc), "logit_bias") from None
+        if cfg.logprobs != NO_LOGPROBS and cfg.draft.get("mode") is Mode.DSSD:
+            raise openai_schema.bad("mode dssd draws its corrections on the device: it gives no logprobs", "logprobs")
         if cfg.grammar is not None:  # compiled here (cached): a grammar the engine refuses is the client's 400
             try:
                 GrammarState(cfg.grammar, self.drafter.tokenizer, self.drafter.vocab_size, self.drafter.eos_token_ids)
@@ -241,9 +245,11 @@ class DeviceEngine:
             raise openai_schema.bad(f"chat template: {exc}", "messages") from None
 
     async def run_choice(self, cfg: DeviceConfig, prompt_ids: list[int], seed: int, index: int,
-                         stops: tuple[str, ...], emit: Callable[[int, str], None] | None,
-                         abandon: asyncio.Event) -> Choice:
-        """One edge session; verified text goes to ``emit(index, delta)`` as soon as it is safe to show.
+                         stops: tuple[str, ...], emit: Callable[[int, str, dict | None], None] | None,
+                         abandon: asyncio.Event, chat: bool = True) -> Choice:
+        """One edge session; verified text goes to ``emit(index, delta, logprobs)`` as soon as it is safe
+        to show (``logprobs``: the OpenAI-shaped log-probabilities of the tokens since the last delta,
+        if asked; ``chat`` picks the shape).
 
         Setting ``abandon`` ends the session at its next round boundary (:class:`_ClientGone`).
         """
@@ -251,13 +257,19 @@ class DeviceEngine:
                           operating_point=self.operating_point)
         session = new_session(cfg, self.drafter, hello, self.tracker)
         text = _TextTracker(self.drafter.tokenizer, stops)
+        shape = _logprob_shape(chat, self.drafter.tokenizer) if hello.logprobs != NO_LOGPROBS else None
+        held: list = []   # (token, TokenLogprob) of tokens whose text is not out yet
 
         def on_tokens(new: list[int]) -> None:
             if abandon.is_set():
                 raise _ClientGone
+            done = len(text.ids)
             delta = text.add(new)
+            if shape is not None:
+                held.extend(zip(new, session.logprobs[done:done + len(new)]))
             if delta and emit:
-                emit(index, delta)
+                emit(index, delta, shape(held) if shape is not None else None)
+                held.clear()
             if text.stopped:
                 raise _StopStringSeen
 
@@ -276,11 +288,21 @@ class DeviceEngine:
         if cfg.auto:
             await asyncio.to_thread(remember, cfg, self.drafter, self.tracker)
         tail = text.flush()
-        if tail and emit:
-            emit(index, tail)
+        if (tail or held) and emit:
+            emit(index, tail, shape(held) if shape is not None else None)
         eos = bool(text.ids) and text.ids[-1] in self.drafter.eos_token_ids
         reason = "stop" if text.stopped or eos else "length"
-        return Choice(index, text.text, text.ids, reason, session.stats.summary())
+        logprobs = shape(list(zip(text.ids, session.logprobs))) if shape is not None else None
+        return Choice(index, text.text, text.ids, reason, session.stats.summary(), logprobs)
+
+
+def _logprob_shape(chat: bool, tokenizer):
+    """(token, TokenLogprob) pairs -> OpenAI's logprobs object of a chat or a completion choice."""
+    def decode(token: int) -> str:
+        return tokenizer.decode([token])
+    if chat:
+        return lambda entries: openai_schema.chat_logprobs(entries, decode)
+    return lambda entries: openai_schema.completion_logprobs(entries, decode)
 
 
 # -- HTTP ------------------------------------------------------------------------------------------
@@ -393,7 +415,7 @@ async def _respond(request: web.Request, p: openai_schema.SamplingParams, prompt
 
     def start(emit) -> _Choices:
         return _Choices([lambda abandon, index=index, ids=ids: engine.run_choice(
-            cfg, ids, (seed + index) % SEED_MODULUS, index, p.stop, emit, abandon) for index, ids in jobs])
+            cfg, ids, (seed + index) % SEED_MODULUS, index, p.stop, emit, abandon, chat) for index, ids in jobs])
 
     if p.stream:
         maker = openai_schema.ChunkMaker(rid, model, chat, p.include_usage)
@@ -448,7 +470,7 @@ async def _stream(request: web.Request, maker: openai_schema.ChunkMaker, start, 
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     queue: asyncio.Queue = asyncio.Queue()
-    choices = start(lambda index, text: queue.put_nowait((index, text)))
+    choices = start(lambda index, text, logprobs: queue.put_nowait((index, (text, logprobs))))
     for t in choices.tasks:  # a task's deltas are all queued before its completion marker
         t.add_done_callback(lambda t: queue.put_nowait((None, t)))
     try:
@@ -476,7 +498,7 @@ async def _pump(resp: web.StreamResponse, maker: openai_schema.ChunkMaker, queue
     while len(choices) < len(indices):
         index, item = await queue.get()
         if index is not None:
-            await _send(resp, maker.delta(index, item))
+            await _send(resp, maker.delta(index, *item))
             continue
         choices.append(item.result())  # raises the session's ApiError
         await _send(resp, maker.finish(choices[-1]))

@@ -22,6 +22,7 @@ from typing import Any
 from specdec.common.adjust import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
                                    NO_ADJUST, LogitAdjust)
 from specdec.common.grammar import Grammar, GrammarKind
+from specdec.common.logprobs import MAX_TOP_LOGPROBS, NO_LOGPROBS, TokenLogprob
 from specdec.common.settings import canonical_name, check_value, setting_names
 
 MAX_STOP_STRINGS = 4          # OpenAI's own limit on `stop`
@@ -33,7 +34,7 @@ SPECDEC_FIELD = "specdec"     # the request's extension object: per-request draf
 
 # Parameters OpenAI defines that this server cannot honour losslessly, with the value that means "off".
 _UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
 }
 
@@ -164,6 +165,7 @@ class SamplingParams:
     overrides: dict = field(default_factory=dict)  # DeviceConfig field -> value (the `specdec` object)
     adjust: LogitAdjust = NO_ADJUST  # logit_bias and the penalties (token ids checked against the vocabulary later)
     grammar: Grammar | None = None   # response_format or specdec.grammar (compiled against the vocabulary later)
+    logprobs: int = NO_LOGPROBS      # the tokens' log-probabilities (0) and the top N (N > 0)
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,22 @@ class ChatRequest:
     params: SamplingParams
 
 
-def _params(body: dict, *, max_tokens_keys: tuple[str, ...]) -> SamplingParams:
+def _logprobs(body: dict, chat: bool) -> int:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs``); completions:
+    ``logprobs`` (0..20: the top N with each token's own)."""
+    if not chat:
+        n = _optional(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
+        return NO_LOGPROBS if n is None else n
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad("`logprobs` must be a boolean", "logprobs")
+    top = _optional(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not on:
+        raise bad("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    return (top or 0) if on else NO_LOGPROBS
+
+
+def _params(body: dict, *, max_tokens_keys: tuple[str, ...], chat: bool) -> SamplingParams:
     _refuse_unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -202,7 +219,7 @@ def _params(body: dict, *, max_tokens_keys: tuple[str, ...]) -> SamplingParams:
         top_p=_optional(body, "top_p", float, 0.0, 1.0, low_open=True),
         top_k=_optional(body, "top_k", int, -1),
         min_p=_optional(body, "min_p", float, 0.0, 1.0),
-        adjust=_adjust(body), grammar=_grammar(body),
+        adjust=_adjust(body), grammar=_grammar(body), logprobs=_logprobs(body, chat),
         seed=_optional(body, "seed", int, 0, MAX_SEED),
         stop=_stop(body.get("stop")), n=n, stream=stream,
         include_usage=bool((options or {}).get("include_usage")),
@@ -256,7 +273,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     else:
         raise bad("`prompt` must be a string, a list of strings, a list of token ids, or a list of those",
                   "prompt")
-    params = _params(body, max_tokens_keys=("max_tokens",))
+    params = _params(body, max_tokens_keys=("max_tokens",), chat=False)
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad(f"prompts x n must be at most {MAX_CHOICES}", "n")
     return CompletionRequest(tuple(p if isinstance(p, str) else tuple(p) for p in prompts), params)
@@ -285,7 +302,33 @@ def parse_chat(body: Any) -> ChatRequest:
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad(f"each message needs a `role` in {list(CHAT_ROLES)}", f"messages[{i}].role")
         out.append({"role": m["role"], "content": _content(m, i)})
-    return ChatRequest(tuple(out), _params(body, max_tokens_keys=("max_completion_tokens", "max_tokens")))
+    return ChatRequest(tuple(out), _params(body, max_tokens_keys=("max_completion_tokens", "max_tokens"), chat=True))
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+# What OpenAI answers for a token the law excludes: JSON has no -inf.
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if value > IMPOSSIBLE_LOGPROB else IMPOSSIBLE_LOGPROB
+
+
+def chat_logprobs(entries: list[tuple[int, TokenLogprob]], decode) -> dict:
+    """``choices[i].logprobs`` of a chat completion: ``content``, one item per token (``decode``: id -> text)."""
+    def item(token: int, lp: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]} for t, e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[tuple[int, TokenLogprob]], decode, offset: int = 0) -> dict:
+    """``choices[i].logprobs`` of a (legacy) completion: parallel lists, ``text_offset`` from ``offset``."""
+    texts = [decode(t) for t, _ in entries]
+    offsets = [offset + sum(len(x) for x in texts[:k]) for k in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [_lp(e.logprob) for _, e in entries],
+            "top_logprobs": [{decode(i): _lp(lp) for i, lp in e.top} for _, e in entries], "text_offset": offsets}
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -296,6 +339,7 @@ class Choice:
     token_ids: list[int]
     finish_reason: str              # "stop" (EOS or a stop string) | "length"
     stats: dict                     # per-session speculative decoding stats (extension field)
+    logprobs: dict | None = None    # in OpenAI's shape (chat_logprobs / completion_logprobs), if asked
 
 
 def new_id(prefix: str) -> str:
@@ -314,7 +358,7 @@ def _extension(c: Choice) -> dict:
 
 def completion_response(rid: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
                          **_extension(c)} for c in choices],
             "usage": usage(prompt_tokens, choices)}
 
@@ -322,7 +366,7 @@ def completion_response(rid: str, model: str, choices: list[Choice], prompt_toke
 def chat_response(rid: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None, "finish_reason": c.finish_reason, **_extension(c)} for c in choices],
+                         "logprobs": c.logprobs, "finish_reason": c.finish_reason, **_extension(c)} for c in choices],
             "usage": usage(prompt_tokens, choices)}
 
 
@@ -346,11 +390,11 @@ class ChunkMaker:
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
 
-    def delta(self, index: int, text: str) -> dict:
+    def delta(self, index: int, text: str, logprobs: dict | None = None) -> dict:
         if self.chat:
-            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
+            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
                                  "finish_reason": None}])
-        return self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+        return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
 
     def finish(self, c: Choice) -> dict:
         if self.chat:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
+import torch
 
 from specdec.testbed import tiny_models
 from tests.support.harness import VENV_BIN, edge, load, run_main, target_greedy
@@ -242,6 +244,43 @@ def test_bias_and_penalties_shape_the_target_law(client, chat_pair, stream) -> N
     assert text == _text(chat_pair, expected)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_are_the_targets_at_every_token(client, chat_pair, stream) -> None:
+    """OpenAI's chat logprobs (each token's own and the top 3), equal to transformers' log-softmax of
+    the target at that position (T = 0: temperature 1, as OpenAI reports a greedy answer's)."""
+    messages = [{"role": "user", "content": "w5 w6"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=3, stream=stream,
+                                       extra_body={"specdec": {"mode": "tslt"}})
+    if stream:
+        chunks = list(r)
+        content = [c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
+        text = "".join(choice.delta.content or "" for ch in chunks for choice in ch.choices)
+    else:
+        content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    prompt_ids = _tok(chat_pair).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+    expected = _greedy(chat_pair, prompt_ids)
+    target, tok = load(str(chat_pair[0])), _tok(chat_pair)
+    assert [c.token for c in content] == [tok.decode([t]) for t in expected] and text == _text(chat_pair, expected)
+    for i, c in enumerate(content):
+        law = reference_law.next_probs(target, tuple(prompt_ids), tuple(expected[:i]), LogitAdjust(), 1.0)
+        assert abs(c.logprob - math.log(law[expected[i]])) < 1e-4, i
+        top = torch.topk(law, 3)
+        assert [t.token for t in c.top_logprobs] == [tok.decode([t]) for t in top.indices.tolist()], i
+        assert all(abs(t.logprob - math.log(p)) < 1e-4 for t, p in zip(c.top_logprobs, top.values.tolist()))
+
+
+def test_completion_logprobs_in_the_legacy_shape(client, chat_pair) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.7, seed=3,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = r.choices[0].model_extra["specdec"]["token_ids"]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
+    assert all(len(top) <= 2 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
 def test_chat_greedy_goes_through_the_template_and_equals_target_alone(client, chat_pair) -> None:
     messages = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w5 w6"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
@@ -365,7 +404,11 @@ def _open_stream(base: str, body: dict):
     ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "specdec": {"mode": "dssd"}}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"w5": 1}}, "logit_bias"),

@@ -13,6 +13,7 @@ from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.adjust import History, LogitAdjust, chain_paths
 from specdec.common.grammar import Grammar, GrammarKind
+from specdec.common.logprobs import TokenLogprob
 from specdec.common.sampling import TargetLaw, min_p_filter
 from specdec.common.settings import DraftSettings
 from specdec.common.tree import TreeSpec
@@ -170,3 +171,38 @@ def test_a_grammar_round_trips_the_wire(grammar) -> None:
     hello = P.Hello(vocab_fingerprint="f", vocab_size=V, temperature=1.0, draft=DraftSettings(), grammar=grammar)
     back = wire.hello_from_pb(wire.hello_to_pb(hello).hello)
     assert back.grammar == grammar and back.adjusts_law
+
+
+LOGPROB_VOCAB = 49152  # the embedded target's
+
+
+def _verdict_bytes(n_tokens: int, top_n: int, seed: int = 0) -> int:
+    g = torch.Generator().manual_seed(seed)
+    logprobs = ()
+    if top_n >= 0:
+        logprobs = tuple(TokenLogprob(-float(torch.rand(1, generator=g)),
+                                      tuple(zip(torch.randperm(LOGPROB_VOCAB, generator=g)[:top_n].tolist(),
+                                                sorted((-torch.rand(top_n, generator=g)).tolist(), reverse=True))))
+                         for _ in range(n_tokens))
+    verdict = P.Verdict(round_id=3, num_accepted=n_tokens - 1, next_token=5, logprobs=logprobs)
+    return wire.verdict_to_pb(verdict).ByteSize()
+
+
+def test_logprobs_round_trip_the_wire_in_descending_order() -> None:
+    logprobs = (TokenLogprob(-0.5, ((40000, -0.125), (7, -0.5), (300, -2.0))), TokenLogprob(-1.0, ((9, -1.0),)))
+    back = wire.verdict_from_pb(wire.verdict_to_pb(P.Verdict(1, 1, 5, logprobs=logprobs)).verdict).logprobs
+    assert [t.top for t in back] == [t.top for t in logprobs]
+    assert [t.logprob for t in back] == [t.logprob for t in logprobs]  # exact in float32
+
+
+@pytest.mark.parametrize("top_n", [0, 5, 20])
+def test_logprobs_cost_on_the_downlink(top_n) -> None:
+    """Nothing without them; 4 bytes a token for its own; each top entry a 4-byte float and the varint
+    of its id's gap (the issue's budget: 6 bytes an entry)."""
+    assert _verdict_bytes(5, -1) < 16
+    own = _verdict_bytes(5, 0) - _verdict_bytes(5, -1)
+    assert own <= 5 * 4 + 2
+    if top_n:
+        per_entry = (_verdict_bytes(5, top_n) - _verdict_bytes(5, 0)) / (5 * top_n)
+        print(f"top {top_n}: {per_entry:.2f} bytes an entry")
+        assert per_entry <= 6.5, per_entry
