@@ -315,9 +315,10 @@ def target_fingerprint(model: torch.nn.Module, tokenizer) -> str:
     return h.hexdigest()
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_ids(tokenizer, messages: list[dict], **template_kw) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the reply
+    (``template_kw``: apply_chat_template's, e.g. ``tools`` or another ``chat_template``)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kw)
     if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from specdec.common.adjust import MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY, LogitAdjust
 from specdec.common.modeling import DTYPES
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Flags that are not DeviceConfig fields.
 _NOT_CONFIG = {"threads", "log_level", "listen", "served_model_name", "connect_timeout", "api_key", "api_key_file",
-               "allow_no_api_key", *setting_names()}
+               "allow_no_api_key", "chat_template", *setting_names()}
 
 
 def config_from_args(a) -> DeviceConfig:
@@ -226,6 +227,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
                      f"(also ${API_KEY_ENV}; a key on the command line is visible to other local users: "
                      "prefer --api-key-file)")
     key.add_argument("--api-key-file", help="read the API key from the first non-comment line of this file")
+    p.add_argument("--chat-template", help="Jinja chat template file that replaces the drafter tokenizer's "
+                                           "(one with a tools section renders `tools` itself)")
     p.add_argument("--allow-no-api-key", action="store_true",
                    help="listen beyond loopback without an API key (refused otherwise: whoever reaches the port "
                         "uses this device's edge credentials)")
@@ -257,7 +260,8 @@ def serve_main(argv: list[str]) -> int:
     try:
         cfg = DaemonConfig(device=config_from_args(args), host=host, port=port,
                            model_name=args.served_model_name, connect_timeout=args.connect_timeout,
-                           api_key=_api_key(args), allow_no_api_key=args.allow_no_api_key)
+                           api_key=_api_key(args), allow_no_api_key=args.allow_no_api_key,
+                           chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
         check_exposure(cfg)
     except (OSError, ValueError) as exc:  # an unreadable or empty key file, or no key beyond loopback
         sys.stderr.write(f"device-client serve: error: {exc}\n")

@@ -37,6 +37,7 @@ from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_m
 from specdec.common.runtime import is_loopback
 from specdec.common.grammar import GrammarError, GrammarState
 from specdec.common.logprobs import NO_LOGPROBS
+from specdec.device.tools import with_tools
 from specdec.common.modes import Mode
 from specdec.device import openai_schema
 from specdec.device.client import EdgeError, generate
@@ -81,6 +82,7 @@ class DaemonConfig:
     api_key: str | None = None    # required as "Authorization: Bearer <key>" on every endpoint but /health
     allow_no_api_key: bool = False  # listen beyond loopback without a key (anyone who reaches the port
                                     # spends the device's edge credentials)
+    chat_template: str | None = None  # replaces the drafter tokenizer's chat template (Jinja text), as vLLM's flag
 
     def __repr__(self) -> str:  # never print the key
         return f"DaemonConfig(host={self.host!r}, port={self.port}, api_key={'set' if self.api_key else None})"
@@ -235,12 +237,18 @@ class DeviceEngine:
             raise openai_schema.bad(f"prompt token ids must be in [0, {self.drafter.vocab_size})", "prompt")
         return list(ids)
 
-    def encode_chat(self, messages: tuple[dict, ...]) -> list[int]:
+    def encode_chat(self, messages: tuple[dict, ...], tools: tuple = ()) -> list[int]:
+        """The conversation through the chat template; ``tools`` through its tools section where it has
+        one, else stated in a system message (device/tools.py)."""
         tok = self.drafter.tokenizer
-        if not getattr(tok, "chat_template", None):
+        template = self.cfg.chat_template or getattr(tok, "chat_template", None)
+        if not template:
             raise openai_schema.bad("the drafter's tokenizer has no chat template; use /v1/completions", "messages")
+        takes_tools = "tools" in template
+        conversation = with_tools(list(messages), tools, takes_tools)
+        kw = {"tools": [t.as_openai() for t in tools]} if tools and takes_tools else {}
         try:
-            return chat_ids(tok, list(messages))
+            return chat_ids(tok, conversation, chat_template=self.cfg.chat_template, **kw)
         except Exception as exc:  # the template's own checks (role order, ...) reject the conversation
             raise openai_schema.bad(f"chat template: {exc}", "messages") from None
 
@@ -388,7 +396,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 async def _chat(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = openai_schema.parse_chat(await _json_body(request))
-    return await _respond(request, req.params, [engine.encode_chat(req.messages)], chat=True)
+    prompts = [engine.encode_chat(req.messages, req.tools)]
+    return await _respond(request, req.params, prompts, chat=True, tools=req.tool_choice != "none")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -402,8 +411,10 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _respond(request: web.Request, p: openai_schema.SamplingParams, prompts: list[list[int]], *,
-                   chat: bool) -> web.StreamResponse:
-    """Run prompts x n choices (choice index = prompt * n + j, OpenAI's order), answer JSON or SSE."""
+                   chat: bool, tools: bool = False) -> web.StreamResponse:
+    """Run prompts x n choices (choice index = prompt * n + j, OpenAI's order), answer JSON or SSE.
+    With ``tools`` each answer's calls are parsed out (a stream then sends the answer when it is whole:
+    text that may become a call is not shown before it is known not to be one)."""
     engine = request.app[ENGINE]
     cfg = await asyncio.to_thread(engine.settings, p)  # a grammar compiles there: off the loop
     await engine.check_edge()
@@ -419,8 +430,10 @@ async def _respond(request: web.Request, p: openai_schema.SamplingParams, prompt
 
     if p.stream:
         maker = openai_schema.ChunkMaker(rid, model, chat, p.include_usage)
-        return await _stream(request, maker, start, [index for index, _ in jobs], prompt_tokens)
+        return await _stream(request, maker, start, [index for index, _ in jobs], prompt_tokens, tools)
     choices = await start(None).results()
+    if tools:
+        choices = [openai_schema.with_tool_calls(c) for c in choices]
     build = openai_schema.chat_response if chat else openai_schema.completion_response
     return web.json_response(build(rid, model, choices, prompt_tokens))
 
@@ -465,7 +478,7 @@ async def _send(resp: web.StreamResponse, payload: dict) -> None:
 
 
 async def _stream(request: web.Request, maker: openai_schema.ChunkMaker, start, indices: list[int],
-                  prompt_tokens: int) -> web.StreamResponse:
+                  prompt_tokens: int, tools: bool = False) -> web.StreamResponse:
     """SSE: one chunk per verified delta, a finish chunk per choice, optional usage, ``[DONE]``."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
@@ -474,7 +487,7 @@ async def _stream(request: web.Request, maker: openai_schema.ChunkMaker, start, 
     for t in choices.tasks:  # a task's deltas are all queued before its completion marker
         t.add_done_callback(lambda t: queue.put_nowait((None, t)))
     try:
-        await _pump(resp, maker, queue, indices, prompt_tokens)
+        await _pump(resp, maker, queue, indices, prompt_tokens, tools)
     except ConnectionResetError:  # the client left between two chunks: nobody to tell
         return resp
     except ApiError as exc:  # headers are gone: the error travels as an event, as OpenAI's does
@@ -490,7 +503,7 @@ async def _stream(request: web.Request, maker: openai_schema.ChunkMaker, start, 
 
 
 async def _pump(resp: web.StreamResponse, maker: openai_schema.ChunkMaker, queue: asyncio.Queue, indices: list[int],
-                prompt_tokens: int) -> None:
+                prompt_tokens: int, tools: bool = False) -> None:
     if maker.chat:
         for index in indices:
             await _send(resp, maker.role(index))
@@ -498,10 +511,18 @@ async def _pump(resp: web.StreamResponse, maker: openai_schema.ChunkMaker, queue
     while len(choices) < len(indices):
         index, item = await queue.get()
         if index is not None:
-            await _send(resp, maker.delta(index, *item))
+            if not tools:
+                await _send(resp, maker.delta(index, *item))
             continue
-        choices.append(item.result())  # raises the session's ApiError
-        await _send(resp, maker.finish(choices[-1]))
+        choice = item.result()  # raises the session's ApiError
+        if tools:  # the whole answer, its calls apart
+            choice = openai_schema.with_tool_calls(choice)
+            if choice.text:
+                await _send(resp, maker.delta(choice.index, choice.text, choice.logprobs))
+            if choice.tool_calls:
+                await _send(resp, maker.tool_calls(choice))
+        choices.append(choice)
+        await _send(resp, maker.finish(choice))
     if maker.include_usage:
         await _send(resp, maker.usage(prompt_tokens, sorted(choices, key=lambda c: c.index)))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdec.common.adjust import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
@@ -24,6 +24,7 @@ from specdec.common.adjust import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_O
 from specdec.common.grammar import Grammar, GrammarKind
 from specdec.common.logprobs import MAX_TOP_LOGPROBS, NO_LOGPROBS, TokenLogprob
 from specdec.common.settings import canonical_name, check_value, setting_names
+from specdec.device.tools import Tool, ToolError, call_grammar, parse_calls, parse_tool_choice, parse_tools
 
 MAX_STOP_STRINGS = 4          # OpenAI's own limit on `stop`
 MAX_CHOICES = 16              # prompts x n per request: each choice is its own edge session
@@ -35,7 +36,7 @@ SPECDEC_FIELD = "specdec"     # the request's extension object: per-request draf
 # Parameters OpenAI defines that this server cannot honour losslessly, with the value that means "off".
 _UNSUPPORTED = {
     "echo": (None, False), "suffix": (None, ""),
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),  # deprecated by OpenAI for tools / tool_choice
 }
 
 
@@ -176,8 +177,10 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: tuple[dict, ...]      # {"role": str, "content": str}
+    messages: tuple[dict, ...]      # {"role": str, "content": str, "tool_calls"?: [...]}
     params: SamplingParams
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "none"       # none | auto | required | a function's name (device/tools.py)
 
 
 def _logprobs(body: dict, chat: bool) -> int:
@@ -273,6 +276,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     else:
         raise bad("`prompt` must be a string, a list of strings, a list of token ids, or a list of those",
                   "prompt")
+    for key in ("tools", "tool_choice"):
+        if body.get(key) is not None:
+            raise bad(f"`{key}` belongs to /v1/chat/completions", key)
     params = _params(body, max_tokens_keys=("max_tokens",), chat=False)
     if len(prompts) * params.n > MAX_CHOICES:
         raise bad(f"prompts x n must be at most {MAX_CHOICES}", "n")
@@ -292,7 +298,8 @@ def _content(message: dict, i: int) -> str:
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    """POST /v1/chat/completions: ``messages`` with text content."""
+    """POST /v1/chat/completions: ``messages`` with text content (an assistant's earlier ``tool_calls``
+    too), ``tools`` and ``tool_choice`` (device/tools.py)."""
     body = _require_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -301,8 +308,38 @@ def parse_chat(body: Any) -> ChatRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad(f"each message needs a `role` in {list(CHAT_ROLES)}", f"messages[{i}].role")
-        out.append({"role": m["role"], "content": _content(m, i)})
-    return ChatRequest(tuple(out), _params(body, max_tokens_keys=("max_completion_tokens", "max_tokens"), chat=True))
+        out.append({"role": m["role"], "content": _content(m, i), **_calls(m, i)})
+    params = _params(body, max_tokens_keys=("max_completion_tokens", "max_tokens"), chat=True)
+    try:
+        tools = parse_tools(body.get("tools"))
+        choice = parse_tool_choice(body.get("tool_choice"), tools)
+    except ToolError as exc:
+        raise bad(str(exc), exc.param) from None
+    grammar = call_grammar(tools, choice)
+    if grammar is not None and params.grammar is not None:
+        raise bad("a required or named `tool_choice` and a `response_format` both set", "tool_choice")
+    if grammar is not None:
+        params = replace(params, grammar=grammar)
+    return ChatRequest(tuple(out), params, tools, choice)
+
+
+def _calls(m: dict, i: int) -> dict:
+    """An assistant message's earlier ``tool_calls`` (checked: each a function with JSON arguments)."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return {}
+    ok = m["role"] == "assistant" and isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", "{}"), str) for c in calls)
+    if ok:
+        try:
+            [json.loads(c["function"].get("arguments") or "{}") for c in calls]
+        except ValueError:
+            ok = False
+    if not ok:
+        raise bad("`tool_calls` belong to assistant messages: functions with JSON `arguments`",
+                  f"messages[{i}].tool_calls")
+    return {"tool_calls": calls}
 
 
 # -- logprobs ------------------------------------------------------------------------------------
@@ -340,6 +377,7 @@ class Choice:
     finish_reason: str              # "stop" (EOS or a stop string) | "length"
     stats: dict                     # per-session speculative decoding stats (extension field)
     logprobs: dict | None = None    # in OpenAI's shape (chat_logprobs / completion_logprobs), if asked
+    tool_calls: list | None = None  # the answer's calls in OpenAI's shape (finish_reason "tool_calls")
 
 
 def new_id(prefix: str) -> str:
@@ -365,9 +403,21 @@ def completion_response(rid: str, model: str, choices: list[Choice], prompt_toke
 
 def chat_response(rid: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": _message(c),
                          "logprobs": c.logprobs, "finish_reason": c.finish_reason, **_extension(c)} for c in choices],
             "usage": usage(prompt_tokens, choices)}
+
+
+def _message(c: Choice) -> dict:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+
+
+def with_tool_calls(c: Choice) -> Choice:
+    """A choice whose text holds calls: the calls apart (finish_reason ``tool_calls``), the rest as text."""
+    text, calls = parse_calls(c.text)
+    return replace(c, text=text.strip(), tool_calls=calls, finish_reason="tool_calls") if calls else c
 
 
 @dataclass(frozen=True)
@@ -395,6 +445,11 @@ class ChunkMaker:
             return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
                                  "finish_reason": None}])
         return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
+
+    def tool_calls(self, c: Choice) -> dict:
+        calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls or [])]
+        return self._chunk([{"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                             "finish_reason": None}])
 
     def finish(self, c: Choice) -> dict:
         if self.chat:

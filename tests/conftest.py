@@ -28,7 +28,7 @@ def byte_pair(tmp_path_factory) -> tuple[Path, Path]:
     can be matched against it, and any text is a sequence of its tokens."""
     root = tmp_path_factory.mktemp("bytes")
     target = tiny_models.make_model(root / "target-bytes", tiny_models.BYTE_VOCAB, seed=1, byte_level=True,
-                                    logit_scale=2.0)
+                                    logit_scale=2.0, max_positions=2048)  # a byte per token: long prompts
     return target, tiny_models.make_close_drafter(target, root / "draft-bytes", noise=0.1)
 
 

@@ -17,6 +17,7 @@ from specdec.common.adjust import NO_ADJUST
 from specdec.common.grammar import Grammar, GrammarKind
 from specdec.common.modeling import chat_ids, encode_prompt
 from specdec.device.metrics import DeviceMetrics
+from specdec.device.tools import call_grammar, parse_calls, parse_tools, with_tools
 from specdec.edge.metrics import EdgeMetrics
 from tests.integration.test_daemon import MODEL, LoopThread, Stack, _post
 from tests.support import reference_law
@@ -144,3 +145,80 @@ def test_a_grammar_the_engine_refuses_is_a_400_with_its_message(stack, body, nee
 def test_encode_prompt_is_byte_level(byte_chat_pair) -> None:
     tok = load(str(byte_chat_pair[1])).tokenizer
     assert tok.decode(encode_prompt(tok, "{\"a\": 1}", raw=True)) == "{\"a\": 1}"
+
+
+# -- tools ---------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "weather in Oslo?"}]
+TOOL_TOKENS = 128  # a byte a token: a call with its markup is ~75
+
+
+def test_a_named_tool_call_round_trip(client, byte_chat_pair) -> None:
+    """A named function: the answer is a call of it whose arguments match its schema (the grammar
+    makes sure), equal to the target alone under the same grammar and prompt; the tool's result goes
+    back and the next answer is text."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                       max_tokens=TOOL_TOKENS, tool_choice={"type": "function",
+                                                                           "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    tools = parse_tools([WEATHER, TIME])
+    target, tok = load(str(byte_chat_pair[0])), load(str(byte_chat_pair[1])).tokenizer
+    expected = reference_law.greedy(target, chat_ids(tok, with_tools(ASK, tools, False)), TOOL_TOKENS, NO_ADJUST,
+                                    call_grammar(tools, "get_weather"))
+    text, calls = parse_calls(tok.decode(expected, skip_special_tokens=True))
+    assert calls and calls[0]["function"]["arguments"] == call.function.arguments and not text
+    follow = ASK + [choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    again = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER, TIME], tool_choice="none",
+                                           temperature=0, max_tokens=8)
+    assert again.choices[0].message.tool_calls is None and again.choices[0].finish_reason in ("stop", "length")
+
+
+def test_required_calls_one_of_the_tools_every_time(client) -> None:
+    by_name = {"get_weather": WEATHER, "get_time": TIME}
+    for seed in range(6):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=TOOL_TOKENS)
+        if r.choices[0].finish_reason == "length":
+            continue
+        [call] = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name]["function"]["parameters"])
+
+
+def test_a_streamed_tool_call_arrives_as_a_delta(client) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True, temperature=0,
+                                            max_tokens=TOOL_TOKENS, tool_choice={"type": "function",
+                                                                                "function": {"name": "get_weather"}})
+    chunks = list(stream)
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0][0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    json.loads(deltas[0][0].function.arguments)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "nope"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": ASK, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function"}]}, "tools[0]"),
+    ("/v1/chat/completions", {"messages": ASK, "tools": [WEATHER, WEATHER]}, "tools"),
+    ("/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
+     "messages[0].tool_calls"),
+    ("/v1/completions", {"prompt": "x", "tools": [WEATHER]}, "tools"),
+])
+def test_bad_tools_are_400s_naming_the_field(stack, path, body, param) -> None:
+    status, payload = _post(stack.url, path, {"max_tokens": 4, **body})
+    assert status == 400 and payload["error"]["param"] == param, payload
