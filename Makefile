@@ -110,6 +110,13 @@ footprint: $(PB_OUT)
 bench-truncation: $(PB_OUT)
 	$(PY) -m specdec.bench.bench_truncation $(ARGS)
 
+# What the target law's grammar costs and gives on the embedded pair (issue 43): acceptance with q masked
+# by the grammar against unmasked, the masks' time against a verify round at L = 8, logprob bytes, and
+# 200 answers under a JSON schema checked with jsonschema (~9 min): results/bench_law_T<T>.json.
+.PHONY: bench-law
+bench-law: $(PB_OUT)
+	$(PY) -m specdec.bench.bench_law $(ARGS)
+
 # What a DSSD fallback costs downlink: the whole p_j against its head and tail samples, per K and n
 # (exact expectations on texts the target samples): results/bench_dssd_fallback_T<T>.json, ~1 min.
 bench-dssd-fallback: $(PB_OUT)
