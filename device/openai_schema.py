@@ -37,6 +37,9 @@ SPECDEC_FIELD = "specdec"     # the request's extension object: per-request draf
 _UNSUPPORTED = {
     "echo": (None, False), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),  # deprecated by OpenAI for tools / tool_choice
+    # outputs other than text, and controls the target has no law for (docs/api.md)
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,),
 }
 
 

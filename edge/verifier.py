@@ -25,10 +25,10 @@ from specdec.common.modes import Mode, TOP_K_MODES
 from specdec.common.distributions import SparseDist, densify
 from specdec.common.loadaware import Acceptance
 from specdec.common.modeling import CachedLM, LoadedModel
-from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, History, chain_paths
-from specdec.common.grammar import GrammarState
-from specdec.common.logprobs import NO_LOGPROBS, token_logprobs
+from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, chain_paths
+from specdec.common.logprobs import NO_LOGPROBS
 from specdec.common.sampling import TargetLaw, validate_hello
+from specdec.edge.prefix_law import PrefixLaw
 from specdec.edge.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
@@ -121,10 +121,8 @@ class VerifierSession:
         self.hello = hello
         self.law = TargetLaw(hello.temperature, hello.target_top_k, hello.target_top_p, hello.target_min_p,
                              hello.adjust)
-        self.prompt_len = 0  # of self.tokens, the prompt: the penalties count the rest as generated
-        # the grammar's matcher (compiled once per grammar on this edge, copied per session)
-        self.grammar = None if hello.grammar is None else GrammarState(
-            hello.grammar, target.tokenizer, info.vocab_size, target.eos_token_ids)
+        # what the law reads of the verified prefix, and the logprobs the session asks for
+        self.prefix = PrefixLaw(hello, self.law, target.tokenizer, info.vocab_size, target.eos_token_ids)
         self.info = info
         self.limits = limits
         self.session_id = session_id
@@ -159,8 +157,8 @@ class VerifierSession:
         check_ids(ids, self.info.vocab_size, "prompt")
         if self.tokens:
             raise ValueError("prompt sent twice")
+        self.prefix.take_prompt(prompt)
         self.tokens = ids
-        self.prompt_len = _prompt_len(prompt)
         if len(ids) > 1:
             self._forward(ForwardRequest(self.lm, ids[:-1], num_logits=0))
 
@@ -177,7 +175,7 @@ class VerifierSession:
             raise LimitError(f"prefix of {len(ids)} tokens exceeds the context limit {self.max_context}",
                              CONTEXT_FULL)
         check_ids(ids, self.info.vocab_size, "prefix")
-        prompt_len = _prompt_len(prompt)
+        self.prefix.take_prompt(prompt)
         common = 0
         for a, b in zip(ids, self.tokens):
             if a != b:
@@ -186,7 +184,6 @@ class VerifierSession:
         keep = min(self.lm.cache_len, common, len(ids) - 1)  # cache stays strictly behind tokens
         self.lm.truncate(keep)
         self.tokens = ids
-        self.prompt_len = prompt_len
         self.round_id = 0  # round numbering restarts on every stream
         self._pending_reject = None
         return keep
@@ -261,9 +258,9 @@ class VerifierSession:
     def _edge_token(self, round_start: int) -> RoundOutcome:
         """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""
         offset = len(self.tokens) - round_start
-        race = self._asking(gumbel_round(torch.empty(0, dtype=torch.long), self.law,
-                                         lambda i: self.token_noise(round_start, offset + i), self.history(),
-                                         self.masks([[]])))
+        race = self.prefix.asking(gumbel_round(torch.empty(0, dtype=torch.long), self.law,
+                                               lambda i: self.token_noise(round_start, offset + i),
+                                               **self.prefix.shape(self.tokens, [[]])))
         outcome = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race)
         self.tokens.append(outcome.next_token)
         return outcome
@@ -305,31 +302,17 @@ class VerifierSession:
         """The round to verify, checked before any model work: gumbel (no q: accept iff each draft is the
         target's own race), DSSD (the scalars q_i(x_i)) or a chain (the decoded packets)."""
         ids = torch.tensor(draft_ids, dtype=torch.long)
-        shape = dict(history=self.history(), masks=self.masks(chain_paths(draft_ids)))
+        shape = self.prefix.shape(self.tokens, chain_paths(draft_ids))
         if settings.mode is Mode.GUMBEL:
             start = len(self.tokens)
-            return self._asking(gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), **shape))
+            return self.prefix.asking(gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), **shape))
         bonus = self._bonus_noise(len(draft_ids), settings)
         if settings.mode is Mode.DSSD:
             if self.hello.logprobs != NO_LOGPROBS:
                 raise ValueError("a session that asks for logprobs sends no DSSD round (its corrections are "
                                  "drawn on the device)")
             return dssd_round(ids, q, self.law, generator, settings.dssd_samples, bonus, **shape)
-        return self._asking(chain_round(ids, q, self.law, generator, bonus, **shape))
-
-    def _asking(self, round_: ChainRound) -> ChainRound:
-        """The round with the session's logprobs request on it."""
-        return round_ if self.hello.logprobs == NO_LOGPROBS else replace(round_, logprobs=self.hello.logprobs)
-
-    def history(self) -> History | None:
-        """What the law's penalties read of the verified prefix (None: they are off)."""
-        if not self.law.adjust.needs_history:
-            return None
-        return History.of(self.tokens, self.prompt_len, self.info.vocab_size)
-
-    def masks(self, paths: list[list[int]]):  # -> [len(paths), V] bool, or None without a grammar
-        """The grammar's allowed tokens after the verified prefix and each path."""
-        return None if self.grammar is None else self.grammar.masks(self.tokens[self.prompt_len:], paths)
+        return self.prefix.asking(chain_round(ids, q, self.law, generator, bonus, **shape))
 
     def _bonus_noise(self, num_drafts: int, settings: DraftSettings):
         """What draws the coupled bonus's Gumbel noise for the position after this round's drafts (a
@@ -348,7 +331,7 @@ class VerifierSession:
                                               attend=attend, positions=positions))
         node_tokens = torch.tensor([0, *draft.token_ids], dtype=torch.long)  # root entry unused
         paths = spec.paths(node_tokens.tolist())
-        rows = self.law.shaped(logits.cpu(), self.history(), paths, self.masks(paths))
+        rows = self.law.shaped(logits.cpu(), paths=paths, **self.prefix.shape(self.tokens, paths))
         p = self.law.probs(rows)  # row 0: after the prefix; row n: after node n (host math)
         result = tree_verify(spec, node_tokens, q, p, generator)
         prefix_len = len(self.tokens)
@@ -357,14 +340,7 @@ class VerifierSession:
         self.tokens.extend(result.tokens)
         return Verdict(round_id=draft.round_id, num_accepted=len(result.accepted_nodes),
                        next_token=result.tokens[-1], accepted_nodes=tuple(result.accepted_nodes),
-                       logprobs=self._tree_logprobs(rows, result.accepted_nodes, result.tokens))
-
-    def _tree_logprobs(self, rows: torch.Tensor, accepted: list[int], tokens: list[int]):
-        """The emitted tokens' log-probabilities: each under the row of the node before it (root first)."""
-        if self.hello.logprobs == NO_LOGPROBS:
-            return ()
-        before = torch.tensor([0, *accepted], dtype=torch.long)
-        return token_logprobs(self.law.reported().probs(rows[before]), list(tokens), self.hello.logprobs)
+                       logprobs=self.prefix.tree_logprobs(rows, result.accepted_nodes, result.tokens))
 
     def residual(self, request: ResidualRequest) -> ResidualReply:
         """DSSD fallback: p_j of the pending rejection (float64, exactly what was verified), as its head
@@ -445,13 +421,6 @@ def check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
         raise LimitError(f"logit bias of {len(hello.adjust.logit_bias)} entries exceeds the edge limit "
                          f"{limits.max_logit_bias}")
     _check_limits(hello.draft, info, limits)
-
-
-def _prompt_len(prompt: Prompt) -> int:
-    """How many of the prompt message's tokens are the prompt (a re-sent prefix holds output too)."""
-    if prompt.prompt_len > len(prompt.token_ids):
-        raise ValueError(f"prompt_len {prompt.prompt_len} beyond the {len(prompt.token_ids)} tokens sent")
-    return prompt.prompt_len or len(prompt.token_ids)
 
 
 def check_ids(ids, vocab_size: int, what: str) -> None:

@@ -108,7 +108,7 @@ class VerifiesWithoutTheGrammar(VerifierSession):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.grammar = None
+        self.prefix.grammar = None
 
 
 def test_control_edge_verifying_without_the_grammar_is_rejected(twin, byte_pair) -> None:
