@@ -106,9 +106,9 @@ def with_tools(messages: list[dict], tools: tuple[Tool, ...], template_takes_too
     template without a tools section) the tools stated in a system message in front."""
     out = []
     for m in messages:
-        calls = m.get("tool_calls") or []
-        text = "".join(f"{CALL_OPEN}{json.dumps({'name': c['function']['name'], 'arguments': json.loads(c['function']['arguments'] or '{}')})}{CALL_CLOSE}"
-                       for c in calls)
+        calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"].get("arguments") or "{}")}
+                 for c in m.get("tool_calls") or []]
+        text = "".join(f"{CALL_OPEN}{json.dumps(call)}{CALL_CLOSE}" for call in calls)
         out.append({"role": m["role"], "content": (m.get("content") or "") + text})
     if tools and not template_takes_tools:
         out.insert(0, {"role": "system", "content": tools_system_prompt(tools)})

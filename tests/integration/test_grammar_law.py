@@ -12,14 +12,13 @@ import pytest
 from specdec.common.adjust import NO_ADJUST, LogitAdjust
 from specdec.common.grammar import Grammar, GrammarKind
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
-from specdec.common.modes import Mode
 from specdec.device.session import DraftSession
 from specdec.edge.verifier import VerifierSession
 from tests.support import reference_law
 from tests.support.harness import device_config, load
 from tests.support.inprocess import cut_the_second_verdict, run_seeds
-from tests.support.laws import (GROSS_CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES, assert_lossless, assert_rejected,
-                                law_counts)
+from tests.support.laws import (COMPRESSING_MODES, GROSS_CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES,
+                                assert_lossless, assert_rejected, law_counts)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -27,12 +26,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 JSON_GRAMMAR = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
 PROMPTS = ["Answer in JSON: ", "{", "name and n? "]
 MAX_NEW = 40
-GREEDY_MODES = {
-    "dense": dict(mode=Mode.DENSE, dense_dtype="fp16"), "tslt": dict(mode=Mode.TSLT, top_k=16),
-    "ksqs": dict(mode=Mode.KSQS, top_k=16, lattice=64), "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.01, lattice=64, max_k=64),
-    "dssd": dict(mode=Mode.DSSD, dssd_samples=2), "none": dict(mode=Mode.NONE), "gumbel": dict(mode=Mode.GUMBEL),
-    "tree": dict(mode=Mode.TSLT, top_k=16, tree=(2, 2)),
-}
 
 
 class DraftsOutsideTheGrammar(DraftSession):
@@ -51,17 +44,18 @@ def _in_process(pair, mode_kw: dict, prompt_ids: list[int], session_factory=Draf
     return tokens, session
 
 
-@pytest.mark.parametrize("name", list(GREEDY_MODES))
+@pytest.mark.parametrize("name", list(COMPRESSING_MODES))
 def test_greedy_under_a_json_schema_equals_generate_with_the_engines_masks(byte_pair, name) -> None:
     target, tok = load(str(byte_pair[0])), load(str(byte_pair[1])).tokenizer
     accepted = {"masked": 0, "unmasked": 0}
     for prompt in PROMPTS:
         ids = encode_prompt(tok, prompt, raw=True)
         expected = reference_law.greedy(target, ids, MAX_NEW, NO_ADJUST, JSON_GRAMMAR)
-        tokens, session = _in_process(byte_pair, GREEDY_MODES[name], ids, grammar=JSON_GRAMMAR)
+        tokens, session = _in_process(byte_pair, COMPRESSING_MODES[name], ids, grammar=JSON_GRAMMAR)
         assert tokens == expected, f"{name}, prompt {prompt!r}: {tok.decode(tokens)!r}"
         accepted["masked"] += session.stats.accepted_tokens
-        tokens, session = _in_process(byte_pair, GREEDY_MODES[name], ids, DraftsOutsideTheGrammar, grammar=JSON_GRAMMAR)
+        tokens, session = _in_process(byte_pair, COMPRESSING_MODES[name], ids, DraftsOutsideTheGrammar,
+                                      grammar=JSON_GRAMMAR)
         assert tokens == expected, f"{name}, unmasked q, prompt {prompt!r}"
         accepted["unmasked"] += session.stats.accepted_tokens
         if tokens[-1] in target.eos_token_ids:  # finished: the text is the schema's

@@ -22,18 +22,11 @@ from specdec.edge.verifier import VerifierSession
 from tests.support import reference_law
 from tests.support.harness import device_config, edge, load, run, run_sessions, target_greedy
 from tests.support.inprocess import cut_the_second_verdict, run_seeds
-from tests.support.laws import (GROSS_CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES, assert_lossless, assert_rejected,
-                                exact_law, law_counts, prompt_ids)
+from tests.support.laws import (COMPRESSING_MODES, GROSS_CONTROL_SESSIONS, MODES, TREE_LAW, TREE_MODES,
+                                assert_lossless, assert_rejected, exact_law, law_counts, prompt_ids)
 
 PROMPTS = ["w1 w2 w3", "w40 w7", "w300 w301 w302 w303 w9"]
 MAX_NEW = 24
-# Modes at settings that compress on the 512-token pair (test_end_to_end.py's), and a tree.
-GREEDY_MODES = {
-    "dense": dict(mode=Mode.DENSE, dense_dtype="fp16"), "tslt": dict(mode=Mode.TSLT, top_k=16),
-    "ksqs": dict(mode=Mode.KSQS, top_k=16, lattice=64), "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.01, lattice=64, max_k=64),
-    "dssd": dict(mode=Mode.DSSD, dssd_samples=2), "none": dict(mode=Mode.NONE), "gumbel": dict(mode=Mode.GUMBEL),
-    "tree": dict(mode=Mode.TSLT, top_k=16, tree=(2, 2)),
-}
 PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
 
 
@@ -62,7 +55,7 @@ def _in_process(pair, mode_kw: dict, prompt: str, adjust: LogitAdjust, session_f
     return tokens, session
 
 
-@pytest.mark.parametrize("name", list(GREEDY_MODES))
+@pytest.mark.parametrize("name", list(COMPRESSING_MODES))
 def test_greedy_equals_generate_with_the_same_processors(accepting_pair_v512, name) -> None:
     target = load(str(accepting_pair_v512[0]))
     tok = load(str(accepting_pair_v512[1])).tokenizer
@@ -72,10 +65,11 @@ def test_greedy_equals_generate_with_the_same_processors(accepting_pair_v512, na
         adjust = _greedy_adjust(target, ids)
         expected = reference_law.greedy(target, ids, MAX_NEW, adjust)
         assert expected != target_greedy(accepting_pair_v512[0], ids, MAX_NEW), "the law changed nothing"
-        tokens, session = _in_process(accepting_pair_v512, GREEDY_MODES[name], prompt, adjust)
+        tokens, session = _in_process(accepting_pair_v512, COMPRESSING_MODES[name], prompt, adjust)
         assert tokens == expected, f"{name}, prompt {prompt!r}"
         accepted["shaped"] += session.stats.accepted_tokens
-        tokens, session = _in_process(accepting_pair_v512, GREEDY_MODES[name], prompt, adjust, DraftsFromThePlainLaw)
+        tokens, session = _in_process(accepting_pair_v512, COMPRESSING_MODES[name], prompt, adjust,
+                                      DraftsFromThePlainLaw)
         assert tokens == expected, f"{name}, plain q, prompt {prompt!r}"
         accepted["plain"] += session.stats.accepted_tokens
     if name != "none":
@@ -94,7 +88,7 @@ def test_greedy_over_grpc_equals_generate(accepting_pair_v512, name) -> None:
     async def main():
         async with edge(target_dir) as address:
             return [await run_sessions(address, drafter_dir, device_config(
-                temperature=0.0, max_new_tokens=MAX_NEW, adjust=a, **GREEDY_MODES[name]), prompt, [0])
+                temperature=0.0, max_new_tokens=MAX_NEW, adjust=a, **COMPRESSING_MODES[name]), prompt, [0])
                 for prompt, a in zip(PROMPTS, adjusts)]
 
     for prompt, a, [(tokens, result, _)] in zip(PROMPTS, adjusts, run(main())):

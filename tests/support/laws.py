@@ -66,6 +66,16 @@ MODES = {
 TRANSPORT_PATHS = ("tslt", "dssd", "none", "gumbel")
 
 
+# Every mode, and a tree, at settings that compress on the tiny pairs of a few hundred tokens (the
+# greedy-identity tests': test_end_to_end.py's settings).
+COMPRESSING_MODES = {
+    "dense": dict(mode=Mode.DENSE, dense_dtype="fp16"), "tslt": dict(mode=Mode.TSLT, top_k=16),
+    "ksqs": dict(mode=Mode.KSQS, top_k=16, lattice=64), "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.01, lattice=64, max_k=64),
+    "dssd": dict(mode=Mode.DSSD, dssd_samples=2), "none": dict(mode=Mode.NONE), "gumbel": dict(mode=Mode.GUMBEL),
+    "tree": dict(mode=Mode.TSLT, top_k=16, tree=(2, 2)),
+}
+
+
 # Token trees: every node's two children, two layers deep, in each codec a tree can use.
 TREE_LAW = dict(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, tree=(2, 2))
 TREE_MODES = {"dense": dict(mode=Mode.DENSE, dense_dtype="fp32"), "tslt": dict(mode=Mode.TSLT, top_k=3),
