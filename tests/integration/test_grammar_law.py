@@ -97,6 +97,11 @@ def test_a_tree_samples_the_grammars_law(twin, byte_pair) -> None:
     assert_lossless(counts, law, "tree <2,2>, regex + bias + presence")
 
 
+def test_a_resumed_session_samples_the_grammars_law(twin, byte_pair) -> None:
+    counts, law, _ = law_counts(twin, *byte_pair, run_kw=dict(fault=cut_the_second_verdict), **LAW, **MODES["tslt"])
+    assert_lossless(counts, law, "resumed on a fresh edge, regex + bias + presence")
+
+
 class VerifiesWithoutTheGrammar(VerifierSession):
     """The classic bug: the edge verifies against the law without the grammar (vLLM #9423's kind)."""
 
@@ -126,3 +131,23 @@ def test_a_resumed_session_under_a_grammar_draws_the_uninterrupted_tokens(byte_p
     for tokens, _ in whole:
         if tokens[-1] in target.eos_token_ids:
             jsonschema.validate(json.loads(drafter.tokenizer.decode(tokens, skip_special_tokens=True)), SCHEMA)
+
+
+VALIDITY_SESSIONS = 200
+
+
+@pytest.mark.slow
+def test_json_schema_answers_sampled_through_the_system_are_valid(byte_pair) -> None:
+    """200 sessions at T = 1 through the device's round loop and the edge (in process): every answer
+    that finishes is valid for the schema, and most finish within MAX_NEW."""
+    target, drafter = load(str(byte_pair[0])), load(str(byte_pair[1]))
+    cfg = device_config(temperature=1.0, max_new_tokens=2 * MAX_NEW, draft_len=4, grammar=JSON_GRAMMAR,
+                        **MODES["tslt"])
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+    ids = encode_prompt(drafter.tokenizer, PROMPTS[0], raw=True)
+    finished = 0
+    for tokens, _ in run_seeds(target, drafter, hello, ids, 2 * MAX_NEW, range(VALIDITY_SESSIONS)):
+        if tokens[-1] in target.eos_token_ids:
+            finished += 1
+            jsonschema.validate(json.loads(drafter.tokenizer.decode(tokens, skip_special_tokens=True)), SCHEMA)
+    assert finished >= 0.9 * VALIDITY_SESSIONS, finished

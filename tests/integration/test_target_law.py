@@ -78,6 +78,21 @@ def test_greedy_equals_generate_with_the_same_processors(accepting_pair_v512, na
         assert accepted["shaped"] > 0 and accepted["shaped"] >= accepted["plain"], accepted
 
 
+ALONE = {"bias": lambda plain: LogitAdjust.of({plain[0]: -100.0, plain[3]: 4.0}),
+         "repetition": lambda plain: LogitAdjust.of(repetition_penalty=1.3),
+         "presence and frequency": lambda plain: LogitAdjust.of(presence_penalty=0.4, frequency_penalty=0.3)}
+
+
+@pytest.mark.parametrize("transform", list(ALONE))
+@pytest.mark.parametrize("name", ["tslt", "dssd", "gumbel", "none", "tree"])
+def test_each_transform_alone_in_greedy(accepting_pair_v512, name, transform) -> None:
+    target = load(str(accepting_pair_v512[0]))
+    ids = encode_prompt(load(str(accepting_pair_v512[1])).tokenizer, PROMPTS[0], raw=True)
+    adjust = ALONE[transform](reference_law.greedy(target, ids, MAX_NEW, NO_ADJUST))
+    tokens, _ = _in_process(accepting_pair_v512, COMPRESSING_MODES[name], PROMPTS[0], adjust)
+    assert tokens == reference_law.greedy(target, ids, MAX_NEW, adjust), (name, transform)
+
+
 @pytest.mark.parametrize("name", ["tslt", "none", "dssd"])
 def test_greedy_over_grpc_equals_generate(accepting_pair_v512, name) -> None:
     """The law on the wire (Hello.adjust, Prompt.prompt_len) and through the edge server's batching."""

@@ -73,6 +73,7 @@ COMPRESSING_MODES = {
     "ksqs": dict(mode=Mode.KSQS, top_k=16, lattice=64), "csqs": dict(mode=Mode.CSQS, csqs_beta0=0.01, lattice=64, max_k=64),
     "dssd": dict(mode=Mode.DSSD, dssd_samples=2), "none": dict(mode=Mode.NONE), "gumbel": dict(mode=Mode.GUMBEL),
     "tree": dict(mode=Mode.TSLT, top_k=16, tree=(2, 2)),
+    "auto": dict(mode="auto"),  # mode auto's controller choosing every round (DSSD, trees and gumbel among them)
 }
 
 
