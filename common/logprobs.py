@@ -32,7 +32,8 @@ def token_logprobs(probs: torch.Tensor,   # [n, V] float64, the law of each emit
     assert probs.ndim == 2 and probs.shape[0] == len(tokens), (tuple(probs.shape), len(tokens))
     assert 0 <= top_n <= MAX_TOP_LOGPROBS, top_n
     logs = torch.log(probs.double())                                   # [n, V]; log 0 = -inf
-    chosen = logs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    rows = torch.arange(len(tokens), device=logs.device)
+    chosen = logs[rows, torch.tensor(tokens, dtype=torch.long, device=logs.device)].tolist()
     if not top_n:
         return tuple(TokenLogprob(lp) for lp in chosen)
     values, ids = torch.topk(logs, min(top_n, logs.shape[1]), dim=-1)  # [n, N], descending

@@ -207,7 +207,7 @@ def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i af
         _check_pair(rows, r)
     # the law's bias and penalties, row by row with the drafts before each (before any decision)
     logits = [r.law.shaped(rows, r.history, chain_paths(r.draft_ids.tolist()), r.masks)
-              for rows, r in zip(logits, rounds)]
+              if r.law.adjust.active or r.masks is not None else rows for rows, r in zip(logits, rounds)]
     if len({rows.shape[1] for rows in logits}) > 1:
         raise ValueError("the rounds of one forward share the target's vocabulary")
     outcomes: list[RoundOutcome | None] = [None] * len(rounds)
