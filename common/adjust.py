@@ -15,10 +15,11 @@ import torch
 # a Hello is a request too).
 MAX_LOGIT_BIAS = 100.0      # |logit_bias[token]|
 MAX_OPENAI_PENALTY = 2.0    # |presence_penalty|, |frequency_penalty|
+# vLLM and transformers take any penalty > 0; at 10 a seen token is already all but excluded.
 MAX_REPETITION_PENALTY = 10.0
 # A logit bias map's entries (the edge's default limit, the daemon's): OpenAI's API takes up to 300;
 # more would make a Hello, and each verified row's bias, grow with what a client sends.
-MAX_LOGIT_BIAS_ENTRIES = 300  # vLLM and transformers take any > 0; beyond this every seen token is gone
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class LogitAdjust:
             if i < 0 or (vocab_size is not None and i >= vocab_size):
                 raise ValueError(f"logit_bias token id {i} outside the vocabulary [0, {vocab_size})")
             if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias value {b} for token {i} outside [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                raise ValueError(f"logit_bias value {b} for token {i} outside "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and abs(value) <= MAX_OPENAI_PENALTY):

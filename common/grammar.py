@@ -148,10 +148,12 @@ class GrammarState:
         """Move the matcher to ``seq`` (rollback to the longest common prefix with what it has taken,
         then consume the rest); False if the grammar refuses part of it (the matcher then stays at the
         longest prefix of ``seq`` it accepts, and never enters the engine's error state)."""
-        common = 0
-        limit = min(len(seq), len(self._consumed))
-        while common < limit and seq[common] == self._consumed[common]:
-            common += 1
+        common, taken = 0, len(self._consumed)
+        if seq[:taken] == self._consumed:  # the usual case, at C speed: seq extends what was taken
+            common = taken
+        else:
+            while common < min(len(seq), taken) and seq[common] == self._consumed[common]:
+                common += 1
         if len(self._consumed) > common:
             self._matcher.rollback(len(self._consumed) - common)
         rest = seq[common:]
