@@ -37,7 +37,7 @@ from specdec.common.modeling import LoadedModel, chat_ids, encode_prompt, load_m
 from specdec.common.runtime import is_loopback
 from specdec.common.grammar import GrammarError, GrammarState
 from specdec.common.logprobs import NO_LOGPROBS
-from specdec.device.tools import with_tools
+from specdec.device.tools import CallGuard, with_tools
 from specdec.common.modes import Mode
 from specdec.device import openai_schema
 from specdec.device.client import EdgeError, generate
@@ -413,8 +413,8 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _respond(request: web.Request, p: openai_schema.SamplingParams, prompts: list[list[int]], *,
                    chat: bool, tools: bool = False) -> web.StreamResponse:
     """Run prompts x n choices (choice index = prompt * n + j, OpenAI's order), answer JSON or SSE.
-    With ``tools`` each answer's calls are parsed out (a stream then sends the answer when it is whole:
-    text that may become a call is not shown before it is known not to be one)."""
+    With ``tools`` each answer's calls are parsed out (a stream shows the text while it cannot be a
+    call, and sends the calls and what was held back when the answer is whole)."""
     engine = request.app[ENGINE]
     cfg = await asyncio.to_thread(engine.settings, p)  # a grammar compiles there: off the loop
     await engine.check_edge()
@@ -508,23 +508,51 @@ async def _pump(resp: web.StreamResponse, maker: openai_schema.ChunkMaker, queue
         for index in indices:
             await _send(resp, maker.role(index))
     choices: list[Choice] = []
+    guards = {index: _GuardedStream() for index in indices} if tools else {}
     while len(choices) < len(indices):
         index, item = await queue.get()
         if index is not None:
-            if not tools:
-                await _send(resp, maker.delta(index, *item))
+            chunk = guards[index].delta(maker, index, *item) if tools else maker.delta(index, *item)
+            if chunk is not None:
+                await _send(resp, chunk)
             continue
         choice = item.result()  # raises the session's ApiError
-        if tools:  # the whole answer, its calls apart
-            choice = openai_schema.with_tool_calls(choice)
-            if choice.text:
-                await _send(resp, maker.delta(choice.index, choice.text, choice.logprobs))
-            if choice.tool_calls:
-                await _send(resp, maker.tool_calls(choice))
+        if tools:  # what was held back, its calls apart
+            choice, chunks = guards[choice.index].finish(maker, choice)
+            for chunk in chunks:
+                await _send(resp, chunk)
         choices.append(choice)
         await _send(resp, maker.finish(choice))
     if maker.include_usage:
         await _send(resp, maker.usage(prompt_tokens, sorted(choices, key=lambda c: c.index)))
+
+
+class _GuardedStream:
+    """A chat answer streamed while it may hold tool calls (device/tools.CallGuard): its text while it
+    cannot be a call, its logprobs with the text they belong to, the rest and the calls at the end."""
+
+    def __init__(self):
+        self.guard = CallGuard()
+        self.held: list = []  # logprobs "content" items not sent yet
+
+    def delta(self, maker: openai_schema.ChunkMaker, index: int, text: str, logprobs: dict | None):
+        self.held.extend((logprobs or {}).get("content", []))
+        shown = self.guard.add(text)
+        return maker.delta(index, shown, self._logprobs()) if shown else None
+
+    def finish(self, maker: openai_schema.ChunkMaker, c: Choice) -> tuple[Choice, list[dict]]:
+        rest, calls = self.guard.finish(c.text)
+        done = openai_schema.with_tool_calls(c)
+        chunks = [maker.delta(c.index, rest, self._logprobs())] if rest or self.held else []
+        if calls:
+            chunks.append(maker.tool_calls(done))
+        return done, chunks
+
+    def _logprobs(self) -> dict | None:
+        if not self.held:
+            return None
+        out, self.held = {"content": self.held, "refusal": None}, []
+        return out
 
 
 def build_app(engine: DeviceEngine, http_metrics: HttpMetrics) -> web.Application:

@@ -134,3 +134,32 @@ def parse_calls(text: str) -> tuple[str, list[dict]]:
                       "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
     content.append(rest)
     return "".join(content), calls
+
+
+class CallGuard:
+    """One streamed answer's text shown as it comes while it cannot be (the start of) a call: from the
+    first CALL_OPEN on, and any tail that could begin one, it is held back; the rest of the answer,
+    its calls apart, comes with :meth:`finish`."""
+
+    def __init__(self):
+        self.text = ""
+        self.shown = 0
+
+    def add(self, delta: str) -> str:
+        self.text += delta
+        cut = self.text.find(CALL_OPEN)
+        if cut < 0:
+            cut = len(self.text) - _open_tail(self.text)
+        cut = max(cut, self.shown)
+        out, self.shown = self.text[self.shown:cut], cut
+        return out
+
+    def finish(self, text: str) -> tuple[str, list[dict]]:
+        """(the content not shown yet, the calls) of the whole answer ``text``."""
+        content, calls = parse_calls(text)
+        return content[self.shown:], calls
+
+
+def _open_tail(text: str) -> int:
+    """The length of the longest end of ``text`` that begins CALL_OPEN."""
+    return max((k for k in range(1, len(CALL_OPEN)) if text.endswith(CALL_OPEN[:k])), default=0)

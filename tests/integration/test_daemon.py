@@ -281,6 +281,19 @@ def test_completion_logprobs_in_the_legacy_shape(client, chat_pair) -> None:
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_auto_tools_still_stream_an_answer_that_is_text(client) -> None:
+    """tool_choice auto: a text answer streams in pieces as without tools, the same text as whole
+    (a call's text would be held back: tests/unit/test_tools.py)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "w5 w6"}], tools=[tool], temperature=0,
+              max_tokens=MAX_TOKENS, tool_choice="auto")
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kw)
+              if c.choices and c.choices[0].delta.content]
+    assert whole.message.tool_calls is None and "".join(chunks).strip() == whole.message.content
+    assert len(chunks) > 1, chunks
+
+
 def test_chat_greedy_goes_through_the_template_and_equals_target_alone(client, chat_pair) -> None:
     messages = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w5 w6"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
