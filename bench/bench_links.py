@@ -36,6 +36,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from specdec.bench import bench_law
 from specdec.bench.harness import plan as harness_plan  # noqa: E402
 from specdec.bench.harness.analyze import fmt, print_goals  # noqa: E402
 from specdec.bench.harness.rig import Rig, shaping_available  # noqa: E402
@@ -285,6 +286,8 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", default="", help="e.g. 0,1")
     p.add_argument("--no-changing", action="store_true", help="skip the changing link")
     p.add_argument("--no-auto", action="store_true", help="leave auto out even where the device has it")
+    p.add_argument("--json-schema", action="store_true",
+                   help="every session's output under bench_law's JSON schema (the target law's grammar)")
     p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
     return p.parse_args(argv)
 
@@ -346,6 +349,9 @@ def main(argv=None) -> int:
     # every auto configuration logs its rounds (an A/B between two of them runs both alike)
     extra = {name: {"round_log": True} for name in configs if plan.CONFIGS[name][0] == "auto"} \
         if support["round_log"] else {}
+    if a.json_schema:  # the same grammar in every configuration: what it does to each, auto included
+        grammar = {"grammar": {"kind": "json_schema", "source": json.dumps(bench_law.SCHEMA)}}
+        extra = {name: {**extra.get(name, {}), **grammar} for name in configs}
     stamp = harness_plan.stamp()
     out = harness_plan.run_dir(RESULTS, stamp + ("-quick" if s.quick else ""))
 

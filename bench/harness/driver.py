@@ -51,6 +51,7 @@ from specdec.common.settings import setting_names
 from specdec.device import factory, runner
 from specdec.device.auto import AutoConfig, LinkTracker
 from specdec.device.client import generate
+from specdec.common.grammar import Grammar, GrammarKind
 from specdec.device.factory import DeviceConfig
 from specdec.device.parts import Observer, SessionParts
 from specdec.device.session import DraftSession
@@ -126,6 +127,8 @@ def device_config(edge: str, overrides: dict) -> DeviceConfig:
     kw = dict(overrides)
     if "tree" in kw:
         kw["tree"] = tuple(kw["tree"])
+    if isinstance(kw.get("grammar"), dict):  # JSON {"kind", "source"}: the target law's grammar
+        kw["grammar"] = Grammar(GrammarKind(kw["grammar"]["kind"]), kw["grammar"].get("source", ""))
     cfg = DeviceConfig.of(**{k: v for k, v in kw.items() if k not in setting_names()}, edge=edge, json=True)
     return cfg.with_draft(**{k: v for k, v in kw.items() if k in setting_names()})
 
