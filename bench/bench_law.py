@@ -92,18 +92,18 @@ def _round_costs(target, ids: list[int], out: list[int], state: GrammarState, la
     return costs
 
 
-def _logprob_bytes(vocab: int) -> dict:
-    """Verdict bytes of 8 emitted tokens with logprobs: per token (own) and per top-N entry."""
-    g = torch.Generator().manual_seed(0)
-    probs = torch.softmax(torch.randn(8, vocab, generator=g, dtype=torch.float64) * 3, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=g)[:, 0].tolist()
-
+def _logprob_bytes(probs: torch.Tensor, tokens: list[int]) -> dict:  # probs: [n, V] the law at each token
+    """Verdict bytes of logprobs for the sampled texts' own tokens and rows, as the edge sends them (8
+    tokens a verdict): per token for their own, per top-N entry for the top."""
     def size(n: int) -> int:
-        lps = token_logprobs(probs, tokens, n) if n >= 0 else ()
-        return wire.verdict_to_pb(P.Verdict(1, 7, tokens[-1], logprobs=lps)).ByteSize()
-    base = size(-1)
-    return {"own_per_token": (size(0) - base) / 8,
-            **{f"top{n}_per_entry": (size(n) - size(0)) / (8 * n) for n in TOP_NS if n}}
+        total = 0
+        for k in range(0, len(tokens) - 7, 8):
+            lps = token_logprobs(probs[k:k + 8], tokens[k:k + 8], n, compact=True) if n >= 0 else ()
+            total += wire.verdict_to_pb(P.Verdict(1, 7, tokens[k + 7], logprobs=lps)).ByteSize()
+        return total
+    count = len(tokens) // 8 * 8
+    return {"tokens": count, "own_per_token": (size(0) - size(-1)) / count,
+            **{f"top{n}_per_entry": (size(n) - size(0)) / (count * n) for n in TOP_NS if n}}
 
 
 def _validity(target, law: TargetLaw, samples: int, max_new: int, g: torch.Generator) -> dict:
@@ -130,6 +130,7 @@ def measure(a) -> dict:
     law = TargetLaw(a.temperature)
     g = torch.Generator().manual_seed(a.seed)
     masked, unmasked, grammar_s, verify_s, texts, valid = [], [], [], [], [], 0
+    rows, emitted = [], []  # the law's row at each sampled token, and the token: logprob bytes
     for text in prompts:
         ids = encode_prompt(target.tokenizer, INSTRUCTION + text, raw=False)
         state = GrammarState(GRAMMAR, target.tokenizer, target.vocab_size, target.eos_token_ids)
@@ -141,9 +142,11 @@ def measure(a) -> dict:
             valid += 1
         except ValueError:
             pass
-        for p, q_m, q_u in _positions(target, drafter, ids, out, state, law):
+        for i, (p, q_m, q_u) in enumerate(_positions(target, drafter, ids, out, state, law)):
             masked.append(acceptance(p, q_m))
             unmasked.append(acceptance(p, q_u))
+            rows.append(p.float())
+            emitted.append(out[i])
         for gs, vs in _round_costs(target, ids, out, state, law, a.draft_len):
             grammar_s.append(gs)
             verify_s.append(vs)
@@ -153,7 +156,7 @@ def measure(a) -> dict:
             "grammar_ms_per_round": 1e3 * statistics.median(grammar_s),
             "verify_ms_per_round": 1e3 * statistics.median(verify_s),
             "grammar_over_verify": statistics.median(grammar_s) / statistics.median(verify_s),
-            "logprob_bytes": _logprob_bytes(target.vocab_size),
+            "logprob_bytes": _logprob_bytes(torch.stack(rows).double(), emitted),
             "validity": _validity(target, law, a.samples, 4 * a.max_new_tokens, g) if a.samples else None,
             "texts_finished_valid": f"{valid}/{len(texts)}", "texts": texts}
 

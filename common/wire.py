@@ -228,30 +228,38 @@ def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
 
 
 def _logprobs_to_pb(logprobs: tuple[TokenLogprob, ...], msg: pb.Verdict) -> None:
-    """Flat: every token's top list padded to the longest with (0, -inf), its ids ascending and sent as
-    differences (varints of the gaps: ~2 bytes each where whole ids of a 49k vocabulary take 3)."""
-    width = max(len(t.top) for t in logprobs)
+    """Flat: each token's top list (N entries, or N - 1 when the token itself is among them: ``in_top``)
+    padded to that length with (0, -inf), its ids ascending and sent as differences (varints of the
+    gaps: ~2 bytes each where whole ids of a 49k vocabulary take 3)."""
+    width = max(len(t.top) + t.in_top for t in logprobs)
     msg.logprobs.extend(t.logprob for t in logprobs)
+    if not width:  # no top asked: the own log-probabilities alone
+        return
+    msg.top_in.extend(t.in_top for t in logprobs)
     for t in logprobs:
         top = sorted(t.top)
         ids = [i for i, _ in top]
-        msg.top_ids.extend([b - a for a, b in zip([0] + ids, ids)] + [0] * (width - len(top)))
-        msg.top_logprobs.extend([lp for _, lp in top] + [-math.inf] * (width - len(top)))
+        pad = width - t.in_top - len(top)
+        msg.top_ids.extend([b - a for a, b in zip([0] + ids, ids)] + [0] * pad)
+        msg.top_logprobs.extend([lp for _, lp in top] + [-math.inf] * pad)
 
 
 def _logprobs_from_pb(m: pb.Verdict) -> tuple[TokenLogprob, ...]:
-    """ValueError unless the top lists split evenly among the tokens; each list back in descending order."""
+    """ValueError unless the top lists split among the tokens; each list back in descending order."""
     n = len(m.logprobs)
     if not n:
         return ()
-    if len(m.top_ids) != len(m.top_logprobs) or len(m.top_ids) % n:
-        raise ValueError(f"verdict logprobs: {len(m.top_ids)} top ids, {len(m.top_logprobs)} values for {n} tokens")
-    width = len(m.top_ids) // n
-    out = []
-    for k, lp in enumerate(m.logprobs):
-        ids = list(itertools.accumulate(m.top_ids[k * width:(k + 1) * width]))
-        top = [(i, v) for i, v in zip(ids, m.top_logprobs[k * width:(k + 1) * width]) if v > -math.inf]
-        out.append(TokenLogprob(lp, tuple(sorted(top, key=lambda e: (-e[1], e[0])))))
+    flags = list(m.top_in) or [False] * n
+    if len(flags) != n or len(m.top_ids) != len(m.top_logprobs) or (len(m.top_ids) + sum(flags)) % n:
+        raise ValueError(f"verdict logprobs: {len(m.top_ids)} top ids, {len(m.top_logprobs)} values, "
+                         f"{len(m.top_in)} flags for {n} tokens")
+    width, out, at = (len(m.top_ids) + sum(flags)) // n, [], 0
+    for lp, in_top in zip(m.logprobs, flags):
+        k = width - in_top
+        ids = list(itertools.accumulate(m.top_ids[at:at + k]))
+        top = [(i, v) for i, v in zip(ids, m.top_logprobs[at:at + k]) if v > -math.inf]
+        out.append(TokenLogprob(lp, tuple(sorted(top, key=lambda e: (-e[1], e[0]))), bool(in_top)))
+        at += k
     return tuple(out)
 
 

@@ -222,7 +222,7 @@ class DraftSession:
         """One streamed token of an edge-only round, committed as it arrives."""
         token = edge_only.take_token(rd, verdict, len(self.tokens))
         self.tokens.append(token)
-        self.logprobs.extend(verdict.logprobs)
+        self.logprobs.extend(t.complete(token) for t in verdict.logprobs)
         if verdict.draft_len_hint is not None:
             self.edge_hint = verdict.draft_len_hint
         self.parts.observer.edge_token(token)
@@ -260,7 +260,7 @@ class DraftSession:
             self.csqs.on_verdict(rd.settings, verdict.num_accepted)
             new, guess, discarded = c.new, c.guess, c.discarded
         self.tokens.extend(new)
-        self.logprobs.extend(verdict.logprobs)  # one per new token, if the Hello asked
+        self.logprobs.extend(t.complete(x) for t, x in zip(verdict.logprobs, new))  # one a token, if asked
         rd.q_stats = measured_up_to_mismatch(rd.q_stats, rd.settings, verdict.num_accepted)
         if dssd_correction:
             self.pending_correction = int(next_token)

@@ -55,4 +55,4 @@ class PrefixLaw:
         if self.logprobs == NO_LOGPROBS:
             return ()
         before = torch.tensor([0, *accepted], dtype=torch.long)
-        return token_logprobs(self.law.reported().probs(rows[before]), list(emitted), self.logprobs)
+        return token_logprobs(self.law.reported().probs(rows[before]), list(emitted), self.logprobs, compact=True)

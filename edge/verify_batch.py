@@ -229,7 +229,8 @@ def _with_logprobs(outcome: RoundOutcome, r: ChainRound, rows: torch.Tensor) -> 
         raise ValueError("a DSSD rejection's correction is drawn on the device: no logprobs")
     n = outcome.num_accepted
     emitted = r.draft_ids[:n].tolist() + [outcome.next_token]
-    return replace(outcome, logprobs=token_logprobs(r.law.reported().probs(rows[:n + 1]), emitted, r.logprobs))
+    probs = r.law.reported().probs(rows[:n + 1])
+    return replace(outcome, logprobs=token_logprobs(probs, emitted, r.logprobs, compact=True))
 
 
 def _check_pair(rows: torch.Tensor, r: ChainRound) -> None:
