@@ -124,25 +124,33 @@ def _refuse_unsupported(body: dict) -> None:
 
 
 def _grammar(body: dict) -> Grammar | None:
-    """OpenAI's ``response_format`` (``json_object``, ``json_schema``) or the extension's
-    ``specdec.grammar`` (``{"regex": ...}``, ``{"lark": ...}``, ``{"json_schema": {...}}``): the
-    grammar the output must match. Compiled (and refused with the engine's message) by the daemon."""
-    fmt, ext = body.get("response_format"), (body.get(SPECDEC_FIELD) or {}).get("grammar") \
-        if isinstance(body.get(SPECDEC_FIELD), dict) else None
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")):
-        raise bad("`response_format` is {\"type\": \"text\" | \"json_object\" | \"json_schema\"}", "response_format")
-    kind = None if fmt is None else fmt["type"]
-    if ext is not None and kind not in (None, "text"):
+    """The grammar the output must match: OpenAI's ``response_format`` or the extension's
+    ``specdec.grammar``, not both. Compiled (and refused with the engine's message) by the daemon."""
+    fmt = _response_format(body.get("response_format"))
+    ext = body.get(SPECDEC_FIELD, {}).get("grammar") if isinstance(body.get(SPECDEC_FIELD), dict) else None
+    if ext is not None and fmt is not None:
         raise bad(f"`response_format` and `{SPECDEC_FIELD}.grammar` both set", "response_format")
-    if kind == "json_object":
-        return Grammar(GrammarKind.JSON_OBJECT)
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise bad("`response_format.json_schema` must be an object with a `schema` object", "response_format")
-        return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(spec.get("schema", {})))
-    if ext is None:
+    return fmt if ext is None else _extension_grammar(ext)
+
+
+def _response_format(fmt: Any) -> Grammar | None:
+    """``text`` (None), ``json_object``, or ``json_schema`` with its ``schema`` (``strict`` or not: the
+    grammar holds the output to the schema either way)."""
+    kinds = ("text", "json_object", "json_schema")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in kinds):
+        raise bad("`response_format` is {\"type\": \"text\" | \"json_object\" | \"json_schema\"}", "response_format")
+    if fmt is None or fmt["type"] == "text":
         return None
+    if fmt["type"] == "json_object":
+        return Grammar(GrammarKind.JSON_OBJECT)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("`response_format.json_schema` must be an object with a `schema` object", "response_format")
+    return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(spec.get("schema", {})))
+
+
+def _extension_grammar(ext: Any) -> Grammar:
+    """``specdec.grammar``: ``{"regex": str}``, ``{"lark": str}`` or ``{"json_schema": object}``."""
     param = f"{SPECDEC_FIELD}.grammar"
     if not isinstance(ext, dict) or len(ext) != 1 or next(iter(ext)) not in ("regex", "lark", "json_schema"):
         raise bad(f"`{param}` is one of {{\"regex\": str}}, {{\"lark\": str}}, {{\"json_schema\": object}}", param)
