@@ -14,7 +14,7 @@ from specdec.common.settings import validate as validate_settings
 from specdec.common.distributions import check_logits, filter_target_logits, probs_from_logits
 from specdec.common.adjust import NO_ADJUST, History, LogitAdjust
 from specdec.common.grammar import MASKED_LOGIT
-from specdec.common.logprobs import MAX_TOP_LOGPROBS, NO_LOGPROBS
+from specdec.common.logprobs import MAX_TOP_LOGPROBS, NO_LOGPROBS, TokenLogprob, token_logprobs
 from specdec.common.protocol import Hello
 
 
@@ -54,27 +54,38 @@ class TargetLaw:
         (common/logprobs.py): this one, or at T = 0 their softmax at temperature 1 without filters."""
         return self if self.temperature > 0 else TargetLaw(1.0)
 
+    def token_logprobs(self, rows: torch.Tensor,  # [n, V] shaped logits, row i the law of emitted[i]
+                       emitted: list[int], top_n: int) -> tuple[TokenLogprob, ...]:
+        """The emitted tokens' log-probabilities under :meth:`reported` and their rows' top ``top_n``,
+        as a verdict carries them (each token left out of its own top: TokenLogprob.complete)."""
+        return token_logprobs(self.reported().probs(rows), emitted, top_n, compact=True)
+
     def probs32(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float32
         """The law before its float64 renormalisation: ``probs_from_logits`` (float32, one-hot at
         temperature 0), or with top-k / top-p / min-p as transformers' sampling defines it: the float32
         logits divided by the temperature, filtered by its warpers in its order
-        (:func:`filter_target_logits`, then :func:`min_p_filter`), then softmax. Greedy ignores the
+        (:func:`warp`), then softmax. Greedy ignores the
         filters, as there."""
         if self.temperature == 0 or not (self.top_k or self.top_p or self.min_p):
             return probs_from_logits(logits, self.temperature)
         check_logits(logits, self.temperature)
-        scores = logits.float() / self.temperature
-        if self.top_k or self.top_p:
-            scores = filter_target_logits(scores, self.top_k or None, self.top_p or None)
-        if self.min_p:
-            scores = min_p_filter(scores, self.min_p)
-        return torch.softmax(scores, dim=-1)
+        return torch.softmax(warp(logits.float() / self.temperature, self.top_k, self.top_p, self.min_p), dim=-1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
         """Probabilities as both sides use them, each row renormalised in float64 so that
         verification's sum checks hold exactly."""
         probs = self.probs32(logits)
         return probs.double() / probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
+
+
+def warp(scores: torch.Tensor, top_k: int = 0, top_p: float = 0.0, min_p: float = 0.0) -> torch.Tensor:
+    """Tempered float32 scores [..., V] through transformers' warpers in its order (0 = off): top-k and
+    top-p (:func:`filter_target_logits`), then min-p (:func:`min_p_filter`); removed tokens at -inf."""
+    if top_k or top_p:
+        scores = filter_target_logits(scores, top_k or None, top_p or None)
+    if min_p:
+        scores = min_p_filter(scores, min_p)
+    return scores
 
 
 def min_p_filter(scores: torch.Tensor, min_p: float) -> torch.Tensor:  # [..., V] float32 -> [..., V]
@@ -99,12 +110,7 @@ def filter_probs(q: torch.Tensor, top_k: int = 0, top_p: float = 0.0, min_p: flo
     filtering the tempered logits that made ``q`` keeps."""
     if not (top_k or top_p or min_p):
         return q
-    scores = torch.log(q.float())
-    if top_k or top_p:
-        scores = filter_target_logits(scores, top_k or None, top_p or None)
-    if min_p:
-        scores = min_p_filter(scores, min_p)
-    return torch.softmax(scores, dim=-1).double()
+    return torch.softmax(warp(torch.log(q.float()), top_k, top_p, min_p), dim=-1).double()
 
 
 def validate_hello(hello: Hello) -> None:

@@ -9,14 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.adjust import NO_ADJUST, History, LogitAdjust
-from specdec.common.grammar import Grammar, GrammarState
+from specdec.common.adjust import NO_ADJUST, LogitAdjust
+from specdec.common.grammar import Grammar
 from specdec.common.codecs import CodecConfig, decode_distribution, encode_distribution
 from specdec.common.distributions import densify, sample_token
 from specdec.common.modeling import CachedLM, LoadedModel
 from specdec.common.idpack import id_bits
 from specdec.common.protocol import Hello
 from specdec.common.sampling import TargetLaw, filter_probs, model_probs
+from specdec.common.shaping import Shaping
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import draft_layer_inputs, layer_node_ids
 
@@ -24,20 +25,19 @@ from specdec.common.treeplan import draft_layer_inputs, layer_node_ids
 class DraftModel:
     """q after a sequence, with the cache rolled forward and back. Blocking (torch).
 
-    q is the drafter's tempered softmax after the target law's bias and penalties (the Hello's
-    ``adjust``, read from the same prefix as the edge reads it): drafts then stay where the target's law
-    puts its mass, so acceptance holds up; any q is lossless, as the edge verifies against its own law."""
+    q is the drafter's tempered softmax after the target law's bias, penalties and grammar, shaped as
+    the edge shapes p (common/shaping.py, from the same prefix): drafts then stay where the target's law
+    puts its mass (never outside its grammar), so acceptance holds up; any q is lossless, as the edge
+    verifies against its own law."""
 
     def __init__(self, drafter: LoadedModel, temperature: float, adjust: LogitAdjust = NO_ADJUST,
                  grammar: Grammar | None = None):
         self.lm = CachedLM(drafter.model, drafter.device)
         self.temperature = temperature
-        self.adjust = adjust
-        # drafts never leave the grammar: q is masked as the edge masks p (same engine, same vocabulary)
-        self.grammar = None if grammar is None else GrammarState(grammar, drafter.tokenizer, drafter.vocab_size,
-                                                                 drafter.eos_token_ids)
+        # its prompt_len is set by the session: of the sequences q is asked after, the prompt
+        self.shaping = Shaping(TargetLaw(temperature, adjust=adjust), grammar, drafter.tokenizer,
+                               drafter.vocab_size, drafter.eos_token_ids)
         self.vocab_size = drafter.vocab_size
-        self.prompt_len = 0  # of the sequences q is asked after, the prompt (the session sets it)
         self.forwards = 0   # chain forwards so far: the drafter's cost is per forward, not per token
 
     @property
@@ -66,13 +66,8 @@ class DraftModel:
     def shaped(self, logits: torch.Tensor,  # [n, V]
                seq: list[int], paths: list[list[int]] | None = None) -> torch.Tensor:  # [n, V]
         """The law's bias, penalties and grammar on the logits of the positions after ``seq`` (+
-        ``paths[r]`` for row r: a tree node's path), as :meth:`TargetLaw.shaped` on the edge."""
-        if not self.adjust.active and self.grammar is None:
-            return logits
-        paths = paths if paths is not None else [[]] * logits.shape[0]
-        history = History.of(seq, self.prompt_len, logits.shape[-1]) if self.adjust.needs_history else None
-        masks = None if self.grammar is None else self.grammar.masks(seq[self.prompt_len:], paths)
-        return TargetLaw(self.temperature, adjust=self.adjust).shaped(logits, history, paths, masks)
+        ``paths[r]`` for row r: a tree node's path), as the edge shapes its rows."""
+        return self.shaping.shaped(logits, seq, paths if paths is not None else [[]] * logits.shape[0])
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [..., V] float64
         return model_probs(logits.cpu(), self.temperature)
@@ -83,7 +78,7 @@ class DraftModel:
         ids = layer_node_ids(spec, layer)
         attend, positions = draft_layer_inputs(spec, layer, len(prefix))
         logits = self.lm.forward_masked([nodes[n] for n in ids], attend, positions, len(ids))
-        paths = spec.paths(nodes) if self.adjust.active or self.grammar is not None else None
+        paths = spec.paths(nodes) if self.shaping.active else None
         return list(self.probs(self.shaped(logits, prefix, [paths[n] for n in ids] if paths else None)))
 
     def truncate(self, length: int) -> None:

@@ -103,7 +103,7 @@ class DraftSession:
 
     def start(self, prompt_ids: list[int]) -> None:
         self.tokens = list(prompt_ids)
-        self.prompt_len = self.drafting.model.prompt_len = len(prompt_ids)
+        self.prompt_len = self.drafting.model.shaping.prompt_len = len(prompt_ids)
         self._t0 = self._round_began = time.perf_counter()
 
     # -- plans --------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import torch
 
 from specdec.common.distributions import SparseDist, first_argmax, first_argmin, inverse_cdf_rows
 from specdec.common.adjust import History, chain_paths
-from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob, token_logprobs
+from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob
 from specdec.common.sampling import TargetLaw
 from specdec.common.validation import (VERIFY_SUM_ATOL, check_drafts_sampleable, check_int, check_logits,
                                        check_prob_scalars, check_token_ids)
@@ -229,8 +229,7 @@ def _with_logprobs(outcome: RoundOutcome, r: ChainRound, rows: torch.Tensor) -> 
         raise ValueError("a DSSD rejection's correction is drawn on the device: no logprobs")
     n = outcome.num_accepted
     emitted = r.draft_ids[:n].tolist() + [outcome.next_token]
-    probs = r.law.reported().probs(rows[:n + 1])
-    return replace(outcome, logprobs=token_logprobs(probs, emitted, r.logprobs, compact=True))
+    return replace(outcome, logprobs=r.law.token_logprobs(rows[:n + 1], emitted, r.logprobs))
 
 
 def _check_pair(rows: torch.Tensor, r: ChainRound) -> None:

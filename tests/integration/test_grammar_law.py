@@ -33,7 +33,7 @@ class DraftsOutsideTheGrammar(DraftSession):
 
     def __init__(self, drafter, hello, **kw):
         super().__init__(drafter, hello, **kw)
-        self.drafting.model.grammar = None
+        self.drafting.model.shaping.grammar = None
 
 
 def _in_process(pair, mode_kw: dict, prompt_ids: list[int], session_factory=DraftSession, **law):

@@ -43,7 +43,8 @@ class DraftsFromThePlainLaw(DraftSession):
 
     def __init__(self, drafter, hello, **kw):
         super().__init__(drafter, hello, **kw)
-        self.drafting.model.adjust = NO_ADJUST
+        shaping = self.drafting.model.shaping
+        shaping.law = replace(shaping.law, adjust=NO_ADJUST)
 
 
 def _in_process(pair, mode_kw: dict, prompt: str, adjust: LogitAdjust, session_factory=DraftSession):
