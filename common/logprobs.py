@@ -34,10 +34,11 @@ class TokenLogprob:
         """The full top list, the emitted ``token`` back in its place."""
         if not self.in_top:
             return self
-        return TokenLogprob(self.logprob, _descending(self.top + ((token, self.logprob),)))
+        return TokenLogprob(self.logprob, descending(self.top + ((token, self.logprob),)))
 
 
-def _descending(top) -> tuple[tuple[int, float], ...]:
+def descending(top) -> tuple[tuple[int, float], ...]:
+    """(id, log-probability) entries most likely first (ties by id)."""
     return tuple(sorted(top, key=lambda e: (-e[1], e[0])))
 
 

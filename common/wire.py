@@ -11,7 +11,7 @@ import math
 from specdec.common import protocol as P
 from specdec.common.adjust import LogitAdjust
 from specdec.common.grammar import Grammar, GrammarKind
-from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob
+from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob, descending
 from specdec.common.idpack import pack_ids, unpack_ids
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.modes import Mode
@@ -258,7 +258,7 @@ def _logprobs_from_pb(m: pb.Verdict) -> tuple[TokenLogprob, ...]:
         k = width - in_top
         ids = list(itertools.accumulate(m.top_ids[at:at + k]))
         top = [(i, v) for i, v in zip(ids, m.top_logprobs[at:at + k]) if v > -math.inf]
-        out.append(TokenLogprob(lp, tuple(sorted(top, key=lambda e: (-e[1], e[0]))), bool(in_top)))
+        out.append(TokenLogprob(lp, descending(top), bool(in_top)))
         at += k
     return tuple(out)
 

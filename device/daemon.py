@@ -541,10 +541,10 @@ class _GuardedStream:
         return maker.delta(index, shown, self._logprobs()) if shown else None
 
     def finish(self, maker: openai_schema.ChunkMaker, c: Choice) -> tuple[Choice, list[dict]]:
-        rest, calls = self.guard.finish(c.text)
-        done = openai_schema.with_tool_calls(c)
+        rest, content, calls = self.guard.finish(c.text)
+        done = openai_schema.with_tool_calls(c, (content, calls))
         chunks = [maker.delta(c.index, rest, self._logprobs())] if rest or self.held else []
-        if calls:
+        if done.tool_calls:
             chunks.append(maker.tool_calls(done))
         return done, chunks
 

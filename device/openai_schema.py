@@ -425,9 +425,10 @@ def _message(c: Choice) -> dict:
     return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
 
 
-def with_tool_calls(c: Choice) -> Choice:
-    """A choice whose text holds calls: the calls apart (finish_reason ``tool_calls``), the rest as text."""
-    text, calls = parse_calls(c.text)
+def with_tool_calls(c: Choice, parsed: tuple[str, list] | None = None) -> Choice:
+    """A choice whose text holds calls: the calls apart (finish_reason ``tool_calls``), the rest as text
+    (``parsed``: its text's (content, calls) where already parsed)."""
+    text, calls = parsed if parsed is not None else parse_calls(c.text)
     return replace(c, text=text.strip(), tool_calls=calls, finish_reason="tool_calls") if calls else c
 
 

@@ -154,10 +154,11 @@ class CallGuard:
         out, self.shown = self.text[self.shown:cut], cut
         return out
 
-    def finish(self, text: str) -> tuple[str, list[dict]]:
-        """(the content not shown yet, the calls) of the whole answer ``text``."""
+    def finish(self, text: str) -> tuple[str, str, list[dict]]:
+        """(the content not shown yet, the whole content, the calls) of the whole answer ``text``: the
+        shown text is the content's start, which holds no call."""
         content, calls = parse_calls(text)
-        return content[self.shown:], calls
+        return content[self.shown:], content, calls
 
 
 def _open_tail(text: str) -> int:

@@ -15,7 +15,7 @@ F = {"type": "function", "function": {"name": "f", "parameters": {"type": "objec
 def _stream(chunks: list[str]) -> tuple[str, str, list]:
     guard = CallGuard()
     shown = "".join(guard.add(c) for c in chunks)
-    rest, calls = guard.finish("".join(chunks))
+    rest, _, calls = guard.finish("".join(chunks))
     return shown, rest, calls
 
 
@@ -23,7 +23,7 @@ def test_text_without_calls_streams_as_it_comes_but_a_possible_opening() -> None
     guard = CallGuard()
     assert guard.add("Hello <to") == "Hello "  # "<to" may begin a call
     assert guard.add("day>") == "<today>"
-    assert guard.finish("Hello <today>") == ("", [])
+    assert guard.finish("Hello <today>") == ("", "Hello <today>", [])
 
 
 @pytest.mark.parametrize("cut", range(1, 40, 3))
