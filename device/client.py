@@ -254,8 +254,8 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     result.welcome = welcome
     if hello.adjusts_law and not welcome.adjusts_law:
         raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"edge {welcome.edge_name or welcome.model_name} does not apply min-p, logit bias or "
-                        "penalties: its output would not follow the requested law")
+                        f"edge {welcome.edge_name or welcome.model_name} does not apply min-p, logit bias, "
+                        "penalties or grammars: its output would not follow the requested law")
     session.observe_welcome(welcome)
     result.setup_bytes += setup + msg.ByteSize()
     if result.t_start is None:

@@ -169,25 +169,11 @@ def test_control_auto_free_to_choose_gives_other_tokens(models, edge_only) -> No
     assert tokens != edge_only
 
 
-def _counting_prompt(factory):
-    """``factory``'s sessions, each remembering its prompt's length (to count what it generated)."""
-    def make(drafter, hello):
-        session = factory(drafter, hello)
-        start = session.start
-
-        def started(ids):
-            session.prompt_len = len(ids)
-            start(ids)
-        session.start = started
-        return session
-    return make
-
-
 def test_a_resume_on_a_fresh_edge_gives_the_same_tokens(models, edge_only) -> None:
     """Also: an edge-only round broken after some of its tokens counts them (a round of their own in the
     session's stats), so the stats add up to every token the session generated."""
     fault, seen = _breaks_every_third_round()
-    tokens, sessions = _tokens(models, "sharp", _counting_prompt(AlternatesGumbelAndNone), fault=fault)
+    tokens, sessions = _tokens(models, "sharp", AlternatesGumbelAndNone, fault=fault)
     assert len(seen) > 20
     assert tokens == edge_only
     assert [s.stats.generated_tokens for s in sessions] == [len(s.tokens) - s.prompt_len for s in sessions]
@@ -201,7 +187,7 @@ def _ahead_counted(sent: Counter):
         session = EdgeOnlyAhead(drafter, hello)
         session.listeners.append(lambda event: sent.update([event.sent_ahead]))
         return session
-    return _counting_prompt(make)
+    return make
 
 
 def test_edge_only_rounds_sent_ahead_give_the_same_tokens(models, edge_only) -> None:
