@@ -394,7 +394,7 @@ class LinkTracker:
             return N.start_from(self.nets.get(float(temperature), N.NetState()), self.config.net)
 
     def net_observe(self, temperature: float, arm: str, tokens: int, seconds: float, net: N.NetConfig,
-                    **kind: bool) -> None:
+                    **kind) -> None:
         with self.lock:
             t = float(temperature)
             self.nets[t] = N.observe(self.nets.get(t, N.NetState()), net, arm, tokens, seconds, **kind)
@@ -502,7 +502,8 @@ class AutoPolicy:
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
         return RoundPlan(self.settings_for(chosen.candidate, chunk),
                          choice=_explain(chosen, e, ranking, why, chunk, catch_up, net),
-                         decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk)
+                         decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk,
+                         edge_tail=0 if catch_up else self.tracker.config.edge_chunk_min)
 
     def _net_call(self, pick: A.Prediction, ranking: list[A.Prediction]) -> N.NetCall | None:
         """The safety net's arm for the next round (None where one arm is not among the candidates)."""
@@ -614,11 +615,14 @@ class AutoPolicy:
     def _observe_net(self, event: RoundEvent, drafted: bool) -> None:
         """The round's tokens and wall seconds (since the last committed round) to the safety net, here
         and on the device (where the next sessions start): the session's first round (the prefill) and
-        a drafted round that catches the drafter up (a switch's cost) apart."""
+        a drafted round that catches the drafter up (a switch's cost) apart, and an edge-only round's
+        wait for its first token unless its request went ahead (a switch's cost too)."""
         seconds = max(0.0, event.t - self._last_t)
         self._last_t = event.t
         arm = N.SPEC if drafted else N.EDGE
-        kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last)
+        waited = not drafted and not event.sent_ahead and event.record.generated > 0
+        kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
+                    wait_s=event.record.first_reply_s if waited else None)
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)

@@ -41,11 +41,18 @@ def draft_after(session: RoundHost, rd: RoundDraft, plan: RoundPlan, remaining: 
 
 def _round(session: RoundHost, plan: RoundPlan, remaining: int, start: int, sent_ahead: bool) -> RoundDraft:
     s = plan.settings
-    s = replace(s, edge_tokens=min(s.edge_tokens or remaining, remaining))  # the edge must know when to stop
+    s = replace(s, edge_tokens=asked(s.edge_tokens, remaining, plan.edge_tail))  # the edge must know when to stop
     plan = replace(plan, settings=s)
     block = replace(session.block((), s), sent_ahead=sent_ahead)
     return RoundDraft(block=block, plan=plan, q_rows=[], theoretical_bits=0, support_sizes=[],
                       draft_seconds=0.0, encode_seconds=0.0, start=start, sent_ahead=sent_ahead)
+
+
+def asked(edge_tokens: int, remaining: int, tail: int) -> int:
+    """Tokens an edge-only round asks for: ``edge_tokens`` (0: all), within the ``remaining`` ones, and
+    all of them where it would leave fewer than ``tail``."""
+    n = min(edge_tokens or remaining, remaining)
+    return remaining if remaining - n < tail else n
 
 
 def send_ahead_lead(rtt_s: float, interval_s: float) -> int:

@@ -30,6 +30,9 @@ class RoundPlan:
     # Mode auto: tokens an edge-only round asks for where the edge advises no drafting, from its
     # boundary model (a round trip and the forward a busy batch makes without the session); 0: none.
     edge_chunk: int = 0
+    # Mode auto: an edge-only round that would leave fewer tokens than this for the session asks for
+    # them too: a round of so few would wait a round trip for its first token for nothing.
+    edge_tail: int = 0
 
 
 @dataclass

@@ -22,7 +22,14 @@ in), and plays the arms as a two-armed bandit:
   arm has run ``1 / explore_cost`` times what a probe is expected to lose (the other arm's measured
   shortfall over its probe), so probing costs about ``explore_cost`` of the time whichever arm is worse.
   A drafted probe lasts ``probe_rounds`` rounds: its first catches the drafter up (a switch's cost, kept
-  out of the arm's rate), the next measure it.
+  out of the arm's rate), the next measure it;
+* each arm is judged by what it delivers once it runs: an edge-only round whose request was not sent
+  ahead (after a drafted round, at a session's second round, before an exploration) waits a round trip
+  for its first token, where edge-only in steady state streams on without one (each request goes out
+  while the round before streams). That wait is a switch's cost, as the drafted catch-up round is: kept
+  out of the edge-only arm's rate and priced into the explorations that cause it. Counted in, short
+  edge-only explorations (a round trip in 8 tokens) made edge-only look 20-50 % slower than it streams,
+  and the net kept drafting where edge-only was faster.
 
 Pure: no clock, no model; the rounds' times come in with their events.
 """
@@ -94,6 +101,23 @@ class Sums:
 
 
 @dataclass(frozen=True)
+class Cost:
+    """A kind of event's discounted seconds and count: their mean is what the next one is expected to cost."""
+    seconds: float = 0.0
+    count: float = 0.0
+
+    def plus(self, seconds: float, discount: float) -> "Cost":
+        return Cost(self.seconds * discount + seconds, self.count * discount + 1.0)
+
+    def scaled(self, f: float) -> "Cost":
+        return Cost(self.seconds * f, self.count * f)
+
+    def mean(self) -> float:
+        """Seconds one event is expected to cost (0 before any: none was seen to cost anything)."""
+        return self.seconds / self.count if self.count > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class ArmPrior:
     """The model's prediction for an arm's next round: tokens and seconds (autotune.Prediction's)."""
     tokens: float
@@ -116,14 +140,15 @@ class NetCall:
 
 @dataclass(frozen=True)
 class NetState:
-    """One session's net: the arms' sums, the drafted rounds that caught the drafter up (a switch's
-    cost), and the run of the arm that ran last."""
+    """One session's net: the arms' sums, the drafted rounds that caught the drafter up and the edge-only
+    rounds' first-token waits (a switch's costs, either way), and the run of the arm that ran last."""
     edge: Sums = Sums()
     spec: Sums = Sums()
     switch: Sums = Sums()
     last_arm: str | None = None
     run_s: float = 0.0        # seconds of last_arm's rounds since the other arm ran
     run_rounds: int = 0       # ... and their count
+    edge_wait: Cost = Cost()  # an edge-only round's wait for its first token when not sent ahead
 
     def sums(self, arm: str) -> Sums:
         """``arm``'s sums (EDGE, SPEC; "switch": the catch-up rounds')."""
@@ -136,19 +161,27 @@ def start_from(device: NetState, cfg: NetConfig) -> NetState:
     device's time, not restarted by each session (short sessions would otherwise never explore)."""
     def capped(s: Sums) -> Sums:
         return s.scaled(min(1.0, cfg.start_rounds / s.rounds)) if s.rounds > 0 else s
-    return replace(device, edge=capped(device.edge), spec=capped(device.spec), switch=capped(device.switch))
+    wait = device.edge_wait
+    return replace(device, edge=capped(device.edge), spec=capped(device.spec), switch=capped(device.switch),
+                   edge_wait=wait.scaled(min(1.0, cfg.start_rounds / wait.count)) if wait.count > 0 else wait)
 
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,
-            switch: bool = False) -> NetState:
+            switch: bool = False, wait_s: float | None = None) -> NetState:
     """One committed round of ``arm``: ``tokens`` in ``seconds`` of wall time. A session's ``first``
     round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
-    (``switch``) goes to the switch's sums; both count in the run. A round counts at most ``outlier``
-    times the time its arm's measured rate gives its tokens (in the sums; the run takes its wall time)."""
+    (``switch``) goes to the switch's sums; both count in the run. ``wait_s``: an edge-only round not
+    sent ahead waited this long for its first token (a round trip that streaming edge-only does not
+    wait): kept out of the arm's time, kept as a switch's cost. A round counts at most ``outlier`` times
+    the time its arm's measured rate gives its tokens (in the sums; the run takes its wall time)."""
     kept = "switch" if switch else arm
     mine = state.sums(kept)
-    counted = min(seconds, cfg.outlier * tokens * mine.seconds / mine.tokens) if mine.tokens > 0 else seconds
+    wait = min(max(0.0, wait_s or 0.0), seconds)
+    steady = seconds - wait
+    counted = min(steady, cfg.outlier * tokens * mine.seconds / mine.tokens) if mine.tokens > 0 else steady
     sums = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
+    if wait_s is not None and not first:
+        sums["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
     same = arm == state.last_arm
     return replace(state, **sums, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
                    run_rounds=(state.run_rounds if same else 0) + 1)
@@ -184,8 +217,9 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
                  r_spec: float) -> float:
     """Seconds of the better arm that pay for exploring ``arm``: what the exploration is expected to
     lose against the better arm (at the measured rates, the switch back and forth included: a catch-up
-    round as the last ones took), at least ``margin`` of its time, so that two arms as fast as each
-    other do not swap every round; over ``explore_cost``."""
+    round as the last ones took, an edge-only round's first-token wait as the last ones waited), at
+    least ``margin`` of its time, so that two arms as fast as each other do not swap every round; over
+    ``explore_cost``."""
     if r_edge <= 0 or r_spec <= 0:
         return 0.0
     sw_tokens, sw_s = state.switch.per_round() or (spec.tokens, 2 * spec.tokens / r_spec)
@@ -197,11 +231,11 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
         r_spec *= bonus
         tokens = sw_tokens + (cfg.probe_rounds - 1) * spec.tokens
         probe_s = sw_s + (cfg.probe_rounds - 1) * spec.tokens / r_spec
-        loss = probe_s - tokens / r_edge
+        loss = probe_s - tokens / r_edge + state.edge_wait.mean()   # edge-only again waits its first token
     else:
         r_edge *= bonus
         probe_s = edge.tokens / r_edge
-        loss = probe_s - edge.tokens / r_spec + switch_excess
+        loss = probe_s - edge.tokens / r_spec + switch_excess + state.edge_wait.mean()
     return max(loss, cfg.margin * probe_s) / max(1e-6, cfg.explore_cost)
 
 

@@ -16,7 +16,11 @@ from dataclasses import replace
 import pytest
 
 from specdec.common import protocol as P
+from specdec.device import edge_only
 from specdec.device.engine import run_round
+from specdec.device.parts import Planner
+from specdec.device.rounds import RoundPlan
+from specdec.common.settings import resolve as resolve_settings
 from tests.support.parts import ScriptedPlanner, with_parts
 from specdec.device.session import DraftSession
 from specdec.testbed.tiny_models import make_model
@@ -182,3 +186,26 @@ def test_a_break_drops_the_round_sent_ahead_and_retries_the_round_in_flight(draf
     assert session.take_sent_ahead() is None
     retry = session.plan()
     assert retry.retry and retry.settings.edge_tokens == 1  # the token the broken round lacks
+
+
+class TailPlanner(Planner):
+    """Mode auto's edge-only plan as it comes: chunks of CHUNK tokens that may not leave fewer than
+    ``tail`` for the session."""
+
+    def __init__(self, tail: int):
+        self.tail = tail
+
+    def plan(self, hello, vocab_size, round_id):
+        settings = resolve_settings(dict(mode="none", edge_tokens=CHUNK), vocab_size=vocab_size)
+        return RoundPlan(settings, edge_tail=self.tail)
+
+
+@pytest.mark.parametrize("tail,expected", [(3, [4, 4, 6]), (0, [4, 4, 4, 2])])
+def test_an_edge_only_round_that_would_leave_a_short_tail_asks_for_it_too(drafter, tail, expected) -> None:
+    """A round of a few tokens at a session's end waits a round trip for its first one for nothing:
+    a plan with ``edge_tail`` asks for them in the round before (the tokens stay the edge's)."""
+    session = session_of(drafter, cls=with_parts(draft_ahead=True, planner=TailPlanner(tail)))
+    link = ScriptedEdge(tokens_from(10))
+    _, delivered = rounds(link, session, 14)
+    assert delivered == list(range(10, 24)) and [asked(b) for b in link.sent] == expected
+    assert edge_only.asked(4, 6, 2) == 4 and edge_only.asked(4, 5, 2) == 5 and edge_only.asked(0, 7, 9) == 7

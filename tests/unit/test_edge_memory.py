@@ -229,7 +229,7 @@ def test_edge_only_sessions_keep_exploring_at_a_bounded_cost() -> None:
     explores = [i for i, (_, c) in enumerate(log) if c["why"] == "explore"]
     edge_tokens = sum(s.edge_tokens for s, _ in log[-20:] if s.mode is Mode.NONE)
     assert edge_tokens >= 10 * sum(s.mode is not Mode.NONE for s, _ in log[-20:]) and len(explores) >= 2, kinds
-    starts = [i for i in explores if log[i - 1][0].mode is Mode.NONE]  # a probe: two drafted rounds
+    starts = [i for i in explores if i and log[i - 1][0].mode is Mode.NONE]  # a probe: two drafted rounds
     assert all(log[i + 1][1]["why"] == "explore" for i in starts if i + 1 < len(log))
     for i in starts[1:]:
         assert log[i - 1][1]["catch_up"]  # the round before an exploration reads the tokens
