@@ -235,11 +235,12 @@ def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, facto
 def _device_factory(cfg):
     """Sessions as the device makes them (factory.new_session). Mode auto: every default candidate,
     drafting whenever it might pay (on loopback edge-only rounds are cheap: without exploring it would
-    seldom draft), each session with a fresh memory of the link."""
+    seldom draft), edge-only rounds of at most 8 tokens (a session of 24 has rounds to explore in; a
+    longer chunk would take the session's tail with it), each session with a fresh memory of the link."""
     from specdec.device.auto import AutoConfig, LinkTracker
     from specdec.device.factory import new_session
     return lambda drafter, hello: new_session(cfg, drafter, hello, LinkTracker(AutoConfig(
-        memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0), cold_start=False)))
+        memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0), cold_start=False, edge_chunk_max=8)))
 
 
 def test_seeded_sessions_give_the_same_tokens_alone_and_eight_at_once(accepting_pair_v512, tiny_pair_v512) -> None:
