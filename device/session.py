@@ -182,11 +182,13 @@ class DraftSession:
         """While edge-only round ``rd`` streams: the round after it if that is edge-only too (planned
         now, from the rounds committed before ``rd``), to be sent at once so that the edge goes on
         without waiting a round trip; None where the next round is not sent ahead (drafting ahead is
-        off, ``rd`` ends where a drafted round is expected, nothing remains, the plan drafts, or ``rd``
-        is the session's first round: the plan after it should see what it measured, the edge's time
-        per token and the link). ``remaining``: the tokens still wanted after ``rd``."""
+        off, ``rd`` ends where a drafted round is expected, nothing remains, or the plan drafts). Also
+        after the session's first round: its times hold the prefill (kept out of mode auto's net and
+        round-trip samples), a device that knows nothing of the link starts with a round that expects a
+        drafted one, and what else it measures a plan made during it lacks as any plan made ahead
+        lacks its round in flight's. ``remaining``: the tokens still wanted after ``rd``."""
         if (not self.draft_ahead_requested or remaining < 1 or self._sent_ahead is not None
-                or (rd.plan.choice or {}).get("catch_up") or self._next is not None or not self.stats.rounds):
+                or (rd.plan.choice or {}).get("catch_up") or self._next is not None):
             return None
         plan = self.choose()
         if plan.settings.mode is not Mode.NONE:

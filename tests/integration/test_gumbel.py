@@ -198,7 +198,7 @@ def test_edge_only_rounds_sent_ahead_give_the_same_tokens(models, edge_only) -> 
     sent = Counter()
     tokens, sessions = _tokens(models, "sharp", _ahead_counted(sent))
     print(f"edge-only rounds sent ahead (True) or not: {dict(sent)}")
-    assert sent[True] > 1.5 * sent[False] and tokens == edge_only  # all but each session's first two
+    assert sent[True] > 3 * sent[False] and tokens == edge_only  # all but each session's first
     fault, broke = _breaks_now_and_then()
     sent.clear()
     tokens, sessions = _tokens(models, "sharp", _ahead_counted(sent), fault=fault)

@@ -102,7 +102,7 @@ def test_a_round_sent_ahead_after_an_eos_is_void_and_one_not_sent_ahead_goes_on(
 
 
 def test_edge_only_rounds_sent_ahead_over_grpc_are_the_targets_greedy_decode(tiny_pair_v512, edge_v512) -> None:
-    """Rounds of 4 tokens, each after the second requested while the one before streams, over a real
+    """Rounds of 4 tokens, each after the first requested while the one before streams, over a real
     stream: the target's greedy tokens, in the rounds asked for."""
     target_dir, drafter_dir = tiny_pair_v512
     cfg = device_config(mode=Mode.NONE, edge_tokens=4, temperature=0.0, max_new_tokens=14, draft_ahead=True,
@@ -119,7 +119,7 @@ def test_edge_only_rounds_sent_ahead_over_grpc_are_the_targets_greedy_decode(tin
     r = run(main())
     assert r.token_ids == target_greedy(target_dir, ids, 14) and len(r.token_ids) == 14  # no EOS on the way
     assert [e["generated"] for e in session.round_log] == [4, 4, 4, 2]
-    assert [e["sent_ahead"] for e in session.round_log] == [False, False, True, True]
+    assert [e["sent_ahead"] for e in session.round_log] == [False, True, True, True]
 
 
 @pytest.mark.parametrize("edge_knows_the_eos", (True, False))
