@@ -616,13 +616,15 @@ class AutoPolicy:
         """The round's tokens and wall seconds (since the last committed round) to the safety net, here
         and on the device (where the next sessions start): the session's first round (the prefill) and
         a drafted round that catches the drafter up (a switch's cost) apart, and an edge-only round's
-        wait for its first token unless its request went ahead (a switch's cost too)."""
+        wait for its first token unless its request went ahead (a switch's cost too), and whether it
+        was planned as an exploration (what explorations cost is measured)."""
         seconds = max(0.0, event.t - self._last_t)
         self._last_t = event.t
         arm = N.SPEC if drafted else N.EDGE
         waited = not drafted and not event.sent_ahead and event.record.generated > 0
         kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
-                    wait_s=event.record.first_reply_s if waited else None)
+                    wait_s=event.record.first_reply_s if waited else None,
+                    explore=(event.plan.choice or {}).get("why") == "explore")
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)

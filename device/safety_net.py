@@ -30,6 +30,10 @@ in), and plays the arms as a two-armed bandit:
   out of the edge-only arm's rate and priced into the explorations that cause it. Counted in, short
   edge-only explorations (a round trip in 8 tokens) made edge-only look 20-50 % slower than it streams,
   and the net kept drafting where edge-only was faster.
+* an exploration is priced at least at what the last ones cost: from its first round to the first
+  round of the arm it came back to, the seconds taken beyond what that arm's measured rate gives the
+  same tokens. Costs the model of a probe leaves out are in it: a round drafted ahead while the
+  probe's last was verified, an edge-only round cut short to make room for it, a return that waits.
 
 Pure: no clock, no model; the rounds' times come in with their events.
 """
@@ -57,6 +61,8 @@ class NetConfig:
     optimism: float = 0.5       # an arm measured over n rounds is priced as if up to 0.5 / sqrt(n + prior)
                                 # faster (UCB1's bonus): an arm the model thinks poor is still explored soon
     start_rounds: float = 4.0   # the most a new session's start (the device's sums) weighs, in rounds
+    priced_by_cost: bool = True  # explorations priced at least at what the last ones cost (False: at
+                                 # the modelled price alone, the tests' control)
     outlier: float = 3.0        # a round counts at most this many times the time its arm's rate gives
                                 # its tokens: an outage met in flight (seconds on a recorded cellular link)
                                 # would otherwise set the arm's rate for many rounds, and it says nothing
@@ -118,6 +124,14 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class Episode:
+    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far."""
+    arm: str
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class ArmPrior:
     """The model's prediction for an arm's next round: tokens and seconds (autotune.Prediction's)."""
     tokens: float
@@ -149,10 +163,16 @@ class NetState:
     run_s: float = 0.0        # seconds of last_arm's rounds since the other arm ran
     run_rounds: int = 0       # ... and their count
     edge_wait: Cost = Cost()  # an edge-only round's wait for its first token when not sent ahead
+    spec_probe: Cost = Cost()  # what explorations of drafted rounds cost, return included
+    edge_probe: Cost = Cost()  # ... of edge-only rounds
+    episode: Episode | None = None  # the exploration under way, if any
 
     def sums(self, arm: str) -> Sums:
         """``arm``'s sums (EDGE, SPEC; "switch": the catch-up rounds')."""
         return getattr(self, arm)
+
+    def probe_cost(self, arm: str) -> Cost:
+        return self.spec_probe if arm == SPEC else self.edge_probe
 
 
 def start_from(device: NetState, cfg: NetConfig) -> NetState:
@@ -161,19 +181,22 @@ def start_from(device: NetState, cfg: NetConfig) -> NetState:
     device's time, not restarted by each session (short sessions would otherwise never explore)."""
     def capped(s: Sums) -> Sums:
         return s.scaled(min(1.0, cfg.start_rounds / s.rounds)) if s.rounds > 0 else s
-    wait = device.edge_wait
+    def few(c: Cost) -> Cost:
+        return c.scaled(min(1.0, cfg.start_rounds / c.count)) if c.count > 0 else c
     return replace(device, edge=capped(device.edge), spec=capped(device.spec), switch=capped(device.switch),
-                   edge_wait=wait.scaled(min(1.0, cfg.start_rounds / wait.count)) if wait.count > 0 else wait)
+                   edge_wait=few(device.edge_wait), spec_probe=few(device.spec_probe),
+                   edge_probe=few(device.edge_probe))
 
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,
-            switch: bool = False, wait_s: float | None = None) -> NetState:
+            switch: bool = False, wait_s: float | None = None, explore: bool = False) -> NetState:
     """One committed round of ``arm``: ``tokens`` in ``seconds`` of wall time. A session's ``first``
     round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
     (``switch``) goes to the switch's sums; both count in the run. ``wait_s``: an edge-only round not
     sent ahead waited this long for its first token (a round trip that streaming edge-only does not
     wait): kept out of the arm's time, kept as a switch's cost. A round counts at most ``outlier`` times
-    the time its arm's measured rate gives its tokens (in the sums; the run takes its wall time)."""
+    the time its arm's measured rate gives its tokens (in the sums; the run takes its wall time).
+    ``explore``: the round was planned as an exploration (its cost is measured: :func:`_episode`)."""
     kept = "switch" if switch else arm
     mine = state.sums(kept)
     wait = min(max(0.0, wait_s or 0.0), seconds)
@@ -182,9 +205,30 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     sums = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     if wait_s is not None and not first:
         sums["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
+    sums.update(_episode(state, cfg, arm, tokens, counted + wait, explore, first))
     same = arm == state.last_arm
     return replace(state, **sums, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
                    run_rounds=(state.run_rounds if same else 0) + 1)
+
+
+def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, explore: bool,
+             first: bool) -> dict:
+    """The exploration's account after a round: an exploration's rounds add to it; the first round of
+    the other arm after it closes it, its cost the seconds beyond what that arm's measured rate gives
+    all their tokens; the explored arm running on (it won) or a session's first round (the prefill's)
+    drop it unpriced."""
+    ep = state.episode
+    if explore and not first:
+        ep = ep if ep is not None and ep.arm == arm else Episode(arm)
+        return {"episode": Episode(arm, ep.tokens + tokens, ep.seconds + seconds)}
+    if ep is None:
+        return {}
+    back = state.sums(arm)
+    if first or arm == ep.arm or back.tokens <= 0:
+        return {"episode": None}
+    cost = ep.seconds + seconds - (ep.tokens + tokens) * back.seconds / back.tokens
+    name = "spec_probe" if ep.arm == SPEC else "edge_probe"
+    return {"episode": None, name: state.probe_cost(ep.arm).plus(cost, cfg.discount)}
 
 
 def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str) -> NetCall:
@@ -217,9 +261,9 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
                  r_spec: float) -> float:
     """Seconds of the better arm that pay for exploring ``arm``: what the exploration is expected to
     lose against the better arm (at the measured rates, the switch back and forth included: a catch-up
-    round as the last ones took, an edge-only round's first-token wait as the last ones waited), at
-    least ``margin`` of its time, so that two arms as fast as each other do not swap every round; over
-    ``explore_cost``."""
+    round as the last ones took, an edge-only round's first-token wait as the last ones waited), or
+    what the last explorations of ``arm`` cost where that is more, at least ``margin`` of its time, so
+    that two arms as fast as each other do not swap every round; over ``explore_cost``."""
     if r_edge <= 0 or r_spec <= 0:
         return 0.0
     sw_tokens, sw_s = state.switch.per_round() or (spec.tokens, 2 * spec.tokens / r_spec)
@@ -236,6 +280,8 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
         r_edge *= bonus
         probe_s = edge.tokens / r_edge
         loss = probe_s - edge.tokens / r_spec + switch_excess + state.edge_wait.mean()
+    if cfg.priced_by_cost and state.probe_cost(arm).count > 0:
+        loss = max(loss, state.probe_cost(arm).mean())
     return max(loss, cfg.margin * probe_s) / max(1e-6, cfg.explore_cost)
 
 

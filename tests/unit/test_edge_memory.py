@@ -43,9 +43,10 @@ def edge_only(n: int, first=0.08, per_token=0.05) -> RoundRecord:
 SESSION_CLOCK: "weakref.WeakKeyDictionary[AutoPolicy, float]" = weakref.WeakKeyDictionary()
 
 
-def commit(policy: AutoPolicy, s: DraftSettings, r: RoundRecord) -> None:
-    """``r`` committed: it took the sum of its phases, and the session's clock moves on by as much."""
-    plan = RoundPlan(s)
+def commit(policy: AutoPolicy, s: DraftSettings, r: RoundRecord, choice: dict | None = None) -> None:
+    """``r`` committed: it took the sum of its phases, and the session's clock moves on by as much.
+    ``choice``: the plan's (why it was chosen), where the test keeps it."""
+    plan = RoundPlan(s, choice=choice)
     elapsed = sum(r.phases.values())
     SESSION_CLOCK[policy] = t = SESSION_CLOCK.get(policy, 0.0) + elapsed
     policy.observe(RoundEvent(record=r, plan=plan, new_tokens=(), q_stats=(), guess=None,
@@ -215,7 +216,7 @@ def poor_session(explore_cost: float = 0.05) -> tuple[AutoPolicy, list]:
         plan = policy.choose()
         s = plan.settings
         log.append((s, plan.choice))
-        commit(policy, s, edge_only(s.edge_tokens) if s.mode is Mode.NONE else drafted(s, 0))
+        commit(policy, s, edge_only(s.edge_tokens) if s.mode is Mode.NONE else drafted(s, 0), plan.choice)
     return policy, log
 
 
@@ -236,6 +237,7 @@ def test_edge_only_sessions_keep_exploring_at_a_bounded_cost() -> None:
     edge_s = sum(sum(edge_only(s.edge_tokens).phases.values()) for s, _ in log if s.mode is Mode.NONE)
     explore_s = sum(sum(drafted(s, 0).phases.values()) for s, c in log if c["why"] == "explore")
     assert explore_s <= 0.15 * (edge_s + explore_s)  # the price: a few % of the time, not half of it
+    assert policy.net.spec_probe.count > 0 and policy.net.spec_probe.mean() > 0  # what they cost, measured
     # pricier exploring is rarer
     _, cheap = poor_session(explore_cost=0.2)
     assert sum(c["why"] == "explore" for _, c in cheap) > len(explores)
