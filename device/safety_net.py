@@ -231,12 +231,15 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     return {"episode": None, name: state.probe_cost(ep.arm).plus(cost, cfg.discount)}
 
 
-def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str) -> NetCall:
+def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str,
+         in_flight: str | None = None) -> NetCall:
     """The arm of the next round, given the model's predictions for both (the priors) and its pick: the
     model's arm unless what the arms delivered says, by ``confidence`` standard errors, that the other
     is faster (drafting counted ``margin`` slower): a few unlucky rounds (a text rejected at depth 1
     three times) must not override a model that is right, and a model that is wrong is overridden as
-    soon as the rounds say so."""
+    soon as the rounds say so. ``in_flight``: the arm of a round planned but not committed yet (this one
+    is planned ahead of its verdict): it counts in the run, so an exploration runs its rounds, not one
+    more drafted ahead."""
     r_edge = state.edge.rate(edge.rate, cfg.prior_rounds)
     r_spec = state.spec.rate(spec.rate, cfg.prior_rounds)
     se = math.hypot(state.edge.stderr(r_edge, cfg.prior_rounds, cfg.prior_cv),
@@ -248,13 +251,16 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
         better = SPEC if lead - cfg.confidence * se > 0 else EDGE
     other = EDGE if better == SPEC else SPEC
     due = probe_wait_s(state, cfg, other, edge, spec, r_edge, r_spec) - state.run_s
-    if state.last_arm == other and state.run_rounds < (cfg.probe_rounds if other == SPEC else 1):
+    last, runs = state.last_arm, state.run_rounds
+    if in_flight is not None:
+        last, runs = in_flight, (runs + 1 if in_flight == last else 1)
+    if last == other and runs < (cfg.probe_rounds if other == SPEC else 1):
         arm, why = other, "explore"         # an exploration's rounds not all run yet
-    elif state.last_arm is not None and state.last_arm != other and due <= 0:
+    elif last is not None and last != other and due <= 0:
         arm, why = other, "explore"
     else:
         arm, why = better, None if better == model_arm else "net"
-    return NetCall(arm, why, r_edge, r_spec, due if state.last_arm == better else math.inf)
+    return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf)
 
 
 def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec: ArmPrior, r_edge: float,

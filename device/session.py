@@ -119,14 +119,15 @@ class DraftSession:
         ahead (then it is planned after the verdict)."""
         if not self.draft_ahead_requested or self._next is not None or not chain.can_draft_ahead(rd.settings):
             return None
-        plan = self.choose()
+        plan = self.choose(in_flight=rd.plan)
         return plan if chain.can_draft_ahead(plan.settings) else None
 
-    def choose(self) -> RoundPlan:
+    def choose(self, in_flight: RoundPlan | None = None) -> RoundPlan:
         """The policy's plan (mode auto) or the planner's, drafting no longer than the edge advised at
         its load (0: an edge-only round, longer the longer the advice stays 0), except where that would
-        change a reproducible session's tokens."""
-        plan = (self.policy.choose() if self.policy is not None
+        change a reproducible session's tokens. ``in_flight``: the plan of the round not yet committed
+        that this one follows (planned ahead), which mode auto counts among the rounds it has run."""
+        plan = (self.policy.choose(in_flight) if self.policy is not None
                 else self.parts.planner.plan(self.hello, self.vocab_size, self.round_id))
         if self.fixed_cuts and plan.settings.mode not in RACE_MODES:
             return plan
@@ -190,7 +191,7 @@ class DraftSession:
         if (not self.draft_ahead_requested or remaining < 1 or self._sent_ahead is not None
                 or (rd.plan.choice or {}).get("catch_up") or self._next is not None):
             return None
-        plan = self.choose()
+        plan = self.choose(in_flight=rd.plan)
         if plan.settings.mode is not Mode.NONE:
             return None  # planned again after rd's last token, from what rd taught
         self._sent_ahead = edge_only.draft_after(self, rd, plan, remaining)

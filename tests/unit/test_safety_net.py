@@ -311,3 +311,17 @@ def test_unlucky_rounds_do_not_override_a_model_that_is_right() -> None:
     careful = lost(CFG)
     assert careful <= 0.08
     assert lost(N.NetConfig(discount=0.8, confidence=0.0)) > 2 * careful
+
+
+def test_a_round_planned_ahead_counts_the_round_in_flight() -> None:
+    """A drafted exploration of two rounds, its second planned while its first is verified (drafted
+    ahead): the plan after that, made while the second is in flight, ends the exploration; without
+    counting the round in flight it would draft a third."""
+    edge, spec = N.ArmPrior(32, 32 / 12), N.ArmPrior(4, 4 / 6)
+    state = N.NetState(edge=N.Sums().plus(32, 32 / 12, CFG.discount), spec=N.Sums().plus(4, 4 / 6, CFG.discount),
+                       last_arm=N.SPEC, run_s=0.8, run_rounds=1)
+    assert N.call(state, CFG, edge, spec, N.EDGE).why == "explore"              # after the verdict
+    assert N.call(state, CFG, edge, spec, N.EDGE, in_flight=N.SPEC).arm == N.EDGE  # ahead of it
+    # the exploration's first round in flight: its second is planned ahead as exploring too
+    before = replace(state, last_arm=N.EDGE, run_s=1e6, run_rounds=9)
+    assert N.call(before, CFG, edge, spec, N.EDGE, in_flight=N.SPEC).why == "explore"
