@@ -24,12 +24,12 @@ in), and plays the arms as a two-armed bandit:
   A drafted probe lasts ``probe_rounds`` rounds: its first catches the drafter up (a switch's cost, kept
   out of the arm's rate), the next measure it;
 * each arm is judged by what it delivers once it runs: an edge-only round whose request was not sent
-  ahead (after a drafted round, at a session's second round, before an exploration) waits a round trip
-  for its first token, where edge-only in steady state streams on without one (each request goes out
-  while the round before streams). That wait is a switch's cost, as the drafted catch-up round is: kept
-  out of the edge-only arm's rate and priced into the explorations that cause it. Counted in, short
-  edge-only explorations (a round trip in 8 tokens) made edge-only look 20-50 % slower than it streams,
-  and the net kept drafting where edge-only was faster.
+  ahead (after a drafted round, or with drafting ahead off) waits a round trip for its first token,
+  where edge-only in steady state streams on without one (each request goes out while the round before
+  streams). That wait is a switch's cost, as the drafted catch-up round is: kept out of the edge-only
+  arm's rate and priced into the explorations that cause it. Counted in, short edge-only explorations
+  (a round trip in 8 tokens) made edge-only look 20-50 % slower than it streams, and the net kept
+  drafting where edge-only was faster.
 * an exploration is priced at least at what the last ones cost: from its first round to the first
   round of the arm it came back to, the seconds taken beyond what that arm's measured rate gives the
   same tokens. Costs the model of a probe leaves out are in it: a round drafted ahead while the
