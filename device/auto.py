@@ -328,8 +328,8 @@ class LinkTracker:
             if not catching_up and settings.mode is not Mode.NONE:
                 stalled = self.link.add(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes,
                                         r.residual_trips)
-            elif settings.mode is Mode.NONE and not first and r.generated and not sent_ahead:
-                stalled = self.link.add(r.first_reply_s, r.uplink_bytes, 0)
+            elif not first and (wait := first_token_wait(r, settings, sent_ahead)) is not None:
+                stalled = self.link.add(wait, r.uplink_bytes, 0)
             if settings.mode is Mode.NONE:
                 if r.generated:
                     self.verify.add(1, forward / r.generated)
@@ -440,6 +440,15 @@ class LinkTracker:
                 gumbel_alpha=gumbel_alpha, gumbel_depth=gumbel_depth, greedy=side.greedy,
                 edge_chunk=A.edge_chunk(link.rtt_s(), base, self.config.edge_chunk_overhead,
                                         self.config.edge_chunk_min, self.config.edge_chunk_max))
+
+
+def first_token_wait(r: RoundRecord, settings: DraftSettings, sent_ahead: bool) -> float | None:
+    """An edge-only round's wait for its first token, a round trip (the link's sample, the net's switch
+    cost); None for a drafted round, one that streamed nothing, or one whose request went ahead while
+    the round before streamed (its first token did not wait for it)."""
+    if settings.mode is not Mode.NONE or not r.generated or sent_ahead:
+        return None
+    return r.first_reply_s
 
 
 def _codec_key(s: DraftSettings) -> tuple[Mode, int]:
@@ -625,9 +634,8 @@ class AutoPolicy:
         seconds = max(0.0, event.t - self._last_t)
         self._last_t = event.t
         arm = N.SPEC if drafted else N.EDGE
-        waited = not drafted and not event.sent_ahead and event.record.generated > 0
         kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
-                    wait_s=event.record.first_reply_s if waited else None,
+                    wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),
                     explore=(event.plan.choice or {}).get("why") == "explore")
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, replace
 
 EDGE, SPEC = "edge", "spec"  # the arms, named as their sums in NetState
+PROBE_COST = {SPEC: "spec_probe", EDGE: "edge_probe"}  # NetState's field of what exploring each arm cost
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class NetState:
         return getattr(self, arm)
 
     def probe_cost(self, arm: str) -> Cost:
-        return self.spec_probe if arm == SPEC else self.edge_probe
+        return getattr(self, PROBE_COST[arm])
 
 
 def start_from(device: NetState, cfg: NetConfig) -> NetState:
@@ -202,12 +203,12 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     wait = min(max(0.0, wait_s or 0.0), seconds)
     steady = seconds - wait
     counted = min(steady, cfg.outlier * tokens * mine.seconds / mine.tokens) if mine.tokens > 0 else steady
-    sums = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
+    changes = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     if wait_s is not None and not first:
-        sums["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
-    sums.update(_episode(state, cfg, arm, tokens, counted + wait, explore, first))
+        changes["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
+    changes.update(_episode(state, cfg, arm, tokens, counted + wait, explore, first))
     same = arm == state.last_arm
-    return replace(state, **sums, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
+    return replace(state, **changes, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
                    run_rounds=(state.run_rounds if same else 0) + 1)
 
 
@@ -227,8 +228,7 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     if first or arm == ep.arm or back.tokens <= 0:
         return {"episode": None}
     cost = ep.seconds + seconds - (ep.tokens + tokens) * back.seconds / back.tokens
-    name = "spec_probe" if ep.arm == SPEC else "edge_probe"
-    return {"episode": None, name: state.probe_cost(ep.arm).plus(cost, cfg.discount)}
+    return {"episode": None, PROBE_COST[ep.arm]: state.probe_cost(ep.arm).plus(cost, cfg.discount)}
 
 
 def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str,
