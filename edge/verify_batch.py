@@ -197,10 +197,12 @@ def _uniforms(generator: torch.Generator, n: int) -> torch.Tensor:  # [n] float6
 
 # ------------------------------------------------------------------------------------ verifying
 def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i after prefix + draft_ids[:i]
-                  rounds: Sequence[ChainRound]) -> list[RoundOutcome]:
+                  rounds: Sequence[ChainRound], upfront: bool | None = None) -> list[RoundOutcome]:
     """The verdict of every round against its target logits (any device, the rounds' order). Rounds
     of one law share each step's tensor work; ValueError on malformed input (a batch's caller may
-    then verify its rounds one by one, so that only the culprit fails)."""
+    then verify its rounds one by one, so that only the culprit fails). ``upfront``: the law of every
+    row at once and the accept tests from one transfer (:class:`_Upfront`); None: where the logits are
+    not on the CPU, whose position-by-position path computes no row past a rejection."""
     if len(logits) != len(rounds):
         raise ValueError(f"{len(logits)} logits for {len(rounds)} rounds")
     for rows, r in zip(logits, rounds):
@@ -214,8 +216,11 @@ def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i af
     groups: dict[TargetLaw, list[int]] = {}
     for b, r in enumerate(rounds):
         groups.setdefault(r.law, []).append(b)
+    if upfront is None:
+        upfront = logits[0].device.type != "cpu"
     for law, members in groups.items():
-        done = _Lockstep(law, [logits[b] for b in members], [rounds[b] for b in members]).run()
+        done = (_Upfront if upfront else _Lockstep)(law, [logits[b] for b in members],
+                                                     [rounds[b] for b in members]).run()
         for b, outcome in zip(members, done):
             outcomes[b] = _with_logprobs(outcome, rounds[b], logits[b])
     return outcomes  # type: ignore[return-value]
@@ -268,13 +273,13 @@ class _GreedyRows:
     ``a``. Only the argmax is computed, row by row on a CPU (no copy into a batch: NumPy's argmax is
     faster than the copy), in one batch elsewhere."""
 
-    def __init__(self, rows: list[torch.Tensor]):  # rows: k x [V] logits
+    def __init__(self, rows: list[torch.Tensor] | torch.Tensor):  # k x [V] logits, or [k, V]
         self.vocab = rows[0].shape[0]
         if rows[0].device.type == "cpu" and rows[0].dtype in (torch.float32, torch.float64):
             self.top_host = [_finite_argmax(row.numpy()) for row in rows]
             self.top = torch.tensor(self.top_host)
         else:
-            batch = torch.stack(rows)  # [k, V]
+            batch = rows if isinstance(rows, torch.Tensor) else torch.stack(rows)  # [k, V]
             check_logits(batch, 0.0)
             self.top = batch.argmax(dim=-1)  # [k] on the original dtype, as probs_from_logits
             self.top_host = self.top.tolist()
@@ -307,7 +312,8 @@ class _Lockstep:
         self.ids = _padded([r.draft_ids for r in rounds], width, torch.int64)              # [B, Lmax] host
         self.q_x = _padded([_or_empty(r.q_of_draft) for r in rounds], width, torch.float64)  # [B, Lmax] host
         uniforms = [_or_empty(r.uniforms) for r in rounds]
-        self.u = _padded(uniforms, max(u.numel() for u in uniforms), torch.float64).to(self.device)  # [B, Umax]
+        self.u_host = _padded(uniforms, max(u.numel() for u in uniforms), torch.float64)     # [B, Umax] host
+        self.u = self.u_host.to(self.device)                                                 # [B, Umax]
         self.outcomes: list[RoundOutcome | None] = [None] * len(rounds)
 
     def run(self) -> list[RoundOutcome]:
@@ -316,6 +322,9 @@ class _Lockstep:
             if not running:
                 break
             running = self._step(i, running)
+        return self._done(running)
+
+    def _done(self, running: list[int]) -> list[RoundOutcome]:
         assert not running and all(o is not None for o in self.outcomes)
         return self.outcomes  # type: ignore[return-value]
 
@@ -327,10 +336,10 @@ class _Lockstep:
         gumbel = [j for j, b in enumerate(running) if self.rounds[b].kind is RoundKind.GUMBEL]
         tested = [j for j, b in enumerate(running)
                   if self.rounds[b].kind is not RoundKind.GUMBEL and i < self.lengths[b]]
-        going = set(self._accept_tests(i, running, tested, law)) | set(self._races(i, running, gumbel, law))
+        going = set(self._accept_tests(i, running, tested, law))
+        going |= set(self._races(i, [(running[j], j) for j in gumbel], law))
         raced = set(gumbel)
-        ends = [j for j in range(len(running)) if j not in going and j not in raced]
-        self._ends(i, running, ends, law)
+        self._ends([(running[j], i, j) for j in range(len(running)) if j not in going and j not in raced], law)
         return [b for j, b in enumerate(running) if j in going]
 
     def _accept_tests(self, i: int, running: list[int], tested: list[int], law) -> list[int]:
@@ -343,63 +352,65 @@ class _Lockstep:
         accept = self.u[b, i] * self.q_x[b, i].to(self.device) < p_x
         return [j for j, ok in zip(tested, accept.tolist()) if ok]
 
-    def _races(self, i: int, running: list[int], gumbel: list[int], law) -> list[int]:
-        """The target's race ``argmin E_i / p_i`` (verification.gumbel_verify) on the gumbel rows: a draft
-        equal to it goes on, any other row ends with the race's token; the rows that go on."""
+    def _races(self, i: int, gumbel: list[tuple[int, int]], law) -> list[int]:
+        """The target's race ``argmin E_i / p_i`` (verification.gumbel_verify) on the gumbel rounds
+        (round b, its law row j): a draft equal to it goes on, any other round ends with the race's
+        token; the law rows of the rounds that go on."""
         if not gumbel:
             return []
         if isinstance(law, _GreedyRows):
-            won = [law.top_host[j] for j in gumbel]
+            won = [law.top_host[j] for _, j in gumbel]
         else:
-            noise = torch.stack([_checked_noise(self.rounds[running[j]].token_noise, i, law.vocab)
-                                 for j in gumbel]).to(self.device)                # [g, V]
-            won = first_argmin(noise / law.rows(gumbel)).tolist()                  # [g]
+            noise = torch.stack([_checked_noise(self.rounds[b].token_noise, i, law.vocab)
+                                 for b, _ in gumbel]).to(self.device)             # [g, V]
+            won = first_argmin(noise / law.rows([j for _, j in gumbel])).tolist()  # [g]
         going = []
-        for j, y in zip(gumbel, won):
-            b = running[j]
+        for (b, j), y in zip(gumbel, won):
             if i < self.lengths[b] and int(self.ids[b, i]) == y:
                 going.append(j)
             else:
                 self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(y))
         return going
 
-    def _ends(self, i: int, running: list[int], ends: list[int], law) -> None:
-        """Rows where a chain or DSSD round ends: a rejection at ``i < L`` or the bonus at ``i == L``."""
+    def _ends(self, ends: list[tuple[int, int, int]], law) -> None:
+        """Chain and DSSD rounds that end, as (round b, position i, law row j): a rejection at
+        ``i < L`` or the bonus at ``i == L``."""
         if not ends:
             return
-        dssd = [j for j in ends if self.rounds[running[j]].kind is RoundKind.DSSD and i < self.lengths[running[j]]]
+        dssd = [e for e in ends if self.rounds[e[0]].kind is RoundKind.DSSD and e[1] < self.lengths[e[0]]]
         if isinstance(law, _GreedyRows):
-            for j in ends:
-                a, r = law.top_host[j], self.rounds[running[j]]
-                if j not in dssd:
-                    self.outcomes[running[j]] = RoundOutcome(num_accepted=i, next_token=a)
+            for b, i, j in ends:
+                a, m = law.top_host[j], self.rounds[b].dssd_samples
+                if (b, i, j) not in dssd:
+                    self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=a)
                 else:  # m draws of a one-hot p_j, each its argmax with probability 1.0
-                    self.outcomes[running[j]] = RoundOutcome(
-                        num_accepted=i, next_token=None, reject_samples=(a,) * r.dssd_samples,
-                        reject_sample_probs=(1.0,) * r.dssd_samples, reject_p=law.rows([j])[0].cpu())
+                    self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=None, reject_samples=(a,) * m,
+                                                    reject_sample_probs=(1.0,) * m, reject_p=law.rows([j])[0].cpu())
             return
-        chain = [j for j in ends if self.rounds[running[j]].kind is RoundKind.CHAIN and i < self.lengths[running[j]]]
-        bonus = [j for j in ends if i == self.lengths[running[j]]]
-        self._corrections(i, [running[j] for j in chain], law.rows(chain))
-        self._dssd_samples(i, [running[j] for j in dssd], law.rows(dssd))
-        self._bonuses(i, [running[j] for j in bonus], law.rows(bonus))
+        chain = [e for e in ends if self.rounds[e[0]].kind is RoundKind.CHAIN and e[1] < self.lengths[e[0]]]
+        bonus = [e for e in ends if e[1] == self.lengths[e[0]]]
+        self._corrections(chain, law.rows([j for _, _, j in chain]))
+        self._dssd_samples(dssd, law.rows([j for _, _, j in dssd]))
+        self._bonuses(bonus, law.rows([j for _, _, j in bonus]))
 
-    def _corrections(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
+    def _corrections(self, ends: list[tuple[int, int, int]], p: torch.Tensor) -> None:
         """The correction token from ``norm(max(0, p_i - q_i))`` with ``u_{i+1}`` (verification._residual)."""
-        if not rounds:
+        if not ends:
             return
-        residual = _residual_rows(p, [self.rounds[b].q_rows[i] for b in rounds])  # [c, V]
-        tokens = inverse_cdf_rows(residual, self.u[rounds, i + 1].unsqueeze(1))
-        for b, token in zip(rounds, tokens[:, 0].tolist()):
+        residual = _residual_rows(p, [self.rounds[b].q_rows[i] for b, i, _ in ends])  # [c, V]
+        tokens = inverse_cdf_rows(residual, self.u[[b for b, _, _ in ends], [i + 1 for _, i, _ in ends]].unsqueeze(1))
+        for (b, i, _), token in zip(ends, tokens[:, 0].tolist()):
             self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
 
-    def _dssd_samples(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
+    def _dssd_samples(self, ends: list[tuple[int, int, int]], p: torch.Tensor) -> None:
         """DSSD after a rejection at ``i``: ``m`` samples of ``p_i`` with ``u_{i+1..i+m}`` (dssd_edge_verify)."""
-        if not rounds:
+        if not ends:
             return
-        width = max(self.rounds[b].dssd_samples for b in rounds)
-        samples = inverse_cdf_rows(p, self.u[rounds, i + 1:i + 1 + width]) if width else None  # [d, m]
-        for k, b in enumerate(rounds):
+        width = max(self.rounds[b].dssd_samples for b, _, _ in ends)
+        last = self.u.shape[1] - 1  # a round reads only its own m columns, which its uniforms hold
+        columns = [[min(i + 1 + c, last) for c in range(width)] for _, i, _ in ends]
+        samples = inverse_cdf_rows(p, self.u[[[b] for b, _, _ in ends], columns]) if width else None  # [d, m]
+        for k, (b, i, _) in enumerate(ends):
             m = self.rounds[b].dssd_samples
             ys = samples[k, :m] if m else torch.empty(0, dtype=torch.int64, device=p.device)
             self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=None,
@@ -407,15 +418,59 @@ class _Lockstep:
                                             reject_sample_probs=tuple(p[k, ys].tolist()),
                                             reject_p=p[k].cpu().clone())
 
-    def _bonuses(self, i: int, rounds: list[int], p: torch.Tensor) -> None:
+    def _bonuses(self, ends: list[tuple[int, int, int]], p: torch.Tensor) -> None:
         """After ``L = i`` acceptances: the coupled bonus (its own noise), else a draw of ``p_L`` with ``u_L``."""
-        plain = [k for k, b in enumerate(rounds) if self.rounds[b].bonus_noise is None]
-        coupled = [k for k, b in enumerate(rounds) if self.rounds[b].bonus_noise is not None]
-        tokens = inverse_cdf_rows(p[plain], self.u[[rounds[k] for k in plain], i].unsqueeze(1))[:, 0].tolist() \
-            if plain else []
-        tokens += _coupled_bonuses(p[coupled], [self.rounds[rounds[k]].bonus_noise for k in coupled])
+        plain = [k for k, (b, _, _) in enumerate(ends) if self.rounds[b].bonus_noise is None]
+        coupled = [k for k, (b, _, _) in enumerate(ends) if self.rounds[b].bonus_noise is not None]
+        u = self.u[[ends[k][0] for k in plain], [ends[k][1] for k in plain]].unsqueeze(1) if plain else None
+        tokens = inverse_cdf_rows(p[plain], u)[:, 0].tolist() if plain else []
+        tokens += _coupled_bonuses(p[coupled], [self.rounds[ends[k][0]].bonus_noise for k in coupled])
         for k, token in zip(plain + coupled, tokens):
-            self.outcomes[rounds[k]] = RoundOutcome(num_accepted=i, next_token=int(token))
+            b, i, _ = ends[k]
+            self.outcomes[b] = RoundOutcome(num_accepted=i, next_token=int(token))
+
+
+class _Upfront(_Lockstep):
+    """The same verdicts with the tensor work of a whole batch at once, for a device where each
+    operation and each transfer to the host costs more than its arithmetic (a GPU: a kernel launch,
+    a synchronisation): the law of every row of every round in one pass, ``p_i(x_i)`` of every draft
+    in one transfer, the accept tests on the host (``u_i * q_i(x_i) < p_i(x_i)`` in float64, as on the
+    device), then the corrections, DSSD's samples and the bonuses of all rounds together. Gumbel's
+    races still run a position at a time (a race's noise is drawn only for positions reached). Rows
+    past a round's first rejection are computed too (on a CPU the lockstep path skips them)."""
+
+    def run(self) -> list[RoundOutcome]:
+        starts = [0]
+        for n in self.lengths:
+            starts.append(starts[-1] + n + 1)
+        rows = torch.cat(self.logits) if len(self.logits) > 1 else self.logits[0]   # [R, V]
+        law = _GreedyRows(rows) if self.law.temperature == 0 else _Rows(self.law, rows)
+        chains = [b for b, r in enumerate(self.rounds) if r.kind is not RoundKind.GUMBEL]
+        accepted = self._accepted(chains, starts, law)
+        self._ends([(b, n, starts[b] + n) for b, n in zip(chains, accepted)], law)
+        running = [b for b, r in enumerate(self.rounds) if r.kind is RoundKind.GUMBEL]
+        for i in range(max(self.lengths) + 1):
+            if not running:
+                break
+            going = set(self._races(i, [(b, starts[b] + i) for b in running], law))
+            running = [b for b in running if starts[b] + i in going]
+        return self._done(running)
+
+    def _accepted(self, chains: list[int], starts: list[int], law) -> list[int]:
+        """Each chain or DSSD round's accepted drafts: the position of its first failed accept test."""
+        where = [(b, i) for b in chains for i in range(self.lengths[b])]
+        if not where:
+            return []
+        b, i = [w[0] for w in where], [w[1] for w in where]
+        rows = torch.tensor([starts[c] + k for c, k in where], device=self.device)
+        p_x = law.at(rows, self.ids[b, i].to(self.device)).cpu()                  # [D] float64, one transfer
+        passed = (self.u_host[b, i] * self.q_x[b, i] < p_x).tolist()
+        out, k = [], 0
+        for c in chains:
+            tests = passed[k:k + self.lengths[c]]
+            out.append(tests.index(False) if False in tests else self.lengths[c])
+            k += self.lengths[c]
+        return out
 
 
 def _or_empty(x: torch.Tensor | None) -> torch.Tensor:

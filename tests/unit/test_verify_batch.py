@@ -24,6 +24,8 @@ LAWS = (TargetLaw(1.0), TargetLaw(0.0), TargetLaw(0.7), TargetLaw(1.3, top_k=20)
 BATCHES = 400          # x ~7.5 rounds: ~3,000 rounds
 MAX_BATCH = 14
 MAX_DRAFTS = 6
+# both paths (verify_rounds' upfront: the one a GPU takes, checked here on the CPU)
+UPFRONT = pytest.mark.parametrize("upfront", [False, True], ids=["lockstep", "upfront"])
 
 
 @dataclass
@@ -109,11 +111,12 @@ def _batches(seed: int, vocab: int | None = None):
         yield [_case(rng, gen, rng.choice(LAWS), vocab_b) for _ in range(size)]
 
 
-def test_batched_verdicts_equal_the_per_session_functions_on_thousands_of_rounds() -> None:
+@UPFRONT
+def test_batched_verdicts_equal_the_per_session_functions_on_thousands_of_rounds(upfront: bool) -> None:
     rounds = differ = 0
     ends: dict[str, int] = {}
     for cases in _batches(2026):
-        outcomes = verify_rounds([c.logits for c in cases], [c.batched for c in cases])
+        outcomes = verify_rounds([c.logits for c in cases], [c.batched for c in cases], upfront=upfront)
         for c, o in zip(cases, outcomes):
             rounds += 1
             if _observed(c, o) != c.expected:
@@ -126,16 +129,18 @@ def test_batched_verdicts_equal_the_per_session_functions_on_thousands_of_rounds
     assert differ == 0, f"{differ} of {rounds} batched verdicts differ from the per-session functions"
 
 
-def test_a_verdict_does_not_depend_on_the_batch_around_it() -> None:
+@UPFRONT
+def test_a_verdict_does_not_depend_on_the_batch_around_it(upfront: bool) -> None:
     cases = next(_batches(7, vocab=50)) + next(_batches(8, vocab=50))
-    alone = [verify_rounds([c.logits], [c.batched])[0] for c in cases]
-    together = verify_rounds([c.logits for c in cases], [c.batched for c in cases])
-    reversed_ = verify_rounds([c.logits for c in cases[::-1]], [c.batched for c in cases[::-1]])[::-1]
+    alone = [verify_rounds([c.logits], [c.batched], upfront=upfront)[0] for c in cases]
+    together = verify_rounds([c.logits for c in cases], [c.batched for c in cases], upfront=upfront)
+    reversed_ = verify_rounds([c.logits for c in cases[::-1]], [c.batched for c in cases[::-1]], upfront=upfront)[::-1]
     for a, b, r, c in zip(alone, together, reversed_, cases):
         assert _observed(c, a) == _observed(c, b) == _observed(c, r) == c.expected
 
 
-def test_control_one_shifted_uniform_changes_verdicts() -> None:
+@UPFRONT
+def test_control_one_shifted_uniform_changes_verdicts(upfront: bool) -> None:
     """The comparison's power: the same rounds verified with their uniforms shifted by one draw (a
     correction reading the accept test's uniform, say) give other verdicts in many rounds."""
     differ = total = 0
@@ -145,11 +150,12 @@ def test_control_one_shifted_uniform_changes_verdicts() -> None:
             u = c.batched.uniforms
             wrong = ChainRound(**{**c.batched.__dict__, "uniforms": torch.cat([u[1:], u[:1]])})
             total += 1
-            differ += _observed(c, verify_rounds([c.logits], [wrong])[0]) != c.expected
+            differ += _observed(c, verify_rounds([c.logits], [wrong], upfront=upfront)[0]) != c.expected
     assert total >= 50 and differ >= total // 10, f"{differ} of {total} differ"
 
 
-def test_greedy_rounds_end_at_the_targets_argmax() -> None:
+@UPFRONT
+def test_greedy_rounds_end_at_the_targets_argmax(upfront: bool) -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 5.0]])
     law = TargetLaw(0.0)
     rows = [SparseDist(torch.tensor([1]), torch.tensor([1.0], dtype=torch.float64), 3),
@@ -157,7 +163,7 @@ def test_greedy_rounds_end_at_the_targets_argmax() -> None:
     accepted_all = chain_round(torch.tensor([1, 0]), [rows[0], SparseDist(torch.tensor([0]), torch.tensor(
         [1.0], dtype=torch.float64), 3)], law, torch.Generator().manual_seed(0))
     rejected = chain_round(torch.tensor([1, 2]), rows, law, torch.Generator().manual_seed(0))
-    a, r = verify_rounds([logits, logits], [accepted_all, rejected])
+    a, r = verify_rounds([logits, logits], [accepted_all, rejected], upfront=upfront)
     assert (a.num_accepted, a.next_token) == (2, 2)  # bonus: argmax of row 2
     assert (r.num_accepted, r.next_token) == (1, 0)  # token 2 is not row 1's argmax: the correction is
 
