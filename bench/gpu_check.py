@@ -137,6 +137,12 @@ def measure_model(result: dict, plan: Plan, deadline: float, workdir: Path, say,
     save()
     result["phases"] = M.phases(model, device, plan.phase_batch, 4, plan.curves.contexts[0], shape.vocab)
     result["graphs"] = [M.graph_probe(model, device, b, 5, plan.curves.contexts[0]) for b in plan.graph_batches]
+    result["scheduler"] = M.scheduler_probe(model, device, shape.vocab)
+    s = result["scheduler"]
+    say(f"  one-token forward: {_ms(s.get('fixed_length_s'))} at a fixed length, {_ms(s.get('growing_length_s'))} "
+        f"growing ({_ms(s.get('growing_length_cudnn_s'))} with cuDNN attention), "
+        f"{_ms(s.get('scheduler_forward_s'))} through the scheduler ({_ms(s.get('scheduler_wall_s'))} "
+        f"handed in to answer){' ' + s['error'] if 'error' in s else ''}")
     save()
     model_dir = workdir / name
     result["checkpoint"] = models.save(model, shape, model_dir)
@@ -148,6 +154,10 @@ def measure_model(result: dict, plan: Plan, deadline: float, workdir: Path, say,
     C.run(model_dir, tokenizer, plan.device, plan.dtype, prompts, alone, plan.capacity, deadline, say,
           on_cell=save, out=result["capacity"])
     shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.3g} ms"
 
 
 def _free(device: torch.device) -> None:

@@ -232,3 +232,60 @@ def graph_probe(model, device: torch.device, batch: int, tokens: int, context: i
         result["error"] = f"{type(exc).__name__}: {exc}"[:500]
     del sessions
     return result
+
+
+# ------------------------------------------------------------------------------------ the scheduler
+PROBE_PROMPT = 32        # the capacity run's prompt length
+PROBE_STEPS = 40         # one-token forwards per way
+PROFILED_STEPS = 8       # of them, under torch.profiler (the scheduler's way)
+PROFILE_ROWS = 25
+
+
+def scheduler_probe(model, device: torch.device, vocab: int, steps: int = PROBE_STEPS) -> dict:
+    """One session's one-token forwards (edge-only's rounds) three ways, to place the time an
+    edge-server's forward takes beyond its cost curve (the capacity run's forwards): the slot pool's
+    forward called here at a fixed length (the cost curve's way), the same with the length growing by
+    one a forward (a session's way; on CUDA also with cuDNN's attention, which
+    :func:`~specdec.common.modeling.serving_attention` turns off), and handed to a ForwardScheduler's
+    thread (the edge's way, its forward timed as the edge times it). Medians in seconds, and torch.profiler's table of a few of
+    the growing way's forwards (the ops by self CPU time: where a launch-bound forward's host time goes)."""
+    from specdec.edge.batching import BatchSettings, ForwardScheduler
+
+    pool = SlotPool(model, device)
+    lm = pool.new_lm()
+    ids = [(7 * i + 3) % vocab for i in range(PROBE_PROMPT)]
+    lm.forward(ids, 1)
+    one = lambda: pool.forward([ForwardRequest(lm, [ids[lm.length % PROBE_PROMPT]], 1)])  # noqa: E731
+
+    def fixed():
+        one()
+        lm.truncate(PROBE_PROMPT)
+
+    out = {"fixed_length_s": median_seconds(fixed, device, steps, warmup=3),
+           "growing_length_s": median_seconds(one, device, steps, warmup=3)}
+    if device.type == "cuda":  # the control: what the backend serving_attention turns off costs
+        enabled = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        try:
+            out["growing_length_cudnn_s"] = median_seconds(one, device, steps, warmup=3)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(enabled)
+    with torch.profiler.profile() as prof:  # this thread's ops only: here, not the scheduler's
+        for _ in range(PROFILED_STEPS):
+            one()
+        sync(device)
+    out["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS).splitlines()
+    seen: list[float] = []
+    sched = ForwardScheduler(BatchSettings(), observer=lambda s: seen.append(s.forward_seconds), pool=pool,
+                             device=device)
+    try:
+        with sched.working():
+            step = lambda: sched.forward(ForwardRequest(lm, [ids[lm.length % PROBE_PROMPT]], 1))  # noqa: E731
+            out["scheduler_wall_s"] = median_seconds(step, device, steps, warmup=3)
+            out["scheduler_forward_s"] = statistics.median(seen[3:]) if len(seen) > 3 else None
+    except Exception as exc:  # noqa: BLE001 - a probe: report, do not stop the check
+        out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        sched.stop()
+        lm.release()
+    return out
