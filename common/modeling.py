@@ -85,6 +85,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def serving_attention(device: torch.device) -> None:
+    """On CUDA, torch's attention without its cuDNN backend, for this process: cuDNN's kernel builds an
+    execution plan for every new shape of its inputs, and a served forward's key length changes with
+    every round, so every layer of every forward paid the plan's host time (about three times an 8B
+    model's whole one-token forward on an H200: docs/gpu.md); the memory-efficient and flash kernels
+    choose nothing per shape. No-op on other devices."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def _source(spec: ModelSpec) -> tuple[str, dict, str]:
     """(path or id, from_pretrained kwargs, display name) for a spec."""
     if spec.model is None and spec.gguf_file is None:
@@ -158,6 +168,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if spec.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {spec.dtype!r} (expected one of {sorted(DTYPES)})")
     device = resolve_device(spec.device)
+    serving_attention(device)
     source, kwargs, name = _source(spec)
     cache = spec.builder.cache if spec.delta is not None and spec.builder is not None else None
     entry = cache.entry(spec, source, kwargs, device) if cache is not None else None

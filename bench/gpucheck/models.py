@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.common.modeling import serving_attention
+
 RESIDUAL_SCALE = 1e-4   # branch outputs ~16 x this per component over 32 layers, against 0.02 of the embedding
 SEED = 1234
 
@@ -71,6 +73,7 @@ def build(shape: Shape, device: str, dtype: torch.dtype):
     take minutes), eval mode."""
     from transformers import AutoModelForCausalLM
 
+    serving_attention(torch.device(device))  # as load_model: the edge's attention backends
     torch.manual_seed(SEED)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(shape.config(), dtype=dtype, attn_implementation="sdpa")
