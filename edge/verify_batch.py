@@ -30,9 +30,11 @@ may group its terms differently with the batch's shape; a verdict could then dif
 uniform falls within a rounding error of its threshold (of order 1e-16 per test), and the law is
 exact either way.
 
-Positions in lockstep: step ``i`` takes row ``i`` of every round still running, so rows past a
-round's first rejection are never computed. A round's outcome depends on its own inputs only, never
-on the batch around it. Trees and a DSSD fallback's ``p_j`` keep the per-session host path.
+On a CPU, positions in lockstep: step ``i`` takes row ``i`` of every round still running, so rows
+past a round's first rejection are never computed. Elsewhere (:class:`_Upfront`) the whole batch at
+once, since a GPU pays per operation and per transfer to the host rather than per row. A round's
+outcome depends on its own inputs only, never on the batch around it. Trees and a DSSD fallback's
+``p_j`` keep the per-session host path.
 """
 from __future__ import annotations
 
@@ -217,7 +219,7 @@ def verify_rounds(logits: Sequence[torch.Tensor],  # each [L_b + 1, V]: row i af
     for b, r in enumerate(rounds):
         groups.setdefault(r.law, []).append(b)
     if upfront is None:
-        upfront = logits[0].device.type != "cpu"
+        upfront = bool(logits) and logits[0].device.type != "cpu"
     for law, members in groups.items():
         done = (_Upfront if upfront else _Lockstep)(law, [logits[b] for b in members],
                                                      [rounds[b] for b in members]).run()
