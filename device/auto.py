@@ -216,15 +216,16 @@ class LinkTracker:
 
     # -- remembered across processes (device/edge_memory.py) ------------------------------------------------
     def snapshot(self) -> TS.TrackerState:
-        """What this tracker knows (device/tracker_state.py): the link and the edge, and the drafter
-        with this edge's target per temperature."""
+        """What this tracker knows (device/tracker_state.py): the link and the edge (with the safety
+        net's measurements of both arms), and the drafter with this edge's target per temperature."""
         with self.lock:
             values = lambda d: {k: e.value for k, e in d.items() if e.value is not None}  # noqa: E731
             link = TS.LinkState(rtt_s=self.link.rtt_s(), uplink_bps=self.link.uplink_bps(),
                                 measured_up_bits=max(self.link.sizes_sent, default=0.0),
                                 downlink_bps=self.link.downlink_bps(),
                                 verify=tuple(tuple(x) for x in self.verify.points), queue_s=self.queue_s.value,
-                                decode_s=values(self.decode_s), time_scale=values(self.time_scale))
+                                decode_s=values(self.decode_s), time_scale=values(self.time_scale),
+                                nets={t: N.remembered(net) for t, net in self.nets.items()})
             temps = {t: TS.SideState(long=(side.long.hits, side.long.trials), guess=(side.guess.hits, side.guess.trials),
                                      fallback=(side.fallback.hits, side.fallback.trials),
                                      long_gumbel=(side.long_gumbel.hits, side.long_gumbel.trials),
@@ -254,6 +255,8 @@ class LinkTracker:
             self.decode_s.setdefault(m, self._ewma()).value = v
         for k, v in s.time_scale.items():
             self.time_scale.setdefault(k, self._ewma()).value = v
+        for t, net in s.nets.items():  # each session weighs them as a few rounds (safety_net.start_from)
+            self.nets.setdefault(float(t), net)
 
     def _restore_models(self, s: TS.ModelsState) -> None:
         if s.draft_s is not None:

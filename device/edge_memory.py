@@ -8,7 +8,8 @@ One JSON file per edge address under ``$SPECDEC_CACHE_DIR/edges/``:
 part (round trip, goodput, the edge's forward times) describes where the device was: it is used for
 LINK_TTL_S (Linux forgets a destination's metrics after an hour, TCP_METRICS_TIMEOUT). The model part
 (acceptance of this drafter with this edge's target, the drafter's speed) is per drafter and kept for
-MODEL_TTL_S. Everything in it was learned from committed rounds (RoundEvents) only.
+MODEL_TTL_S. Mode auto's safety net (what edge-only and drafted rounds delivered, device/safety_net.py)
+depends on both: it is kept with the link, for the drafter that measured it only. Everything in it was learned from committed rounds (RoundEvents) only.
 
 Robust: a file that is missing, unreadable, of another version or malformed in any field is ignored
 (the device starts cold and overwrites it); writers take an exclusive lock on a side file, merge
@@ -38,6 +39,7 @@ VERSION = 1
 LINK_TTL_S = 3600.0          # a link estimate this old describes where the device was, not where it is
 MODEL_TTL_S = 7 * 86400.0    # the drafter and the target change with releases, not by the hour
 MAX_FILE_BYTES = 1 << 20     # a memory file is a few KB; anything larger is not ours
+NETS_DRAFTER = "nets_drafter"  # in the link part: the drafter whose rounds the safety net's sums measured
 
 
 def memory_dir() -> Path:
@@ -74,7 +76,7 @@ def load(tracker: LinkTracker, edge: str, drafter: str, root: Path | None = None
     if data is None:
         return []
     now = time.time() if now is None else now
-    link = _fresh(data.get("link"), LINK_TTL_S, now)
+    link = _own_nets(_fresh(data.get("link"), LINK_TTL_S, now), drafter)
     models = _fresh((data.get("drafters") or {}).get(drafter), MODEL_TTL_S, now)
     try:
         state = tracker_state.from_json({"link": link, "models": models})
@@ -83,6 +85,14 @@ def load(tracker: LinkTracker, edge: str, drafter: str, root: Path | None = None
         return []
     tracker.restore(state)
     return [name for name, part in (("link", link), ("models", models)) if part is not None]
+
+
+def _own_nets(link: dict | None, drafter: str) -> dict | None:
+    """The link part, without the safety net's sums if another drafter measured them (its drafted
+    rounds' speed is that drafter's)."""
+    if link is None or link.get(NETS_DRAFTER) == drafter:
+        return link
+    return {k: v for k, v in link.items() if k not in ("nets", NETS_DRAFTER)}
 
 
 def _fresh(part, ttl: float, now: float) -> dict | None:
@@ -107,7 +117,8 @@ def save(tracker: LinkTracker, edge: str, drafter: str, root: Path | None = None
             drafters = {k: v for k, v in (data.get("drafters") or {}).items()
                         if isinstance(v, dict) and _fresh(v, MODEL_TTL_S, now) is not None}
             drafters[drafter] = {"saved": now, "state": state["models"]}
-            _write(path, {"version": VERSION, "edge": edge, "link": {"saved": now, "state": state["link"]},
+            link = None if state["link"] is None else {**state["link"], NETS_DRAFTER: drafter}
+            _write(path, {"version": VERSION, "edge": edge, "link": {"saved": now, "state": link},
                           "drafters": drafters})
     except OSError as exc:
         log.warning("could not save the edge memory in %s: %s", path, exc)

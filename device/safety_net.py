@@ -176,6 +176,13 @@ class NetState:
         return getattr(self, PROBE_COST[arm])
 
 
+def remembered(device: NetState) -> NetState:
+    """What a new process keeps of the device's net (device/edge_memory.py): the arms' sums and the
+    costs measured; not the run or an exploration under way, which were this process's."""
+    return NetState(edge=device.edge, spec=device.spec, switch=device.switch, edge_wait=device.edge_wait,
+                    spec_probe=device.spec_probe, edge_probe=device.edge_probe)
+
+
 def start_from(device: NetState, cfg: NetConfig) -> NetState:
     """A new session's net: the device's sums, weighing at most ``start_rounds`` rounds each (the
     session's text may accept differently), and the device's run, so that exploring is priced over the

@@ -11,16 +11,19 @@ and changes nothing. Pure: no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import Mapping
 
 from specdec.common.modes import Mode
+from specdec.device import safety_net as N
 
 FAST_LINK_BPS = 1e9      # the most goodput the device believes in (and what a probe asks about)
 TIME_SCALE_MIN, TIME_SCALE_MAX = 0.5, 4.0  # bounds of the learned measured/modelled round-time ratio
 MAX_SECONDS = 60.0       # no remembered time (round trip, forward, drafting) is longer
 MAX_BYTES = 1e9          # sizes and acceptance counts
 MAX_COUNT = 1e12         # the count of encoded q's and the largest round's bits
+NET_SUMS = (N.EDGE, N.SPEC, "switch")     # the net's arms' sums and its switches', as NetState names them
+NET_COSTS = ("edge_wait", *N.PROBE_COST.values())  # its costs: first-token waits, explorations
 Key = tuple[Mode, int]   # a codec key: (mode, K)
 Ratio = tuple[float, float]  # (hits, trials)
 
@@ -35,6 +38,7 @@ class LinkState:
     queue_s: float | None = None
     decode_s: Mapping[Mode, float] = field(default_factory=dict)
     time_scale: Mapping[Key, float] = field(default_factory=dict)  # measured / modelled round time
+    nets: Mapping[float, N.NetState] = field(default_factory=dict)  # per temperature: the safety net's sums
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,8 @@ def from_json(d: Mapping) -> TrackerState:
 def _link_json(s: LinkState) -> dict:
     return {"rtt_s": s.rtt_s, "uplink_bps": s.uplink_bps, "measured_up_bits": s.measured_up_bits,
             "downlink_bps": s.downlink_bps, "verify": [list(x) for x in s.verify], "queue_s": s.queue_s,
-            "decode_s": {m.value: v for m, v in s.decode_s.items()}, "time_scale": _keyed_json(s.time_scale)}
+            "decode_s": {m.value: v for m, v in s.decode_s.items()}, "time_scale": _keyed_json(s.time_scale),
+            "nets": {repr(t): _net_json(net) for t, net in s.nets.items()}}
 
 
 def _link_of(d: Mapping) -> LinkState:
@@ -93,7 +98,28 @@ def _link_of(d: Mapping) -> LinkState:
         verify=tuple((int(num(n, 1, 1e6)), num(x, 0.0, MAX_SECONDS)) for n, x in d.get("verify", [])),
         queue_s=_optional(d.get("queue_s"), 0.0, MAX_SECONDS),
         decode_s={Mode(m): num(v, 0.0, MAX_SECONDS) for m, v in d.get("decode_s", {}).items()},
-        time_scale={key_of(k): num(v, TIME_SCALE_MIN, TIME_SCALE_MAX) for k, v in d.get("time_scale", {}).items()})
+        time_scale={key_of(k): num(v, TIME_SCALE_MIN, TIME_SCALE_MAX) for k, v in d.get("time_scale", {}).items()},
+        nets={num(float(t), 0.0, 1e3): _net_of(net) for t, net in d.get("nets", {}).items()})
+
+
+def _net_json(net: N.NetState) -> dict:
+    """The net's measurements (safety_net.remembered: the run under way is a session's, not kept)."""
+    return {arm: list(astuple(net.sums(arm))) for arm in NET_SUMS} | {
+        name: list(astuple(getattr(net, name))) for name in NET_COSTS}
+
+
+def _net_of(d: Mapping) -> N.NetState:
+    sums = {arm: N.Sums(*(num(x, 0.0, MAX_COUNT) for x in _fields(d[arm], len(fields(N.Sums)))))
+            for arm in NET_SUMS}
+    costs = {name: N.Cost(*(num(x, 0.0, MAX_COUNT) for x in _fields(d[name], len(fields(N.Cost)))))
+             for name in NET_COSTS}
+    return N.NetState(**sums, **costs)
+
+
+def _fields(values, n: int) -> list:
+    if len(values) != n:
+        raise ValueError(f"{len(values)} values where {n} are kept")
+    return list(values)
 
 
 def _models_json(s: ModelsState) -> dict:

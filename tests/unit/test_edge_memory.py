@@ -17,6 +17,7 @@ from specdec.common.modes import Mode
 from specdec.common.settings import resolve
 from specdec.common.stats import RoundRecord
 from specdec.device import edge_memory
+from specdec.device import safety_net as N
 from specdec.device import tracker_state as TS
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
 from specdec.device.rounds import RoundEvent, RoundPlan
@@ -87,13 +88,33 @@ def test_the_remembered_record_round_trips_through_json() -> None:
     """tracker_state's pair: what a tracker knows, written and read back, is the same record; a
     malformed field is a ValueError (the memory is then ignored), never a half-restored tracker."""
     state = warm_tracker().snapshot()
-    assert state.link is not None and state.models.temperatures
+    assert state.link is not None and state.models.temperatures and state.link.nets[1.0].spec.rounds > 0
     assert TS.from_json(json.loads(json.dumps(TS.to_json(state)))) == state
     assert TS.from_json({"link": None, "models": None}) == TS.TrackerState()
     broken = TS.to_json(state)
     broken["models"]["temperatures"]["1.0"]["sigma"] = {"tslt:256": 2.0}  # a TV above 1
     with pytest.raises(ValueError):
         TS.from_json(broken)
+    for damaged in ([1.0, 2.0], [1.0, -2.0, 3.0, 4.0, 5.0]):  # a field missing, a negative time
+        broken = TS.to_json(state)
+        broken["link"]["nets"]["1.0"]["spec"] = damaged
+        with pytest.raises(ValueError):
+            TS.from_json(broken)
+
+
+def test_a_new_process_starts_the_safety_net_from_the_last_ones_measurements(tmp_path) -> None:
+    """What edge-only and drafted rounds delivered (mode auto's safety net) comes back as this process's
+    sessions would have started from it, less the run under way; measured by another drafter, it
+    does not (its drafted rounds' speed was that drafter's)."""
+    policy, _ = poor_session()
+    edge_memory.save(policy.tracker, EDGE, "drafter-a", tmp_path)
+    same, other = LinkTracker(), LinkTracker()
+    assert edge_memory.load(same, EDGE, "drafter-a", tmp_path) == ["link", "models"]
+    assert edge_memory.load(other, EDGE, "drafter-b", tmp_path) == ["link"]
+    here = AutoPolicy(policy.tracker, HELLO, V).net  # a new session of the process that measured it
+    assert here.spec.rounds > 0 and here.edge.rounds > 0 and here.spec_probe.count > 0
+    assert AutoPolicy(same, HELLO, V).net == replace(here, last_arm=None, run_s=0.0, run_rounds=0)
+    assert AutoPolicy(other, HELLO, V).net == N.NetState()
 
 
 def test_an_old_link_is_forgotten_before_the_models(tmp_path) -> None:
