@@ -495,17 +495,19 @@ class AutoPolicy:
         self.net = tracker.net_start(hello.temperature)  # what each arm delivered (the safety net)
         self._last_t = 0.0            # when the last round was committed (session seconds)
 
-    def choose(self, in_flight: RoundPlan | None = None) -> RoundPlan:
+    def choose(self, in_flight: RoundPlan | None = None, remaining: int | None = None) -> RoundPlan:
         """The next round's plan, from what committed rounds taught the tracker: the model's pick, unless
         the safety net calls the other arm (edge-only or drafted) or a link probe is due. ``in_flight``:
         the plan of a round not yet committed that this one follows (drafted or sent ahead): the net
-        counts it among the rounds run (an exploration drafted ahead would run a round longer)."""
+        counts it among the rounds run (an exploration drafted ahead would run a round longer).
+        ``remaining``: the tokens the session still wants after those (None: not known): no exploration
+        that the session's end would cut short."""
         e = self.tracker.estimates(self.hello.temperature, self.vocab_size, self.acceptance,
                                    self.hello.draft.dssd_fallback_top_k, self.dssd_samples, self.gumbel)
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
         cold = (self.rounds == 0 and self.tracker.config.cold_start and not self.tracker.known
                 and A.Candidate(Mode.NONE) in self.candidates)
-        net = None if cold else self._net_call(pick, ranking, in_flight)
+        net = None if cold else self._net_call(pick, ranking, in_flight, remaining)
         if cold:
             pick = next(p for p in ranking if p.candidate.mode is Mode.NONE)
         elif net is not None and net.why is not None:
@@ -519,8 +521,8 @@ class AutoPolicy:
                          decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk,
                          edge_tail=0 if catch_up else self.tracker.config.edge_chunk_min)
 
-    def _net_call(self, pick: A.Prediction, ranking: list[A.Prediction],
-                  in_flight: RoundPlan | None) -> N.NetCall | None:
+    def _net_call(self, pick: A.Prediction, ranking: list[A.Prediction], in_flight: RoundPlan | None,
+                  remaining: int | None) -> N.NetCall | None:
         """The safety net's arm for the next round (None where one arm is not among the candidates)."""
         edge = next((p for p in ranking if p.candidate.mode is Mode.NONE), None)
         spec = next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
@@ -529,7 +531,7 @@ class AutoPolicy:
         model_arm = N.EDGE if pick.candidate.mode is Mode.NONE else N.SPEC
         flying = None if in_flight is None else N.EDGE if in_flight.settings.mode is Mode.NONE else N.SPEC
         return N.call(self.net, self.net_config, N.ArmPrior(edge.tokens, edge.seconds),
-                      N.ArmPrior(spec.tokens, spec.seconds), model_arm, flying)
+                      N.ArmPrior(spec.tokens, spec.seconds), model_arm, flying, remaining)
 
     def begin(self, plan: RoundPlan) -> None:
         """A round is drafted with ``plan`` (hysteresis keeps to it)."""

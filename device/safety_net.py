@@ -239,14 +239,16 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
 
 
 def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str,
-         in_flight: str | None = None) -> NetCall:
+         in_flight: str | None = None, remaining: int | None = None) -> NetCall:
     """The arm of the next round, given the model's predictions for both (the priors) and its pick: the
     model's arm unless what the arms delivered says, by ``confidence`` standard errors, that the other
     is faster (drafting counted ``margin`` slower): a few unlucky rounds (a text rejected at depth 1
     three times) must not override a model that is right, and a model that is wrong is overridden as
     soon as the rounds say so. ``in_flight``: the arm of a round planned but not committed yet (this one
     is planned ahead of its verdict): it counts in the run, so an exploration runs its rounds, not one
-    more drafted ahead."""
+    more drafted ahead. ``remaining``: the tokens the session still wants (None: not known); an
+    exploration starts only if its rounds fit in them, since one cut short by the session's end pays
+    its switch and measures nothing."""
     r_edge = state.edge.rate(edge.rate, cfg.prior_rounds)
     r_spec = state.spec.rate(spec.rate, cfg.prior_rounds)
     se = math.hypot(state.edge.stderr(r_edge, cfg.prior_rounds, cfg.prior_cv),
@@ -263,11 +265,19 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
         last, runs = in_flight, (runs + 1 if in_flight == last else 1)
     if last == other and runs < (cfg.probe_rounds if other == SPEC else 1):
         arm, why = other, "explore"         # an exploration's rounds not all run yet
-    elif last is not None and last != other and due <= 0:
+    elif last is not None and last != other and due <= 0 and fits(cfg, other, edge, spec, remaining):
         arm, why = other, "explore"
     else:
         arm, why = better, None if better == model_arm else "net"
     return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf)
+
+
+def fits(cfg: NetConfig, arm: str, edge: ArmPrior, spec: ArmPrior, remaining: int | None) -> bool:
+    """Whether an exploration of ``arm`` (its rounds as the model predicts them) fits in ``remaining``
+    tokens (None: no end known)."""
+    if remaining is None:
+        return True
+    return remaining >= (cfg.probe_rounds * spec.tokens if arm == SPEC else edge.tokens)
 
 
 def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec: ArmPrior, r_edge: float,

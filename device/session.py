@@ -85,6 +85,7 @@ class DraftSession:
         self.edge_hint: int | None = None  # the edge's advised longest draft at its load (last committed verdict)
         self._advised_edge_only = 0       # edge-only rounds in a row committed under an advice of 0
         self.tokens: list[int] = []
+        self.prompt_len = 0               # of self.tokens, the prompt's (start)
         self.logprobs: list[TokenLogprob] = []  # of the generated tokens, in order, if the Hello asked
         self.round_id = 0
         self.stats = SpecStats()          # the session's one account of its rounds
@@ -122,12 +123,16 @@ class DraftSession:
         plan = self.choose(in_flight=rd.plan)
         return plan if chain.can_draft_ahead(plan.settings) else None
 
-    def choose(self, in_flight: RoundPlan | None = None) -> RoundPlan:
+    def choose(self, in_flight: RoundPlan | None = None, remaining: int | None = None) -> RoundPlan:
         """The policy's plan (mode auto) or the planner's, drafting no longer than the edge advised at
         its load (0: an edge-only round, longer the longer the advice stays 0), except where that would
         change a reproducible session's tokens. ``in_flight``: the plan of the round not yet committed
-        that this one follows (planned ahead), which mode auto counts among the rounds it has run."""
-        plan = (self.policy.choose(in_flight) if self.policy is not None
+        that this one follows (planned ahead), which mode auto counts among the rounds it has run.
+        ``remaining``: the tokens still wanted after it (default: after the committed ones, less one
+        for a round in flight)."""
+        if remaining is None:
+            remaining = self.hello.max_new_tokens - (len(self.tokens) - self.prompt_len) - (in_flight is not None)
+        plan = (self.policy.choose(in_flight, max(0, remaining)) if self.policy is not None
                 else self.parts.planner.plan(self.hello, self.vocab_size, self.round_id))
         if self.fixed_cuts and plan.settings.mode not in RACE_MODES:
             return plan
@@ -191,7 +196,7 @@ class DraftSession:
         if (not self.draft_ahead_requested or remaining < 1 or self._sent_ahead is not None
                 or (rd.plan.choice or {}).get("catch_up") or self._next is not None):
             return None
-        plan = self.choose(in_flight=rd.plan)
+        plan = self.choose(in_flight=rd.plan, remaining=remaining)
         if plan.settings.mode is not Mode.NONE:
             return None  # planned again after rd's last token, from what rd taught
         self._sent_ahead = edge_only.draft_after(self, rd, plan, remaining)

@@ -35,7 +35,7 @@ class RandomAuto(AutoPolicy):
     Half the plans keep the last round's choice; half the edge-only rounds let the drafter catch up
     while they stream (a drafter cache fed in another thread, between rounds)."""
 
-    def choose(self, in_flight=None):
+    def choose(self, in_flight=None, remaining=None):
         rng = random.Random(self.hello.seed * 1000 + len(self.last_choices))
         keep = self.current is not None and rng.random() < 0.5
         c = self.current if keep else rng.choice(self.candidates)

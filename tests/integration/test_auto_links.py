@@ -31,7 +31,7 @@ class MeasuresWithDense(AutoPolicy):
     """The controller's measurements, with every round drafted dense (1 KB per token here): rounds of
     known, varied size (L = 1-3) for the link fit to read."""
 
-    def choose(self, in_flight=None):
+    def choose(self, in_flight=None, remaining=None):
         c = Candidate(Mode.DENSE, 1 + len(self.tracker.link.samples) % 3)
         return RoundPlan(self.settings_for(c, 0), choice={"mode": "dense"}, decision=AutoDecision(c, None))
 

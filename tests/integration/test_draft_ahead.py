@@ -125,8 +125,8 @@ class AheadVarying(WhiteBox):
         super().__init__(drafter, hello)
         self.planned: list[tuple[int, int]] = []  # (draft length planned ahead, length the round ran with)
 
-    def choose(self, in_flight=None):
-        plan = super().choose(in_flight)
+    def choose(self, in_flight=None, remaining=None):
+        plan = super().choose(in_flight, remaining)
         return replace(plan, settings=replace(plan.settings, draft_len=LENGTHS[len(self.tokens) % len(LENGTHS)]))
 
     def draft(self, plan, max_tokens):

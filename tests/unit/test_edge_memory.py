@@ -227,14 +227,15 @@ def test_edge_only_rounds_measure_the_round_trip_by_their_first_token() -> None:
 
 
 # -- exploring -------------------------------------------------------------------------------------
-def poor_session(explore_cost: float = 0.05) -> tuple[AutoPolicy, list]:
-    """A session whose drafter is never right, driven for 60 rounds: (policy, [(settings, choice)])."""
+def poor_session(explore_cost: float = 0.05, remaining: int | None = None) -> tuple[AutoPolicy, list]:
+    """A session whose drafter is never right, driven for 60 rounds: (policy, [(settings, choice)]).
+    ``remaining``: the tokens the session says it still wants before each round (None: not told)."""
     tracker = warm_tracker(accepted=0)
     tracker.config = replace(tracker.config, net=replace(tracker.config.net, explore_cost=explore_cost))
     policy = AutoPolicy(tracker, HELLO, V)
     log = []
     for _ in range(60):
-        plan = policy.choose()
+        plan = policy.choose(remaining=remaining)
         s = plan.settings
         log.append((s, plan.choice))
         commit(policy, s, edge_only(s.edge_tokens) if s.mode is Mode.NONE else drafted(s, 0), plan.choice)
@@ -262,6 +263,13 @@ def test_edge_only_sessions_keep_exploring_at_a_bounded_cost() -> None:
     # pricier exploring is rarer
     _, cheap = poor_session(explore_cost=0.2)
     assert sum(c["why"] == "explore" for _, c in cheap) > len(explores)
+
+
+def test_a_sessions_last_tokens_start_no_exploration() -> None:
+    """The session's remaining tokens reach the net: with fewer left than a drafted exploration's
+    rounds deliver, none starts (the same session told nothing explores)."""
+    told = [c["why"] for _, c in poor_session(remaining=1)[1]]
+    assert "explore" in [c["why"] for _, c in poor_session()[1]] and "explore" not in told
 
 
 def test_exploring_is_a_function_of_committed_rounds_only() -> None:

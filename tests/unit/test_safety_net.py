@@ -325,3 +325,23 @@ def test_a_round_planned_ahead_counts_the_round_in_flight() -> None:
     # the exploration's first round in flight: its second is planned ahead as exploring too
     before = replace(state, last_arm=N.EDGE, run_s=1e6, run_rounds=9)
     assert N.call(before, CFG, edge, spec, N.EDGE, in_flight=N.SPEC).why == "explore"
+
+
+def test_no_exploration_starts_that_the_sessions_end_would_cut_short() -> None:
+    """An exploration due (the run paid for it) starts only if its rounds fit in the tokens the session
+    still wants: cut short, it pays its switch and measures nothing. An exploration under way goes on."""
+    edge, spec = N.ArmPrior(32, 32 / 12), N.ArmPrior(4, 4 / 6)
+    due = N.NetState(edge=N.Sums().plus(32, 32 / 12, CFG.discount), spec=N.Sums().plus(4, 4 / 6, CFG.discount),
+                     last_arm=N.EDGE, run_s=1e6, run_rounds=9)
+    drafted_probe = CFG.probe_rounds * spec.tokens
+    assert N.call(due, CFG, edge, spec, N.EDGE).why == "explore"                            # no end known
+    assert N.call(due, CFG, edge, spec, N.EDGE, remaining=drafted_probe).why == "explore"
+    assert N.call(due, CFG, edge, spec, N.EDGE, remaining=drafted_probe - 1).arm == N.EDGE
+    under_way = replace(due, last_arm=N.SPEC, run_s=0.8, run_rounds=1)
+    assert N.call(under_way, CFG, edge, spec, N.EDGE, remaining=1).why == "explore"
+    # the other way (drafting twice as fast): an edge-only exploration needs its round's tokens
+    edge, spec = N.ArmPrior(32, 32 / 6), N.ArmPrior(4, 4 / 12)
+    drafting = N.NetState(edge=N.Sums().plus(32, 32 / 6, CFG.discount), spec=N.Sums().plus(4, 4 / 12, CFG.discount),
+                          last_arm=N.SPEC, run_s=1e6, run_rounds=9)
+    assert N.call(drafting, CFG, edge, spec, N.SPEC, remaining=32).arm == N.EDGE
+    assert N.call(drafting, CFG, edge, spec, N.SPEC, remaining=31).arm == N.SPEC
