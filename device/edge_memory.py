@@ -9,7 +9,8 @@ part (round trip, goodput, the edge's forward times) describes where the device 
 LINK_TTL_S (Linux forgets a destination's metrics after an hour, TCP_METRICS_TIMEOUT). The model part
 (acceptance of this drafter with this edge's target, the drafter's speed) is per drafter and kept for
 MODEL_TTL_S. Mode auto's safety net (what edge-only and drafted rounds delivered, device/safety_net.py)
-depends on both: it is kept with the link, for the drafter that measured it only. Everything in it was learned from committed rounds (RoundEvents) only.
+depends on both: it is kept with the link, for the drafter that measured it only. Everything in it
+was learned from committed rounds (RoundEvents) only.
 
 Robust: a file that is missing, unreadable, of another version or malformed in any field is ignored
 (the device starts cold and overwrites it); writers take an exclusive lock on a side file, merge

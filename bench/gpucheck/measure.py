@@ -274,7 +274,8 @@ def scheduler_probe(model, device: torch.device, vocab: int, steps: int = PROBE_
         for _ in range(PROFILED_STEPS):
             one()
         sync(device)
-    out["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS).splitlines()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
+    out["profile"] = table.splitlines()
     seen: list[float] = []
     sched = ForwardScheduler(BatchSettings(), observer=lambda s: seen.append(s.forward_seconds), pool=pool,
                              device=device)
