@@ -207,7 +207,7 @@ def test_auto_advised_edge_only_asks_for_rounds_its_boundary_model_pays_for(tiny
 
 # -- same seed, same tokens (factory.DeviceConfig.reproducible) -------------------------------------------
 SEEDED = tuple(range(8))
-SEEDED_TOKENS = 24
+SEEDED_TOKENS = 40
 
 
 def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, factory=None):
@@ -235,7 +235,7 @@ def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, facto
 def _device_factory(cfg):
     """Sessions as the device makes them (factory.new_session). Mode auto: every default candidate,
     drafting whenever it might pay (on loopback edge-only rounds are cheap: without exploring it would
-    seldom draft), edge-only rounds of at most 8 tokens (a session of 24 has rounds to explore in; a
+    seldom draft), edge-only rounds of at most 8 tokens (a session of 40 has rounds to explore in, explorations that fit; a
     longer chunk would take the session's tail with it), each session with a fresh memory of the link."""
     from specdec.device.auto import AutoConfig, LinkTracker
     from specdec.device.factory import new_session
