@@ -235,8 +235,9 @@ def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, facto
 def _device_factory(cfg):
     """Sessions as the device makes them (factory.new_session). Mode auto: every default candidate,
     drafting whenever it might pay (on loopback edge-only rounds are cheap: without exploring it would
-    seldom draft), edge-only rounds of at most 8 tokens (a session of 40 has rounds to explore in, explorations that fit; a
-    longer chunk would take the session's tail with it), each session with a fresh memory of the link."""
+    seldom draft), edge-only rounds of at most 8 tokens (a session of 40 has rounds to explore in, with
+    explorations that fit; a longer chunk would take the session's tail with it), each session with a
+    fresh memory of the link."""
     from specdec.device.auto import AutoConfig, LinkTracker
     from specdec.device.factory import new_session
     return lambda drafter, hello: new_session(cfg, drafter, hello, LinkTracker(AutoConfig(
