@@ -265,19 +265,20 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
         last, runs = in_flight, (runs + 1 if in_flight == last else 1)
     if last == other and runs < (cfg.probe_rounds if other == SPEC else 1):
         arm, why = other, "explore"         # an exploration's rounds not all run yet
-    elif last is not None and last != other and due <= 0 and fits(cfg, other, edge, spec, remaining):
+    elif last is not None and last != other and due <= 0 and fits(cfg, other, spec, remaining):
         arm, why = other, "explore"
     else:
         arm, why = better, None if better == model_arm else "net"
     return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf)
 
 
-def fits(cfg: NetConfig, arm: str, edge: ArmPrior, spec: ArmPrior, remaining: int | None) -> bool:
-    """Whether an exploration of ``arm`` (its rounds as the model predicts them) fits in ``remaining``
-    tokens (None: no end known)."""
-    if remaining is None:
+def fits(cfg: NetConfig, arm: str, spec: ArmPrior, remaining: int | None) -> bool:
+    """Whether an exploration of ``arm`` fits in ``remaining`` tokens (None: no end known): a drafted
+    one's rounds as the model predicts them (its first only catches the drafter up); an edge-only one
+    always (a shorter round still measures how edge-only streams)."""
+    if remaining is None or arm == EDGE:
         return True
-    return remaining >= (cfg.probe_rounds * spec.tokens if arm == SPEC else edge.tokens)
+    return remaining >= cfg.probe_rounds * spec.tokens
 
 
 def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec: ArmPrior, r_edge: float,
