@@ -44,6 +44,8 @@ from dataclasses import dataclass, replace
 
 EDGE, SPEC = "edge", "spec"  # the arms, named as their sums in NetState
 PROBE_COST = {SPEC: "spec_probe", EDGE: "edge_probe"}  # NetState's field of what exploring each arm cost
+SUMS = (EDGE, SPEC, "switch")                   # NetState's Sums: the arms' and the catch-up rounds'
+COSTS = ("edge_wait", *PROBE_COST.values())     # NetState's Costs: first-token waits, explorations
 
 
 @dataclass(frozen=True)
@@ -179,8 +181,7 @@ class NetState:
 def remembered(device: NetState) -> NetState:
     """What a new process keeps of the device's net (device/edge_memory.py): the arms' sums and the
     costs measured; not the run or an exploration under way, which were this process's."""
-    return NetState(edge=device.edge, spec=device.spec, switch=device.switch, edge_wait=device.edge_wait,
-                    spec_probe=device.spec_probe, edge_probe=device.edge_probe)
+    return NetState(**{name: getattr(device, name) for name in (*SUMS, *COSTS)})
 
 
 def start_from(device: NetState, cfg: NetConfig) -> NetState:
@@ -191,9 +192,8 @@ def start_from(device: NetState, cfg: NetConfig) -> NetState:
         return s.scaled(min(1.0, cfg.start_rounds / s.rounds)) if s.rounds > 0 else s
     def few(c: Cost) -> Cost:
         return c.scaled(min(1.0, cfg.start_rounds / c.count)) if c.count > 0 else c
-    return replace(device, edge=capped(device.edge), spec=capped(device.spec), switch=capped(device.switch),
-                   edge_wait=few(device.edge_wait), spec_probe=few(device.spec_probe),
-                   edge_probe=few(device.edge_probe))
+    return replace(device, **{name: capped(getattr(device, name)) for name in SUMS},
+                   **{name: few(getattr(device, name)) for name in COSTS})
 
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,

@@ -22,8 +22,6 @@ TIME_SCALE_MIN, TIME_SCALE_MAX = 0.5, 4.0  # bounds of the learned measured/mode
 MAX_SECONDS = 60.0       # no remembered time (round trip, forward, drafting) is longer
 MAX_BYTES = 1e9          # sizes and acceptance counts
 MAX_COUNT = 1e12         # the count of encoded q's and the largest round's bits
-NET_SUMS = (N.EDGE, N.SPEC, "switch")     # the net's arms' sums and its switches', as NetState names them
-NET_COSTS = ("edge_wait", *N.PROBE_COST.values())  # its costs: first-token waits, explorations
 Key = tuple[Mode, int]   # a codec key: (mode, K)
 Ratio = tuple[float, float]  # (hits, trials)
 
@@ -104,15 +102,14 @@ def _link_of(d: Mapping) -> LinkState:
 
 def _net_json(net: N.NetState) -> dict:
     """The net's measurements (safety_net.remembered: the run under way is a session's, not kept)."""
-    return {arm: list(astuple(net.sums(arm))) for arm in NET_SUMS} | {
-        name: list(astuple(getattr(net, name))) for name in NET_COSTS}
+    return {name: list(astuple(getattr(net, name))) for name in (*N.SUMS, *N.COSTS)}
 
 
 def _net_of(d: Mapping) -> N.NetState:
     sums = {arm: N.Sums(*(num(x, 0.0, MAX_COUNT) for x in _fields(d[arm], len(fields(N.Sums)))))
-            for arm in NET_SUMS}
+            for arm in N.SUMS}
     costs = {name: N.Cost(*(num(x, 0.0, MAX_COUNT) for x in _fields(d[name], len(fields(N.Cost)))))
-             for name in NET_COSTS}
+             for name in N.COSTS}
     return N.NetState(**sums, **costs)
 
 

@@ -237,7 +237,7 @@ def graph_probe(model, device: torch.device, batch: int, tokens: int, context: i
 # ------------------------------------------------------------------------------------ the scheduler
 PROBE_PROMPT = 32        # the capacity run's prompt length
 PROBE_STEPS = 40         # one-token forwards per way
-PROFILED_STEPS = 8       # of them, under torch.profiler (the scheduler's way)
+PROFILED_STEPS = 8       # more of the growing way's, under torch.profiler
 PROFILE_ROWS = 25
 
 
@@ -247,8 +247,9 @@ def scheduler_probe(model, device: torch.device, vocab: int, steps: int = PROBE_
     forward called here at a fixed length (the cost curve's way), the same with the length growing by
     one a forward (a session's way; on CUDA also with cuDNN's attention, which
     :func:`~specdec.common.modeling.serving_attention` turns off), and handed to a ForwardScheduler's
-    thread (the edge's way, its forward timed as the edge times it). Medians in seconds, and torch.profiler's table of a few of
-    the growing way's forwards (the ops by self CPU time: where a launch-bound forward's host time goes)."""
+    thread (the edge's way, its forward timed as the edge times it). Medians in seconds, and
+    torch.profiler's table of a few of the growing way's forwards (the ops by self CPU time: where a
+    launch-bound forward's host time goes)."""
     from specdec.edge.batching import BatchSettings, ForwardScheduler
 
     pool = SlotPool(model, device)
