@@ -5,11 +5,11 @@ import argparse
 import logging
 import sys
 
-from specdec.common.modeling import DTYPES, ModelSpec
+from specdec.common.modeling import DTYPES, ModelSpec, resolve_device
 from specdec.common.runtime import (MAX_MESSAGE_BYTES, OneLineParser, apply_threads, bounded, is_loopback,
                                     retain_freed_memory, run_async)
 from specdec.edge.admission import AdmissionSettings
-from specdec.edge.batching import DEVICE_DEFAULTS, KV_CACHES, BatchSettings
+from specdec.edge.batching import CUDA_GRAPHS, DEVICE_DEFAULTS, KV_CACHES, BatchSettings
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "cache with a row per session, read in place by every forward; 'per-session' = each "
                    "session's own, copied into each batched forward; auto = slots on CUDA, per-session on "
                    "CPU (default: %(default)s)")
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default="auto",
+                   help="replay the chain forwards of KV slots (verification rounds, edge-only tokens) from "
+                   "CUDA graphs captured per shape, instead of launching each forward's kernels; on needs "
+                   "CUDA and --kv-cache slots; auto = on where KV slots run on CUDA (default: %(default)s)")
     p.add_argument("--max-sessions", type=bounded(int, 1), default=64,
                    help="sessions held at once, detached ones waiting for a resume included")
     admit = AdmissionSettings()
@@ -99,7 +103,9 @@ def config_from_args(a) -> EdgeConfig:
                                   queue=a.admission_queue, wait_s=a.admission_wait_ms / 1000)
     batching = BatchSettings(enabled=not a.no_batching, max_batch_tokens=a.max_batch_tokens,
                              wait_s=None if a.batch_wait_ms is None else a.batch_wait_ms / 1000,
-                             kv_cache=a.kv_cache)
+                             kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs)
+    if batching.enabled or a.cuda_graphs == "on":
+        batching.resolved(resolve_device(a.device))  # a bad combination fails here, before the model loads
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
                       workers=a.workers, batching=batching, limits=limits, admission=admission, tls=tls,
                       auth_token_file=a.auth_token_file, max_message_bytes=a.max_message_bytes,

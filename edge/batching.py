@@ -55,6 +55,7 @@ class DeviceDefaults:
     max_batch_tokens: int
     wait_s: float
     kv_cache: str      # "slots" or "per-session" (edge/slots.py, edge/batched.py)
+    cuda_graphs: str   # "on" or "off": chain forwards of KV slots replayed from CUDA graphs (edge/slots.py)
 
 
 DEVICE_DEFAULTS = {
@@ -62,14 +63,17 @@ DEVICE_DEFAULTS = {
     # that full has long stopped being cheap per token. A wait of a draft packet's decode time or so;
     # a session that needs longer is not waited for. Per-session caches: memory
     # follows each session's length, and copying them costs little next to a CPU forward.
-    "cpu": DeviceDefaults(max_batch_tokens=256, wait_s=0.002, kv_cache="per-session"),
+    "cpu": DeviceDefaults(max_batch_tokens=256, wait_s=0.002, kv_cache="per-session", cuda_graphs="off"),
     # A GPU reads its weights once per forward whatever the batch: an 8B model's forward of 256
     # tokens costs ~1.9x one of a single token (vLLM on an H100), so 64 sessions x 8 tokens fit in
     # one forward; a prefill chunk of 512 tokens holds the others' rounds for ~2-3 forwards. KV
     # slots: no per-session copy in a forward, which a GPU would pay in thousands of small kernels.
-    "cuda": DeviceDefaults(max_batch_tokens=512, wait_s=0.002, kv_cache="slots"),
+    # CUDA graphs: a forward of a few tokens a session is launch-bound (an ~8B one 21-24 ms eager,
+    # 8-11 ms replayed on an H200: docs/gpu.md).
+    "cuda": DeviceDefaults(max_batch_tokens=512, wait_s=0.002, kv_cache="slots", cuda_graphs="on"),
 }
 KV_CACHES = ("auto", "slots", "per-session")
+CUDA_GRAPHS = ("auto", "on", "off")
 # A session that ran a forward this recently is load: a round trip plus drafting is ~0.05-0.5 s.
 ACTIVE_WINDOW_S = 1.0
 # A session due back is waited for up to this share of its usual gap after it was due (jitter of
@@ -95,15 +99,24 @@ class BatchSettings:
     max_batch_tokens: int | None = None             # new tokens per target forward; None: the device's default
     wait_s: float | None = None                     # longest wait of a ready forward for others; None: default
     kv_cache: str = "auto"                          # slots | per-session | auto: the device's default
+    cuda_graphs: str = "auto"                       # on | off | auto: on with slots on CUDA
 
     def resolved(self, device: torch.device | str) -> "BatchSettings":
         """These settings with every default filled in for ``device`` (DEVICE_DEFAULTS)."""
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {list(KV_CACHES)}, got {self.kv_cache!r}")
-        d = DEVICE_DEFAULTS.get(torch.device(device).type, DEVICE_DEFAULTS["cpu"])
-        return replace(self, max_batch_tokens=self.max_batch_tokens or d.max_batch_tokens,
-                       wait_s=d.wait_s if self.wait_s is None else self.wait_s,
-                       kv_cache=d.kv_cache if self.kv_cache == "auto" else self.kv_cache)
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {list(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
+        kind = torch.device(device).type
+        d = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
+        out = replace(self, max_batch_tokens=self.max_batch_tokens or d.max_batch_tokens,
+                      wait_s=d.wait_s if self.wait_s is None else self.wait_s,
+                      kv_cache=d.kv_cache if self.kv_cache == "auto" else self.kv_cache)
+        if self.cuda_graphs == "auto":
+            return replace(out, cuda_graphs=d.cuda_graphs if out.kv_cache == "slots" and out.enabled else "off")
+        if self.cuda_graphs == "on" and (kind != "cuda" or out.kv_cache != "slots" or not out.enabled):
+            raise ValueError("CUDA graphs need a CUDA device and batching with KV slots (--kv-cache slots)")
+        return out
 
 
 def wait_for_device(result: torch.Tensor) -> None:
@@ -120,7 +133,7 @@ def kv_slots(settings: BatchSettings, model: torch.nn.Module, device: torch.devi
     if not slots_supported(model):
         log.warning("this model's cache has sliding-window layers: per-session KV caches instead of slots")
         return None
-    return SlotPool(model, device)
+    return SlotPool(model, device, static="graphs" if settings.cuda_graphs == "on" else "off")
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,34 @@ A forward that fails leaves every session's length as it was: the keys it wrote 
 lengths, where no mask looks. Rows and columns grow on demand (columns in steps of
 :data:`CONTEXT_STEP`, rows by doubling), one layer at a time; memory is kept once grown.
 
+Static shapes and CUDA graphs (``static``): a GPU forward of a few tokens per session is bound by
+its ~1,000 kernel launches, not by its arithmetic (gpu-check on an H200: an ~8B forward costs the
+same 21-24 ms from 1 to 256 tokens; replayed from a CUDA graph, 8-11 ms). A graph replays fixed
+shapes and addresses, so a chain batch can also run as one static forward: the rows ``0..R-1`` (R the
+batch's highest slot + 1, rounded up to a power of two), every row ``W`` tokens wide, all the storage's
+columns. Row r's tokens sit at positions ``start_r .. start_r + W - 1`` (its length; right-padded), its
+keys at those columns, and its queries see the columns up to their position: for a session in the
+batch exactly what the dynamic plan gives its real tokens; its pad tokens and every row outside the
+batch write keys only beyond their row's length, which no mask reads (the slots' invariant), and
+their outputs are dropped. The host only fills ``[2, R, W]`` ids and positions; everything else
+(the write indices, the masks) is computed on the device from the positions, inside the graph. A
+graph per (R, columns, W), captured at its first forward: that forward's own inputs warm it up (the
+forward is idempotent: it writes the same keys where it reads them), then it is replayed; storage
+regrowth drops them all (their addresses are gone). ``static="eager"`` runs the same static forward
+without a graph: what the CPU tests check, since a graph captures exactly that code. Trees, explicit
+positions and wider forwards (prefill chunks) keep the dynamic plan.
+
 Only plain full-attention decoders fit (no sliding windows): :func:`slots_supported`.
 """
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import threading
+import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +65,16 @@ MIN_SLOTS = 4
 # A batch whose rows span at most this many times its size is read in place (the rows between come
 # along, masked); a sparser one is gathered, which copies its own rows once.
 SPAN_FACTOR = 3
+STATIC = ("off", "eager", "graphs")  # SlotPool(static=...): dynamic plans only; static shapes run
+                                     # eagerly (what a graph captures: the CPU's check); captured
+# Widest forward the static path takes: chain rounds of up to 15 drafts and edge-only tokens. Wider
+# ones are prefill chunks, whose shapes rarely repeat, and which are not launch-bound.
+STATIC_MAX_WIDTH = 16
+# Graphs kept (least recently used dropped first): rows buckets x widths x one column count. Their
+# activations share one memory pool, replayed one at a time under the forward lock.
+MAX_GRAPHS = 64
+
+log = logging.getLogger("specdec.edge")
 
 
 def slots_supported(model: torch.nn.Module) -> bool:
@@ -63,9 +93,9 @@ class SlotLM:
     def __init__(self, pool: "SlotPool"):
         self.pool = pool
         self.model, self.device = pool.model, pool.device
-        self.slot = pool._acquire()
         self.length = 0
         self.closed = False
+        self.slot = pool._acquire(self)
         # A session dropped without release() still gives its row back.
         self._finalizer = weakref.finalize(self, pool._give_back, self.slot)
 
@@ -117,11 +147,20 @@ class _Plan:
 class SlotPool:
     """The KV slots of one model: storage, the free rows, and the batched forward over them."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, static: str = "off"):
         if not slots_supported(model):
             raise ValueError("KV slots need a model of plain full-attention layers (no sliding windows)")
+        if static not in STATIC:
+            raise ValueError(f"static must be one of {list(STATIC)}, got {static!r}")
+        if static == "graphs" and torch.device(device).type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
         install_attention(model)
-        self.model, self.device = model, device
+        self.model, self.device, self.static = model, device, static
+        self._graphs: OrderedDict[tuple[int, int, int], _Graph | None] = OrderedDict()  # None: not capturable
+        self._graph_pool = None        # the captured graphs' shared memory pool, made at the first capture
+        self.graph_captures = 0
+        self.static_forwards = 0       # forwards run in static shapes (replayed or, if not captured, eager)
+        self._sessions: weakref.WeakValueDictionary[int, SlotLM] = weakref.WeakValueDictionary()  # slot -> its session
         self.keys: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
         self.values: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
         self._free: list[int] = []     # heap: the lowest free row first keeps the used ones together
@@ -137,16 +176,29 @@ class SlotPool:
         with self._rows_lock:
             return self._next - len(self._free)
 
-    def _acquire(self) -> int:
+    def _acquire(self, lm: SlotLM) -> int:
         with self._rows_lock:
             if self._free:
-                return heapq.heappop(self._free)
-            self._next += 1
-            return self._next - 1
+                slot = heapq.heappop(self._free)
+            else:
+                self._next += 1
+                slot = self._next - 1
+            self._sessions[slot] = lm
+            return slot
 
     def _give_back(self, slot: int) -> None:
         with self._rows_lock:
+            self._sessions.pop(slot, None)
             heapq.heappush(self._free, slot)
+
+    def _starts(self, rows: int) -> list[int]:
+        """The lengths of rows ``0..rows-1`` (0 for a free row): where a static forward writes each."""
+        starts = [0] * rows
+        with self._rows_lock:
+            for slot, lm in list(self._sessions.items()):
+                if slot < rows:
+                    starts[slot] = lm.length
+        return starts
 
     # -- the forward ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -177,6 +229,9 @@ class SlotPool:
 
     def _run(self, batch: list[ForwardRequest], timer: PhaseTimer | None) -> list[torch.Tensor]:
         width = max(r.num_tokens for r in batch)
+        rows = self._static_rows(batch, width)
+        if rows:
+            return self._run_static(batch, rows, width, timer)
         ids, positions, plan = _plan(batch, width, self.device)
         if timer is not None:
             timer.mark("inputs")
@@ -195,14 +250,104 @@ class SlotPool:
             timer.mark("logits")
         return [logits[b, keep - r.num_logits:] for b, r in enumerate(batch)]
 
+    # -- the static forward (see the module docstring) ---------------------------------------------
+    def _static_rows(self, batch: list[ForwardRequest], width: int) -> int:
+        """R, the rows a static forward of ``batch`` (sorted by slot) runs; 0: the dynamic plan."""
+        if self.static == "off" or width > STATIC_MAX_WIDTH or any(k is None for k in self.keys):
+            return 0  # storage is made by a first dynamic forward, when the key shape is known
+        if any(r.attend is not None or r.positions is not None for r in batch):
+            return 0
+        return max(batch[-1].lm.slot + 1, min(1 << batch[-1].lm.slot.bit_length(), self.keys[0].shape[0]))
+
+    def _run_static(self, batch: list[ForwardRequest], rows: int, width: int,
+                    timer: PhaseTimer | None) -> list[torch.Tensor]:
+        starts = self._starts(rows)
+        ids = [[0] * width for _ in range(rows)]
+        for r in batch:
+            ids[r.lm.slot][:r.num_tokens] = r.new_ids
+        positions = [list(range(s, s + width)) for s in starts]
+        inputs = torch.tensor([ids, positions], dtype=torch.long).to(self.device, non_blocking=True)
+        if timer is not None:
+            timer.mark("inputs")
+        self._grow(rows, max(starts) + width)
+        if timer is not None:
+            timer.mark("copy")
+        logits = self._static_logits((rows, self.keys[0].shape[2], width), inputs)
+        self.static_forwards += 1
+        if timer is not None:
+            timer.mark("forward")
+        # A copy, never a view: a graph's output buffer is overwritten by its next replay.
+        out = [logits[r.lm.slot, r.num_tokens - r.num_logits:r.num_tokens].to(torch.float32, copy=True)
+               for r in batch]
+        if timer is not None:
+            timer.mark("logits")
+        return out
+
+    def _static_logits(self, key: tuple[int, int, int], inputs: torch.Tensor) -> torch.Tensor:
+        """[R, W, V] logits of the static forward ``key`` = (R, columns, W) of ``inputs`` [2, R, W]."""
+        if self.static == "eager":
+            return self._static_call(key, inputs)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(key, inputs)
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        graph = self._graphs[key]
+        if graph is None:
+            return self._static_call(key, inputs)
+        graph.inputs.copy_(inputs)
+        graph.graph.replay()
+        return graph.logits
+
+    def _static_call(self, key: tuple[int, int, int], inputs: torch.Tensor) -> torch.Tensor:
+        rows, columns, width = key
+        ids, positions = inputs[0], inputs[1]
+        plan = _static_plan(positions, rows, columns, width)
+        cache = _slot_cache(self, plan)
+        with _active(plan):
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=plan.batch_mask,
+                             use_cache=True, logits_to_keep=width, **cache_kwargs(self.model, cache))
+        return out.logits
+
+    def _capture(self, key: tuple[int, int, int], inputs: torch.Tensor) -> "_Graph | None":
+        """A CUDA graph of the static forward ``key``, warmed up by this forward's own ``inputs`` (it
+        writes the keys it reads: running it again changes nothing). None if it cannot be captured:
+        that shape runs eagerly, the same code without a graph."""
+        started = time.perf_counter()
+        static_inputs = inputs.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP):  # lazy initialisations (cuBLAS handles, kernels) stay out
+                    self._static_call(key, static_inputs)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the sessions' threads may use the device meanwhile (their own streams' work
+            # is not captured and does not break the capture).
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                logits = self._static_call(key, static_inputs)
+        except Exception as exc:  # noqa: BLE001 - a shape that cannot be captured runs eagerly
+            log.warning("no CUDA graph for a slot forward of %s rows x %s columns x %s tokens: %s", *key, exc)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return None
+        self.graph_captures += 1
+        log.info("captured a CUDA graph for a slot forward of %s rows x %s columns x %s tokens in %.2f s",
+                 *key, time.perf_counter() - started)
+        return _Graph(graph, static_inputs, logits)
+
     # -- storage -------------------------------------------------------------------------------------
     def _grow(self, rows: int, columns: int) -> None:
         """Make every allocated layer hold ``rows`` slots of ``columns`` keys (layers not allocated
-        yet are made at their first write, when their shape is known)."""
+        yet are made at their first write, when their shape is known). New storage drops the graphs
+        (they hold the old one's addresses)."""
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 if t is not None and (t.shape[0] < rows or t.shape[2] < columns):
                     store[i] = _regrown(t, rows, columns)
+                    self._graphs.clear()
 
     def storage(self, layer: int, like: torch.Tensor, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s [S, H, C, D] keys and values, made on first use from a key tensor
@@ -226,6 +371,17 @@ class SlotPool:
                     if t is not None and lm.slot < t.shape[0]:
                         t[lm.slot, :, :len(indices)] = t[lm.slot].index_select(1, idx)  # a copy first
         lm.length = len(indices)
+
+
+@dataclass
+class _Graph:
+    """One captured static forward: its input buffer [2, R, W] and output logits [R, W, V]."""
+    graph: "torch.cuda.CUDAGraph"
+    inputs: torch.Tensor
+    logits: torch.Tensor
+
+
+GRAPH_WARMUP = 2  # eager runs on a side stream before a capture, as torch.cuda.graphs' docs ask
 
 
 def _grown(old: int, need: int, step: int, factor: float) -> int:
@@ -274,6 +430,18 @@ def _plan(batch: list[ForwardRequest], width: int, device: torch.device):
     return ids, positions, _Plan(lo=lo, span=span, slots_needed=hi + 1, rows=rows, gather=gather, length=length,
                                  write=torch.tensor(write, dtype=torch.long).to(device), mask=mask,
                                  batch_mask=seen)
+
+
+def _static_plan(positions: torch.Tensor, rows: int, columns: int, width: int) -> _Plan:
+    """The :class:`_Plan` of a static forward from its positions [R, W] alone, on their device (inside
+    a graph: no host work). Row r's token j goes to row r, column positions[r, j]; each query sees the
+    columns up to its position."""
+    device = positions.device
+    slot = torch.arange(rows, device=device).repeat_interleave(width)
+    source = torch.arange(width, device=device).repeat(rows)
+    mask = (torch.arange(columns, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+    return _Plan(lo=0, span=rows, slots_needed=rows, rows=None, gather=None, length=columns,
+                 write=torch.stack([slot, positions.reshape(-1), slot, source]), mask=mask, batch_mask=mask)
 
 
 def _seen(batch: list[ForwardRequest], lens: list[int], width: int, length: int, positions: torch.Tensor,

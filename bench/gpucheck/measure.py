@@ -247,10 +247,12 @@ def scheduler_probe(model, device: torch.device, vocab: int, steps: int = PROBE_
     forward called here at a fixed length (the cost curve's way), the same with the length growing by
     one a forward (a session's way; on CUDA also with cuDNN's attention, which
     :func:`~specdec.common.modeling.serving_attention` turns off), and handed to a ForwardScheduler's
-    thread (the edge's way, its forward timed as the edge times it). Medians in seconds, and
+    thread (the edge's way, its forward timed as the edge times it); on CUDA, the growing and the
+    scheduler's ways again with the forwards replayed from CUDA graphs (``*_graphs_s``, the edge's
+    default there). Medians in seconds, and
     torch.profiler's table of a few of the growing way's forwards (the ops by self CPU time: where a
     launch-bound forward's host time goes)."""
-    from specdec.edge.batching import BatchSettings, ForwardScheduler
+    from specdec.edge.batching import BatchSettings
 
     pool = SlotPool(model, device)
     lm = pool.new_lm()
@@ -277,9 +279,29 @@ def scheduler_probe(model, device: torch.device, vocab: int, steps: int = PROBE_
         sync(device)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
     out["profile"] = table.splitlines()
+    out.update(_through_scheduler(pool, lm, ids, device, steps, BatchSettings(cuda_graphs="off")))
+    lm.release()
+    if device.type == "cuda":  # the edge's CUDA default: the same forwards replayed from CUDA graphs
+        graphs = SlotPool(model, device, static="graphs")
+        lm = graphs.new_lm()
+        lm.forward(ids, 1)
+        one = lambda: graphs.forward([ForwardRequest(lm, [ids[lm.length % PROBE_PROMPT]], 1)])  # noqa: E731
+        out["growing_length_graphs_s"] = median_seconds(one, device, steps, warmup=3)
+        got = _through_scheduler(graphs, lm, ids, device, steps, BatchSettings(cuda_graphs="on"))
+        out.update({f"{k.removesuffix('_s')}_graphs_s" if k.endswith("_s") else f"{k}_graphs": v for k, v in got.items()})
+        out["graph_captures"] = graphs.graph_captures
+        lm.release()
+    return out
+
+
+def _through_scheduler(pool, lm, ids: list[int], device: torch.device, steps: int, settings) -> dict:
+    """One session's one-token forwards handed to a ForwardScheduler's thread: the median wall time
+    a forward takes for the session, and the forward as the edge times it."""
+    from specdec.edge.batching import ForwardScheduler
+
     seen: list[float] = []
-    sched = ForwardScheduler(BatchSettings(), observer=lambda s: seen.append(s.forward_seconds), pool=pool,
-                             device=device)
+    sched = ForwardScheduler(settings, observer=lambda s: seen.append(s.forward_seconds), pool=pool, device=device)
+    out: dict = {}
     try:
         with sched.working():
             step = lambda: sched.forward(ForwardRequest(lm, [ids[lm.length % PROBE_PROMPT]], 1))  # noqa: E731
@@ -289,5 +311,4 @@ def scheduler_probe(model, device: torch.device, vocab: int, steps: int = PROBE_
         out["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
         sched.stop()
-        lm.release()
     return out

@@ -112,10 +112,13 @@ def test_every_mode_at_once_equals_the_target_alone(close_pair, margin_pair, dev
                 assert session.stats.accepted_tokens > 0, f"{name}: no draft accepted"
 
 
-@pytest.mark.parametrize("kv_cache", ["per-session", "slots"])
+@pytest.mark.parametrize("kv_cache", ["per-session", "slots", "slots-graphs"])
 def test_no_batching_and_both_kv_layouts_equal_the_target_alone(close_pair, device, kv_cache) -> None:
+    """slots-graphs: the chain forwards replayed from CUDA graphs (the CUDA default), slots: launched."""
+    _graphs_need_cuda(kv_cache, device)
     target_dir, drafter_dir = close_pair
-    batching = BatchSettings(kv_cache=kv_cache)
+    batching = BatchSettings(kv_cache=kv_cache.removesuffix("-graphs"),
+                             cuda_graphs="on" if kv_cache.endswith("graphs") else "off")
 
     async def main():
         out = {}
@@ -171,14 +174,18 @@ def _alone_and_batched(model: LoadedModel, make_lm):
     return pairs, ids
 
 
-@pytest.mark.parametrize("kv_cache", ["per-session", "slots"])
+@pytest.mark.parametrize("kv_cache", ["per-session", "slots", "slots-graphs"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_forwards_equal_unbatched(close_pair, device, dtype, kv_cache) -> None:
     """Chains, a tree, one-token rows (edge-only) and a prompt in prefill chunks through the scheduler:
     each the same logits as its session alone (float32: to 1e-4; bfloat16: the same argmax where the
-    top two are apart, and logits to 3 % of their scale)."""
+    top two are apart, and logits to 3 % of their scale). slots-graphs: the chain forwards replayed
+    from CUDA graphs, and each session's next token after them too."""
+    _graphs_need_cuda(kv_cache, device)
     model = on_device(str(close_pair[0]), device, dtype)
-    pool = SlotPool(model.model, model.device) if kv_cache == "slots" else None
+    pool = None
+    if kv_cache != "per-session":
+        pool = SlotPool(model.model, model.device, static="graphs" if kv_cache == "slots-graphs" else "off")
     pairs, ids = _alone_and_batched(model, pool.new_lm if pool else lambda: CachedLM(model.model, model.device))
     spec = TreeSpec.from_config((2, 2))
     tree_nodes = ids(spec.num_nodes - 1)
@@ -204,6 +211,13 @@ def test_batched_forwards_equal_unbatched(close_pair, device, dtype, kv_cache) -
     for a, b in pairs:
         assert a.cache_len == b.cache_len
         _assert_close(a.forward([7], 1), b.forward([7], 1), dtype)
+    if kv_cache == "slots-graphs":
+        assert pool.graph_captures > 0 and any(g is not None for g in pool._graphs.values())
+
+
+def _graphs_need_cuda(kv_cache: str, device: str) -> None:
+    if kv_cache.endswith("graphs") and not device.startswith("cuda"):
+        pytest.skip("CUDA graphs need a GPU (tests/unit/test_batching.py checks the static shapes they replay on the CPU)")
 
 
 def _in_session(scheduler: ForwardScheduler, request: ForwardRequest) -> torch.Tensor:

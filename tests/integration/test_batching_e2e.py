@@ -43,15 +43,22 @@ def mean_batch(metrics: EdgeMetrics) -> tuple[float, float]:
     return count, total / max(count, 1)
 
 
-@pytest.mark.parametrize("kv_cache", ["per-session", "slots"])
-def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache) -> None:
+@pytest.mark.parametrize("kv_cache", ["per-session", "slots", "slots-static"])
+def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache, monkeypatch) -> None:
     """Both layouts of the sessions' KV caches (each session's own, or a row of one preallocated
-    cache: edge/slots.py, the GPU's default)."""
+    cache: edge/slots.py, the GPU's default); slots-static: the chain forwards in the static shapes
+    that the GPU's CUDA graphs replay, run eagerly (only a GPU replays a graph: tests/gpu)."""
     target_dir, drafter_dir = accepting_pair_v512
     metrics = EdgeMetrics()
+    pools = []
+    if kv_cache == "slots-static":
+        from specdec.edge import batching, slots
+        monkeypatch.setattr(batching, "SlotPool",
+                            lambda *a, **kw: pools.append(slots.SlotPool(*a, **{**kw, "static": "eager"})) or pools[-1])
 
     async def main():
-        async with edge(target_dir, metrics=metrics, batching=BatchSettings(kv_cache=kv_cache)) as address:
+        async with edge(target_dir, metrics=metrics,
+                        batching=BatchSettings(kv_cache=kv_cache.removesuffix("-static"))) as address:
             jobs = [run_sessions(address, drafter_dir, device_config(temperature=0.0, max_new_tokens=MAX_NEW, **kw),
                                  prompt, [0]) for kw in MIXED.values() for prompt in PROMPTS]
             return await asyncio.gather(*jobs)
@@ -68,6 +75,8 @@ def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache) 
     forwards, sessions = mean_batch(metrics)
     print(f"{forwards:.0f} forwards, {sessions:.2f} sessions per forward")
     assert sessions > 1.5, "the 18 sessions never shared a forward: batching did not run"
+    if kv_cache == "slots-static":  # most forwards are chains (trees and prompts over 16 tokens are not)
+        assert len(pools) == 1 and pools[0].static_forwards > forwards / 2, (pools, forwards)
     # every Welcome states the edge's calibrated cost curve (mode auto's prior for its verify fit)
     curve = done[0][0][1].welcome.forward_cost
     assert len(curve) >= 5 and all(seconds > 0 for _, seconds in curve) and curve[0][0] == 1, curve

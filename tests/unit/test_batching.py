@@ -38,7 +38,9 @@ def model(tmp_path_factory):
     return load_model(ModelSpec(model=str(path)))
 
 
-LAYOUTS = ("per-session", "slots")
+# slots-static: chain forwards as the static shapes a CUDA graph replays (run eagerly: the same code a
+# graph captures, which only a GPU can replay; tests/gpu replays it).
+LAYOUTS = ("per-session", "slots", "slots-static")
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -46,7 +48,7 @@ def layout(request, model):
     """How the batched side keeps its caches: a function making a new session's runner."""
     if request.param == "per-session":
         return lambda: CachedLM(model.model, model.device)
-    pool = SlotPool(model.model, model.device)
+    pool = SlotPool(model.model, model.device, static="eager" if request.param == "slots-static" else "off")
     return pool.new_lm
 
 
@@ -255,6 +257,67 @@ def test_slots_roll_back_compact_a_tree_path_and_grow(model):
         assert_same_cache(x, y)
     with pytest.raises(ValueError, match="truncate"):
         b.truncate(b.cache_len + 1)
+
+
+def test_static_forwards_equal_alone_over_rounds_with_rollbacks_idle_rows_and_freed_rows(model, monkeypatch):
+    """The static shapes a CUDA graph replays (edge/slots.py), run eagerly: rows bucketed to a power of
+    two, right-padded tokens, every storage column, sessions outside the batch and a freed row inside
+    the rows read. Over rounds of drafts with rollbacks (a verdict keeps a prefix of each round), each
+    session's logits and cache equal its own alone; those outside a round's batch are untouched."""
+    from specdec.edge.slots import STATIC_MAX_WIDTH, SlotPool as Pool
+
+    widths = []
+    real_call = Pool._static_call
+    monkeypatch.setattr(Pool, "_static_call", lambda self, key, inputs: widths.append(key) or real_call(self, key, inputs))
+    gen = torch.Generator().manual_seed(17)
+    pool = SlotPool(model.model, model.device, static="eager")
+    pairs = [twins(model, ids(gen, 2 + 3 * i), pool.new_lm) for i in range(7)]
+    pairs[4][1].release()  # a free row below the highest: read, written beyond nothing, dropped
+    live = [p for i, p in enumerate(pairs) if i != 4]
+    widths.clear()  # the twins' prefixes ran static too, on fewer rows
+    for step in range(12):
+        members = [i for i in range(len(live)) if torch.rand((), generator=gen) < 0.6] or [step % len(live)]
+        news = [ids(gen, 1 + int(torch.randint(0, 6, (), generator=gen))) for _ in members]
+        before = {i: [(k.clone(), v.clone()) for k, v in kv(live[i][1])] for i in range(len(live)) if i not in members}
+        alone = [live[i][0].forward(n, len(n)) for i, n in zip(members, news)]
+        batched = forward_batch([ForwardRequest(live[i][1], n, len(n)) for i, n in zip(members, news)])
+        for x, y in zip(alone, batched):
+            torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+        for i, n in zip(members, news):  # the verdict: keep the cache up to a prefix of the round
+            keep = live[i][0].cache_len - int(torch.randint(0, len(n) + 1, (), generator=gen))
+            for lm in live[i]:
+                lm.truncate(keep)
+        for i, old in before.items():
+            for (k, v), (k0, v0) in zip(kv(live[i][1]), old):
+                assert torch.equal(k, k0) and torch.equal(v, v0)
+    for a, b in live:
+        assert_same_cache(a, b)
+    assert len(widths) == 12 and all(width <= STATIC_MAX_WIDTH for _, _, width in widths)
+    assert {rows for rows, _, _ in widths} <= {4, 8}  # slots 0..6 in use: rows 0..3 or 0..7
+
+
+def test_static_shapes_leave_trees_and_prefill_chunks_to_the_dynamic_plan(model, monkeypatch):
+    from specdec.edge.slots import STATIC_MAX_WIDTH, SlotPool as Pool
+
+    calls = []
+    real_call = Pool._static_call
+    monkeypatch.setattr(Pool, "_static_call", lambda self, key, inputs: calls.append(key) or real_call(self, key, inputs))
+    gen = torch.Generator().manual_seed(18)
+    pool = SlotPool(model.model, model.device, static="eager")
+    a, b = twins(model, ids(gen, 4), pool.new_lm)  # the pool's first forward: dynamic (no storage yet)
+    long = ids(gen, STATIC_MAX_WIDTH + 1)
+    torch.testing.assert_close(a.forward(long, 2), b.forward(long, 2), atol=ATOL, rtol=0)
+    spec = TreeSpec.from_config((2, 2))
+    attend, positions = edge_tree_inputs(spec, a.cache_len, 1)
+    nodes = ids(gen, spec.num_nodes)
+    torch.testing.assert_close(a.forward_masked(nodes, attend, positions, spec.num_nodes),
+                               b.forward_masked(nodes, attend, positions, spec.num_nodes), atol=ATOL, rtol=0)
+    assert calls == []
+    chain = ids(gen, 3)
+    torch.testing.assert_close(a.forward(chain, 3), b.forward(chain, 3), atol=ATOL, rtol=0)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        SlotPool(model.model, torch.device("cpu"), static="graphs")
 
 
 def test_a_released_slot_is_reused_from_empty_and_an_ended_session_cannot_forward(model):

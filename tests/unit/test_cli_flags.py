@@ -44,6 +44,14 @@ def test_good_values_parse_to_their_types() -> None:
     assert (device.temperature, device.seed) == (0.5, 2**64 - 1)
 
 
+@pytest.mark.parametrize("args", [["--cuda-graphs", "on", "--device", "cpu"],
+                                  ["--cuda-graphs", "on", "--device", "cpu", "--kv-cache", "slots"]])
+def test_cuda_graphs_on_a_cpu_is_one_line_before_the_model_loads(args, capsys) -> None:
+    assert edge_cli.main(["--model", "/nonexistent", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["edge-server: error: CUDA graphs need a CUDA device and batching with KV slots (--kv-cache slots)"]
+
+
 def test_the_law_flags_make_one_logit_adjust() -> None:
     args = device_cli.build_parser().parse_args([*DEVICE, "--logit-bias", '{"7": -100, "3": 2.5}', "--presence-penalty",
                                                  "0.5", "--repetition-penalty", "1.2", "--target-min-p", "0.1"])

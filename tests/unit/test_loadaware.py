@@ -189,3 +189,14 @@ def test_the_scheduler_defaults_follow_the_device() -> None:
     assert (given.max_batch_tokens, given.wait_s, given.kv_cache) == (64, 0.0, "slots")
     with pytest.raises(ValueError, match="kv_cache"):
         BatchSettings(kv_cache="paged").resolved("cpu")
+    # CUDA graphs: on where slots run on CUDA, off elsewhere; asked for where they cannot run, an error
+    assert (cpu.cuda_graphs, gpu.cuda_graphs) == ("off", "on")
+    assert BatchSettings(kv_cache="per-session").resolved("cuda").cuda_graphs == "off"
+    assert BatchSettings(cuda_graphs="off").resolved("cuda").cuda_graphs == "off"
+    for settings, device in ((BatchSettings(cuda_graphs="on", kv_cache="slots"), "cpu"),
+                             (BatchSettings(cuda_graphs="on", kv_cache="per-session"), "cuda"),
+                             (BatchSettings(cuda_graphs="on", enabled=False), "cuda")):
+        with pytest.raises(ValueError, match="CUDA graphs need"):
+            settings.resolved(device)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        BatchSettings(cuda_graphs="yes").resolved("cuda")
