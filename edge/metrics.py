@@ -23,6 +23,10 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
   ``rate(specdec_edge_batch_forward_seconds_count[$__rate_interval])``,
   ``rate(specdec_edge_batch_sessions_sum[$__rate_interval]) / rate(specdec_edge_batch_sessions_count[$__rate_interval])``,
   ``rate(specdec_edge_batch_tokens_sum[$__rate_interval]) / rate(specdec_edge_batch_tokens_count[$__rate_interval])``
+- share of target forwards run in static shapes, and replayed from CUDA graphs (by ``graph``:
+  ``captured`` = the first forward of its shape, which pays the capture; ``replayed``):
+  ``rate(specdec_edge_batch_static_forwards_total[$__rate_interval]) / rate(specdec_edge_batch_forward_seconds_count[$__rate_interval])``,
+  ``sum by (graph) (rate(specdec_edge_batch_cuda_graph_forwards_total[$__rate_interval]))``
 - share of the edge's time in target forwards (1 = the target never idles):
   ``rate(specdec_edge_batch_forward_seconds_sum[$__rate_interval])``
 - seconds spent verifying the rounds the forwards served (batch tensor work) per second of forwards:
@@ -63,6 +67,7 @@ BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Advised draft lengths: 0 (edge-only) up to the edge's --max-draft-len (32).
 HINT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 FALLBACK_REPLIES = ("head", "whole")
+GRAPH_OUTCOMES = ("captured", "replayed")  # BatchStats.graph
 BATCH_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -95,6 +100,13 @@ class EdgeMetrics(SpecMetrics):
                                            "within the last second (the load draft advice is for)", **self.kw)
         self.batch_forward = Histogram("batch_forward_seconds", "Duration of one (batched) target forward",
                                        buckets=PHASE_BUCKETS, **self.kw)
+        self.batch_static = Counter("batch_static_forwards", "Target forwards run in static shapes (KV "
+                                    "slots' chain forwards: what a CUDA graph replays)", **self.kw)
+        self.batch_graphs = Counter("batch_cuda_graph_forwards", "Target forwards replayed from a CUDA graph, "
+                                    "by whether its graph was captured for it first (the first forward "
+                                    "of a shape) or already held", ["graph"], **self.kw)
+        for graph in GRAPH_OUTCOMES:
+            self.batch_graphs.labels(graph)
         self.batch_verify = Histogram("batch_verify_seconds", "Duration of verifying the rounds drafted in "
                                       "one (batched) target forward, all together", buckets=PHASE_BUCKETS,
                                       **self.kw)
@@ -146,6 +158,10 @@ class EdgeMetrics(SpecMetrics):
         self.batch_sessions.observe(b.sessions)
         self.batch_tokens.observe(b.tokens)
         self.batch_forward.observe(b.forward_seconds)
+        if b.static:
+            self.batch_static.inc()
+        if b.graph:
+            self.batch_graphs.labels(b.graph).inc()
         if b.rounds:
             self.batch_verify.observe(b.verify_seconds)
         for seconds in b.queue_seconds:

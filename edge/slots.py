@@ -160,6 +160,7 @@ class SlotPool:
         self._graph_pool = None        # the captured graphs' shared memory pool, made at the first capture
         self.graph_captures = 0
         self.static_forwards = 0       # forwards run in static shapes (replayed or, if not captured, eager)
+        self.graph_replays = 0         # of which replayed from a CUDA graph
         self._sessions: weakref.WeakValueDictionary[int, SlotLM] = weakref.WeakValueDictionary()  # slot -> its session
         self.keys: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
         self.values: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
@@ -297,6 +298,7 @@ class SlotPool:
             return self._static_call(key, inputs)
         graph.inputs.copy_(inputs)
         graph.graph.replay()
+        self.graph_replays += 1
         return graph.logits
 
     def _static_call(self, key: tuple[int, int, int], inputs: torch.Tensor) -> torch.Tensor:
