@@ -144,9 +144,10 @@ def measure_model(result: dict, plan: Plan, deadline: float, workdir: Path, say,
         f"{_ms(s.get('scheduler_forward_s'))} through the scheduler ({_ms(s.get('scheduler_wall_s'))} "
         f"handed in to answer){' ' + s['error'] if 'error' in s else ''}")
     if "growing_length_graphs_s" in s:
+        error = f" {s['error_graphs']}" if "error_graphs" in s else ""
         say(f"  from CUDA graphs ({s.get('graph_captures')} captured): {_ms(s.get('growing_length_graphs_s'))} "
             f"growing, {_ms(s.get('scheduler_forward_graphs_s'))} through the scheduler "
-            f"({_ms(s.get('scheduler_wall_graphs_s'))} handed in to answer){' ' + s['error_graphs'] if 'error_graphs' in s else ''}")
+            f"({_ms(s.get('scheduler_wall_graphs_s'))} handed in to answer){error}")
     save()
     model_dir = workdir / name
     result["checkpoint"] = models.save(model, shape, model_dir)

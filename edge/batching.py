@@ -432,6 +432,7 @@ def _pool_counts(pool: SlotPool | None) -> tuple[int, int, int]:
     """A slot pool's static forwards, graph replays and graph captures so far (zeros without one)."""
     return (0, 0, 0) if pool is None else (pool.static_forwards, pool.graph_replays, pool.graph_captures)
 
+
 def chunks(r: ForwardRequest, size: int) -> list[ForwardRequest]:
     """A causal request longer than a batch of ``size`` tokens, split in order; only the last chunk,
     which holds every position whose logits are asked for, returns logits. Trees are never split."""

@@ -288,7 +288,9 @@ def scheduler_probe(model, device: torch.device, vocab: int, steps: int = PROBE_
         one = lambda: graphs.forward([ForwardRequest(lm, [ids[lm.length % PROBE_PROMPT]], 1)])  # noqa: E731
         out["growing_length_graphs_s"] = median_seconds(one, device, steps, warmup=3)
         got = _through_scheduler(graphs, lm, ids, device, steps, BatchSettings(cuda_graphs="on"))
-        out.update({f"{k.removesuffix('_s')}_graphs_s" if k.endswith("_s") else f"{k}_graphs": v for k, v in got.items()})
+        # scheduler_wall_s -> scheduler_wall_graphs_s, error -> error_graphs
+        out.update({f"{k.removesuffix('_s')}_graphs_s" if k.endswith("_s") else f"{k}_graphs": v
+                    for k, v in got.items()})
         out["graph_captures"] = graphs.graph_captures
         lm.release()
     return out

@@ -217,7 +217,8 @@ def test_batched_forwards_equal_unbatched(close_pair, device, dtype, kv_cache) -
 
 def _graphs_need_cuda(kv_cache: str, device: str) -> None:
     if kv_cache.endswith("graphs") and not device.startswith("cuda"):
-        pytest.skip("CUDA graphs need a GPU (tests/unit/test_batching.py checks the static shapes they replay on the CPU)")
+        pytest.skip("CUDA graphs need a GPU (tests/unit/test_batching.py checks the static shapes they "
+                    "replay on the CPU)")
 
 
 def _in_session(scheduler: ForwardScheduler, request: ForwardRequest) -> torch.Tensor:

@@ -158,7 +158,8 @@ def test_testbed_rate_and_delay_are_what_a_transfer_measures() -> None:
             m = _measure(address, 500_000, 1_000_000, probes=12, ns=tb.pair.device_ns, transfers=3)
         finally:
             procs.stop_all(started)
-    print(f"transfers up {[round(t['bps']) for t in m['up_transfers']]} down {[round(t['bps']) for t in m['down_transfers']]}")
+    print("transfers (bit/s): " + ", ".join(f"{side} {[round(t['bps']) for t in m[f'{side}_transfers']]}"
+                                            for side in ("up", "down")))
     print(f"shaper={tb.shaper} up={m['up']['bps']:.0f} bit/s down={m['down']['bps']:.0f} bit/s "
           f"up_delay={m['up_delay_s'] * 1e3:.2f} ms down_delay={m['down_delay_s'] * 1e3:.2f} ms "
           f"(medians {m['up_delay_median_s'] * 1e3:.2f} / {m['down_delay_median_s'] * 1e3:.2f} ms)")

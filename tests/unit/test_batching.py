@@ -259,16 +259,26 @@ def test_slots_roll_back_compact_a_tree_path_and_grow(model):
         b.truncate(b.cache_len + 1)
 
 
-def test_static_forwards_equal_alone_over_rounds_with_rollbacks_idle_rows_and_freed_rows(model, monkeypatch):
+@pytest.fixture
+def static_keys(monkeypatch) -> list[tuple[int, int, int]]:
+    """The (rows, columns, width) of every static forward run while the test runs."""
+    from specdec.edge.slots import SlotPool as Pool
+
+    keys: list[tuple[int, int, int]] = []
+    real_call = Pool._static_call
+    monkeypatch.setattr(Pool, "_static_call",
+                        lambda self, key, inputs: keys.append(key) or real_call(self, key, inputs))
+    return keys
+
+
+def test_static_forwards_equal_alone_over_rounds_with_rollbacks_idle_rows_and_freed_rows(model, static_keys):
     """The static shapes a CUDA graph replays (edge/slots.py), run eagerly: rows bucketed to a power of
     two, right-padded tokens, every storage column, sessions outside the batch and a freed row inside
     the rows read. Over rounds of drafts with rollbacks (a verdict keeps a prefix of each round), each
     session's logits and cache equal its own alone; those outside a round's batch are untouched."""
-    from specdec.edge.slots import STATIC_MAX_WIDTH, SlotPool as Pool
+    from specdec.edge.slots import STATIC_MAX_WIDTH
 
-    widths = []
-    real_call = Pool._static_call
-    monkeypatch.setattr(Pool, "_static_call", lambda self, key, inputs: widths.append(key) or real_call(self, key, inputs))
+    widths = static_keys
     gen = torch.Generator().manual_seed(17)
     pool = SlotPool(model.model, model.device, static="eager")
     pairs = [twins(model, ids(gen, 2 + 3 * i), pool.new_lm) for i in range(7)]
@@ -296,12 +306,10 @@ def test_static_forwards_equal_alone_over_rounds_with_rollbacks_idle_rows_and_fr
     assert {rows for rows, _, _ in widths} <= {4, 8}  # slots 0..6 in use: rows 0..3 or 0..7
 
 
-def test_static_shapes_leave_trees_and_prefill_chunks_to_the_dynamic_plan(model, monkeypatch):
-    from specdec.edge.slots import STATIC_MAX_WIDTH, SlotPool as Pool
+def test_static_shapes_leave_trees_and_prefill_chunks_to_the_dynamic_plan(model, static_keys):
+    from specdec.edge.slots import STATIC_MAX_WIDTH
 
-    calls = []
-    real_call = Pool._static_call
-    monkeypatch.setattr(Pool, "_static_call", lambda self, key, inputs: calls.append(key) or real_call(self, key, inputs))
+    calls = static_keys
     gen = torch.Generator().manual_seed(18)
     pool = SlotPool(model.model, model.device, static="eager")
     a, b = twins(model, ids(gen, 4), pool.new_lm)  # the pool's first forward: dynamic (no storage yet)
