@@ -273,7 +273,9 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
         await run_round(stream, session, hello.max_new_tokens - len(result.token_ids), deliver)
     result.wall_seconds = time.perf_counter() - result.t_start
     result.setup_bytes += await stream.write(wire.close_to_pb())
-    await stream.call.done_writing()
+    # Through half_close: a call that broke under it raises grpc's ExecuteBatchError here, not a status
+    # (a fleet's edge SIGKILLed just after the last round); the drain below reads how it ended.
+    await half_close(stream.call)
     # Wait for the edge's OK: cancelling the call (generate's finally) before it arrives would end
     # a finished session as CANCELLED on the edge and count it as failed there. An edge that does not
     # end the stream within a round's timeout is left to that cancel: every token is delivered already.

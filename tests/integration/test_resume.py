@@ -96,3 +96,35 @@ def test_edge_killed_and_restarted_mid_generation(accepting_pair_v512) -> None:
     assert result.stats.accepted_tokens > 0
     assert result.reconnects >= 1
     assert state["second"] is not None
+
+
+def test_a_half_close_failing_after_the_last_token_ends_the_session_as_usual(tiny_pair_v512, monkeypatch) -> None:
+    """grpc.aio raises its ExecuteBatchError from ``done_writing`` when the call broke under it (CI: a
+    fleet's edge SIGKILLed just after a session's last round). Every token is delivered by then: the
+    session ends with them, as a broken write would (not with an error the device never meant)."""
+    from grpc._cython import cygrpc
+    from grpc.aio import _call
+
+    real, failed = _call._StreamRequestMixin.done_writing, []
+
+    async def failing_once(self):
+        if not failed:
+            failed.append(True)
+            raise cygrpc.ExecuteBatchError('Failed "execute_batch": (SendCloseFromClientOperation,)')
+        return await real(self)
+
+    monkeypatch.setattr(_call._StreamRequestMixin, "done_writing", failing_once)
+    target_dir, drafter_dir = tiny_pair_v512
+    drafter = load(str(drafter_dir))
+    prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    cfg = device_config(temperature=0.0, max_new_tokens=12, mode=Mode.TSLT, top_k=16)
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+
+    async def main():
+        async with edge(target_dir) as address, open_channel(address) as channel:
+            return await generate(channel, DraftSession(drafter, hello), hello, prompt, drafter.eos_token_ids,
+                                  timeout=60, policy=POLICY)
+
+    r = run(main())
+    assert failed, "the patched half-close never ran"
+    assert r.token_ids == target_greedy(target_dir, prompt, 12)
