@@ -82,8 +82,14 @@ def test_a_resume_through_the_proxy_reaches_the_edge_that_holds_the_session(flee
     r, resumed = run(main())
     assert not isinstance(r, BaseException), r
     assert r.token_ids == reference[0]
-    assert r.reconnects == 1 and r.trail.kv_resumes == 1 and r.trail.moves == 0, r.trail
+    # The edges' own account goes with a failure: this assertion has failed rarely in CI (a second
+    # break, CANCELLED, right after the resume, then a re-prefill), never where the logs could be read.
+    assert r.reconnects == 1 and r.trail.kv_resumes == 1 and r.trail.moves == 0, (r.trail, _log_tails(es))
     assert resumed == 1
+
+
+def _log_tails(es, lines: int = 40) -> dict[str, str]:
+    return {e.name: "".join(list(e.log)[-lines:]) for e in es}
 
 
 def test_a_wrong_token_is_refused_once_and_reported_as_such(fleet, tiny_pair_v512) -> None:
