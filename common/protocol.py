@@ -125,6 +125,8 @@ class DraftBlock:
     settings: DraftSettings | None = None      # how this round was drafted; None = the session's (Hello)
     id_bits: int = 0                           # > 0: token_ids travel packed at this width (gumbel rounds)
     sent_ahead: bool = False                   # edge-only: sent before the last round's end (void after an EOS)
+    run_ahead_ms: int = 0                      # > 0: the edge runs ahead if the next message is this late
+    start: int = 0                             # sequence index of the round's first token; 0 = not stated
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,8 @@ class Verdict:
     more: bool = False                         # mode none: more tokens of this round follow
     draft_len_hint: int | None = None          # edge: longest draft that pays at its load (None: no advice)
     logprobs: tuple[TokenLogprob, ...] = ()    # one per emitted token, if the Hello asked (common/logprobs.py)
+    ahead: bool = False                        # a token the edge generated ahead after this round
+    superseded: bool = False                   # the round started before tokens generated ahead: no token
 
 
 @dataclass(frozen=True)

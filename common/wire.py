@@ -165,7 +165,7 @@ def prompt_from_pb(m: pb.Prompt) -> P.Prompt:
 
 def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
     msg = pb.Draft(round_id=d.round_id, distributions=list(d.distributions), dssd_scalars=d.dssd_scalars,
-                   tree_depth=d.tree_depth, sent_ahead=d.sent_ahead)
+                   tree_depth=d.tree_depth, sent_ahead=d.sent_ahead, run_ahead_ms=d.run_ahead_ms, start=d.start)
     if d.id_bits:
         msg.packed_ids, msg.id_bits = pack_ids(d.token_ids, d.id_bits), d.id_bits
     else:
@@ -189,7 +189,7 @@ def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
         correction_token=m.correction_token if m.HasField("correction_token") else None,
         tree_depth=m.tree_depth,
         settings=settings_from_pb(m.settings) if m.HasField("settings") else None,
-        sent_ahead=m.sent_ahead,
+        sent_ahead=m.sent_ahead, run_ahead_ms=m.run_ahead_ms, start=m.start,
     )
 
 
@@ -214,7 +214,7 @@ def verdict_to_pb(v: P.Verdict) -> pb.EdgeMessage:
     msg = pb.Verdict(
         round_id=v.round_id, num_accepted=v.num_accepted, reject_samples=list(v.reject_samples),
         reject_sample_probs=list(v.reject_sample_probs), accepted_nodes=list(v.accepted_nodes),
-        more=v.more,
+        more=v.more, ahead=v.ahead, superseded=v.superseded,
         timings=pb.EdgeTimings(verify_seconds=v.verify_seconds, queue_seconds=v.queue_seconds,
                                decode_seconds=v.decode_seconds),
     )
@@ -271,7 +271,7 @@ def verdict_from_pb(m: pb.Verdict) -> P.Verdict:
         accepted_nodes=tuple(m.accepted_nodes), more=m.more, verify_seconds=m.timings.verify_seconds,
         queue_seconds=m.timings.queue_seconds, decode_seconds=m.timings.decode_seconds,
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
-        logprobs=_logprobs_from_pb(m),
+        logprobs=_logprobs_from_pb(m), ahead=m.ahead, superseded=m.superseded,
     )
 
 

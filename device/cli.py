@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "only after the last one ended (default: draft the next round while the edge "
                         "verifies, send the next edge-only request while the last one streams; tokens are "
                         "identical either way)")
+    p.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",
+                   help="never let the edge generate on while a round is overdue (default: where no token "
+                        "depends on it, at T = 0 and in race rounds, the edge generates the target's next "
+                        "tokens through an outage instead of waiting for the round)")
     p.add_argument("--no-edge-memory", dest="edge_memory", action="store_false",
                    help="mode auto: start cold and keep nothing (default: start from what this device "
                         "learned about the edge in earlier runs, $SPECDEC_CACHE_DIR/edges)")

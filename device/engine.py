@@ -43,27 +43,34 @@ async def run_round(link: Link, session: DraftSession, remaining: int,
     plan = session.plan()
     if plan.settings.mode is Mode.NONE:
         rd, t0 = session.edge_round(plan, remaining), time.perf_counter()
-        rd.block_bytes = await link.send(rd.block)
+        rd.block_bytes = await link.send(session.stamp(rd))
         return await _edge_round(link, session, rd, remaining, deliver, t0)
-    event = await _drafted_round(link, session, plan, remaining)
-    deliver(list(event.new_tokens))
-    return event
+    return await _drafted_round(link, session, plan, remaining, deliver)
 
 
-async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, remaining: int) -> RoundEvent:
+async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, remaining: int,
+                         deliver: Callable[[list[int]], None]) -> RoundEvent:
     # Drafting fewer than `remaining` tokens: the round's correction/bonus token is the last one.
     rd = await asyncio.to_thread(session.draft, plan, max(1, remaining - 1))
     t0 = time.perf_counter()
-    sent = await link.send(rd.block)
+    sent = await link.send(session.stamp(rd))
     ahead = _start_draft_ahead(session, rd, remaining)
+    early: list[P.Verdict] = []  # tokens the edge generated ahead before this round reached it
     try:
         verdict, received = await link.recv()
+        while isinstance(verdict, P.Verdict) and verdict.ahead:
+            early.append(verdict)
+            verdict, size = await link.recv()
+            received += size
     finally:
         await _stop_worker(ahead)  # the worker must be off the drafter before anyone touches it
-    elapsed = time.perf_counter() - t0
+    session.replied_at = time.perf_counter()
     if not isinstance(verdict, P.Verdict) or verdict.round_id != rd.block.round_id:
         raise ProtocolError(f"expected the Verdict of round {rd.block.round_id}")
-    io = RoundIO(sent, received, max(0.0, elapsed - verdict.verify_seconds - verdict.queue_seconds))
+    if early or verdict.superseded:
+        return await _superseded(session, rd, early, verdict, received, deliver)
+    io = RoundIO(sent, received, max(0.0, session.replied_at - t0 - verdict.verify_seconds - verdict.queue_seconds))
+    session.overdue.trip(io.network_s)
     correction = verdict.next_token is None  # DSSD rejection: the device draws the token itself
     token = verdict.next_token
     if correction:
@@ -72,7 +79,26 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
             t1 = time.perf_counter()
             token, up, down, trips = await _dssd_fallback(link, session, rd, verdict)
             io = RoundIO(sent + up, received + down, io.network_s + time.perf_counter() - t1, trips, down)
-    return await asyncio.to_thread(session.apply_verdict, rd, verdict, token, io, dssd_correction=correction)
+    event = await asyncio.to_thread(session.apply_verdict, rd, verdict, token, io, dssd_correction=correction)
+    deliver(list(event.new_tokens))
+    return event
+
+
+async def _superseded(session: DraftSession, rd: RoundDraft, early: list[P.Verdict], verdict: P.Verdict,
+                      received: int, deliver: Callable[[list[int]], None]) -> RoundEvent:
+    """The edge ran ahead before ``rd`` reached it (it was overdue): the tokens it generated, then
+    ``rd`` superseded, unverified. Anything else is out of turn: a round is superseded exactly when
+    tokens were generated ahead of its start, and they come first on the stream."""
+    if not (early and verdict.superseded):
+        raise ProtocolError(f"round {rd.block.round_id}: {len(early)} tokens generated ahead, then a verdict "
+                            f"that is {'' if verdict.superseded else 'not '}superseded")
+    try:
+        event = await asyncio.to_thread(session.take_ahead, rd, early, received)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    session.supersede(rd)
+    deliver(list(event.new_tokens))
+    return event
 
 
 async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaining: int,
@@ -91,18 +117,27 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
 
     def totals() -> P.Verdict:
         return replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
+    early: list[P.Verdict] = []  # tokens the edge generated ahead before this round reached it
     try:
         while True:
             verdict, size = await link.recv()
             if not isinstance(verdict, P.Verdict):
                 raise ProtocolError("expected a Verdict of the edge-only round")
             received += size
+            if verdict.ahead or verdict.superseded:
+                early.append(verdict)
+                if verdict.superseded:
+                    await _stop_worker(catch_up)
+                    session.replied_at = time.perf_counter()
+                    return await _superseded(session, rd, early[:-1], verdict, received, deliver)
+                continue
             edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
             arrived.append(time.perf_counter())
             if first is None:
                 first = max(0.0, arrived[0] - t0 - edge_verify - edge_queue)
                 if not rd.sent_ahead:
                     session.edge_rtt_s = first
+                    session.overdue.trip(first)
             if edge_only.is_void(rd, verdict):
                 break
             try:
@@ -121,6 +156,7 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
             session.end_edge_round(rd, totals(), io(), broken=True)
         raise
     await _stop_worker(catch_up)  # the worker must be off the drafter before anyone touches it
+    session.replied_at = time.perf_counter()
     return session.end_edge_round(rd, totals(), io())
 
 
@@ -136,7 +172,7 @@ async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: 
         return False
     nxt = session.send_ahead(rd, after)
     if nxt is not None:
-        nxt.block_bytes = await link.send(nxt.block)
+        nxt.block_bytes = await link.send(session.stamp(nxt))
     return True
 
 

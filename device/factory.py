@@ -54,6 +54,7 @@ class DeviceConfig:
     # drafter's recorded operating point (the default drafter records L and K), else the table.
     draft: Mapping[str, Any] = field(default_factory=S.GivenSettings)
     draft_ahead: bool = True            # draft the next round while the edge verifies (chain rounds)
+    run_ahead: bool = True              # the edge generates on while a round is overdue (device/run_ahead.py)
     temperature: float = 0.0
     target_top_p: float = 0.0           # 0 = off
     target_top_k: int = 0               # 0 = off
@@ -145,7 +146,7 @@ def new_session(cfg: DeviceConfig, drafter: LoadedModel, hello: Hello,
         policy = AutoPolicy(tracker or LinkTracker(), hello, drafter.vocab_size, draft_ahead=cfg.draft_ahead,
                             reproducible=cfg.reproducible)
     return session_class(drafter, hello, draft_ahead=cfg.draft_ahead, policy=policy, round_log=cfg.round_log,
-                         reproducible=cfg.reproducible)
+                         reproducible=cfg.reproducible, run_ahead=cfg.run_ahead)
 
 
 def device_tracker(cfg: DeviceConfig, drafter: LoadedModel) -> LinkTracker:

@@ -31,6 +31,7 @@ from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualRe
 from specdec.common.modes import Mode, RACE_MODES
 from specdec.common.stats import SpecStats
 from specdec.device import chain, dssd, edge_only, tree_round
+from specdec.device import run_ahead as RA
 from specdec.device.drafting import Drafting
 from specdec.device.parts import SessionParts
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan, round_record, round_settings_json
@@ -70,7 +71,8 @@ class DraftSession:
     plans it, who watches), which tests and benchmarks swap instead of overriding methods."""
 
     def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False, policy=None,
-                 round_log: bool = False, reproducible: bool = False, parts: SessionParts = SessionParts()):
+                 round_log: bool = False, reproducible: bool = False, parts: SessionParts = SessionParts(),
+                 run_ahead: bool = False):
         self.hello = hello
         self.parts = parts
         # Seeded and sampling (factory.DeviceConfig.reproducible): the edge's load advice must not cut a
@@ -99,6 +101,10 @@ class DraftSession:
         self._in_flight: RoundDraft | None = None  # drafted and sent, its verdict not applied yet
         self._sent_ahead: RoundDraft | None = None  # an edge-only round sent while the one in flight streams
         self.edge_rtt_s: float | None = None  # the network wait of the last edge-only round not sent ahead
+        # Rounds say where they start and when the edge may run ahead of them (device/run_ahead.py)
+        self.runs_ahead = run_ahead and RA.runs_ahead(hello, self.fixed_cuts, policy is not None)
+        self.overdue = RA.OverdueClock()
+        self.replied_at: float | None = None  # when the last round's last reply arrived (turnaround)
         self.round_log: list[dict] | None = [] if round_log else None  # per-round entries for the JSON
         self._t0 = self._round_began = time.perf_counter()
 
@@ -226,6 +232,58 @@ class DraftSession:
         self.pending_correction = None
         return block
 
+    def stamp(self, rd: RoundDraft) -> DraftBlock:
+        """``rd``'s message as it goes out now: where it starts and when its successor is overdue
+        (run_ahead.py), in a session that runs ahead; and the device's turnaround since the last reply."""
+        now = time.perf_counter()
+        if self.replied_at is not None and not rd.sent_ahead:
+            self.overdue.turnaround(now - self.replied_at)
+        self.replied_at = None
+        if self.runs_ahead:
+            rd.block = replace(rd.block, start=rd.start, run_ahead_ms=self.overdue.after_ms(rd.settings.mode))
+        return rd.block
+
+    def take_ahead(self, rd: RoundDraft, verdicts: list[Verdict], downlink_bytes: int) -> RoundEvent | None:
+        """Tokens the edge generated ahead after the round before ``rd`` (its next message was overdue):
+        committed, and published as an edge-only round of their own (they are one's tokens) that mode
+        auto does not learn from (their time is the outage's). None if there are none. ValueError for a
+        verdict that is no such token."""
+        if not verdicts:
+            return None
+        first = len(self.tokens)
+        for v in verdicts:
+            if v.round_id != rd.block.round_id - 1 or v.next_token is None or v.num_accepted or v.more:
+                raise ValueError(f"a token generated ahead must follow round {rd.block.round_id - 1}")
+            self.tokens.append(int(v.next_token))
+            self.logprobs.extend(t.complete(int(v.next_token)) for t in v.logprobs)
+            if v.draft_len_hint is not None:
+                self.edge_hint = v.draft_len_hint
+            self.parts.observer.edge_token(int(v.next_token))
+        n = len(verdicts)
+        part = RoundDraft(block=DraftBlock(round_id=rd.block.round_id - 1, token_ids=()),
+                          plan=RoundPlan(DraftSettings(mode=Mode.NONE, edge_tokens=n)), q_rows=[],
+                          theoretical_bits=0, support_sizes=[], draft_seconds=0.0, encode_seconds=0.0,
+                          start=first, received=n)
+        totals = replace(verdicts[-1], verify_seconds=sum(v.verify_seconds for v in verdicts),
+                         queue_seconds=0.0, decode_seconds=0.0, ahead=False)
+        record = round_record(part, totals, n, RoundIO(0, downlink_bytes), None)
+        now = time.perf_counter()
+        event = RoundEvent(record=record, plan=part.plan, new_tokens=tuple(self.tokens[first:]), q_stats=(),
+                           guess=None, elapsed_s=now - self._round_began, edge_hint=totals.draft_len_hint,
+                           t=now - self._t0)
+        self._publish(event, learn=False)
+        return event
+
+    def supersede(self, rd: RoundDraft) -> None:
+        """``rd`` started before tokens the edge generated ahead (taken already): forget it and anything
+        drafted after it (the drafter keeps only what precedes its start), and plan the next round
+        afresh from the new end. Nothing of it was verified, so nothing is learnt from it."""
+        self.ahead = None
+        self.model.truncate(min(self.model.cache_len, rd.start - 1))
+        self.csqs.abort_round()
+        self._in_flight = self._next = None
+        self._round_began = time.perf_counter()
+
     def take_edge_token(self, rd: RoundDraft, verdict: Verdict) -> int:
         """One streamed token of an edge-only round, committed as it arrives."""
         token = edge_only.take_token(rd, verdict, len(self.tokens))
@@ -304,14 +362,19 @@ class DraftSession:
                            guess=guess, elapsed_s=now - self._round_began, edge_hint=verdict.draft_len_hint,
                            t=now - self._t0, ahead_steps=rd.ahead_steps, sent_ahead=rd.sent_ahead)
         self._round_began = now
+        self._publish(event, learn=True)
+        return event
+
+    def _publish(self, event: RoundEvent, learn: bool) -> None:
+        """To the session's account, the policy (if it ``learn``s from the event), the round log and the
+        listeners."""
         self.stats.observe(event.record)
-        if self.policy is not None:
+        if learn and self.policy is not None:
             self.policy.observe(event)
         if self.round_log is not None:
             self.round_log.append(_log_entry(event, self.edge_hint))
         for listener in self.listeners:
             listener(event)
-        return event
 
     # -- faults ----------------------------------------------------------------------------------------------
     def abort_round(self) -> None:

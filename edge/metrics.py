@@ -27,6 +27,10 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
   ``captured`` = the first forward of its shape, which pays the capture; ``replayed``):
   ``rate(specdec_edge_batch_static_forwards_total[$__rate_interval]) / rate(specdec_edge_batch_forward_seconds_count[$__rate_interval])``,
   ``sum by (graph) (rate(specdec_edge_batch_cuda_graph_forwards_total[$__rate_interval]))``
+- running ahead through overdue rounds (an outage, a stalled device): tokens generated ahead per
+  second, and rounds superseded by them (each cost its device a draft):
+  ``rate(specdec_edge_run_ahead_tokens_total[$__rate_interval])``,
+  ``rate(specdec_edge_superseded_rounds_total[$__rate_interval])``
 - share of the edge's time in target forwards (1 = the target never idles):
   ``rate(specdec_edge_batch_forward_seconds_sum[$__rate_interval])``
 - seconds spent verifying the rounds the forwards served (batch tensor work) per second of forwards:
@@ -115,6 +119,10 @@ class EdgeMetrics(SpecMetrics):
         self.fallback_bytes = Counter("dssd_fallback_bytes", "Serialized DSSD fallback replies sent", **self.kw)
         for reply in FALLBACK_REPLIES:
             self.fallbacks.labels(reply)
+        self.run_ahead_tokens = Counter("run_ahead_tokens", "Tokens generated ahead while a device's next round "
+                                 "was overdue (Draft.run_ahead_ms)", **self.kw)
+        self.superseded_rounds = Counter("superseded_rounds", "Rounds that started before tokens generated ahead "
+                                  "(answered without verifying)", **self.kw)
 
     def set_model(self, name: str, vocab_size: int) -> None:
         self.model.info({"name": name, "vocab_size": str(vocab_size)})
@@ -148,6 +156,12 @@ class EdgeMetrics(SpecMetrics):
     def dssd_fallback(self, head: bool, size: int) -> None:
         self.fallbacks.labels(FALLBACK_REPLIES[0] if head else FALLBACK_REPLIES[1]).inc()
         self.fallback_bytes.inc(size)
+
+    def ran_ahead(self) -> None:
+        self.run_ahead_tokens.inc()
+
+    def round_superseded(self) -> None:
+        self.superseded_rounds.inc()
 
     def draft_len_hinted(self, hint: int, active_sessions: int) -> None:
         self.hint.observe(hint)

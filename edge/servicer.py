@@ -144,8 +144,9 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         t_start = time.perf_counter()  # end-to-end time on the edge: Prompt to Close
         async with entry.lock:
             await self._call(entry.session.resync if resumed else entry.session.prefill, prompt)
+        overdue = None  # seconds after which the next round is overdue and the edge runs ahead; None: never
         while True:
-            msg, size = await self._read_sized(context)
+            msg, size = await self._read_or_run_ahead(context, entry, overdue)
             if msg is None:
                 return False
             if isinstance(msg, P.Close):
@@ -155,7 +156,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 raise _SessionEnd(grpc.StatusCode.UNAVAILABLE, "edge is draining (shutting down): resume the "
                                   "session on another edge", P.DRAINING)
             async with entry.lock:
-                await self._dispatch(entry.session, msg, size, context)
+                overdue = await self._dispatch(entry.session, msg, size, context)
 
     async def _attach(self, stream: Stream, hello: P.Hello, principal: str) -> tuple[Entry, bool]:
         """(entry, resumed): the registry's session for ``hello``; its refusals as statuses."""
@@ -193,15 +194,23 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         return session
 
     # -- messages ------------------------------------------------------------------------------------
-    async def _dispatch(self, session: VerifierSession, msg, size: int, context) -> None:
+    async def _dispatch(self, session: VerifierSession, msg, size: int, context) -> float | None:
+        """Serve one message; the seconds after its last reply from which the next message is overdue
+        and the edge runs ahead (the round's ``run_ahead_ms``), None where it must not."""
         if isinstance(msg, P.DraftBlock):
             try:  # cheap after a round's first use of its settings: no worker hop for it
                 settings = session.round_settings(msg)
+                superseded = session.superseded(msg)
             except ValueError as exc:
                 raise _SessionEnd(status_for(exc), str(exc), getattr(exc, "reason", "")) from None
+            if superseded is not None:
+                await context.write(wire.verdict_to_pb(superseded))
+                if self.metrics:
+                    self.metrics.round_superseded()
+                return _overdue_after(msg, settings, None)
             if settings.mode is Mode.NONE:
-                await self._edge_round(session, msg, size, context)
-                return
+                last = await self._edge_round(session, msg, size, context)
+                return _overdue_after(msg, settings, last)
             t0 = time.perf_counter()
             verdict = await self._call(session.verify, msg)
             queue = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
@@ -211,24 +220,28 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             if self.metrics:
                 self.metrics.observe_round(edge_record(msg, verdict, settings.mode.value, size, reply.ByteSize()))
             await context.write(reply)
+            return _overdue_after(msg, settings, verdict)
         elif isinstance(msg, P.ResidualRequest):
             residual = await self._call(session.residual, msg)
             reply = wire.residual_to_pb(residual)
             if self.metrics:
                 self.metrics.dssd_fallback(residual.is_head, reply.ByteSize())
             await context.write(reply)
-        else:
-            raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {type(msg).__name__} mid-session")
+            return None
+        raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {type(msg).__name__} mid-session")
 
-    async def _edge_round(self, session: VerifierSession, msg: P.DraftBlock, size: int, context) -> None:
-        """Mode none: the target generates the round's tokens; each goes out as soon as it exists."""
+    async def _edge_round(self, session: VerifierSession, msg: P.DraftBlock, size: int,
+                          context) -> P.Verdict | None:
+        """Mode none: the target generates the round's tokens; each goes out as soon as it exists.
+        Returns the last Verdict sent."""
         tokens = session.generate(msg)  # runs a step per next() on the worker pool
-        generated, downlink, verify, queue = 0, 0, 0.0, 0.0
+        generated, downlink, verify, queue, last = 0, 0, 0.0, 0.0, None
         while True:
             t0 = time.perf_counter()
             verdict = await self._call(next, tokens, None)
             if verdict is None:
                 break
+            last = verdict
             wait = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
             reply = wire.verdict_to_pb(replace(verdict, queue_seconds=wait, draft_len_hint=self._hint(session)))
             await context.write(reply)
@@ -239,6 +252,29 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         session.acceptance.relax(generated)  # no draft seen: the advice must not keep it edge-only for good
         if self.metrics:
             self.metrics.observe_round(edge_only_record(generated, size, downlink, verify, queue))
+        return last
+
+    async def _read_or_run_ahead(self, context, entry: Entry, overdue_s: float | None):
+        """The next message, as :meth:`_read_sized`. If it has not arrived ``overdue_s`` after the last
+        round's reply (an outage, a stalled device), the target's next tokens meanwhile, each sent as it
+        exists, until it arrives (Draft.run_ahead_ms): what the edge would compute for an edge-only
+        round, so a link that stops for seconds costs the device the wait, not the tokens."""
+        if overdue_s is None:
+            return await self._read_sized(context)
+        read = asyncio.ensure_future(self._read_sized(context))
+        try:
+            await asyncio.wait({read}, timeout=overdue_s)
+            while not read.done() and not self.registry.moving:
+                async with entry.lock:
+                    verdict = await self._call(entry.session.ahead_token)
+                if verdict is None:
+                    break
+                await context.write(wire.verdict_to_pb(replace(verdict, draft_len_hint=self._hint(entry.session))))
+                if self.metrics:
+                    self.metrics.ran_ahead()
+            return await read
+        finally:
+            read.cancel()  # a no-op once it is done; else the stream is ending
 
     def _hint(self, session: VerifierSession) -> int | None:
         """Load-aware speculation: how long this device should draft at the edge's load now."""
@@ -299,6 +335,18 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def _observe_request(self, session: VerifierSession, prompt_len: int, seconds: float) -> None:
         if self.metrics:
             self.metrics.request_done(session.hello.draft.mode.value, seconds, len(session.tokens) - prompt_len)
+
+
+def _overdue_after(draft: P.DraftBlock, settings, verdict: P.Verdict | None) -> float | None:
+    """When the message after ``draft`` is overdue (its run_ahead_ms), None where the edge must not run
+    ahead: a round that did not ask, a DSSD round (its next token may be the device's), or one whose
+    reply left no token to go on from (a DSSD rejection, a void round). A superseded round (``verdict``
+    None) asks again: the device drafts after the tokens it gets."""
+    if not draft.run_ahead_ms or settings.mode is Mode.DSSD:
+        return None
+    if verdict is not None and verdict.next_token is None:
+        return None
+    return draft.run_ahead_ms / 1000.0
 
 
 def _check_resume_fields(hello: P.Hello) -> None:

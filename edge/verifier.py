@@ -238,7 +238,7 @@ class VerifierSession:
             raise ValueError("an edge-only round carries no draft")
         self._apply_correction(draft)
         self.round_id = draft.round_id
-        if draft.sent_ahead and self.tokens[-1] in self.eos_token_ids:
+        if draft.sent_ahead and (self.tokens[-1] in self.eos_token_ids or draft.start > len(self.tokens)):
             yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=None)
             return
         want = settings.edge_tokens or 1
@@ -254,6 +254,37 @@ class VerifierSession:
                           verify_seconds=time.perf_counter() - start, logprobs=outcome.logprobs)
             if last:
                 return
+
+    # -- running ahead (Draft.run_ahead_ms): the device's next round is overdue ---------------------------
+    def superseded(self, draft: DraftBlock) -> Verdict | None:
+        """The answer to a round that starts before the edge's end, which only tokens generated ahead
+        put there: not verified, no token (the device has those tokens before this answer, on the same
+        stream, and drafts again after them). None: a round to serve. A stated start beyond the edge's
+        tokens is an error, except in a round sent ahead (void: :meth:`generate`)."""
+        end = len(self.tokens) + (self._pending_reject is not None)  # the device holds its DSSD correction
+        if not draft.start or draft.start == end or (draft.start > end and draft.sent_ahead):
+            return None
+        if draft.start > end:
+            raise ValueError(f"round {draft.round_id} starts at token {draft.start}, beyond the {end} tokens "
+                             "verified")
+        self._check_order(draft)
+        self.round_id = draft.round_id
+        return Verdict(round_id=draft.round_id, num_accepted=0, next_token=None, superseded=True)
+
+    def ahead_token(self) -> Verdict | None:
+        """One token generated ahead after round ``round_id`` while the device's next message is overdue:
+        the target's race at the next position, the token an edge-only or gumbel round draws there (so
+        at T > 0 the same token whether or not the edge ran ahead). None where the session does not go
+        on: after an end-of-sequence token, with ``max_new_tokens`` generated, a full context, or a DSSD
+        correction still with the device."""
+        if (self._pending_reject is not None or self.tokens[-1] in self.eos_token_ids
+                or len(self.tokens) + 1 > self.max_context
+                or len(self.tokens) - self.prefix.prompt_len >= self.hello.max_new_tokens):
+            return None
+        start = time.perf_counter()
+        outcome = self._edge_token(len(self.tokens))
+        return Verdict(round_id=self.round_id, num_accepted=0, next_token=outcome.next_token, ahead=True,
+                       verify_seconds=time.perf_counter() - start, logprobs=outcome.logprobs)
 
     def _edge_token(self, round_start: int) -> RoundOutcome:
         """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""

@@ -1,5 +1,6 @@
 """A loopback TCP relay whose link can be cut: it drops every open connection and refuses new ones
-for a while, as a radio link that goes away does. Used to break gRPC streams for resume tests."""
+for a while, as a radio link that goes away does (used to break gRPC streams for resume tests), or
+stalled: it holds every byte for a while, as a link in an outage that comes back does."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ class CuttableLink:
     def __init__(self, target_host: str, target_port: int):
         self.target = (target_host, target_port)
         self.down_until = 0.0
+        self.stalled_until = 0.0
         self.writers: set[asyncio.StreamWriter] = set()
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
@@ -29,6 +31,11 @@ class CuttableLink:
     def retarget(self, host: str, port: int) -> None:
         """Send new connections to another server (a restarted edge at a new address)."""
         self.target = (host, port)
+
+    def stall(self, seconds: float) -> None:
+        """Hold every byte in both directions for ``seconds`` (connections stay up), as a radio link
+        that stops for a moment does; what was held goes on after it."""
+        self.stalled_until = time.monotonic() + seconds
 
     def cut(self, seconds: float) -> None:
         """Drop all connections now and refuse new ones for ``seconds``."""
@@ -58,6 +65,8 @@ class CuttableLink:
     async def _pipe(self, reader, writer) -> None:
         with contextlib.suppress(ConnectionError, asyncio.CancelledError, OSError):
             while data := await reader.read(RELAY_CHUNK_BYTES):
+                if (held := self.stalled_until - time.monotonic()) > 0:
+                    await asyncio.sleep(held)
                 writer.write(data)
                 await writer.drain()
         writer.transport.abort()

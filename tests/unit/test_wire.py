@@ -89,6 +89,18 @@ def test_an_edge_only_draft_sent_ahead_keeps_its_mark() -> None:
     assert not _draft_through_wire(replace(block, sent_ahead=False))[0].sent_ahead
 
 
+def test_a_round_s_start_and_run_ahead_and_the_verdicts_marks_survive_the_wire() -> None:
+    block = P.DraftBlock(round_id=5, token_ids=(3, 4), id_bits=8, run_ahead_ms=350, start=1234)
+    back, _ = _draft_through_wire(block)
+    assert back == block and (back.run_ahead_ms, back.start) == (350, 1234)
+    assert _draft_through_wire(replace(block, run_ahead_ms=0, start=0))[0] == replace(block, run_ahead_ms=0, start=0)
+    for verdict in (P.Verdict(round_id=4, num_accepted=0, next_token=17, ahead=True),
+                    P.Verdict(round_id=5, num_accepted=0, next_token=None, superseded=True),
+                    P.Verdict(round_id=5, num_accepted=2, next_token=9)):
+        back = wire.edge_message_from_pb(pb.EdgeMessage.FromString(wire.verdict_to_pb(verdict).SerializeToString()))
+        assert back == verdict
+
+
 def test_a_draft_with_ids_both_ways_or_packed_without_width_is_refused() -> None:
     import pytest
     both = pb.Draft(round_id=1, token_ids=[1], packed_ids=b"\x01", id_bits=8)

@@ -1,0 +1,68 @@
+"""When the edge runs ahead (Draft.run_ahead_ms): how late the device's next round must be before the
+edge, which would otherwise sit idle through an outage or a stall, generates the target's next tokens.
+
+The edge counts from a round's last reply; the device's next message then takes a round trip plus the
+device's own turnaround (applying the verdict, planning and drafting the next round where it was not
+drafted ahead). Both are measured on the running device and link, nothing is tuned to a machine: a
+recent upper quantile of each, so that the link's ordinary jitter does not look like an outage, and
+one outage (a single huge sample) does not switch running ahead off for the next one.
+
+A false alarm costs the round the device sent meanwhile (the edge supersedes it: the device drafts
+again) and gains the tokens generated ahead; a late alarm costs the outage's time up to it. The tokens
+are the ones any race round draws at their positions, so no alarm, early or late, changes a token of
+a session whose rounds are race rounds (or greedy): see :func:`runs_ahead`.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.common.modes import RACE_MODES, Mode
+from specdec.common.protocol import Hello
+
+# The next round is overdue at this multiple of the recent round trip plus turnaround: a link whose
+# round trips double for a moment (LTE's scheduling, a handover) is still working.
+OVERDUE_FACTOR = 2.0
+# Added to it: the two hosts' timer and scheduling noise, which no measurement of the link holds.
+OVERDUE_MARGIN_S = 0.05
+# Samples kept of each (rounds): a few seconds of a session, so that what the clock says follows the link.
+WINDOW = 16
+# The quantile of the window used: above the typical round, below one outage's sample among them.
+QUANTILE = 0.75
+
+
+def runs_ahead(hello: Hello, fixed_cuts: bool, auto: bool) -> bool:
+    """Whether a session's rounds let the edge run ahead: wherever no token depends on it. At T = 0 every
+    mode gives the target's greedy tokens; the race modes (gumbel, edge-only) draw the very token the
+    edge draws ahead; a reproducible mode auto keeps to them at T > 0. A fixed chain mode at T > 0 in a
+    reproducible session (``fixed_cuts``) would change tokens with where rounds end: never. Elsewhere
+    (``--no-reproducible``) only the law is promised, which running ahead keeps."""
+    return not fixed_cuts or auto or hello.draft.mode in RACE_MODES
+
+
+@dataclass
+class OverdueClock:
+    """The device's measurements behind each round's ``run_ahead_ms``."""
+    trips: deque = field(default_factory=lambda: deque(maxlen=WINDOW))        # network seconds of a round
+    turnarounds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # reply in -> next round out
+
+    def trip(self, seconds: float) -> None:
+        self.trips.append(max(0.0, seconds))
+
+    def turnaround(self, seconds: float) -> None:
+        self.turnarounds.append(max(0.0, seconds))
+
+    def after_ms(self, mode: Mode) -> int:
+        """The ``run_ahead_ms`` of a round in ``mode`` sent now; 0 (never) before any round trip was
+        measured, and for DSSD rounds (the token after a rejection may be the device's own)."""
+        if not self.trips or mode is Mode.DSSD:
+            return 0
+        expected = quantile(self.trips, QUANTILE) + (quantile(self.turnarounds, QUANTILE) if self.turnarounds else 0.0)
+        return max(1, math.ceil(1000.0 * (OVERDUE_FACTOR * expected + OVERDUE_MARGIN_S)))
+
+
+def quantile(xs, q: float) -> float:
+    """The q-quantile of ``xs`` (nearest rank, from below)."""
+    s = sorted(xs)
+    return s[int(q * (len(s) - 1))]

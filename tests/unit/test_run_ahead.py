@@ -1,0 +1,46 @@
+"""When rounds let the edge run ahead, and how late a round must be (device/run_ahead.py)."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.common.modes import Mode
+from specdec.common.protocol import DraftSettings, Hello
+from specdec.device import run_ahead as RA
+
+
+def test_the_clock_says_never_before_a_round_trip_and_never_for_dssd() -> None:
+    clock = RA.OverdueClock()
+    assert clock.after_ms(Mode.TSLT) == 0
+    clock.trip(0.1)
+    assert clock.after_ms(Mode.DSSD) == 0
+    assert clock.after_ms(Mode.TSLT) == pytest.approx(1000 * (RA.OVERDUE_FACTOR * 0.1 + RA.OVERDUE_MARGIN_S), abs=1)
+
+
+def test_the_clock_adds_the_turnaround_and_one_outage_does_not_switch_it_off() -> None:
+    clock = RA.OverdueClock()
+    for _ in range(RA.WINDOW - 1):
+        clock.trip(0.08)
+        clock.turnaround(0.12)
+    usual = clock.after_ms(Mode.GUMBEL)
+    assert usual == pytest.approx(1000 * (RA.OVERDUE_FACTOR * 0.2 + RA.OVERDUE_MARGIN_S), abs=1)
+    clock.trip(3.0)  # the round an outage held up
+    assert clock.after_ms(Mode.GUMBEL) == usual
+    for _ in range(RA.WINDOW):  # the link is slower now: the clock follows it
+        clock.trip(0.5)
+    assert clock.after_ms(Mode.GUMBEL) > 2 * usual
+
+
+def test_only_sessions_whose_tokens_cannot_change_run_ahead_by_default() -> None:
+    def hello(mode, t):
+        return Hello(vocab_fingerprint="", vocab_size=8, temperature=t, draft=DraftSettings(mode=mode))
+    # a reproducible fixed chain mode at T > 0: tokens would move with where rounds end
+    assert not RA.runs_ahead(hello(Mode.TSLT, 1.0), fixed_cuts=True, auto=False)
+    assert RA.runs_ahead(hello(Mode.TSLT, 1.0), fixed_cuts=False, auto=False)  # --no-reproducible: the law only
+    assert RA.runs_ahead(hello(Mode.TSLT, 0.0), fixed_cuts=False, auto=False)  # greedy
+    for mode in (Mode.GUMBEL, Mode.NONE):
+        assert RA.runs_ahead(hello(mode, 1.0), fixed_cuts=True, auto=False)
+    assert RA.runs_ahead(hello(Mode.TSLT, 1.0), fixed_cuts=True, auto=True)  # reproducible auto: race rounds only
+
+
+def test_quantile_is_nearest_rank_from_below() -> None:
+    assert RA.quantile([5, 1, 3, 2, 4], 0.75) == 4 and RA.quantile([7], 0.75) == 7
