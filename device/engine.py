@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 from specdec.common import protocol as P
 from specdec.common.modes import Mode
-from specdec.device import edge_only
+from specdec.device import edge_only, run_ahead
 from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan
 from specdec.device.session import DraftSession
 
@@ -43,7 +43,7 @@ async def run_round(link: Link, session: DraftSession, remaining: int,
     plan = session.plan()
     if plan.settings.mode is Mode.NONE:
         rd, t0 = session.edge_round(plan, remaining), time.perf_counter()
-        rd.block_bytes = await link.send(session.stamp(rd))
+        rd.block_bytes = await link.send(run_ahead.stamp(session, rd))
         return await _edge_round(link, session, rd, remaining, deliver, t0)
     return await _drafted_round(link, session, plan, remaining, deliver)
 
@@ -53,7 +53,7 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
     # Drafting fewer than `remaining` tokens: the round's correction/bonus token is the last one.
     rd = await asyncio.to_thread(session.draft, plan, max(1, remaining - 1))
     t0 = time.perf_counter()
-    sent = await link.send(session.stamp(rd))
+    sent = await link.send(run_ahead.stamp(session, rd))
     ahead = _start_draft_ahead(session, rd, remaining)
     early: list[P.Verdict] = []  # tokens the edge generated ahead before this round reached it
     try:
@@ -93,10 +93,9 @@ async def _superseded(session: DraftSession, rd: RoundDraft, early: list[P.Verdi
         raise ProtocolError(f"round {rd.block.round_id}: {len(early)} tokens generated ahead, then a verdict "
                             f"that is {'' if verdict.superseded else 'not '}superseded")
     try:
-        event = await asyncio.to_thread(session.take_ahead, rd, early, received)
+        event = await asyncio.to_thread(session.superseded, rd, early, received)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
-    session.supersede(rd)
     deliver(list(event.new_tokens))
     return event
 
@@ -172,7 +171,7 @@ async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: 
         return False
     nxt = session.send_ahead(rd, after)
     if nxt is not None:
-        nxt.block_bytes = await link.send(session.stamp(nxt))
+        nxt.block_bytes = await link.send(run_ahead.stamp(session, nxt))
     return True
 
 

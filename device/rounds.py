@@ -91,6 +91,7 @@ class RoundEvent:
     ahead_steps: int = 0            # tokens drafted before it became the next round (drafted ahead)
     sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
                                     # (so its first token's wait is no round-trip sample)
+    ran_ahead: bool = False         # tokens the edge generated ahead while a round was overdue (run_ahead.py)
 
     @property
     def settings(self) -> DraftSettings:

@@ -15,11 +15,15 @@ a session whose rounds are race rounds (or greedy): see :func:`runs_ahead`.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from dataclasses import replace
+
 from specdec.common.modes import RACE_MODES, Mode
-from specdec.common.protocol import Hello
+from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Verdict
+from specdec.device.rounds import RoundDraft, RoundPlan
 
 # The next round is overdue at this multiple of the recent round trip plus turnaround: a link whose
 # round trips double for a moment (LTE's scheduling, a handover) is still working.
@@ -66,3 +70,35 @@ def quantile(xs, q: float) -> float:
     """The q-quantile of ``xs`` (nearest rank, from below)."""
     s = sorted(xs)
     return s[int(q * (len(s) - 1))]
+
+
+def stamp(session, rd: RoundDraft) -> DraftBlock:
+    """``rd``'s message as it goes out now, in a session that runs ahead: where it starts, and when the
+    message after it is overdue; and the device's turnaround since the last reply, measured."""
+    now = time.perf_counter()
+    if session.replied_at is not None and not rd.sent_ahead:
+        session.overdue.turnaround(now - session.replied_at)
+    session.replied_at = None
+    if session.runs_ahead:
+        rd.block = replace(rd.block, start=rd.start, run_ahead_ms=session.overdue.after_ms(rd.settings.mode))
+    return rd.block
+
+
+def ahead_token(verdict: Verdict, after_round: int) -> int:
+    """The token of a Verdict generated ahead after round ``after_round``; ValueError for anything else."""
+    if (not verdict.ahead or verdict.round_id != after_round or verdict.next_token is None
+            or verdict.num_accepted or verdict.more):
+        raise ValueError(f"a token generated ahead must follow round {after_round}")
+    return int(verdict.next_token)
+
+
+def ahead_round(after_round: int, start: int, verdicts: list[Verdict]) -> tuple[RoundDraft, Verdict]:
+    """The tokens generated ahead from sequence index ``start`` as an edge-only round of their own (what
+    they are), and their totals as one Verdict, for the session's account."""
+    n = len(verdicts)
+    part = RoundDraft(block=DraftBlock(round_id=after_round, token_ids=()),
+                      plan=RoundPlan(DraftSettings(mode=Mode.NONE, edge_tokens=n)), q_rows=[], theoretical_bits=0,
+                      support_sizes=[], draft_seconds=0.0, encode_seconds=0.0, start=start, received=n)
+    totals = replace(verdicts[-1], verify_seconds=sum(v.verify_seconds for v in verdicts), queue_seconds=0.0,
+                     decode_seconds=0.0, ahead=False)
+    return part, totals

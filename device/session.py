@@ -151,10 +151,6 @@ class DraftSession:
                 plan = replace(plan, settings=replace(plan.settings, edge_tokens=max(plan.settings.edge_tokens, chunk)))
         return replace(plan, settings=S.within_draft_len(plan.settings, self.edge_hint, chunk))
 
-    def fix_next(self, plan: RoundPlan) -> None:
-        """The next round runs with ``plan``: its random numbers may already have been drawn."""
-        self._next = plan
-
     def observe_welcome(self, welcome: Welcome) -> None:
         """The edge's limits: mode auto chooses within them (a round beyond one fails the session); its
         load-aware advice for the first round (an edge that gives one)."""
@@ -232,57 +228,25 @@ class DraftSession:
         self.pending_correction = None
         return block
 
-    def stamp(self, rd: RoundDraft) -> DraftBlock:
-        """``rd``'s message as it goes out now: where it starts and when its successor is overdue
-        (run_ahead.py), in a session that runs ahead; and the device's turnaround since the last reply."""
-        now = time.perf_counter()
-        if self.replied_at is not None and not rd.sent_ahead:
-            self.overdue.turnaround(now - self.replied_at)
-        self.replied_at = None
-        if self.runs_ahead:
-            rd.block = replace(rd.block, start=rd.start, run_ahead_ms=self.overdue.after_ms(rd.settings.mode))
-        return rd.block
-
-    def take_ahead(self, rd: RoundDraft, verdicts: list[Verdict], downlink_bytes: int) -> RoundEvent | None:
-        """Tokens the edge generated ahead after the round before ``rd`` (its next message was overdue):
-        committed, and published as an edge-only round of their own (they are one's tokens) that mode
-        auto does not learn from (their time is the outage's). None if there are none. ValueError for a
-        verdict that is no such token."""
-        if not verdicts:
-            return None
+    def superseded(self, rd: RoundDraft, verdicts: list[Verdict], downlink_bytes: int) -> RoundEvent:
+        """``rd`` was superseded by ``verdicts``, tokens the edge generated ahead before it arrived (its
+        predecessor's next message was overdue): they are committed as an edge-only round of their own
+        that mode auto does not learn from (their time is the outage's), and ``rd`` is forgotten with
+        anything drafted after it; the next round is planned afresh. ValueError for a verdict that is
+        no such token."""
         first = len(self.tokens)
         for v in verdicts:
-            if v.round_id != rd.block.round_id - 1 or v.next_token is None or v.num_accepted or v.more:
-                raise ValueError(f"a token generated ahead must follow round {rd.block.round_id - 1}")
-            self.tokens.append(int(v.next_token))
-            self.logprobs.extend(t.complete(int(v.next_token)) for t in v.logprobs)
-            if v.draft_len_hint is not None:
-                self.edge_hint = v.draft_len_hint
-            self.parts.observer.edge_token(int(v.next_token))
-        n = len(verdicts)
-        part = RoundDraft(block=DraftBlock(round_id=rd.block.round_id - 1, token_ids=()),
-                          plan=RoundPlan(DraftSettings(mode=Mode.NONE, edge_tokens=n)), q_rows=[],
-                          theoretical_bits=0, support_sizes=[], draft_seconds=0.0, encode_seconds=0.0,
-                          start=first, received=n)
-        totals = replace(verdicts[-1], verify_seconds=sum(v.verify_seconds for v in verdicts),
-                         queue_seconds=0.0, decode_seconds=0.0, ahead=False)
-        record = round_record(part, totals, n, RoundIO(0, downlink_bytes), None)
-        now = time.perf_counter()
-        event = RoundEvent(record=record, plan=part.plan, new_tokens=tuple(self.tokens[first:]), q_stats=(),
-                           guess=None, elapsed_s=now - self._round_began, edge_hint=totals.draft_len_hint,
-                           t=now - self._t0)
-        self._publish(event, learn=False)
-        return event
-
-    def supersede(self, rd: RoundDraft) -> None:
-        """``rd`` started before tokens the edge generated ahead (taken already): forget it and anything
-        drafted after it (the drafter keeps only what precedes its start), and plan the next round
-        afresh from the new end. Nothing of it was verified, so nothing is learnt from it."""
+            token = RA.ahead_token(v, rd.block.round_id - 1)
+            self.tokens.append(token)
+            self.logprobs.extend(t.complete(token) for t in v.logprobs)
+            self.parts.observer.edge_token(token)
+        part, totals = RA.ahead_round(rd.block.round_id - 1, first, verdicts)
         self.ahead = None
-        self.model.truncate(min(self.model.cache_len, rd.start - 1))
+        self.model.truncate(min(self.model.cache_len, rd.start - 1))  # the drafter keeps what precedes rd
         self.csqs.abort_round()
-        self._in_flight = self._next = None
-        self._round_began = time.perf_counter()
+        record = round_record(part, totals, len(verdicts), RoundIO(0, downlink_bytes), None)
+        self._next = None
+        return self._commit_event(part, record, self.tokens[first:], None, totals, learn=False)
 
     def take_edge_token(self, rd: RoundDraft, verdict: Verdict) -> int:
         """One streamed token of an edge-only round, committed as it arrives."""
@@ -318,8 +282,8 @@ class DraftSession:
             new = t.new
         else:
             c = chain.commit(rd, verdict, next_token, self.ahead, len(self.tokens))
-            if c.guess:
-                self.fix_next(self.ahead.plan)
+            if c.guess:  # the next round runs with the plan it was drafted with: its numbers are drawn
+                self._next = self.ahead.plan
             else:
                 self.ahead = None
                 self.model.truncate(min(self.model.cache_len, c.cache_len))
@@ -349,9 +313,10 @@ class DraftSession:
         return event
 
     def _commit_event(self, rd: RoundDraft, record, new: list[int], guess: bool | None,
-                      verdict: Verdict) -> RoundEvent:
-        """The round's one event, published to the session's account, the policy, the round log and
-        the listeners. Every verdict may carry the edge's draft-length advice: the newest committed counts."""
+                      verdict: Verdict, learn: bool = True) -> RoundEvent:
+        """The round's one event, published to the session's account, the policy (if it ``learn``s from
+        it), the round log and the listeners. Every verdict may carry the edge's draft-length advice:
+        the newest committed counts."""
         self._in_flight = None
         if verdict.draft_len_hint is not None:
             self.edge_hint = verdict.draft_len_hint
@@ -360,14 +325,9 @@ class DraftSession:
         now = time.perf_counter()
         event = RoundEvent(record=record, plan=rd.plan, new_tokens=tuple(new), q_stats=tuple(rd.q_stats),
                            guess=guess, elapsed_s=now - self._round_began, edge_hint=verdict.draft_len_hint,
-                           t=now - self._t0, ahead_steps=rd.ahead_steps, sent_ahead=rd.sent_ahead)
+                           t=now - self._t0, ahead_steps=rd.ahead_steps, sent_ahead=rd.sent_ahead,
+                           ran_ahead=not learn)
         self._round_began = now
-        self._publish(event, learn=True)
-        return event
-
-    def _publish(self, event: RoundEvent, learn: bool) -> None:
-        """To the session's account, the policy (if it ``learn``s from the event), the round log and the
-        listeners."""
         self.stats.observe(event.record)
         if learn and self.policy is not None:
             self.policy.observe(event)
@@ -375,6 +335,7 @@ class DraftSession:
             self.round_log.append(_log_entry(event, self.edge_hint))
         for listener in self.listeners:
             listener(event)
+        return event
 
     # -- faults ----------------------------------------------------------------------------------------------
     def abort_round(self) -> None:
@@ -404,7 +365,7 @@ class DraftSession:
 def _log_entry(event: RoundEvent, edge_hint: int | None) -> dict:
     """A committed round's entry in the session's round log (the JSON output's ``rounds``)."""
     entry = {"t": event.t, **round_settings_json(event.settings), **event.record.to_json(),
-             "edge_hint": edge_hint, "sent_ahead": event.sent_ahead}
+             "edge_hint": edge_hint, "sent_ahead": event.sent_ahead, "ran_ahead": event.ran_ahead}
     if event.plan.choice is not None:
         entry["auto"] = dict(event.plan.choice)
     return entry

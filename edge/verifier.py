@@ -197,7 +197,7 @@ class VerifierSession:
         check_round(draft, settings, spec, self.info.vocab_size, len(self.tokens), self.max_context)
         self._apply_correction(draft)
         t_decode = time.perf_counter()
-        q = self._decode_q(draft, settings, spec)
+        q = decode_q(draft, settings, spec, self._codecs[settings])
         decode_seconds = time.perf_counter() - t_decode
         generator = self._round_generator()
         if spec is not None:
@@ -257,32 +257,27 @@ class VerifierSession:
 
     # -- running ahead (Draft.run_ahead_ms): the device's next round is overdue ---------------------------
     def superseded(self, draft: DraftBlock) -> Verdict | None:
-        """The answer to a round that starts before the edge's end, which only tokens generated ahead
-        put there: not verified, no token (the device has those tokens before this answer, on the same
-        stream, and drafts again after them). None: a round to serve. A stated start beyond the edge's
-        tokens is an error, except in a round sent ahead (void: :meth:`generate`)."""
+        """The answer to a round that starts before tokens generated ahead (which the device gets first):
+        unverified, no token; None: a round to serve. A start beyond the edge's is an error (void in a
+        round sent ahead: :meth:`generate`)."""
         end = len(self.tokens) + (self._pending_reject is not None)  # the device holds its DSSD correction
         if not draft.start or draft.start == end or (draft.start > end and draft.sent_ahead):
             return None
         if draft.start > end:
-            raise ValueError(f"round {draft.round_id} starts at token {draft.start}, beyond the {end} tokens "
-                             "verified")
+            raise ValueError(f"round {draft.round_id} starts at token {draft.start}, beyond the {end} tokens verified")
         self._check_order(draft)
         self.round_id = draft.round_id
         return Verdict(round_id=draft.round_id, num_accepted=0, next_token=None, superseded=True)
 
     def ahead_token(self) -> Verdict | None:
-        """One token generated ahead after round ``round_id`` while the device's next message is overdue:
-        the target's race at the next position, the token an edge-only or gumbel round draws there (so
-        at T > 0 the same token whether or not the edge ran ahead). None where the session does not go
-        on: after an end-of-sequence token, with ``max_new_tokens`` generated, a full context, or a DSSD
-        correction still with the device."""
-        if (self._pending_reject is not None or self.tokens[-1] in self.eos_token_ids
-                or len(self.tokens) + 1 > self.max_context
-                or len(self.tokens) - self.prefix.prompt_len >= self.hello.max_new_tokens):
+        """A token generated ahead (the next message is overdue): the race an edge-only or gumbel round
+        runs at the position. None after an end-of-sequence token, at ``max_new_tokens``, with the context
+        full or a DSSD correction still with the device."""
+        n = len(self.tokens)
+        if (self._pending_reject is not None or self.tokens[-1] in self.eos_token_ids or n + 1 > self.max_context
+                or n - self.prefix.prompt_len >= self.hello.max_new_tokens):
             return None
-        start = time.perf_counter()
-        outcome = self._edge_token(len(self.tokens))
+        start, outcome = time.perf_counter(), self._edge_token(n)
         return Verdict(round_id=self.round_id, num_accepted=0, next_token=outcome.next_token, ahead=True,
                        verify_seconds=time.perf_counter() - start, logprobs=outcome.logprobs)
 
@@ -404,25 +399,6 @@ class VerifierSession:
         elif draft.correction_token is not None:
             raise ValueError("unexpected correction token: no rejection is pending")
 
-    def _decode_q(self, draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None):
-        """The round's q: DSSD's scalars [L] float64, None (gumbel), a chain's packets decoded (each
-        densified only if the round rejects there), or a tree's rows [internal nodes, V] on the host."""
-        n = len(draft.token_ids)
-        if settings.mode is Mode.DSSD:
-            return decode_dssd_scalars(draft.dssd_scalars, n)
-        if settings.mode is Mode.GUMBEL:
-            if draft.distributions or draft.dssd_scalars:
-                raise ValueError("a gumbel round carries token ids only")
-            return None
-        expected = spec.num_internal if spec is not None else n  # trees: one q per internal node
-        if len(draft.distributions) != expected:
-            raise ValueError(f"{len(draft.distributions)} distributions, expected {expected}")
-        codec = self._codecs[settings]
-        rows: list[SparseDist] = [decode_distribution(payload, codec) for payload in draft.distributions]
-        if spec is None:
-            return tuple(rows)
-        return torch.stack([densify(sd) for sd in rows])
-
     def _commit(self, accepted: list[int], num_accepted: int, next_token: int | None) -> None:
         """Keep KV only for the verified prefix; append the accepted tokens (and the next one)."""
         self.lm.truncate(len(self.tokens) + num_accepted)
@@ -430,6 +406,25 @@ class VerifierSession:
         if next_token is not None:
             self.tokens.append(int(next_token))
 
+
+
+def decode_q(draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None, codec: CodecConfig | None):
+    """The round's q: DSSD's scalars [L] float64, None (gumbel), a chain's packets decoded (each
+    densified only if the round rejects there), or a tree's rows [internal nodes, V] on the host."""
+    n = len(draft.token_ids)
+    if settings.mode is Mode.DSSD:
+        return decode_dssd_scalars(draft.dssd_scalars, n)
+    if settings.mode is Mode.GUMBEL:
+        if draft.distributions or draft.dssd_scalars:
+            raise ValueError("a gumbel round carries token ids only")
+        return None
+    expected = spec.num_internal if spec is not None else n  # trees: one q per internal node
+    if len(draft.distributions) != expected:
+        raise ValueError(f"{len(draft.distributions)} distributions, expected {expected}")
+    rows: list[SparseDist] = [decode_distribution(payload, codec) for payload in draft.distributions]
+    if spec is None:
+        return tuple(rows)
+    return torch.stack([densify(sd) for sd in rows])
 
 
 def check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:

@@ -35,7 +35,7 @@ from tests.support.laws import (CONTROL_SESSIONS, COMPRESSING_MODES, LAW_SESSION
 from tests.support.linkcut import CuttableLink
 from tests.support.raw_stream import PROMPT_IDS, RawSession
 
-STALL_S = 0.15
+STALL_S = 0.1
 # Every round after the first allows 30 ms (the clock's measurements replaced by a margin alone): a
 # stalled round is overdue by far, an unstalled one on loopback rarely.
 OVERDUE_30MS = [(run_ahead, "OVERDUE_FACTOR", 0.0), (run_ahead, "OVERDUE_MARGIN_S", 0.03)]
@@ -71,9 +71,9 @@ class StallsEveryOtherRound(DraftSession):
             time.sleep(STALL_S)
         return super().draft(plan, max_tokens)
 
-    def supersede(self, rd):
+    def superseded(self, rd, verdicts, downlink_bytes):
         self.superseded_rounds += 1
-        super().supersede(rd)
+        return super().superseded(rd, verdicts, downlink_bytes)
 
 
 def ran_ahead(stats) -> int:
@@ -134,7 +134,7 @@ def test_a_chain_mode_at_t2_keeps_the_law_with_rounds_cut_by_running_ahead(twin,
     generated ahead at positions timing chose. Smallest bias seen: as the other transport laws
     (laws.py: chi-square over merged cells at LAW_SESSIONS)."""
     counts, law, results = law_counts(twin, *far_pair_v8, over_grpc=True, session_factory=StallsEveryOtherRound,
-                                      patches=OVERDUE_30MS, max_new_tokens=6, draft_len=1, temperature=LAW_T,
+                                      patches=OVERDUE_30MS, max_new_tokens=4, draft_len=1, temperature=LAW_T,
                                       **MODES["tslt"])
     # the first round covers one or two of the N_TOKENS the law counts, the stalled second round's
     # wait most of the rest: tokens generated ahead in most sessions' counted tokens
@@ -162,7 +162,7 @@ class AheadKeyedByRound(VerifierSession):
 
 def test_control_ahead_tokens_sharing_their_noise_are_detected(twin, far_pair_v8) -> None:
     counts, law, _ = law_counts(twin, *far_pair_v8, num_sessions=CONTROL_SESSIONS, over_grpc=True,
-                                session_factory=StallsEveryOtherRound, max_new_tokens=6, draft_len=1, **MODES["tslt"],
+                                session_factory=StallsEveryOtherRound, max_new_tokens=4, draft_len=1, **MODES["tslt"],
                                 temperature=LAW_T,
                                 patches=[*OVERDUE_30MS, (servicer, "VerifierSession", AheadKeyedByRound)])
     assert_rejected(counts, law, "ahead tokens keyed by the round they follow")
@@ -173,9 +173,10 @@ def test_the_edge_runs_ahead_of_an_overdue_round_and_supersedes_it(tiny_pair_v51
     target_dir, drafter_dir = tiny_pair_v512
     drafter = load(str(drafter_dir))
     one = DraftSettings(mode=Mode.NONE, edge_tokens=1, coupled_bonus=False)
+    metrics = EdgeMetrics()
 
     async def main():
-        async with edge(target_dir) as address:
+        async with edge(target_dir, metrics=metrics) as address:
             s = await RawSession(address, drafter, max_new_tokens=6).open()
             start = len(PROMPT_IDS)
             await s.call.write(wire.draft_to_pb(DraftBlock(1, (), settings=one, start=start, run_ahead_ms=1)))
@@ -195,6 +196,11 @@ def test_the_edge_runs_ahead_of_an_overdue_round_and_supersedes_it(tiny_pair_v51
     assert [v.next_token for v in got] == greedy  # ahead until max_new_tokens, the edge-only tokens
     assert stale.superseded and stale.round_id == 2 and stale.next_token is None and not stale.num_accepted
     assert beyond.code() is grpc.StatusCode.INVALID_ARGUMENT and "beyond the 9 tokens" in beyond.details()
+    value = metrics.registry.get_sample_value
+    assert value("specdec_edge_run_ahead_tokens_total") == 5 and value("specdec_edge_superseded_rounds_total") == 1
+    # the tokens generated ahead are one edge-only round in the edge's account, as in the device's
+    assert value("specdec_edge_generated_tokens_total", {"mode": "none"}) == 6
+    assert value("specdec_edge_rounds_total", {"mode": "none"}) == 2
 
 
 # -- a link that stops for a second, with the round thresholds the device measures ---------------------
