@@ -92,8 +92,10 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             status = "ok" if closed else None  # end of stream without Close: keep it for a resume
         except _SessionEnd as end:
             status = MOVED if end.reason == P.DRAINING and stream.sid else end.code.name.lower()
+            log.info("session %s ended: %s: %s", (stream.sid or "-")[:8], end.code.name, end.details)
             await self._end(context, stream, end)
         except asyncio.CancelledError:  # the stream broke: keep the session for a resume
+            log.info("session %s: stream broke, kept for a resume", (stream.sid or "-")[:8])
             raise
         finally:
             self.registry.release(stream, status)
@@ -125,11 +127,16 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         hello = await self._expect(context, P.Hello, "Hello")
         stream.wants_end = hello.wants_end
         entry, resumed = await self._attach(stream, hello, principal)
+        if resumed:
+            log.info("session %s resumed (stream %d)", stream.sid[:8], stream.generation)
         with self.registry.attached():
-            return await self._stream(context, entry, resumed)
+            return await self._stream(context, entry, stream, resumed)
 
-    async def _stream(self, context, entry: Entry, resumed: bool) -> bool:
-        """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close."""
+    async def _stream(self, context, entry: Entry, stream: Stream, resumed: bool) -> bool:
+        """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close.
+        A stream another one has resumed the session from (a half-dead one, whose device reconnected
+        before this edge saw the break) stops at once: what it still reads is stale, and the session is
+        the newer stream's."""
         welcome = replace(entry.session.welcome(), session_id=entry.session.session_id,
                           resume_token=entry.resume_token, resumed=resumed, edge_name=self.name,
                           forward_cost=self.scheduler.cost.points() if self.scheduler is not None else (),
@@ -143,11 +150,13 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, f"expected Prompt, got {got}")
         t_start = time.perf_counter()  # end-to-end time on the edge: Prompt to Close
         async with entry.lock:
+            if not _owns(entry, stream):
+                return False
             await self._call(entry.session.resync if resumed else entry.session.prefill, prompt)
         overdue = None  # seconds after which the next round is overdue and the edge runs ahead; None: never
         while True:
-            msg, size = await self._read_or_run_ahead(context, entry, overdue)
-            if msg is None:
+            msg, size = await self._read_or_run_ahead(context, entry, stream, overdue)
+            if msg is None or not _owns(entry, stream):
                 return False
             if isinstance(msg, P.Close):
                 self._observe_request(entry.session, len(prompt.token_ids), time.perf_counter() - t_start)
@@ -156,6 +165,8 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 raise _SessionEnd(grpc.StatusCode.UNAVAILABLE, "edge is draining (shutting down): resume the "
                                   "session on another edge", P.DRAINING)
             async with entry.lock:
+                if not _owns(entry, stream):
+                    return False
                 overdue = await self._dispatch(entry.session, msg, size, context)
 
     async def _attach(self, stream: Stream, hello: P.Hello, principal: str) -> tuple[Entry, bool]:
@@ -254,7 +265,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             self.metrics.observe_round(edge_only_record(generated, size, downlink, verify, queue))
         return last
 
-    async def _read_or_run_ahead(self, context, entry: Entry, overdue_s: float | None):
+    async def _read_or_run_ahead(self, context, entry: Entry, stream: Stream, overdue_s: float | None):
         """The next message, as :meth:`_read_sized`. If it has not arrived ``overdue_s`` after the last
         round's reply (an outage, a stalled device), the target's next tokens meanwhile, each sent as it
         exists, until it arrives (Draft.run_ahead_ms): what the edge would compute for an edge-only
@@ -262,19 +273,26 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         if overdue_s is None:
             return await self._read_sized(context)
         read = asyncio.ensure_future(self._read_sized(context))
+        generated, downlink, verify = 0, 0, 0.0
         try:
             await asyncio.wait({read}, timeout=overdue_s)
             while not read.done() and not self.registry.moving:
                 async with entry.lock:
+                    if not _owns(entry, stream):
+                        break
                     verdict = await self._call(entry.session.ahead_token)
                 if verdict is None:
                     break
-                await context.write(wire.verdict_to_pb(replace(verdict, draft_len_hint=self._hint(entry.session))))
+                reply = wire.verdict_to_pb(replace(verdict, draft_len_hint=self._hint(entry.session)))
+                await context.write(reply)
+                generated, downlink, verify = generated + 1, downlink + reply.ByteSize(), verify + verdict.verify_seconds
                 if self.metrics:
                     self.metrics.ran_ahead()
             return await read
         finally:
             read.cancel()  # a no-op once it is done; else the stream is ending
+            if generated and self.metrics:  # one edge-only round, as the device accounts for it
+                self.metrics.observe_round(edge_only_record(generated, 0, downlink, verify, 0.0))
 
     def _hint(self, session: VerifierSession) -> int | None:
         """Load-aware speculation: how long this device should draft at the edge's load now."""
@@ -335,6 +353,11 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
     def _observe_request(self, session: VerifierSession, prompt_len: int, seconds: float) -> None:
         if self.metrics:
             self.metrics.request_done(session.hello.draft.mode.value, seconds, len(session.tokens) - prompt_len)
+
+
+def _owns(entry: Entry, stream: Stream) -> bool:
+    """Whether ``stream`` is the one attached to ``entry``'s session now (no newer one resumed it)."""
+    return entry.generation == stream.generation
 
 
 def _overdue_after(draft: P.DraftBlock, settings, verdict: P.Verdict | None) -> float | None:

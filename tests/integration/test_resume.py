@@ -128,3 +128,35 @@ def test_a_half_close_failing_after_the_last_token_ends_the_session_as_usual(tin
     r = run(main())
     assert failed, "the patched half-close never ran"
     assert r.token_ids == target_greedy(target_dir, prompt, 12)
+
+
+def test_a_stream_a_resume_replaced_acts_no_more_on_the_session(tiny_pair_v512) -> None:
+    """A device that reconnects before the edge sees its old stream break (a proxy holds the old one
+    open) resumes on a new stream while the old one still delivers what was in flight: the old stream's
+    late round must not touch the session (it would verify a stale round on it, and the new stream's
+    next round would be out of order), nor may it go on generating ahead."""
+    from specdec.common import wire
+    from specdec.common.protocol import DraftBlock, DraftSettings, Prompt
+    import grpc
+    from tests.support.raw_stream import PROMPT_IDS, RawSession
+    drafter = load(str(tiny_pair_v512[1]))
+    one = DraftSettings(mode=Mode.NONE, edge_tokens=1, coupled_bonus=False)
+
+    async def main():
+        async with edge(tiny_pair_v512[0]) as address:
+            old = await RawSession(address, drafter).open()
+            new = await RawSession(address, drafter, resume_session_id=old.welcome.session_id,
+                                   resume_token=old.welcome.resume_token).open(prompt=False)
+            await new.call.write(wire.prompt_to_pb(Prompt(PROMPT_IDS)))
+            assert new.welcome.resumed
+            await old.call.write(wire.draft_to_pb(DraftBlock(1, (), settings=one, run_ahead_ms=1)))
+            stale = await old.call.read()  # before the fix: a Verdict of the stale round
+            await new.call.write(wire.draft_to_pb(DraftBlock(1, (), settings=one)))
+            fresh = wire.edge_message_from_pb(await new.call.read())
+            code = await new.close()
+            await old.channel.close()
+            return stale, fresh, code
+
+    stale, fresh, code = run(main())
+    assert stale is grpc.aio.EOF  # the old stream ended without acting
+    assert fresh.round_id == 1 and fresh.next_token is not None and code is grpc.StatusCode.OK
