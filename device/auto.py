@@ -630,6 +630,12 @@ class AutoPolicy:
         self._drafted_last = drafted
         self.rounds += 1
 
+    def skip(self, event: RoundEvent) -> None:
+        """A round auto learns nothing from (tokens the edge generated ahead through an outage or a
+        stall, and the round they superseded): its time is the link's, not its kind of round's, so the
+        safety net's next sample starts after it instead of carrying it."""
+        self._last_t = event.t
+
     def _observe_net(self, event: RoundEvent, drafted: bool) -> None:
         """The round's tokens and wall seconds (since the last committed round) to the safety net, here
         and on the device (where the next sessions start): the session's first round (the prefill) and

@@ -3,9 +3,13 @@ edge, which would otherwise sit idle through an outage or a stall, generates the
 
 The edge counts from a round's last reply; the device's next message then takes a round trip plus the
 device's own turnaround (applying the verdict, planning and drafting the next round where it was not
-drafted ahead). Both are measured on the running device and link, nothing is tuned to a machine: a
-recent upper quantile of each, so that the link's ordinary jitter does not look like an outage, and
-one outage (a single huge sample) does not switch running ahead off for the next one.
+drafted ahead). Both are measured on the running device and link, nothing is tuned to a machine. The
+round trip: a recent upper quantile, so that the link's ordinary jitter does not look like an outage
+and one outage (a single huge sample) does not switch running ahead off for the next one. The
+turnaround: the longest recent one, and at least what drafting the round being sent took (the next
+round costs that where its drafting ahead guessed wrong): a round drafted ahead on a guess is sent at
+once, one whose guess failed a whole draft later, and the wrong guesses are too few for a quantile to
+see (they were: every failed guess ran ahead and cost its round).
 
 A false alarm costs the round the device sent meanwhile (the edge supersedes it: the device drafts
 again) and gains the tokens generated ahead; a late alarm costs the outage's time up to it. The tokens
@@ -32,7 +36,7 @@ OVERDUE_FACTOR = 2.0
 OVERDUE_MARGIN_S = 0.05
 # Samples kept of each (rounds): a few seconds of a session, so that what the clock says follows the link.
 WINDOW = 16
-# The quantile of the window used: above the typical round, below one outage's sample among them.
+# The quantile of the round trips used: above the typical round, below one outage's sample among them.
 QUANTILE = 0.75
 
 
@@ -57,12 +61,14 @@ class OverdueClock:
     def turnaround(self, seconds: float) -> None:
         self.turnarounds.append(max(0.0, seconds))
 
-    def after_ms(self, mode: Mode) -> int:
-        """The ``run_ahead_ms`` of a round in ``mode`` sent now; 0 (never) before any round trip was
-        measured, and for DSSD rounds (the token after a rejection may be the device's own)."""
+    def after_ms(self, mode: Mode, draft_s: float = 0.0) -> int:
+        """The ``run_ahead_ms`` of a round in ``mode`` whose drafting took ``draft_s``, sent now; 0
+        (never) before any round trip was measured, and for DSSD rounds (the token after a rejection may
+        be the device's own)."""
         if not self.trips or mode is Mode.DSSD:
             return 0
-        expected = quantile(self.trips, QUANTILE) + (quantile(self.turnarounds, QUANTILE) if self.turnarounds else 0.0)
+        turnaround = max(draft_s, max(self.turnarounds, default=0.0))
+        expected = quantile(self.trips, QUANTILE) + turnaround
         return max(1, math.ceil(1000.0 * (OVERDUE_FACTOR * expected + OVERDUE_MARGIN_S)))
 
 
@@ -80,7 +86,8 @@ def stamp(session, rd: RoundDraft) -> DraftBlock:
         session.overdue.turnaround(now - session.replied_at)
     session.replied_at = None
     if session.runs_ahead:
-        rd.block = replace(rd.block, start=rd.start, run_ahead_ms=session.overdue.after_ms(rd.settings.mode))
+        after = session.overdue.after_ms(rd.settings.mode, rd.draft_seconds + rd.encode_seconds)
+        rd.block = replace(rd.block, start=rd.start, run_ahead_ms=after)
     return rd.block
 
 

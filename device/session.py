@@ -329,8 +329,8 @@ class DraftSession:
                            ran_ahead=not learn)
         self._round_began = now
         self.stats.observe(event.record)
-        if learn and self.policy is not None:
-            self.policy.observe(event)
+        if self.policy is not None:
+            (self.policy.observe if learn else self.policy.skip)(event)
         if self.round_log is not None:
             self.round_log.append(_log_entry(event, self.edge_hint))
         for listener in self.listeners:
