@@ -123,12 +123,12 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
             if not isinstance(verdict, P.Verdict):
                 raise ProtocolError("expected a Verdict of the edge-only round")
             received += size
-            if verdict.ahead or verdict.superseded:
+            if verdict.superseded:
+                await _stop_worker(catch_up)
+                session.replied_at = time.perf_counter()
+                return await _superseded(session, rd, early, verdict, received, deliver)
+            if verdict.ahead:
                 early.append(verdict)
-                if verdict.superseded:
-                    await _stop_worker(catch_up)
-                    session.replied_at = time.perf_counter()
-                    return await _superseded(session, rd, early[:-1], verdict, received, deliver)
                 continue
             edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
             arrived.append(time.perf_counter())

@@ -21,9 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from specdec.common.modes import RACE_MODES, Mode
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Verdict

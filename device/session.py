@@ -234,16 +234,15 @@ class DraftSession:
         that mode auto does not learn from (their time is the outage's), and ``rd`` is forgotten with
         anything drafted after it; the next round is planned afresh. ValueError for a verdict that is
         no such token."""
+        tokens = [RA.ahead_token(v, rd.block.round_id - 1) for v in verdicts]  # all checked before any is taken
+        self.drop_drafted()  # rd starts at the verified end: the drafter keeps what precedes it
+        self.csqs.abort_round()
         first = len(self.tokens)
-        for v in verdicts:
-            token = RA.ahead_token(v, rd.block.round_id - 1)
+        for token, v in zip(tokens, verdicts):
             self.tokens.append(token)
             self.logprobs.extend(t.complete(token) for t in v.logprobs)
             self.parts.observer.edge_token(token)
         part, totals = RA.ahead_round(rd.block.round_id - 1, first, verdicts)
-        self.ahead = None
-        self.model.truncate(min(self.model.cache_len, rd.start - 1))  # the drafter keeps what precedes rd
-        self.csqs.abort_round()
         record = round_record(part, totals, len(verdicts), RoundIO(0, downlink_bytes), None)
         self._next = None
         return self._commit_event(part, record, self.tokens[first:], None, totals, learn=False)

@@ -407,7 +407,6 @@ class VerifierSession:
             self.tokens.append(int(next_token))
 
 
-
 def decode_q(draft: DraftBlock, settings: DraftSettings, spec: TreeSpec | None, codec: CodecConfig | None):
     """The round's q: DSSD's scalars [L] float64, None (gumbel), a chain's packets decoded (each
     densified only if the round rejects there), or a tree's rows [internal nodes, V] on the host."""
