@@ -169,6 +169,12 @@ def print_tables(data: dict) -> None:
                            ("vs_edge_only", "auto / edge-only"), ("vs_best_fixed", "auto / the cell's best fixed")):
             v = r[key]
             print(f"  {label:<56} {fmt(v['p5'])} / {fmt(v['p50'])} / {fmt(v['p95'])} ({fmt(v['min'])})")
+    n = data.get("host_noise")
+    if n and n["sd"] is not None:
+        print(f"\nthe host's noise (A/A): {n['pairs']} auto sessions that ran edge-only rounds only, against "
+              f"edge-only on the same prompt and cell: geometric mean {fmt(n['geomean'], '.3f')}, per-session sd "
+              f"{fmt(n['sd'], '.3f')} (log); a cell of {data['settings']['prompts']} prompts moves "
+              f"~{fmt(n['cell_sd'], '.3f')} (1 sd) with no difference between the configurations")
     print("\nper trace and temperature (geometric mean over round trips; p95 gap over both round trips' sessions)")
     for key, t in data["traces"].items():
         gaps = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t["gap_p95"].items() if v is not None)
@@ -186,6 +192,7 @@ def analyze_all(data: dict) -> None:
     data["regret"] = analyze.session_regret(data["cells"], data["sessions"])
     data["regret_summary"] = analyze.regret_summary(data["regret"])
     data["never_loses_goals"] = analyze.never_loses_goals(data["cells"], data["regret"])
+    data["host_noise"] = analyze.host_noise(data["sessions"], data["settings"]["prompts"])
 
 
 def make_plots(data: dict, out: Path) -> list[str]:

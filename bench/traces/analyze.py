@@ -16,10 +16,16 @@ Definitions:
     best in most cells of the committed links run); ratios compare auto with it, with edge-only
     (mode none) and with the default;
   * per (trace, temperature): a ratio's geometric mean over the round trips, and the p95 gap over the
-    sessions of both round trips pooled.
+    sessions of both round trips pooled;
+  * the host's noise (an A/A comparison, free): auto sessions whose rounds were all edge-only rounds
+    did what edge-only did on the same prompt and stretch of the link, so their tokens/s against
+    edge-only's differ only by the host (two processes on shared cores, a target forward whose time
+    moves between sessions); the spread of that ratio over such pairs says how far a cell's ratio of
+    k prompts moves with no difference between the configurations: sd / sqrt(k).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from specdec.bench.harness.analyze import geomean, goal, percentile, ratio
@@ -112,6 +118,32 @@ def regret_summary(regret: list[dict]) -> dict:
         out[key] = {"p5": percentile(vals, 5), "p50": percentile(vals, 50), "p95": percentile(vals, 95),
                     "min": min(vals, default=None), "sessions": len(vals)}
     return out
+
+
+def edge_only_rounds_only(sess: dict) -> bool:
+    """The session's rounds were all edge-only rounds (its timeline says so; False without one)."""
+    timeline = sess.get("extra", {}).get("timeline") or []
+    return bool(timeline) and all(r.get("mode") == "none" for r in timeline)
+
+
+def host_noise(sessions: list[dict], prompts: int) -> dict:
+    """The A/A comparison (see the module's docstring): over auto sessions that ran edge-only rounds
+    only, their tokens/s / edge-only's on the same cell and prompt: the pairs, the ratios' geometric
+    mean and the standard deviation of their logs (per session), and that over sqrt(``prompts``): how
+    far a cell's ratio moves with the host alone (one standard deviation)."""
+    tps = {(s["cell"], s["config"], s["prompt"]): _tps(s) for s in sessions}
+    logs = []
+    for s in sessions:
+        if s["config"] != "auto" or not edge_only_rounds_only(s):
+            continue
+        r = ratio(tps[(s["cell"], "auto", s["prompt"])], tps.get((s["cell"], "none", s["prompt"])))
+        if r is not None and r > 0:
+            logs.append(math.log(r))
+    if len(logs) < 2:
+        return {"pairs": len(logs), "geomean": None, "sd": None, "cell_sd": None}
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    return {"pairs": len(logs), "geomean": math.exp(mean), "sd": sd, "cell_sd": sd / math.sqrt(max(1, prompts))}
 
 
 def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, dict]:

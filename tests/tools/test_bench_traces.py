@@ -2,6 +2,7 @@
 per-session regret and the never-loses goals, and the held-out / tuning split of the trace sets."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -73,6 +74,22 @@ def test_regret_compares_each_auto_session_with_the_same_prompts_edge_only_and_b
     assert goals["auto_vs_edge_only_every_cell"]["pass"]
     assert goals["auto_session_vs_edge_only"]["pass"] and goals["auto_session_vs_edge_only"]["value"] == pytest.approx(0.8)
     assert goals["auto_vs_cell_best_fixed_every_cell"]["pass"] is False
+
+
+def test_the_host_noise_pairs_only_auto_sessions_that_ran_edge_only_rounds_with_edge_only() -> None:
+    def timed(sess: dict, *modes: str) -> dict:
+        return {**sess, "extra": {"timeline": [{"mode": m, "generated": 0} for m in modes]}}
+    sessions = [session("a", "none", 0, 100, 10.0), timed(session("a", "auto", 0, 100, 11.0), "none", "none"),
+                session("a", "none", 1, 100, 10.0), timed(session("a", "auto", 1, 100, 9.0), "none"),
+                session("a", "none", 2, 100, 10.0), timed(session("a", "auto", 2, 100, 5.0), "none", "tslt"),
+                session("b", "none", 0, 100, 10.0), session("b", "auto", 0, 100, 5.0)]  # no timeline: not paired
+    noise = analyze.host_noise(sessions, prompts=4)
+    logs = [math.log(10 / 11), math.log(10 / 9)]  # a drafted round (prompt 2) or no timeline: left out
+    mean = sum(logs) / 2
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs))
+    assert noise["pairs"] == 2 and noise["geomean"] == pytest.approx(math.exp(mean))
+    assert noise["sd"] == pytest.approx(sd) and noise["cell_sd"] == pytest.approx(sd / 2)
+    assert analyze.host_noise(sessions[:2], prompts=3)["sd"] is None  # one pair shows no spread
 
 
 def test_the_held_out_and_tuning_sets_are_trace_pairs_apart_from_each_other_and_the_shared_set() -> None:
