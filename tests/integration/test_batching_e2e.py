@@ -77,9 +77,11 @@ def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache, 
     assert sessions > 1.5, "the 18 sessions never shared a forward: batching did not run"
     samples = {s.name: s.value for m in metrics.batch_static.collect() for s in m.samples}
     static = samples["specdec_edge_batch_static_forwards_total"]
-    if kv_cache == "slots-static":  # most forwards are chains (trees and prompts over 16 tokens are not)
+    if kv_cache == "slots-static":
+        # chain forwards ran static (a forward that holds a tree round or a prompt does not: how many
+        # do depends on which sessions the scheduler's timing puts together: once 15 of 31 under load);
         # the scheduler's forwards (the metric) and the start-up calibration's (the pool counts both)
-        assert len(pools) == 1 and forwards / 2 < static <= pools[0].static_forwards, (static, forwards)
+        assert len(pools) == 1 and 0 < static <= pools[0].static_forwards, (static, forwards)
         assert pools[0].graph_captures == pools[0].graph_replays == 0  # a CPU: the static shapes ran eagerly
     else:
         assert static == 0
