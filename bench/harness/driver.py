@@ -28,8 +28,10 @@ job's ``extras`` ask:
 - ``"timeline"``: one entry per round, ``{"t_wall", "mode", "top_k", "draft_len", "generated",
   "accepted", "positions", "uplink_bytes"}`` with the round's end as ``time.time()`` (the benchmark
   changes the link on the same clock, so the two line up without guessing at pipe latency), for
-  edge-only rounds ``token_t`` (each streamed token's arrival), and the session's wall start and end
-  (``session_t0``, ``session_t1``).
+  edge-only rounds ``token_t`` (each streamed token's arrival), the session's wall start and end
+  (``session_t0``, ``session_t1``), and ``device_cpu_s``: the CPU seconds this process (all its
+  threads) used meanwhile, the device's share of cores it may share with the edge (bench-traces runs
+  one session at a time).
 """
 from __future__ import annotations
 
@@ -171,7 +173,7 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
                       operating_point=(), *, extras=("distributions",), tracker: LinkTracker | None = None
                       ) -> tuple[dict, dict]:
     """One session as device-client runs it: its JSON record and the ``extras`` asked for."""
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     prompt_ids = encode_prompt(drafter.tokenizer, prompt, raw=cfg.raw)
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=seed,
                       operating_point=operating_point)
@@ -190,7 +192,8 @@ async def run_session(channel, drafter, cfg: DeviceConfig, prompt: str, seed: in
         extra.update(rounds=log.rounds_log, sigma=log.sigma, support=log.support,
                      topk_mass=log.topk_mass, round_uplink_bytes=list(r.round_uplink_bytes))
     if timeline is not None:
-        extra.update(timeline=timeline, session_t0=t0, session_t1=time.time())
+        extra.update(timeline=timeline, session_t0=t0, session_t1=time.time(),
+                     device_cpu_s=time.process_time() - cpu0)
     return record, extra
 
 

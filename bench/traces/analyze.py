@@ -52,7 +52,7 @@ def session_metrics(sess: dict) -> dict:
     t0 = extra.get("session_t0")
     t1 = extra.get("session_t1")
     wall = t1 - t0 if t0 is not None and t1 is not None else st["wall_seconds"]
-    return {"tokens": st["generated_tokens"], "wall": wall,
+    return {"tokens": st["generated_tokens"], "wall": wall, "device_cpu": extra.get("device_cpu_s"),
             "ttft": arrivals[0] - t0 if arrivals and t0 is not None else None,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
             "up_bytes": st["uplink_bytes"], "down_bytes": st["downlink_bytes"]}
@@ -68,11 +68,13 @@ def config_stats(sessions: list[dict]) -> dict[str, dict]:
         tokens, wall = sum(m["tokens"] for m in ms), sum(m["wall"] for m in ms)
         gaps = [g for m in ms for g in m["gaps"]]
         ttfts = [m["ttft"] for m in ms if m["ttft"] is not None]
+        cpu = [(m["device_cpu"], m["tokens"]) for m in ms if m["device_cpu"] is not None]
         out[name] = {"sessions": len(ms), "tokens": tokens, "wall": wall, "tps": ratio(tokens, wall),
                      "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None, "ttft_max": max(ttfts, default=None),
                      "gap_p50": percentile(gaps, 50), "gap_p95": percentile(gaps, 95), "gap_max": max(gaps, default=None),
                      "up_bytes_per_token": ratio(sum(m["up_bytes"] for m in ms), tokens),
-                     "down_bytes_per_token": ratio(sum(m["down_bytes"] for m in ms), tokens)}
+                     "down_bytes_per_token": ratio(sum(m["down_bytes"] for m in ms), tokens),
+                     "device_cpu_per_token": ratio(sum(c for c, _ in cpu), sum(n for _, n in cpu)) if cpu else None}
     return out
 
 

@@ -92,6 +92,13 @@ def test_the_host_noise_pairs_only_auto_sessions_that_ran_edge_only_rounds_with_
     assert analyze.host_noise(sessions[:2], prompts=3)["sd"] is None  # one pair shows no spread
 
 
+def test_the_device_cpu_per_token_pools_the_sessions_that_measured_it() -> None:
+    measured = [{**session("a", "auto", p, 100, 10.0), "extra": {"device_cpu_s": cpu}} for p, cpu in ((0, 1.0), (1, 3.0))]
+    stats = analyze.config_stats([*measured, session("a", "auto", 2, 100, 10.0), session("a", "none", 0, 100, 10.0)])
+    assert stats["auto"]["device_cpu_per_token"] == pytest.approx(4.0 / 200)  # the session without it left out
+    assert stats["none"]["device_cpu_per_token"] is None
+
+
 def test_the_held_out_and_tuning_sets_are_trace_pairs_apart_from_each_other_and_the_shared_set() -> None:
     heldout = trace_pairs(ROOT / "bench/traces/heldout")
     tuning = trace_pairs(ROOT / "bench/traces/tuning")
