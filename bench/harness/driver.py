@@ -26,7 +26,8 @@ job's ``extras`` ask:
   size of every encoded distribution, each round's uplink bytes, and, with a ``topk_grid``, the
   drafter's top-K mass at each K for every drafted distribution;
 - ``"timeline"``: one entry per round, ``{"t_wall", "mode", "top_k", "draft_len", "generated",
-  "accepted", "positions", "uplink_bytes"}`` with the round's end as ``time.time()`` (the benchmark
+  "accepted", "positions", "uplink_bytes"}`` (under mode auto also ``"auto"``: the choice, why, and the
+  safety net's estimates of both arms) with the round's end as ``time.time()`` (the benchmark
   changes the link on the same clock, so the two line up without guessing at pipe latency), for
   edge-only rounds ``token_t`` (each streamed token's arrival), the session's wall start and end
   (``session_t0``, ``session_t1``), and ``device_cpu_s``: the CPU seconds this process (all its
@@ -140,6 +141,11 @@ def emit(obj: dict) -> None:
     sys.stdout.flush()
 
 
+# What a timeline keeps of mode auto's choice of each round (auto.py's _explain): enough to see why a
+# session kept drafting or streaming, without the whole round log.
+AUTO_TIMELINE_KEYS = ("choice", "why", "predicted_tokens_per_s", "net_edge_tokens_per_s", "net_spec_tokens_per_s")
+
+
 def add_timeline(session) -> list[dict]:
     """Log each round of ``session`` with its end time (a listener of its round events, and the time
     each edge-only token arrived), whatever session the device runs."""
@@ -157,6 +163,9 @@ def add_timeline(session) -> list[dict]:
                  "uplink_bytes": record.uplink_bytes}
         if mode == "none":
             entry["token_t"] = tokens[-record.generated:] if record.generated else []
+        choice = event.plan.choice if event.plan is not None else None
+        if choice:  # mode auto: why this round, and the safety net's two arms as it saw them
+            entry["auto"] = {key: choice.get(key) for key in AUTO_TIMELINE_KEYS}
         timeline.append(entry)
 
     def timed_take(rd, verdict):

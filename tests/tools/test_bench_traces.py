@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from specdec.bench.harness.driver import DraftDelay, device_config
+from specdec.bench.harness.driver import AUTO_TIMELINE_KEYS, DraftDelay, add_timeline, device_config
 from specdec.bench.harness.plan import DRAFT_DELAY
 from specdec.bench.traces import analyze, plan
 from specdec.testbed.traces import load_trace, trace_pairs
@@ -97,6 +98,25 @@ def test_the_device_cpu_per_token_pools_the_sessions_that_measured_it() -> None:
     stats = analyze.config_stats([*measured, session("a", "auto", 2, 100, 10.0), session("a", "none", 0, 100, 10.0)])
     assert stats["auto"]["device_cpu_per_token"] == pytest.approx(4.0 / 200)  # the session without it left out
     assert stats["none"]["device_cpu_per_token"] is None
+
+
+def test_the_timeline_keeps_auto_s_reason_and_the_net_s_arms_for_each_round() -> None:
+    class Session:
+        def __init__(self):
+            self.listeners = []
+
+        def take_edge_token(self, rd, verdict):
+            return 7
+    session = Session()
+    timeline = add_timeline(session)
+    record = SimpleNamespace(mode="tslt", generated=3, accepted=2, positions=2, uplink_bytes=40)
+    settings = SimpleNamespace(top_k=256, draft_len=2)
+    choice = {"choice": "tslt256-L2", "why": None, "predicted_tokens_per_s": 12.0, "net_edge_tokens_per_s": 11.0,
+              "net_spec_tokens_per_s": 9.5, "rtt_s": 0.04}
+    for round_plan in (SimpleNamespace(choice=choice), SimpleNamespace(choice=None)):  # auto, then a fixed mode
+        session.listeners[-1](SimpleNamespace(record=record, settings=settings, plan=round_plan))
+    assert timeline[0]["auto"] == {k: choice[k] for k in AUTO_TIMELINE_KEYS} and "rtt_s" not in timeline[0]["auto"]
+    assert "auto" not in timeline[1] and timeline[1]["draft_len"] == 2
 
 
 def test_the_held_out_and_tuning_sets_are_trace_pairs_apart_from_each_other_and_the_shared_set() -> None:
