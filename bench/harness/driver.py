@@ -163,7 +163,7 @@ def add_timeline(session) -> list[dict]:
                  "uplink_bytes": record.uplink_bytes}
         if mode == "none":
             entry["token_t"] = tokens[-record.generated:] if record.generated else []
-        choice = event.plan.choice if event.plan is not None else None
+        choice = event.plan.choice
         if choice:  # mode auto: why this round, and the safety net's two arms as it saw them
             entry["auto"] = {key: choice.get(key) for key in AUTO_TIMELINE_KEYS}
         timeline.append(entry)

@@ -26,6 +26,7 @@ Definitions:
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 
 from specdec.bench.harness.analyze import geomean, goal, percentile, ratio
@@ -74,7 +75,7 @@ def config_stats(sessions: list[dict]) -> dict[str, dict]:
                      "gap_p50": percentile(gaps, 50), "gap_p95": percentile(gaps, 95), "gap_max": max(gaps, default=None),
                      "up_bytes_per_token": ratio(sum(m["up_bytes"] for m in ms), tokens),
                      "down_bytes_per_token": ratio(sum(m["down_bytes"] for m in ms), tokens),
-                     "device_cpu_per_token": ratio(sum(c for c, _ in cpu), sum(n for _, n in cpu)) if cpu else None}
+                     "device_cpu_per_token": ratio(sum(c for c, _ in cpu), sum(n for _, n in cpu))}
     return out
 
 
@@ -94,10 +95,15 @@ def _tps(sess: dict) -> float | None:
     return ratio(m["tokens"], m["wall"])
 
 
+def _tps_by_session(sessions: list[dict]) -> dict[tuple, float | None]:
+    """{(cell, config, prompt): tokens/s}: what a session is compared with on the same prompt and cell."""
+    return {(s["cell"], s["config"], s["prompt"]): _tps(s) for s in sessions}
+
+
 def session_regret(cells: dict[str, dict], sessions: list[dict]) -> list[dict]:
     """Per auto session: its tokens/s against edge-only's and the cell's best fixed setting's on the same
     prompt and stretch of the link (same cell, same prompt), and against the better of the two."""
-    tps = {(s["cell"], s["config"], s["prompt"]): _tps(s) for s in sessions}
+    tps = _tps_by_session(sessions)
     out = []
     for s in sessions:
         if s["config"] != "auto":
@@ -133,7 +139,7 @@ def host_noise(sessions: list[dict], prompts: int) -> dict:
     only, their tokens/s / edge-only's on the same cell and prompt: the pairs, the ratios' geometric
     mean and the standard deviation of their logs (per session), and that over sqrt(``prompts``): how
     far a cell's ratio moves with the host alone (one standard deviation)."""
-    tps = {(s["cell"], s["config"], s["prompt"]): _tps(s) for s in sessions}
+    tps = _tps_by_session(sessions)
     logs = []
     for s in sessions:
         if s["config"] != "auto" or not edge_only_rounds_only(s):
@@ -143,9 +149,9 @@ def host_noise(sessions: list[dict], prompts: int) -> dict:
             logs.append(math.log(r))
     if len(logs) < 2:
         return {"pairs": len(logs), "geomean": None, "sd": None, "cell_sd": None}
-    mean = sum(logs) / len(logs)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
-    return {"pairs": len(logs), "geomean": math.exp(mean), "sd": sd, "cell_sd": sd / math.sqrt(max(1, prompts))}
+    sd = statistics.stdev(logs)
+    return {"pairs": len(logs), "geomean": math.exp(statistics.fmean(logs)), "sd": sd,
+            "cell_sd": sd / math.sqrt(max(1, prompts))}
 
 
 def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, dict]:
