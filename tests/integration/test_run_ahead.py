@@ -109,7 +109,13 @@ def test_greedy_output_equals_the_target_s_while_the_edge_runs_ahead(accepting_p
     if name == "auto" and max(s.drafted for s in sessions) < 2:
         return  # auto kept to edge-only rounds here (its choice, from the link it measured): no stall
     assert superseded > 0
-    assert sum(s.stats.accepted_tokens for s in sessions) > 0  # rounds verified between the stalls too
+    verified = sum(s.stats.drafted_per_position[0] for s in sessions if s.stats.drafted_per_position)
+    if name == "auto" and not verified:
+        # every round auto drafted was superseded (under CI's load its drafting, catch-up included, can
+        # outlast the patched 30 ms each time): no drafted round was left to verify
+        return
+    accepted = sum(s.stats.accepted_tokens for s in sessions)
+    assert accepted > 0, (verified, accepted)  # rounds verified between the stalls too
 
 
 @pytest.mark.parametrize("name", ["gumbel", "auto"])
