@@ -66,9 +66,9 @@ class NetConfig:
     start_rounds: float = 4.0   # the most a new session's start (the device's sums) weighs, in rounds
     priced_by_cost: bool = True  # explorations priced at least at what the last ones cost (False: at
                                  # the modelled price alone, the tests' control)
-    outlier: float = 3.0        # a round counts at most this many times the time its arm's rate gives
-                                # its tokens: an outage met in flight (seconds on a recorded cellular link)
-                                # would otherwise set the arm's rate for many rounds, and it says nothing
+    outlier: float = 3.0        # a round counts at most this many times what its arm's rounds take: an
+                                # outage met in flight (seconds on a recorded cellular link) would
+                                # otherwise set the arm's rate for many rounds, and it says nothing
                                 # about the arm (the link is down for either)
 
 
@@ -203,13 +203,13 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     (``switch``) goes to the switch's sums; both count in the run. ``wait_s``: an edge-only round not
     sent ahead waited this long for its first token (a round trip that streaming edge-only does not
     wait): kept out of the arm's time, kept as a switch's cost. A round counts at most ``outlier`` times
-    the time its arm's measured rate gives its tokens (in the sums; the run takes its wall time).
+    what its arm's rounds usually take (:func:`usual_seconds`; in the sums; the run takes its wall time).
     ``explore``: the round was planned as an exploration (its cost is measured: :func:`_episode`)."""
     kept = "switch" if switch else arm
     mine = state.sums(kept)
     wait = min(max(0.0, wait_s or 0.0), seconds)
     steady = seconds - wait
-    counted = min(steady, cfg.outlier * tokens * mine.seconds / mine.tokens) if mine.tokens > 0 else steady
+    counted = min(steady, cfg.outlier * usual_seconds(mine, arm, tokens))
     changes = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     if wait_s is not None and not first:
         changes["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
@@ -217,6 +217,18 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     same = arm == state.last_arm
     return replace(state, **changes, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
                    run_rounds=(state.run_rounds if same else 0) + 1)
+
+
+def usual_seconds(sums: Sums, arm: str, tokens: int) -> float:
+    """What a round of ``arm`` delivering ``tokens`` usually takes, by its sums (inf before any): an
+    edge-only round's time grows with the tokens it streams; a drafted round's does not (a round
+    rejected at its first draft takes as long as one accepted whole, and delivers one token), so
+    a drafted round is measured against its arm's average round, not its tokens' share of it."""
+    if sums.rounds <= 0 or sums.tokens <= 0:
+        return math.inf
+    if arm == EDGE:
+        return tokens * sums.seconds / sums.tokens
+    return sums.seconds / sums.rounds
 
 
 def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, explore: bool,

@@ -257,6 +257,33 @@ def test_an_outage_met_by_one_round_does_not_set_its_arms_rate() -> None:
     assert after_outage(N.NetConfig(outlier=1e9)) < 0.8 * 20
 
 
+def test_a_drafted_round_rejected_early_counts_whole_not_as_an_outlier() -> None:
+    """A drafted round takes about as long whatever it delivers: here nine rounds of 3 tokens in 0.2 s,
+    then one rejected at its first draft, 1 token in 0.3 s (it met a slower forward), over and over.
+    All are the arm's usual rounds, so its rate is theirs (28 tokens in 2.1 s a cycle, discounted).
+    Capped by its one token's share of the arm's time (3 x 0.07 s), the short round counted ~0.21 s
+    and the arm read ~6 % above what it delivered; a bias of 2 % fails this."""
+    rounds = [(3, 0.2)] * 9 + [(1, 0.3)]
+    s, tokens, seconds = N.NetState(), 0.0, 0.0
+    for n, t in rounds * 5:
+        s = N.observe(s, CFG, N.SPEC, n, t)
+        tokens, seconds = tokens * CFG.discount + n, seconds * CFG.discount + t
+    assert s.spec.tokens / s.spec.seconds == pytest.approx(tokens / seconds, rel=0.02)  # each round whole
+
+
+def test_an_edge_only_rounds_outlier_cap_follows_its_tokens() -> None:
+    """Edge-only rounds stream at the arm's rate whatever their length: a 30-token round in 3 s at
+    10 tok/s is usual after 8-token rounds in 0.8 s (counted whole), where a 30-token round that took
+    30 s met an outage (counted as 3 x 3 s)."""
+    s = N.NetState()
+    for _ in range(10):
+        s = N.observe(s, CFG, N.EDGE, 8, 0.8)
+    long = N.observe(s, CFG, N.EDGE, 30, 3.0)
+    outage = N.observe(s, CFG, N.EDGE, 30, 30.0)
+    assert long.edge.seconds - s.edge.seconds * CFG.discount == pytest.approx(3.0)
+    assert outage.edge.seconds - s.edge.seconds * CFG.discount == pytest.approx(CFG.outlier * 3.0)
+
+
 def test_the_nets_estimates_and_overrides_reach_the_device_metrics() -> None:
     from prometheus_client import CollectorRegistry
 
