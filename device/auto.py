@@ -199,6 +199,11 @@ class LinkTracker:
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
         self.queue_s = self._ewma(0.0)          # edge: wait for its worker per round
+        # edge-only's seconds per streamed token as its rounds measured it (everything in): the fit of
+        # the edge's forwards extrapolates a one-token forward from drafted rounds' forwards, which on a
+        # CPU edge priced edge-only ~40 % slower than it streamed, and kept auto drafting where
+        # edge-only was faster
+        self.edge_token_s = self._ewma()
         self.models: dict[float, _ModelSide] = {}
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
@@ -224,6 +229,7 @@ class LinkTracker:
                                 measured_up_bits=max(self.link.sizes_sent, default=0.0),
                                 downlink_bps=self.link.downlink_bps(),
                                 verify=tuple(tuple(x) for x in self.verify.points), queue_s=self.queue_s.value,
+                                edge_token_s=self.edge_token_s.value,
                                 decode_s=values(self.decode_s), time_scale=values(self.time_scale),
                                 nets={t: N.remembered(net) for t, net in self.nets.items()})
             temps = {t: TS.SideState(long=(side.long.hits, side.long.trials), guess=(side.guess.hits, side.guess.trials),
@@ -251,6 +257,8 @@ class LinkTracker:
         self.verify.points.extend(s.verify)
         if s.queue_s is not None:
             self.queue_s.value = s.queue_s
+        if s.edge_token_s is not None:
+            self.edge_token_s.value = s.edge_token_s
         for m, v in s.decode_s.items():
             self.decode_s.setdefault(m, self._ewma()).value = v
         for k, v in s.time_scale.items():
@@ -337,6 +345,8 @@ class LinkTracker:
                 if r.generated:
                     self.verify.add(1, forward / r.generated)
                     self.queue_s.add(queue / r.generated)
+                if r.token_interval_s > 0:
+                    self.edge_token_s.add(r.token_interval_s)
                 return stalled
             self.verify.add(r.drafted_tokens + 1, forward)
             self.queue_s.add(queue)
@@ -433,7 +443,7 @@ class LinkTracker:
                 packet_bytes={k: e.value for k, e in side.packet_bytes.items() if e.value is not None},
                 encode_s={m: e.value for m, e in self.encode_s.items() if e.value is not None},
                 decode_s={m: e.value for m, e in self.decode_s.items() if e.value is not None},
-                queue_s=self.queue_s.value or 0.0,
+                queue_s=self.queue_s.value or 0.0, edge_token_s=self.edge_token_s.value,
                 guess_rate=side.guess.rate,
                 dssd_fallback_rate=side.fallback_rate(dssd_samples or self.dssd_samples, acceptance.alpha_base),
                 dssd_fallback_bytes=(self.fallback_bytes.value if self.fallback_bytes.value is not None

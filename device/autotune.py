@@ -82,6 +82,8 @@ class Estimates:
     dssd_fallback_rate: float = 0.05        # P(a DSSD rejection needs the full p_j) ...
     dssd_fallback_bytes: float = 0.0        # ... and what that p_j costs downlink
     edge_chunk: int = 16                    # tokens an edge-only round asks for
+    edge_token_s: float | None = None       # edge-only's seconds per streamed token, measured (None: not
+                                            # yet: the edge's one-token forward, queue and message)
     # measured / predicted round time per codec key: what the model misses (runtime overheads,
     # contention) is learned per kind of round and scales its predictions (1 = the model as is)
     time_scale: Mapping[tuple[Mode, int], float] = field(default_factory=dict)
@@ -216,8 +218,7 @@ def model_round(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Predict
         # this one streams (engine._send_ahead), so in steady state no boundary waits a round trip.
         n = max(1, e.edge_chunk)
         boundary = 0.0 if draft_ahead else e.rtt_s + uplink_s(PROTO_BYTES_PER_ROUND, e)
-        seconds = boundary + n * (e.queue_s + e.verify_s(1) + _serialize_s(EDGE_TOKEN_BYTES, e.downlink_bps))
-        return Prediction(c, float(n), seconds, 0.0)
+        return Prediction(c, float(n), boundary + n * edge_token_s(e), 0.0)
     L = c.draft_len
     alphas = e.depth_alphas(c)
     tokens = expected_tokens_by_depth(alphas)
@@ -229,6 +230,14 @@ def model_round(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Predict
     else:
         seconds = L * t_slm + comm + verify
     return Prediction(c, tokens, seconds + _dssd_fallback_s(c, e), e.alpha(c))
+
+
+def edge_token_s(e: Estimates) -> float:
+    """Seconds per token an edge-only round streams at: as its rounds measured it, else the edge's
+    one-token forward, its queue and the token's message."""
+    if e.edge_token_s is not None:
+        return e.edge_token_s
+    return e.queue_s + e.verify_s(1) + _serialize_s(EDGE_TOKEN_BYTES, e.downlink_bps)
 
 
 def _dssd_fallback_s(c: Candidate, e: Estimates) -> float:

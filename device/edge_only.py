@@ -55,6 +55,12 @@ def asked(edge_tokens: int, remaining: int, tail: int) -> int:
     return remaining if remaining - n < tail else n
 
 
+def token_interval(arrived: list[float]) -> float:
+    """Mean seconds between the arrivals of a round's streamed tokens (0: fewer than two): how
+    edge-only streams, the edge's forward, its sampling, the messages and the downlink all in."""
+    return (arrived[-1] - arrived[0]) / (len(arrived) - 1) if len(arrived) >= 2 else 0.0
+
+
 def send_ahead_lead(rtt_s: float, interval_s: float) -> int:
     """How many tokens before a round's last one the next round's request goes out: its trip to the
     edge must end before the edge sends that last token, and tokens leave the edge ``interval_s``

@@ -112,7 +112,7 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
 
     def io() -> RoundIO:
         return RoundIO(rd.block_bytes, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
-                       first_reply_s=first)
+                       first_reply_s=first, token_interval_s=edge_only.token_interval(arrived))
 
     def totals() -> P.Verdict:
         return replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
@@ -166,7 +166,7 @@ async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: 
     is planned (sent or not)."""
     if len(arrived) < 2 or session.edge_rtt_s is None:
         return False  # no interval measured yet
-    interval = (arrived[-1] - arrived[0]) / (len(arrived) - 1)
+    interval = edge_only.token_interval(arrived)
     if rd.settings.edge_tokens - rd.received > edge_only.send_ahead_lead(session.edge_rtt_s, interval):
         return False
     nxt = session.send_ahead(rd, after)

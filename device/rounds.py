@@ -75,6 +75,7 @@ class RoundIO:
     residual_trips: int = 0         # DSSD fallback round trips
     residual_bytes: int = 0         # of downlink_bytes: the fallback's replies
     first_reply_s: float | None = None  # network seconds until the first reply (None: network_s)
+    token_interval_s: float = 0.0   # edge-only: mean seconds between streamed tokens' arrivals (0: < 2)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ def round_record(rd: RoundDraft, verdict: Verdict, generated: int, io: RoundIO, 
         drafted_ahead=rd.drafted_ahead, ahead_tokens=drafted if rd.drafted_ahead else 0,
         ahead_discarded=ahead_discarded, threshold=threshold, draft_forwards=rd.draft_forwards,
         residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
-        first_reply_s=io.network_s if io.first_reply_s is None else io.first_reply_s)
+        first_reply_s=io.network_s if io.first_reply_s is None else io.first_reply_s,
+        token_interval_s=io.token_interval_s)
 
 
 def round_settings_json(s: DraftSettings) -> dict:

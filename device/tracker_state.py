@@ -35,6 +35,7 @@ class LinkState:
     verify: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of the edge's forwards
     queue_s: float | None = None
     decode_s: Mapping[Mode, float] = field(default_factory=dict)
+    edge_token_s: float | None = None           # edge-only rounds' measured seconds per streamed token
     time_scale: Mapping[Key, float] = field(default_factory=dict)  # measured / modelled round time
     nets: Mapping[float, N.NetState] = field(default_factory=dict)  # per temperature: the safety net's sums
 
@@ -84,6 +85,7 @@ def from_json(d: Mapping) -> TrackerState:
 def _link_json(s: LinkState) -> dict:
     return {"rtt_s": s.rtt_s, "uplink_bps": s.uplink_bps, "measured_up_bits": s.measured_up_bits,
             "downlink_bps": s.downlink_bps, "verify": [list(x) for x in s.verify], "queue_s": s.queue_s,
+            "edge_token_s": s.edge_token_s,
             "decode_s": {m.value: v for m, v in s.decode_s.items()}, "time_scale": _keyed_json(s.time_scale),
             "nets": {repr(t): _net_json(net) for t, net in s.nets.items()}}
 
@@ -95,6 +97,7 @@ def _link_of(d: Mapping) -> LinkState:
         downlink_bps=_optional(d.get("downlink_bps"), 1.0, FAST_LINK_BPS),
         verify=tuple((int(num(n, 1, 1e6)), num(x, 0.0, MAX_SECONDS)) for n, x in d.get("verify", [])),
         queue_s=_optional(d.get("queue_s"), 0.0, MAX_SECONDS),
+        edge_token_s=_optional(d.get("edge_token_s"), 0.0, MAX_SECONDS),
         decode_s={Mode(m): num(v, 0.0, MAX_SECONDS) for m, v in d.get("decode_s", {}).items()},
         time_scale={key_of(k): num(v, TIME_SCALE_MIN, TIME_SCALE_MAX) for k, v in d.get("time_scale", {}).items()},
         nets={num(float(t), 0.0, 1e3): _net_of(net) for t, net in d.get("nets", {}).items()})

@@ -120,6 +120,8 @@ def test_edge_only_rounds_sent_ahead_over_grpc_are_the_targets_greedy_decode(tin
     assert r.token_ids == target_greedy(target_dir, ids, 14) and len(r.token_ids) == 14  # no EOS on the way
     assert [e["generated"] for e in session.round_log] == [4, 4, 4, 2]
     assert [e["sent_ahead"] for e in session.round_log] == [False, True, True, True]
+    # each round measured how its tokens streamed (mode auto prices edge-only by it)
+    assert all(0 < e["token_interval_s"] < 5 for e in session.round_log)
 
 
 @pytest.mark.parametrize("edge_knows_the_eos", (True, False))

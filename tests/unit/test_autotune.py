@@ -68,6 +68,21 @@ def test_edge_only_round_is_its_tokens_over_one_round_trip_and_their_forwards() 
     assert A.first_round(A.Candidate(Mode.NONE), e, sent_ahead=True) == pytest.approx(ahead.seconds)
 
 
+def test_edge_only_is_priced_at_how_its_rounds_streamed_once_measured() -> None:
+    """The fit of the edge's forwards says a one-token forward takes 0.14 s (extrapolated from drafted
+    rounds' forwards); edge-only rounds streamed a token every 0.07 s: they price edge-only."""
+    fit = estimates(verify_base_s=0.14, downlink_bps=math.inf, edge_chunk=10)
+    assert A.predict(A.Candidate(Mode.NONE), fit).seconds == pytest.approx(10 * 0.14)
+    measured = replace(fit, edge_token_s=0.07)
+    assert A.predict(A.Candidate(Mode.NONE), measured).seconds == pytest.approx(10 * 0.07)
+    assert A.first_round(A.Candidate(Mode.NONE), measured) == pytest.approx(10 * 0.07 + 8 * A.PROTO_BYTES_PER_ROUND / 100e6)
+
+
+def test_a_streamed_rounds_token_interval_is_its_arrivals_mean_spacing() -> None:
+    assert edge_only.token_interval([1.0, 1.1, 1.3, 1.6]) == pytest.approx(0.2)
+    assert edge_only.token_interval([1.0]) == 0.0 and edge_only.token_interval([]) == 0.0
+
+
 def test_the_next_edge_only_request_leads_by_a_round_trip_of_tokens() -> None:
     assert edge_only.send_ahead_lead(0.08, 0.09) == 1 + edge_only.SEND_AHEAD_SLACK
     assert edge_only.send_ahead_lead(0.30, 0.09) == 4 + edge_only.SEND_AHEAD_SLACK  # a slow link: earlier

@@ -16,6 +16,7 @@ from specdec.common.protocol import DraftSettings, Hello
 from specdec.common.modes import Mode
 from specdec.common.settings import resolve
 from specdec.common.stats import RoundRecord
+from specdec.device import autotune as A
 from specdec.device import edge_memory
 from specdec.device import safety_net as N
 from specdec.device import tracker_state as TS
@@ -155,6 +156,7 @@ from pathlib import Path
 from specdec.common.protocol import DraftSettings
 from specdec.common.modes import Mode
 from specdec.common.stats import RoundRecord
+from specdec.device import autotune as A
 from specdec.device import edge_memory
 from specdec.device.auto import LinkTracker
 root, drafter, edge = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -286,3 +288,28 @@ def test_a_drafter_that_turns_good_brings_drafting_back() -> None:
         s = policy.choose().settings
         commit(policy, s, edge_only(s.edge_tokens) if s.mode is Mode.NONE else drafted(s, s.draft_len))
     assert policy.choose().settings.mode is not Mode.NONE
+
+
+def test_edge_only_is_priced_by_how_it_streamed_not_by_the_fit_of_drafted_forwards() -> None:
+    """A CPU edge whose drafted rounds report 0.14 s a forward (3 tokens: the fit's one-token forward
+    is extrapolated from them, ~0.11 s) while edge-only streams a token every 0.075 s. Once one
+    edge-only round has streamed, the model prices edge-only at 1 / 0.075 (the control: the fit's
+    price, under 3/4 of that), and with drafted rounds delivering 3 tokens in 0.35 s (8.6 tok/s)
+    the next round is edge-only; the measurement is remembered with the rest."""
+    tracker = LinkTracker()
+    policy = AutoPolicy(tracker, HELLO, V)
+    s = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=2)
+    for _ in range(12):
+        commit(policy, s, drafted(s, 2, network=0.05, verify=0.14, draft=0.05, up=1200))
+    fit_rate = A.predict(A.Candidate(Mode.NONE), tracker.estimates(1.0, V)).rate
+    streamed = replace(edge_only(8, first=0.06, per_token=0.065), token_interval_s=0.075)
+    commit(policy, replace(DraftSettings(), mode=Mode.NONE, edge_tokens=8), streamed)
+    e = tracker.estimates(1.0, V)
+    assert e.edge_token_s == pytest.approx(0.075)
+    assert A.predict(A.Candidate(Mode.NONE), e).rate == pytest.approx(1 / 0.075, rel=0.05)
+    assert fit_rate < 0.75 / 0.075  # the control: what the fit priced it at
+    assert policy.choose().settings.mode is Mode.NONE
+    remembered = TS.from_json(json.loads(json.dumps(TS.to_json(tracker.snapshot()))))
+    after = LinkTracker()
+    after.restore(remembered)
+    assert after.estimates(1.0, V).edge_token_s == pytest.approx(tracker.edge_token_s.value)
