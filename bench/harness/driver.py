@@ -142,8 +142,11 @@ def emit(obj: dict) -> None:
 
 
 # What a timeline keeps of mode auto's choice of each round (auto.py's _explain): enough to see why a
-# session kept drafting or streaming, without the whole round log.
-AUTO_TIMELINE_KEYS = ("choice", "why", "predicted_tokens_per_s", "net_edge_tokens_per_s", "net_spec_tokens_per_s")
+# session kept drafting or streaming, and which estimate behind the model's prices was off, without
+# the whole round log.
+AUTO_TIMELINE_KEYS = ("choice", "why", "predicted_tokens_per_s", "net_edge_tokens_per_s", "net_spec_tokens_per_s",
+                      "rtt_s", "draft_s", "verify_base_s", "verify_per_token_s", "edge_token_s", "alpha_base",
+                      "time_scale")
 
 
 def add_timeline(session) -> list[dict]:
