@@ -55,6 +55,7 @@ class Run:
         self.sessions: list[dict] = []
         self.errors: list[dict] = []
         self.cells: dict[str, dict] = {}
+        self.rows = 0  # balanced turn orders used so far (harness.plan.balanced)
 
     def warm_up(self, rig: Rig) -> None:
         rec = self.recs[0]
@@ -102,7 +103,9 @@ class Run:
     def cells_of(self, rec: plan.Recording, cost: float | None, delay_s: float):
         for rtt in self.s.rtts_ms:
             for temp in self.s.temperatures:
-                yield rtt, temp, plan.cell_sessions(rec, rtt, temp, self.configs, self.extra, cost, delay_s)
+                sessions = plan.cell_sessions(rec, rtt, temp, self.configs, self.extra, cost, delay_s, self.rows)
+                self.rows += len(rec.offsets_s)  # the balanced orders go on where the last cell's stopped
+                yield rtt, temp, sessions
 
     def run(self, rig: Rig, best_fixed: str, delays: dict[float, float]) -> None:
         # the drafter's speed outermost: the device changes speed once per group, as a device would not

@@ -3,7 +3,9 @@ in, where a run's results go and what it records about the machine and the code.
 reading the prompt file, the clock and ``git``.
 
 Configurations are compared within one run, on the same prompts with the same seeds, in an order
-rotated from one prompt (or cell) to the next, so slow drift of the shared cores hits them alike.
+that changes from one prompt (or cell) to the next, so slow drift of the shared cores hits them alike,
+and balanced for carryover (:func:`balanced`), so that what one session leaves behind does not
+always slow the same configuration.
 """
 from __future__ import annotations
 
@@ -66,10 +68,31 @@ def rotated(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
-def interleave(configs: list, prompts: int) -> list[tuple[int, object]]:
-    """(prompt, config) for every prompt and config, prompt-major, the configs' order rotated by one
-    per prompt: a config never always runs first or right after the same neighbour."""
-    return [(p, c) for p in range(prompts) for c in rotated(list(configs), p)]
+def balanced(items: list, k: int) -> list:
+    """The ``k``-th turn order of a Williams design (Williams 1949, "Experimental designs balanced for
+    the estimation of residual effects of treatments"): over n consecutive orders (2n for an odd n) each
+    item runs in each position equally often and right after each other item equally often. A
+    rotation keeps each item's predecessor: in bench-traces mode auto always ran right after
+    TSLT-L8, and its edge-only sessions came out ~3 % slower than edge-only's, ~1.0 with the order
+    reversed."""
+    n = len(items)
+    if n < 3:
+        return rotated(items, k)
+    first, lo, hi = [0], 1, n - 1   # 0, 1, n - 1, 2, n - 2, ...: the differences cover 1 .. n - 1 once
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [items[(i + k) % n] for i in first]
+    return row[::-1] if n % 2 and (k // n) % 2 else row  # an odd n needs the mirrored square too
+
+
+def interleave(configs: list, prompts: int, first_row: int = 0) -> list[tuple[int, object]]:
+    """(prompt, config) for every prompt and config, prompt-major, the configs' order the
+    ``first_row + p``-th of :func:`balanced` for prompt p."""
+    return [(p, c) for p in range(prompts) for c in balanced(list(configs), first_row + p)]
 
 
 def run_dir(results: Path, name: str) -> Path:

@@ -5,8 +5,9 @@ The downlink runs at DOWN_FACTOR x the uplink: access links (LTE, cable, most Wi
 than up, and the downlink carries only verdicts (tens of bytes) and streamed tokens, so its rate
 hardly matters except for DSSD's rare full-distribution fallback; the grid varies the uplink, which
 carries the drafts. A *cell* is a link at one temperature. Every configuration of a cell runs the
-same prompts with the same seeds, interleaved prompt by prompt (the order of the configurations is
-rotated from one prompt to the next), so slow drift of the shared cores hits all alike.
+same prompts with the same seeds, interleaved prompt by prompt (the order of the configurations
+changes from one prompt to the next, balanced for carryover: harness.plan.balanced), so slow drift of
+the shared cores and what one session leaves behind hit all alike.
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def config_device(name: str, extra: dict | None = None) -> dict:
 
 def cell_jobs(link: str, temperature: float, configs: list[str], prompts: int, max_new_tokens: int,
               extra: dict[str, dict] | None = None) -> list[Job]:
-    """One job per (prompt, config), prompt-major, the configs' order rotated by one per prompt."""
+    """One job per (prompt, config), prompt-major, the configs' order balanced (harness.plan.interleave)."""
     cell = cell_name(link, temperature)
     return [Job(f"{cell}|{name}|{p}", cell, name, p, temperature, max_new_tokens,
                 config_device(name, (extra or {}).get(name)))

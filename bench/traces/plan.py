@@ -5,7 +5,8 @@ A *cell* is one recorded link (a Mahimahi ``NAME.up`` / ``NAME.down`` pair: upli
 capacity) at one base round trip (one-way delay RTT / 2 each way, on top of the trace) and one
 temperature. In a cell every configuration runs the same prompts with the same seeds, prompt i
 starting at the same offset into the trace for every configuration (the emulator restarts the
-trace there right before the session), the configurations' order rotated from one prompt to the next.
+trace there right before the session), the configurations' order balanced from one prompt to the next
+(harness.plan.balanced, its rows continuing across cells).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.bench.harness.plan import DRAFT_DELAY, SEED_BASE, rotated
+from specdec.bench.harness.plan import DRAFT_DELAY, SEED_BASE, balanced
 from specdec.bench.links import plan as links_plan
 from specdec.testbed.traces import load_trace, trace_pairs
 
@@ -138,14 +139,16 @@ def cell_name(trace: str, rtt_ms: float, temperature: float, drafter_cost: float
 
 
 def cell_sessions(rec: Recording, rtt_ms: float, temperature: float, configs: list[str],
-                  extra: dict[str, dict], drafter_cost: float | None = None, delay_s: float = 0.0) -> list[Session]:
-    """Prompt-major, the configurations' order rotated by one per prompt; ``delay_s`` after each drafter
+                  extra: dict[str, dict], drafter_cost: float | None = None, delay_s: float = 0.0,
+                  first_row: int = 0) -> list[Session]:
+    """Prompt-major, prompt p's configurations in the ``first_row + p``-th order of a design balanced
+    for carryover (the caller continues the rows from cell to cell); ``delay_s`` after each drafter
     forward (the driver's DRAFT_DELAY) where the drafter is slowed to ``drafter_cost``."""
     cell = cell_name(rec.name, rtt_ms, temperature, drafter_cost)
     slow = {DRAFT_DELAY: delay_s} if delay_s > 0 else {}
     return [Session(cell, rec.name, rtt_ms, temperature, name, p, rec.offsets_s[p],
                     {**links_plan.config_device(name, extra.get(name)), **slow}, drafter_cost)
-            for p in range(len(rec.offsets_s)) for name in rotated(list(configs), p)]
+            for p in range(len(rec.offsets_s)) for name in balanced(list(configs), first_row + p)]
 
 
 def drafter_delays(costs: tuple[float | None, ...], target_token_s: float,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec.bench.harness.driver import AUTO_TIMELINE_KEYS, DraftDelay, add_timeline, device_config
-from specdec.bench.harness.plan import DRAFT_DELAY
+from specdec.bench.harness.plan import DRAFT_DELAY, balanced, rotated
 from specdec.bench.traces import analyze, plan
 from specdec.testbed.traces import load_trace, trace_pairs
 
@@ -32,6 +32,41 @@ def test_a_slowed_cell_carries_its_delay_to_the_driver_and_its_cost_in_its_name(
     assert {s.cell for s in plain} == {"t-40ms@T1"} and all(DRAFT_DELAY not in s.device for s in plain)
     # the driver takes the delay for itself: it is no DeviceConfig field
     assert device_config("e:1", {"mode": "auto", DRAFT_DELAY: 0.02}).edge == "e:1"
+
+
+def pairs_and_positions(order, items: list, rows: int) -> tuple[dict, dict]:
+    """How often each item ran right after each other, and in each position, over ``rows`` orders."""
+    after: dict = {}
+    at: dict = {}
+    for k in range(rows):
+        row = order(items, k)
+        assert sorted(row) == sorted(items)
+        for a, b in zip(row, row[1:]):
+            after[(a, b)] = after.get((a, b), 0) + 1
+        for i, x in enumerate(row):
+            at[(x, i)] = at.get((x, i), 0) + 1
+    return after, at
+
+
+@pytest.mark.parametrize("n", (3, 4, 5, 6))
+def test_the_turn_order_is_balanced_for_what_a_session_leaves_behind(n) -> None:
+    """Over n orders (2n for an odd n) each config runs right after each other equally often and in
+    each position equally often; a rotation (the control) puts each config after the same one."""
+    items = list("abcdef"[:n])
+    rows = n if n % 2 == 0 else 2 * n
+    after, at = pairs_and_positions(balanced, items, rows)
+    assert len(after) == n * (n - 1) and set(after.values()) == {rows // n}
+    assert len(at) == n * n and set(at.values()) == {rows // n}
+    rotated_after, _ = pairs_and_positions(rotated, items, rows)
+    assert len(rotated_after) == n  # each item after one neighbour only
+
+
+def test_bench_traces_cells_continue_the_balanced_orders() -> None:
+    rec = plan.Recording("t", "t.up", "t.down", 100.0, (10.0, 20.0))
+    configs = ["none", "tslt256-L4", "tslt256-L8", "auto"]
+    first = plan.cell_sessions(rec, 40, 0.0, configs, {}, first_row=0)
+    second = plan.cell_sessions(rec, 40, 1.0, configs, {}, first_row=2)
+    assert [s.config for s in first + second] == [c for k in range(4) for c in balanced(configs, k)]
 
 
 def test_the_draft_delay_sleeps_after_each_forward() -> None:
