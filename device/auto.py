@@ -200,9 +200,8 @@ class LinkTracker:
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
         self.queue_s = self._ewma(0.0)          # edge: wait for its worker per round
         # edge-only's seconds per streamed token as its rounds measured it (everything in): the fit of
-        # the edge's forwards extrapolates a one-token forward from drafted rounds' forwards, which on a
-        # CPU edge priced edge-only ~40 % slower than it streamed, and kept auto drafting where
-        # edge-only was faster
+        # the edge's forwards extrapolates a one-token forward from drafted rounds' forwards, which can
+        # price edge-only far from how it streams (docs/modes.md)
         self.edge_token_s = self._ewma()
         self.models: dict[float, _ModelSide] = {}
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
