@@ -89,10 +89,10 @@ def balanced(items: list, k: int) -> list:
     return row[::-1] if n % 2 and (k // n) % 2 else row  # an odd n needs the mirrored square too
 
 
-def interleave(configs: list, prompts: int, first_row: int = 0) -> list[tuple[int, object]]:
-    """(prompt, config) for every prompt and config, prompt-major, the configs' order the
-    ``first_row + p``-th of :func:`balanced` for prompt p."""
-    return [(p, c) for p in range(prompts) for c in balanced(list(configs), first_row + p)]
+def interleave(configs: list, prompts: int) -> list[tuple[int, object]]:
+    """(prompt, config) for every prompt and config, prompt-major, the configs' order the p-th of
+    :func:`balanced` for prompt p."""
+    return [(p, c) for p in range(prompts) for c in balanced(list(configs), p)]
 
 
 def run_dir(results: Path, name: str) -> Path:
