@@ -299,8 +299,13 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
     lose against the better arm (at the measured rates, the switch back and forth included: a catch-up
     round as the last ones took, an edge-only round's first-token wait as the last ones waited), or
     what the last explorations of ``arm`` cost where that is more, at least ``margin`` of its time, so
-    that two arms as fast as each other do not swap every round; over ``explore_cost``."""
-    if r_edge <= 0 or r_spec <= 0:
+    that two arms as fast as each other do not swap every round; over ``explore_cost``. Drafted
+    rounds this device never measured (at this temperature) are due at once, as UCB1 plays each arm
+    once before any index (Auer et al. 2002): their price is the model's guess (acceptance priors),
+    and priced against measured edge-only, a catch-up round included, it kept a drafter at 2x
+    edge-only's speed untried for 13 s. Edge-only's price is measured from its first round on (the
+    interval its tokens streamed at), so it keeps its priced rate."""
+    if r_edge <= 0 or r_spec <= 0 or (arm == SPEC and state.spec.rounds <= 0):
         return 0.0
     sw_tokens, sw_s = state.switch.per_round() or (spec.tokens, 2 * spec.tokens / r_spec)
     switch_excess = max(0.0, sw_s - sw_tokens / r_spec)   # a catch-up round beyond a steady one

@@ -63,6 +63,7 @@ class StallsEveryOtherRound(DraftSession):
         kw.setdefault("run_ahead", True)
         super().__init__(drafter, hello, **kw)
         self.drafted = self.superseded_rounds = 0
+        self.chain_verdicts: list[tuple[int, tuple[int, ...], int]] = []  # (start, drafted ids, accepted)
         self.overdue.trip(0.0)  # a measured round trip from the start: the first round lets the edge run ahead too
 
     def draft(self, plan, max_tokens):
@@ -70,6 +71,11 @@ class StallsEveryOtherRound(DraftSession):
         if self.drafted % 2 == 0:
             time.sleep(STALL_S)
         return super().draft(plan, max_tokens)
+
+    def apply_verdict(self, rd, verdict, next_token, io, **kw):
+        if rd.tree is None:
+            self.chain_verdicts.append((rd.start, tuple(rd.block.token_ids), verdict.num_accepted))
+        return super().apply_verdict(rd, verdict, next_token, io, **kw)
 
     def superseded(self, rd, verdicts, downlink_bytes):
         self.superseded_rounds += 1
@@ -102,6 +108,10 @@ def test_greedy_output_equals_the_target_s_while_the_edge_runs_ahead(accepting_p
     sessions = [s for [(_, _, s)] in results]
     superseded = sum(s.superseded_rounds for s in sessions)
     ahead = metrics.run_ahead_tokens._value.get()
+    for prompt, s in zip(PROMPTS, sessions):  # each chain verdict is greedy's: the draft's prefix that is the target's
+        for start, ids, accepted in s.chain_verdicts:  # (s.tokens: the prompt and the target's tokens, as asserted)
+            agree = next((i for i, t in enumerate(ids) if s.tokens[start + i] != t), len(ids))
+            assert accepted == agree, (name, prompt, start, ids, accepted)
     if name == "dssd":  # the edge never runs ahead after a DSSD round: its next token may be the device's
         assert superseded == 0 and ahead == 0
         return
@@ -109,13 +119,14 @@ def test_greedy_output_equals_the_target_s_while_the_edge_runs_ahead(accepting_p
     if name == "auto" and max(s.drafted for s in sessions) < 2:
         return  # auto kept to edge-only rounds here (its choice, from the link it measured): no stall
     assert superseded > 0
-    verified = sum(s.stats.drafted_per_position[0] for s in sessions if s.stats.drafted_per_position)
-    if name == "auto" and not verified:
-        # every round auto drafted was superseded (under CI's load its drafting, catch-up included, can
-        # outlast the patched 30 ms each time): no drafted round was left to verify
+    if name == "auto":
+        # auto's own choice of rounds: it may verify a single drafted token a session (its first
+        # exploration, L = 1, then the stall hands the rest to the edge running ahead), and this fixture's
+        # drafter disagrees with the target at that position in all three prompts: acceptance seen is no
+        # promise here; the verdicts above are checked against the target's greedy tokens instead
         return
     accepted = sum(s.stats.accepted_tokens for s in sessions)
-    assert accepted > 0, (verified, accepted)  # rounds verified between the stalls too
+    assert accepted > 0, accepted  # rounds verified between the stalls too
 
 
 @pytest.mark.parametrize("name", ["gumbel", "auto"])
