@@ -571,7 +571,7 @@ class AutoPolicy:
         if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0:
             return e.edge_chunk, False
         due = math.ceil(max(0.0, net.probe_due_s) * net.edge_rate)
-        if due >= e.edge_chunk:
+        if due > e.edge_chunk:  # (one that ends just where it is due reads the tokens too)
             return e.edge_chunk, False
         return max(self.tracker.config.edge_chunk_min, due), True
 

@@ -34,6 +34,9 @@ in), and plays the arms as a two-armed bandit:
   round of the arm it came back to, the seconds taken beyond what that arm's measured rate gives the
   same tokens. Costs the model of a probe leaves out are in it: a round drafted ahead while the
   probe's last was verified, an edge-only round cut short to make room for it, a return that waits.
+* an arm whose explorations lost ``k`` times in a row is explored at ``explore_cost / (1 + k)`` (k up
+  to ``backoff``): at a fixed share, exploring a drafter that never pays (one slower than the target)
+  cost 2-4 % of the time for ever, where UCB's explorations of an arm measured worse thin out.
 
 Pure: no clock, no model; the rounds' times come in with their events.
 """
@@ -46,6 +49,7 @@ EDGE, SPEC = "edge", "spec"  # the arms, named as their sums in NetState
 PROBE_COST = {SPEC: "spec_probe", EDGE: "edge_probe"}  # NetState's field of what exploring each arm cost
 SUMS = (EDGE, SPEC, "switch")                   # NetState's Sums: the arms' and the catch-up rounds'
 COSTS = ("edge_wait", *PROBE_COST.values())     # NetState's Costs: first-token waits, explorations
+LOST = {SPEC: "spec_lost", EDGE: "edge_lost"}   # NetState's field of how many explorations of each lost in a row
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,11 @@ class NetConfig:
     start_rounds: float = 4.0   # the most a new session's start (the device's sums) weighs, in rounds
     priced_by_cost: bool = True  # explorations priced at least at what the last ones cost (False: at
                                  # the modelled price alone, the tests' control)
+    backoff: int = 3            # explorations of an arm that lost its last k in a row are priced at
+                                # explore_cost / (1 + k), k at most this: an arm measured worse again and
+                                # again is explored ever more rarely (UCB's index grows as log t and the
+                                # rounds' sum as n, so its explorations thin out with n), while discounting
+                                # keeps the net able to notice a change: the wait grows at most 4x
     outlier: float = 3.0        # a round counts at most this many times what its arm's rounds take: an
                                 # outage met in flight (seconds on a recorded cellular link) would
                                 # otherwise set the arm's rate for many rounds, and it says nothing
@@ -128,10 +137,22 @@ class Cost:
 
 @dataclass(frozen=True)
 class Episode:
-    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far."""
+    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far, and of
+    those of its rounds that measure the arm (not catching the drafter up, no first-token wait)."""
     arm: str
     tokens: float = 0.0
     seconds: float = 0.0
+    steady_tokens: float = 0.0
+    steady_seconds: float = 0.0
+
+    def plus(self, tokens: float, seconds: float, steady_s: float) -> "Episode":
+        steady = tokens if steady_s > 0 else 0.0
+        return Episode(self.arm, self.tokens + tokens, self.seconds + seconds, self.steady_tokens + steady,
+                       self.steady_seconds + steady_s)
+
+    def lost(self, rate: float) -> bool | None:
+        """Whether the arm's own rounds ran slower than ``rate`` (None: none measured it)."""
+        return self.steady_tokens < rate * self.steady_seconds if self.steady_seconds > 0 else None
 
 
 @dataclass(frozen=True)
@@ -169,6 +190,11 @@ class NetState:
     spec_probe: Cost = Cost()  # what explorations of drafted rounds cost, return included
     edge_probe: Cost = Cost()  # ... of edge-only rounds
     episode: Episode | None = None  # the exploration under way, if any
+    spec_lost: int = 0        # explorations of drafted rounds that lost, in a row (a win resets it)
+    edge_lost: int = 0        # ... of edge-only rounds
+
+    def lost(self, arm: str) -> int:
+        return getattr(self, LOST[arm])
 
     def sums(self, arm: str) -> Sums:
         """``arm``'s sums (EDGE, SPEC; "switch": the catch-up rounds')."""
@@ -181,7 +207,7 @@ class NetState:
 def remembered(device: NetState) -> NetState:
     """What a new process keeps of the device's net (device/edge_memory.py): the arms' sums and the
     costs measured; not the run or an exploration under way, which were this process's."""
-    return NetState(**{name: getattr(device, name) for name in (*SUMS, *COSTS)})
+    return NetState(**{name: getattr(device, name) for name in (*SUMS, *COSTS, *LOST.values())})
 
 
 def start_from(device: NetState, cfg: NetConfig) -> NetState:
@@ -213,7 +239,7 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     changes = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     if wait_s is not None and not first:
         changes["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
-    changes.update(_episode(state, cfg, arm, tokens, counted + wait, explore, first))
+    changes.update(_episode(state, cfg, arm, tokens, counted + wait, 0.0 if switch else counted, explore, first))
     same = arm == state.last_arm
     return replace(state, **changes, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
                    run_rounds=(state.run_rounds if same else 0) + 1)
@@ -231,23 +257,31 @@ def usual_seconds(sums: Sums, arm: str, tokens: int) -> float:
     return sums.seconds / sums.rounds
 
 
-def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, explore: bool,
-             first: bool) -> dict:
+def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, steady_s: float,
+             explore: bool, first: bool) -> dict:
     """The exploration's account after a round: an exploration's rounds add to it; the first round of
     the other arm after it closes it, its cost the seconds beyond what that arm's measured rate gives
-    all their tokens; the explored arm running on (it won) or a session's first round (the prefill's)
-    drop it unpriced."""
+    all their tokens; the arm's losing streak grows if the exploration's rounds that measured the arm
+    ran slower than the arm come back to (a drafter's catch-up is the switch's cost, not the arm's:
+    a drafter turned good loses its first exploration to it), and ends if they did not; the explored
+    arm running on (it won: its streak ends) or a session's first round (the prefill's) drop it
+    unpriced."""
     ep = state.episode
     if explore and not first:
         ep = ep if ep is not None and ep.arm == arm else Episode(arm)
-        return {"episode": Episode(arm, ep.tokens + tokens, ep.seconds + seconds)}
+        return {"episode": ep.plus(tokens, seconds, steady_s)}
     if ep is None:
         return {}
     back = state.sums(arm)
-    if first or arm == ep.arm or back.tokens <= 0:
+    if first or back.tokens <= 0:
         return {"episode": None}
+    if arm == ep.arm:  # the explored arm runs on: it won
+        return {"episode": None, LOST[ep.arm]: 0}
     cost = ep.seconds + seconds - (ep.tokens + tokens) * back.seconds / back.tokens
-    return {"episode": None, PROBE_COST[ep.arm]: state.probe_cost(ep.arm).plus(cost, cfg.discount)}
+    lost = ep.lost(back.tokens / back.seconds)
+    streak = state.lost(ep.arm) if lost is None else state.lost(ep.arm) + 1 if lost else 0
+    return {"episode": None, PROBE_COST[ep.arm]: state.probe_cost(ep.arm).plus(cost, cfg.discount),
+            LOST[ep.arm]: streak}
 
 
 def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str,
@@ -323,7 +357,18 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
         loss = probe_s - edge.tokens / r_spec + switch_excess + state.edge_wait.mean()
     if cfg.priced_by_cost and state.probe_cost(arm).count > 0:
         loss = max(loss, state.probe_cost(arm).mean())
-    return max(loss, cfg.margin * probe_s) / max(1e-6, cfg.explore_cost)
+    share = cfg.explore_cost / (1 + backoff(state, cfg, arm, spec if arm == SPEC else edge))
+    return max(loss, cfg.margin * probe_s) / max(1e-6, share)
+
+
+def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
+    """How many times ``arm``'s explorations lost in a row (at most ``backoff``), 0 while the model
+    predicts ``arm`` faster than its rounds delivered: what the model learned since (a drafter's
+    acceptance rising in the explorations themselves) is news the next exploration should test soon."""
+    measured = state.sums(arm)
+    if measured.seconds <= 0 or prior.rate > measured.tokens / measured.seconds:
+        return 0
+    return min(state.lost(arm), cfg.backoff)
 
 
 def with_discount(cfg: NetConfig, memory: float) -> NetConfig:

@@ -105,7 +105,8 @@ def _link_of(d: Mapping) -> LinkState:
 
 def _net_json(net: N.NetState) -> dict:
     """The net's measurements (safety_net.remembered: the run under way is a session's, not kept)."""
-    return {name: list(astuple(getattr(net, name))) for name in (*N.SUMS, *N.COSTS)}
+    return {**{name: list(astuple(getattr(net, name))) for name in (*N.SUMS, *N.COSTS)},
+            **{name: getattr(net, name) for name in N.LOST.values()}}
 
 
 def _net_of(d: Mapping) -> N.NetState:
@@ -113,7 +114,8 @@ def _net_of(d: Mapping) -> N.NetState:
             for arm in N.SUMS}
     costs = {name: N.Cost(*(num(x, 0.0, MAX_COUNT) for x in _fields(d[name], len(fields(N.Cost)))))
              for name in N.COSTS}
-    return N.NetState(**sums, **costs)
+    lost = {name: int(num(d.get(name, 0), 0, MAX_COUNT)) for name in N.LOST.values()}  # absent in older files
+    return N.NetState(**sums, **costs, **lost)
 
 
 def _fields(values, n: int) -> list:
