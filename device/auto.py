@@ -50,12 +50,40 @@ from specdec.device.rounds import RoundEvent, RoundPlan
 from specdec.device.verify_fit import VerifyFit
 from specdec.common.verification import dssd_fallback_bytes
 
+# A level shift: this many samples in a row beyond this share of the estimate (the same way) replace it
+# (_Stepped). Three: one or two slow forwards (a page fault, a GC pause) are noise.
+STEP_SAMPLES = 3
+STEP_SHIFT = 0.25
+
+
 class _Ewma:
     def __init__(self, prior: float | None, decay: float):
         self.value, self.decay = prior, decay
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+
+class _Stepped(_Ewma):
+    """An EWMA that jumps to a level its samples moved to: ``STEP_SAMPLES`` in a row beyond
+    ``STEP_SHIFT`` of it, the same way, replace it by their mean. A device's speed shifts in steps (it
+    throttles, another app takes its cores, a drafter-cost change in the bench), and the EWMA alone
+    took ~14 drafted rounds to follow a drafter 2.7x slower, drafting at 0.8x edge-only's speed all
+    the while; a forward's time otherwise scatters well within the shift."""
+
+    def __init__(self, prior: float | None, decay: float):
+        super().__init__(prior, decay)
+        self.run: list[float] = []
+
+    def add(self, x: float) -> None:
+        v = self.value
+        beyond = v is not None and v > 0 and (x > v * (1 + STEP_SHIFT) or x * (1 + STEP_SHIFT) < v)
+        same_way = beyond and all((y > v) == (x > v) for y in self.run)
+        self.run = [*self.run, x] if same_way else ([x] if beyond else [])
+        if len(self.run) >= STEP_SAMPLES:
+            self.value, self.run = sum(self.run) / len(self.run), []
+            return
+        super().add(x)
 
 
 class _Ratio:
@@ -195,7 +223,7 @@ class LinkTracker:
         self.link = LinkFit(config.link, config.memory)  # round trip, goodputs, stalls (device/link_fit.py)
         self.fallback_bytes = self._ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
         self.verify = VerifyFit()  # the edge's forward time by its tokens (device/verify_fit.py)
-        self.draft_s = self._ewma()
+        self.draft_s = _Stepped(None, self.config.estimates.decay * self.config.memory)
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
         self.queue_s = self._ewma(0.0)          # edge: wait for its worker per round

@@ -365,6 +365,23 @@ def test_drafter_time_is_per_forward() -> None:
     assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.018)
 
 
+def test_the_drafters_time_follows_a_step_within_three_rounds_not_its_scatter() -> None:
+    """A drafter that turns 2.7x slower (throttled, its cores taken): the estimate is the new level
+    after three rounds (an EWMA alone: ~14 rounds); forwards scattering +-20 % around a level, or one
+    or two slow ones among them, leave it an average."""
+    def tracker(forward_s: list[float]) -> LinkTracker:
+        t = LinkTracker()
+        for x in forward_s:
+            t.observe_round(replace(record(drafted=2, accepted=2, draft=2 * x), draft_forwards=2), SETTINGS, 1.0, 49152)
+        return t
+    warm = [0.03] * 20
+    assert tracker(warm + [0.08] * 3).estimates(1.0, 49152).draft_s == pytest.approx(0.08)
+    assert tracker(warm + [0.08] * 2).estimates(1.0, 49152).draft_s < 0.045
+    assert tracker(warm + [0.01] * 3).estimates(1.0, 49152).draft_s == pytest.approx(0.01)  # faster too
+    scatter = [0.03 * (1 + 0.2 * ((-1) ** i)) for i in range(30)] + [0.08, 0.08, 0.03, 0.08]
+    assert tracker(warm + scatter).estimates(1.0, 49152).draft_s < 0.05  # an average (a jump: 0.08)
+
+
 def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate() -> None:
     """Links run: one T = 1 text the drafter could not follow (rejected at the first draft round after
     round) took ~50 rounds to show in the estimate, and its tail then kept the next six sessions
