@@ -137,22 +137,10 @@ class Cost:
 
 @dataclass(frozen=True)
 class Episode:
-    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far, and of
-    those of its rounds that measure the arm (not catching the drafter up, no first-token wait)."""
+    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far."""
     arm: str
     tokens: float = 0.0
     seconds: float = 0.0
-    steady_tokens: float = 0.0
-    steady_seconds: float = 0.0
-
-    def plus(self, tokens: float, seconds: float, steady_s: float) -> "Episode":
-        steady = tokens if steady_s > 0 else 0.0
-        return Episode(self.arm, self.tokens + tokens, self.seconds + seconds, self.steady_tokens + steady,
-                       self.steady_seconds + steady_s)
-
-    def lost(self, rate: float) -> bool | None:
-        """Whether the arm's own rounds ran slower than ``rate`` (None: none measured it)."""
-        return self.steady_tokens < rate * self.steady_seconds if self.steady_seconds > 0 else None
 
 
 @dataclass(frozen=True)
@@ -239,7 +227,7 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     changes = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     if wait_s is not None and not first:
         changes["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
-    changes.update(_episode(state, cfg, arm, tokens, counted + wait, 0.0 if switch else counted, explore, first))
+    changes.update(_episode(state, cfg, arm, tokens, counted + wait, explore, first))
     same = arm == state.last_arm
     return replace(state, **changes, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
                    run_rounds=(state.run_rounds if same else 0) + 1)
@@ -257,19 +245,19 @@ def usual_seconds(sums: Sums, arm: str, tokens: int) -> float:
     return sums.seconds / sums.rounds
 
 
-def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, steady_s: float,
-             explore: bool, first: bool) -> dict:
+def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, explore: bool,
+             first: bool) -> dict:
     """The exploration's account after a round: an exploration's rounds add to it; the first round of
     the other arm after it closes it, its cost the seconds beyond what that arm's measured rate gives
-    all their tokens; the arm's losing streak grows if the exploration's rounds that measured the arm
-    ran slower than the arm come back to (a drafter's catch-up is the switch's cost, not the arm's:
-    a drafter turned good loses its first exploration to it), and ends if they did not; the explored
-    arm running on (it won: its streak ends) or a session's first round (the prefill's) drop it
-    unpriced."""
+    all their tokens; the arm's losing streak grows if the arm's measured rate (its rounds so far, the
+    exploration's in: not its catch-up, a switch's cost) is below the arm come back to, and ends if
+    not (an exploration's one measuring round alone flips either way on noise: drafted ahead and
+    accepted, it flatters a drafter); the explored arm running on (it won: its streak ends) or a
+    session's first round (the prefill's) drop it unpriced."""
     ep = state.episode
     if explore and not first:
         ep = ep if ep is not None and ep.arm == arm else Episode(arm)
-        return {"episode": ep.plus(tokens, seconds, steady_s)}
+        return {"episode": Episode(arm, ep.tokens + tokens, ep.seconds + seconds)}
     if ep is None:
         return {}
     back = state.sums(arm)
@@ -278,8 +266,9 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     if arm == ep.arm:  # the explored arm runs on: it won
         return {"episode": None, LOST[ep.arm]: 0}
     cost = ep.seconds + seconds - (ep.tokens + tokens) * back.seconds / back.tokens
-    lost = ep.lost(back.tokens / back.seconds)
-    streak = state.lost(ep.arm) if lost is None else state.lost(ep.arm) + 1 if lost else 0
+    mine = state.sums(ep.arm)
+    lost = mine.seconds > 0 and mine.tokens * back.seconds < back.tokens * mine.seconds
+    streak = state.lost(ep.arm) + 1 if lost else 0
     return {"episode": None, PROBE_COST[ep.arm]: state.probe_cost(ep.arm).plus(cost, cfg.discount),
             LOST[ep.arm]: streak}
 
