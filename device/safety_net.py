@@ -249,11 +249,12 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
              first: bool) -> dict:
     """The exploration's account after a round: an exploration's rounds add to it; the first round of
     the other arm after it closes it, its cost the seconds beyond what that arm's measured rate gives
-    all their tokens; the arm's losing streak grows if the arm's measured rate (its rounds so far, the
-    exploration's in: not its catch-up, a switch's cost) is below the arm come back to, and ends if
-    not (an exploration's one measuring round alone flips either way on noise: drafted ahead and
-    accepted, it flatters a drafter); the explored arm running on (it won: its streak ends) or a
-    session's first round (the prefill's) drop it unpriced."""
+    all their tokens; a cost above 0 (the exploration lost time, its switches in) lengthens the arm's
+    losing streak, one at most 0 ends it. Neither the exploration's one measuring round (drafted
+    ahead and accepted, it flatters a drafter: the streak flipped on noise) nor the arm's measured
+    rate (its sums forget only as the arm runs: a device whose drafter slowed kept its faster past)
+    judges it as well. The explored arm running on (it won: its streak ends) or a session's first
+    round (the prefill's) drop it unpriced."""
     ep = state.episode
     if explore and not first:
         ep = ep if ep is not None and ep.arm == arm else Episode(arm)
@@ -266,9 +267,7 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     if arm == ep.arm:  # the explored arm runs on: it won
         return {"episode": None, LOST[ep.arm]: 0}
     cost = ep.seconds + seconds - (ep.tokens + tokens) * back.seconds / back.tokens
-    mine = state.sums(ep.arm)
-    lost = mine.seconds > 0 and mine.tokens * back.seconds < back.tokens * mine.seconds
-    streak = state.lost(ep.arm) + 1 if lost else 0
+    streak = state.lost(ep.arm) + 1 if cost > 0 else 0
     return {"episode": None, PROBE_COST[ep.arm]: state.probe_cost(ep.arm).plus(cost, cfg.discount),
             LOST[ep.arm]: streak}
 

@@ -245,21 +245,21 @@ def test_a_model_that_predicts_the_arm_faster_than_it_ran_suspends_the_backoff()
     assert log(CFG.backoff) == log(0)
 
 
-def test_an_exploration_lost_if_the_arm_measured_slower_than_the_one_come_back_to() -> None:
-    """The streak grows while the explored arm's measured rate (its rounds so far, not the catch-ups)
-    is below the arm come back to, ends when it is not or when the explored arm runs on; an
-    exploration's one fast round does not end it (drafted ahead and accepted, it flatters a drafter)."""
+def test_an_exploration_that_lost_time_lengthens_the_streak() -> None:
+    """An exploration whose rounds and return took longer than the arm come back to gives their tokens
+    (its catch-up in) lengthens the streak, one that did not ends it, and so does the explored arm
+    running on."""
     s = N.observe(N.NetState(), CFG, N.EDGE, 8, 1.0, first=True)
     s = N.observe(s, CFG, N.EDGE, 40, 4.0)                                   # edge-only: 10 tok/s
 
-    def explored(s: N.NetState, steady_s: float) -> N.NetState:
-        s = N.observe(s, CFG, N.SPEC, 4, 2.0, switch=True, explore=True)     # the catch-up: slow
+    def explored(s: N.NetState, catch_up_s: float, steady_s: float) -> N.NetState:
+        s = N.observe(s, CFG, N.SPEC, 4, catch_up_s, switch=True, explore=True)
         s = N.observe(s, CFG, N.SPEC, 4, steady_s, explore=True)
         return N.observe(s, CFG, N.EDGE, 20, 2.0)
-    s = explored(explored(s, 0.8), 0.8)                                      # 5 tok/s: lost twice
+    s = explored(explored(s, 2.0, 0.8), 2.0, 0.8)                            # 8 tokens in 2.8 s: lost twice
     assert s.spec_lost == 2 and s.spec_probe.mean() > 0
-    assert explored(s, 0.35).spec_lost == 3                                  # one round at 11 tok/s
-    assert explored(explored(explored(s, 0.1), 0.1), 0.1).spec_lost == 0     # 40 tok/s: the arm is faster
+    assert explored(s, 0.6, 0.3).spec_lost == 3                              # 8 in 0.9 s (0.8 at 10 tok/s)
+    assert explored(s, 0.4, 0.2).spec_lost == 0                              # 8 in 0.6 s: it gained time
     ran_on = N.observe(N.observe(s, CFG, N.SPEC, 4, 0.3, switch=True, explore=True), CFG, N.SPEC, 5, 0.3)
     assert ran_on.spec_lost == 0
     slow, hopeful = N.ArmPrior(4, 1.0), N.ArmPrior(4, 0.2)                   # the model: 4 and 20 tok/s
