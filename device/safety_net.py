@@ -137,10 +137,12 @@ class Cost:
 
 @dataclass(frozen=True)
 class Episode:
-    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far."""
+    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far, and
+    whether a session's first round began it (kept out: it holds the prefill)."""
     arm: str
     tokens: float = 0.0
     seconds: float = 0.0
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,12 +255,16 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     losing streak, one at most 0 ends it. Neither the exploration's one measuring round (drafted
     ahead and accepted, it flatters a drafter: the streak flipped on noise) nor the arm's measured
     rate (its sums forget only as the arm runs: a device whose drafter slowed kept its faster past)
-    judges it as well. The explored arm running on (it won: its streak ends) or a session's first
-    round (the prefill's) drop it unpriced."""
+    judges it as well. One a session's first round began lacks its catch-up (kept out with the
+    prefill): priced as measured, it leaves the streak as it was (its sign is noise: explorations
+    deferred by a session's end run first thing in the next). The explored arm running on (it won:
+    its streak ends) or a session's first round of the other arm (the prefill's) drop it unpriced."""
     ep = state.episode
-    if explore and not first:
-        ep = ep if ep is not None and ep.arm == arm else Episode(arm)
-        return {"episode": Episode(arm, ep.tokens + tokens, ep.seconds + seconds)}
+    if explore:
+        ep = ep if ep is not None and ep.arm == arm else Episode(arm, partial=first)
+        if first:
+            return {"episode": replace(ep, partial=True)}
+        return {"episode": replace(ep, tokens=ep.tokens + tokens, seconds=ep.seconds + seconds)}
     if ep is None:
         return {}
     back = state.sums(arm)
@@ -267,7 +273,7 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     if arm == ep.arm:  # the explored arm runs on: it won
         return {"episode": None, LOST[ep.arm]: 0}
     cost = ep.seconds + seconds - (ep.tokens + tokens) * back.seconds / back.tokens
-    streak = state.lost(ep.arm) + 1 if cost > 0 else 0
+    streak = state.lost(ep.arm) if ep.partial else state.lost(ep.arm) + 1 if cost > 0 else 0
     return {"episode": None, PROBE_COST[ep.arm]: state.probe_cost(ep.arm).plus(cost, cfg.discount),
             LOST[ep.arm]: streak}
 

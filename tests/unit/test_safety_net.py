@@ -248,7 +248,7 @@ def test_a_model_that_predicts_the_arm_faster_than_it_ran_suspends_the_backoff()
 def test_an_exploration_that_lost_time_lengthens_the_streak() -> None:
     """An exploration whose rounds and return took longer than the arm come back to gives their tokens
     (its catch-up in) lengthens the streak, one that did not ends it, and so does the explored arm
-    running on."""
+    running on; one a session's first round began (its catch-up unmeasured) leaves it."""
     s = N.observe(N.NetState(), CFG, N.EDGE, 8, 1.0, first=True)
     s = N.observe(s, CFG, N.EDGE, 40, 4.0)                                   # edge-only: 10 tok/s
 
@@ -262,6 +262,10 @@ def test_an_exploration_that_lost_time_lengthens_the_streak() -> None:
     assert explored(s, 0.4, 0.2).spec_lost == 0                              # 8 in 0.6 s: it gained time
     ran_on = N.observe(N.observe(s, CFG, N.SPEC, 4, 0.3, switch=True, explore=True), CFG, N.SPEC, 5, 0.3)
     assert ran_on.spec_lost == 0
+    # begun by a session's first round (the prefill's, kept out): priced as measured, the streak kept
+    fresh = N.observe(s, CFG, N.SPEC, 4, 3.0, first=True, switch=True, explore=True)
+    fresh = N.observe(N.observe(fresh, CFG, N.SPEC, 4, 0.2, explore=True), CFG, N.EDGE, 20, 2.0)
+    assert fresh.spec_lost == 2 and fresh.spec_probe.count > s.spec_probe.count
     slow, hopeful = N.ArmPrior(4, 1.0), N.ArmPrior(4, 0.2)                   # the model: 4 and 20 tok/s
     assert N.backoff(s, CFG, N.SPEC, slow) == 2 and N.backoff(s, CFG, N.SPEC, hopeful) == 0
     assert N.backoff(replace(s, spec_lost=9), CFG, N.SPEC, slow) == CFG.backoff
