@@ -223,7 +223,7 @@ class LinkTracker:
         self.link = LinkFit(config.link, config.memory)  # round trip, goodputs, stalls (device/link_fit.py)
         self.fallback_bytes = self._ewma()  # a DSSD fallback's replies (head, or head and whole p_j)
         self.verify = VerifyFit()  # the edge's forward time by its tokens (device/verify_fit.py)
-        self.draft_s = _Stepped(None, self.config.estimates.decay * self.config.memory)
+        self.draft_s = self._ewma(kind=_Stepped)
         self.encode_s: dict[Mode, _Ewma] = {}   # device: codec encode + decode per draft token
         self.decode_s: dict[Mode, _Ewma] = {}   # edge: payload decode per draft token
         self.queue_s = self._ewma(0.0)          # edge: wait for its worker per round
@@ -243,8 +243,8 @@ class LinkTracker:
         """Whether the device has measured this link (a committed round, or a remembered one)."""
         return self.rounds_seen > 0 or self.restored
 
-    def _ewma(self, prior: float | None = None) -> _Ewma:
-        return _Ewma(prior, self.config.estimates.decay * self.config.memory)
+    def _ewma(self, prior: float | None = None, kind: type[_Ewma] = _Ewma) -> _Ewma:
+        return kind(prior, self.config.estimates.decay * self.config.memory)
 
     # -- remembered across processes (device/edge_memory.py) ------------------------------------------------
     def snapshot(self) -> TS.TrackerState:

@@ -261,7 +261,7 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     its streak ends) or a session's first round of the other arm (the prefill's) drop it unpriced."""
     ep = state.episode
     if explore:
-        ep = ep if ep is not None and ep.arm == arm else Episode(arm, partial=first)
+        ep = ep if ep is not None and ep.arm == arm else Episode(arm)
         if first:
             return {"episode": replace(ep, partial=True)}
         return {"episode": replace(ep, tokens=ep.tokens + tokens, seconds=ep.seconds + seconds)}
