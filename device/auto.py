@@ -554,7 +554,7 @@ class AutoPolicy:
         chunk, catch_up = self._edge_chunk(chosen, net, e, cold)
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
         return RoundPlan(self.settings_for(chosen.candidate, chunk),
-                         choice=_explain(chosen, e, ranking, why, chunk, catch_up, net),
+                         choice=_explain(chosen, e, ranking, why, chunk, catch_up, net, self.net),
                          decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk,
                          edge_tail=0 if catch_up else self.tracker.config.edge_chunk_min)
 
@@ -691,9 +691,12 @@ class AutoPolicy:
 
 
 def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], why: str | None, chunk: int,
-             catch_up: bool, net: N.NetCall | None = None) -> dict:
+             catch_up: bool, net: N.NetCall | None = None, state: N.NetState | None = None) -> dict:
     """The choice and the estimates behind it, for the JSON round log and the metrics. ``why``: what
-    overrode the best-predicted choice (cold, probe, net, explore), if anything."""
+    overrode the best-predicted choice (cold, probe, net, explore), if anything. The model's best
+    prediction for each arm, the net's wait before its next exploration and its losing streaks say why
+    an arm ran on (a pick's own prediction alone does not)."""
+    best_of = lambda edge: next((p.rate for p in ranking if (p.candidate.mode is Mode.NONE) == edge), None)  # noqa: E731
     return {
         "choice": chosen.candidate.key, "mode": chosen.candidate.mode.value, "draft_len": chosen.candidate.draft_len,
         "top_k": chosen.candidate.top_k, "predicted_tokens_per_s": chosen.rate, "alpha": chosen.alpha,
@@ -706,6 +709,10 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "time_scale": e.time_scale.get(chosen.candidate.codec_key, 1.0),
         "net_edge_tokens_per_s": net.edge_rate if net is not None else None,
         "net_spec_tokens_per_s": net.spec_rate if net is not None else None,
+        "model_edge_tokens_per_s": best_of(True), "model_spec_tokens_per_s": best_of(False),
+        "probe_due_s": net.probe_due_s if net is not None and math.isfinite(net.probe_due_s) else None,
+        "spec_lost": state.spec_lost if state is not None else None,
+        "edge_lost": state.edge_lost if state is not None else None,
     }
 
 

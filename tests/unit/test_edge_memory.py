@@ -271,6 +271,20 @@ def test_edge_only_sessions_keep_exploring_at_a_bounded_cost() -> None:
     assert sum(c["why"] == "explore" for _, c in cheap) > len(explores)
 
 
+def test_the_round_log_says_why_an_arm_runs_on() -> None:
+    """Each plan's choice carries the model's best prediction for either arm, the seconds before the
+    net's next exploration (counting down as the edge-only run goes on) and the arms' losing streaks:
+    a drafter never right has the model predict drafting slower, and its explorations lose."""
+    _, log = poor_session()
+    settled = [c for s, c in log[20:] if s.mode is Mode.NONE and c["why"] is None]
+    assert settled and all(c["model_spec_tokens_per_s"] < c["model_edge_tokens_per_s"] for c in settled)
+    # counted from the second edge-only round after a drafted one (the first's call came from the drafted run)
+    runs = [(a["probe_due_s"], b["probe_due_s"]) for (sa, a), (sb, b) in zip(log[20:], log[21:])
+            if sa.mode is sb.mode is Mode.NONE and a["probe_due_s"] is not None]
+    assert runs and all(b < a for a, b in runs)  # one edge-only round nearer the next exploration
+    assert max(c["spec_lost"] for _, c in log) >= 1 and all(c["edge_lost"] == 0 for _, c in log)
+
+
 def test_a_sessions_last_tokens_start_no_exploration() -> None:
     """The session's remaining tokens reach the net: with fewer left than a drafted exploration's
     rounds deliver, no drafted exploration starts (the same session told nothing runs some)."""
