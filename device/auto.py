@@ -654,14 +654,12 @@ class AutoPolicy:
         stalled = self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
                                              catching_up=drafted and not self._drafted_last, first=self.rounds == 0,
                                              gumbel=self.gumbel, sent_ahead=event.sent_ahead)
-        if (isinstance(d, AutoDecision) and d.estimates is not None and self._drafted_last == drafted
+        if (isinstance(d, AutoDecision) and d.estimates is not None and drafted and self._drafted_last
                 and self.rounds > 0 and not stalled):
             # the round's wall time against the model's (not a round that catches the drafter up, nor
-            # one an outage held up: that says nothing about its kind of round)
-            # an edge-only round is modelled for the tokens it streamed: one cut short (the session's
-            # end, an exploration due) against a whole chunk's time would teach a scale far below 1
-            e = d.estimates if drafted else replace(d.estimates, edge_chunk=max(1, r.generated))
-            modelled = A.first_round(d.candidate, e, event.ahead_steps, self.draft_ahead, event.sent_ahead)
+            # one an outage held up: that says nothing about its kind of round; edge-only rounds are
+            # measured by how they streamed, A.time_scale)
+            modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead, event.sent_ahead)
             self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
         self._observe_net(event, drafted)
         self._drafted_last = drafted
@@ -706,7 +704,7 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "draft_s": e.draft_s, "verify_base_s": e.verify_base_s, "verify_per_token_s": e.verify_per_token_s,
         "edge_token_s": e.edge_token_s,
         "alpha_base": e.alpha_base, "guess_rate": e.guess_rate, "edge_chunk": e.edge_chunk,
-        "time_scale": e.time_scale.get(chosen.candidate.codec_key, 1.0),
+        "time_scale": A.time_scale(chosen.candidate, e),
         "net_edge_tokens_per_s": net.edge_rate if net is not None else None,
         "net_spec_tokens_per_s": net.spec_rate if net is not None else None,
         "model_edge_tokens_per_s": best_of(True), "model_spec_tokens_per_s": best_of(False),

@@ -193,11 +193,19 @@ def uplink_bytes(c: Candidate, e: Estimates) -> float:
 
 def predict(c: Candidate, e: Estimates, draft_ahead: bool = True) -> Prediction:
     """Expected tokens and seconds per round run as ``c`` in steady state (module docstring: the
-    model), scaled by what rounds of its kind measured against it (``Estimates.time_scale``). A
-    round's plan is fixed before it is drafted, ahead or not, so no choice inherits work in progress."""
+    model), scaled by what rounds of its kind measured against it (:func:`time_scale`). A round's
+    plan is fixed before it is drafted, ahead or not, so no choice inherits work in progress."""
     p = model_round(c, e, draft_ahead)
-    scale = e.time_scale.get(c.codec_key, 1.0)
+    scale = time_scale(c, e)
     return Prediction(c, p.tokens, p.seconds * scale, p.alpha) if scale != 1.0 else p
+
+
+def time_scale(c: Candidate, e: Estimates) -> float:
+    """Measured over modelled time of ``c``'s kind of round (``Estimates.time_scale``); 1 for edge-only
+    rounds, whose time per token is itself measured (``Estimates.edge_token_s``, how they streamed): a
+    scale learned on top of it corrects the same error twice, and an edge that sped up by 10 % was then
+    predicted 10 % faster than it streamed (a scale older memory files may still hold is ignored)."""
+    return 1.0 if c.mode is Mode.NONE else e.time_scale.get(c.codec_key, 1.0)
 
 
 def _round_parts(c: Candidate, e: Estimates) -> tuple[float, float, float]:

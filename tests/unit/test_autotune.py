@@ -16,7 +16,7 @@ from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
 from specdec.device.link_fit import LinkConfig
-from specdec.device.auto import (AutoConfig, GumbelAcceptance,
+from specdec.device.auto import (AutoConfig, AutoDecision, GumbelAcceptance,
                                  AutoPolicy, LinkTracker, SessionAcceptance)
 from specdec.device.q_measure import OBSERVE_Q_EVERY
 from specdec.device.rounds import RoundEvent, RoundPlan
@@ -493,6 +493,32 @@ def test_a_kind_of_round_slower_than_modelled_is_predicted_slower() -> None:
     assert A.predict(A.Candidate(Mode.TSLT, 8, 1024), scaled).seconds == pytest.approx(
         2 * A.predict(A.Candidate(Mode.TSLT, 8, 1024), e).seconds, rel=1e-3)
     assert A.predict(other, scaled).seconds == A.predict(other, e).seconds
+
+
+def test_an_edge_that_speeds_up_is_predicted_as_it_streams_not_faster() -> None:
+    """Edge-only rounds are priced by how they streamed (``edge_token_s``); a time scale learned on
+    top of it counts an edge that sped up twice (the streamed interval's estimate lags, and the scale
+    learns the same lag: a bench session's first sample set it to 0.89 and edge-only was predicted
+    13.5 tok/s where it streamed 12.2). An edge that sped up from 0.085 to 0.075 s a token: no scale
+    is learned for edge-only rounds, the prediction stays between the two speeds, and a scale an older
+    memory holds for them is ignored."""
+    t = LinkTracker()
+    policy = AutoPolicy(t, HELLO, HELLO.vocab_size)
+    none = A.Candidate(Mode.NONE)
+    s = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=16)
+    for i, interval in enumerate([0.085] * 4 + [0.075] * 2):
+        r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=16, uplink_bytes=30,
+                        downlink_bytes=640, phases={"network": interval, "queue": 0.0, "decode": 0.0,
+                                                    "verify": 15 * interval}, token_interval_s=interval)
+        plan = RoundPlan(s, decision=AutoDecision(none, t.estimates(1.0, HELLO.vocab_size)))
+        CLOCK[0] += 16 * interval
+        policy.observe(RoundEvent(record=r, plan=plan, new_tokens=(), q_stats=(), guess=None, elapsed_s=16 * interval,
+                                  edge_hint=None, t=CLOCK[0], sent_ahead=i > 0))
+    e = t.estimates(1.0, HELLO.vocab_size)
+    assert (Mode.NONE, 0) not in t.time_scale
+    assert 1 / 0.085 < A.predict(none, e).rate <= 1 / 0.075
+    older = replace(e, time_scale={(Mode.NONE, 0): 0.88})
+    assert A.predict(none, older).rate == pytest.approx(A.predict(none, e).rate)
 
 
 def test_rounds_far_larger_than_any_measured_are_not_trusted_to_the_estimate() -> None:
