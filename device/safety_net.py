@@ -357,10 +357,18 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
 
 def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     """How many times ``arm``'s explorations lost in a row (at most ``backoff``), 0 while the model
-    predicts ``arm`` faster than its rounds delivered: what the model learned since (a drafter's
-    acceptance rising in the explorations themselves) is news the next exploration should test soon."""
+    predicts ``arm`` faster than its rounds delivered (what the model learned since, a drafter's
+    acceptance rising in the explorations themselves, is news the next exploration should test soon)
+    and while ``arm``'s rounds delivered more than the other arm's (drafting by ``margin``): UCB thins
+    out the explorations of an arm measured worse; one measured better is left only because the model
+    disagrees (a T = 1 text rejected twice at depth 2 after drafted rounds ran at 15 tok/s against
+    edge-only's 12), and its explorations are what bring it back."""
     measured = state.sums(arm)
     if measured.seconds <= 0 or prior.rate > measured.tokens / measured.seconds:
+        return 0
+    rival = state.sums(EDGE if arm == SPEC else SPEC)
+    lead = 1 + cfg.margin if arm == SPEC else 1.0
+    if rival.seconds > 0 and measured.tokens / measured.seconds > lead * rival.tokens / rival.seconds:
         return 0
     return min(state.lost(arm), cfg.backoff)
 
