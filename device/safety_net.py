@@ -361,8 +361,8 @@ def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     acceptance rising in the explorations themselves, is news the next exploration should test soon)
     and while ``arm``'s rounds delivered more than the other arm's (drafting by ``margin``): UCB thins
     out the explorations of an arm measured worse; one measured better is left only because the model
-    disagrees (a T = 1 text rejected twice at depth 2 after drafted rounds ran at 15 tok/s against
-    edge-only's 12), and its explorations are what bring it back."""
+    disagrees (a T = 1 text whose drafts were rejected early twice, after drafted rounds ran at 15
+    tok/s against edge-only's 12), and its explorations are what bring it back."""
     measured = state.sums(arm)
     if measured.seconds <= 0 or prior.rate > measured.tokens / measured.seconds:
         return 0
