@@ -164,7 +164,7 @@ def print_tables(data: dict) -> None:
     if cal:
         print(f"\ndrafter as it runs here: {cal['drafter_token_s'] * 1e3:.1f} ms per draft token, target "
               f"{cal['target_token_s'] * 1e3:.1f} ms per token: drafter cost {cal['drafter_cost']:.2f}x; slowed to "
-              + ", ".join(f"{c}x (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
+              + ", ".join(f"{cost_label(c)} (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
     r = data.get("regret_summary")
     if r:
         print("\nper auto session (same cell and prompt): p5 / p50 / p95 (min) over "
@@ -184,6 +184,12 @@ def print_tables(data: dict) -> None:
         gaps = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t["gap_p95"].items() if v is not None)
         print(f"  {key:<28} auto/best {fmt(t['auto_vs_best_fixed'])}  auto/edge-only {fmt(t['auto_vs_edge_only'])}  "
               f"auto/default {fmt(t['auto_vs_default'])}  p95 gap ms: {gaps}")
+
+
+def cost_label(cost: float | str | None) -> str:
+    """A drafter cost as --drafter-costs spells it (None, or "null" once a run's JSON is read back:
+    the drafter as it runs)."""
+    return "natural" if cost in (None, "null") else f"{float(cost):g}x"
 
 
 def analyze_all(data: dict) -> None:

@@ -2,6 +2,7 @@
 per-session regret and the never-loses goals, and the held-out / tuning split of the trace sets."""
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -167,3 +168,10 @@ def test_the_held_out_and_tuning_sets_are_trace_pairs_apart_from_each_other_and_
         assert not set(heldout) & set(trace_pairs(shared))
     for up, down in heldout.values():
         assert load_trace(up).mean_bps > 0 and load_trace(down).period_ms >= 60_000
+
+
+def test_a_drafter_cost_is_printed_as_the_flag_spells_it() -> None:
+    """The calibration line names the natural drafter 'natural' (not 'Nonex'), in a run and read back."""
+    from specdec.bench.bench_traces import cost_label
+    assert [cost_label(c) for c in (None, 0.6, 1.0)] == ["natural", "0.6x", "1x"]
+    assert [cost_label(c) for c in json.loads(json.dumps({None: 0, 1.5: 0}))] == ["natural", "1.5x"]
