@@ -546,9 +546,9 @@ class AutoPolicy:
                 and A.Candidate(Mode.NONE) in self.candidates)
         net = None if cold else self._net_call(pick, ranking, in_flight, remaining)
         if cold:
-            pick = next(p for p in ranking if p.candidate.mode is Mode.NONE)
+            pick = _best_of_arm(ranking, N.EDGE)
         elif net is not None and net.why is not None:
-            pick = next(p for p in ranking if (p.candidate.mode is Mode.NONE) == (net.arm == N.EDGE))
+            pick = _best_of_arm(ranking, net.arm)
         probe = None if cold or (net is not None and net.why) else self._probe(pick, e)
         chosen = probe or pick
         chunk, catch_up = self._edge_chunk(chosen, net, e, cold)
@@ -561,8 +561,7 @@ class AutoPolicy:
     def _net_call(self, pick: A.Prediction, ranking: list[A.Prediction], in_flight: RoundPlan | None,
                   remaining: int | None) -> N.NetCall | None:
         """The safety net's arm for the next round (None where one arm is not among the candidates)."""
-        edge = next((p for p in ranking if p.candidate.mode is Mode.NONE), None)
-        spec = next((p for p in ranking if p.candidate.mode is not Mode.NONE), None)
+        edge, spec = _best_of_arm(ranking, N.EDGE), _best_of_arm(ranking, N.SPEC)
         if edge is None or spec is None:
             return None
         model_arm = N.EDGE if pick.candidate.mode is Mode.NONE else N.SPEC
@@ -688,13 +687,19 @@ class AutoPolicy:
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)
 
 
+def _best_of_arm(ranking: list[A.Prediction], arm: str) -> A.Prediction | None:
+    """The best-ranked prediction of the safety net's ``arm`` (edge-only rounds, or drafted rounds of any
+    setting), None where no candidate is of it."""
+    return next((p for p in ranking if (p.candidate.mode is Mode.NONE) == (arm == N.EDGE)), None)
+
+
 def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], why: str | None, chunk: int,
              catch_up: bool, net: N.NetCall | None = None, state: N.NetState | None = None) -> dict:
     """The choice and the estimates behind it, for the JSON round log and the metrics. ``why``: what
     overrode the best-predicted choice (cold, probe, net, explore), if anything. The model's best
     prediction for each arm, the net's wait before its next exploration and its losing streaks say why
     an arm ran on (a pick's own prediction alone does not)."""
-    best_of = lambda edge: next((p.rate for p in ranking if (p.candidate.mode is Mode.NONE) == edge), None)  # noqa: E731
+    edge, spec = _best_of_arm(ranking, N.EDGE), _best_of_arm(ranking, N.SPEC)
     return {
         "choice": chosen.candidate.key, "mode": chosen.candidate.mode.value, "draft_len": chosen.candidate.draft_len,
         "top_k": chosen.candidate.top_k, "predicted_tokens_per_s": chosen.rate, "alpha": chosen.alpha,
@@ -707,7 +712,8 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "time_scale": A.time_scale(chosen.candidate, e),
         "net_edge_tokens_per_s": net.edge_rate if net is not None else None,
         "net_spec_tokens_per_s": net.spec_rate if net is not None else None,
-        "model_edge_tokens_per_s": best_of(True), "model_spec_tokens_per_s": best_of(False),
+        "model_edge_tokens_per_s": edge.rate if edge is not None else None,
+        "model_spec_tokens_per_s": spec.rate if spec is not None else None,
         "probe_due_s": net.probe_due_s if net is not None and math.isfinite(net.probe_due_s) else None,
         "spec_lost": state.spec_lost if state is not None else None,
         "edge_lost": state.edge_lost if state is not None else None,

@@ -363,12 +363,12 @@ def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     out the explorations of an arm measured worse; one measured better is left only because the model
     disagrees (a T = 1 text whose drafts were rejected early twice, after drafted rounds ran at 15
     tok/s against edge-only's 12), and its explorations are what bring it back."""
-    measured = state.sums(arm)
-    if measured.seconds <= 0 or prior.rate > measured.tokens / measured.seconds:
+    measured, rival = state.sums(arm), state.sums(EDGE if arm == SPEC else SPEC)
+    if measured.seconds <= 0:
         return 0
-    rival = state.sums(EDGE if arm == SPEC else SPEC)
+    rate = measured.tokens / measured.seconds
     lead = 1 + cfg.margin if arm == SPEC else 1.0
-    if rival.seconds > 0 and measured.tokens / measured.seconds > lead * rival.tokens / rival.seconds:
+    if prior.rate > rate or (rival.seconds > 0 and rate > lead * rival.tokens / rival.seconds):
         return 0
     return min(state.lost(arm), cfg.backoff)
 
