@@ -10,6 +10,7 @@ from specdec.common.runtime import (MAX_MESSAGE_BYTES, OneLineParser, apply_thre
                                     retain_freed_memory, run_async)
 from specdec.edge.admission import AdmissionSettings
 from specdec.edge.batching import CUDA_GRAPHS, DEVICE_DEFAULTS, KV_CACHES, BatchSettings
+from specdec.edge.noise_ahead import NOISE_AHEAD
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
 
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay the chain forwards of KV slots (verification rounds, edge-only tokens) from "
                    "CUDA graphs captured per shape, instead of launching each forward's kernels; on needs "
                    "CUDA and --kv-cache slots; auto = on where KV slots run on CUDA (default: %(default)s)")
+    p.add_argument("--noise-ahead", choices=NOISE_AHEAD, default="auto",
+                   help="at T > 0 each session's thread draws the race and bonus noise its round may read while "
+                   "the batched forward runs, instead of the scheduler after it (host work that a GPU forward "
+                   "leaves the cores free for, and a CPU forward does not); auto = on on CUDA, off on CPU "
+                   "(default: %(default)s)")
     p.add_argument("--max-sessions", type=bounded(int, 1), default=64,
                    help="sessions held at once, detached ones waiting for a resume included")
     admit = AdmissionSettings()
@@ -103,8 +109,8 @@ def config_from_args(a) -> EdgeConfig:
                                   queue=a.admission_queue, wait_s=a.admission_wait_ms / 1000)
     batching = BatchSettings(enabled=not a.no_batching, max_batch_tokens=a.max_batch_tokens,
                              wait_s=None if a.batch_wait_ms is None else a.batch_wait_ms / 1000,
-                             kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs)
-    if batching.enabled or a.cuda_graphs == "on":
+                             kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs, noise_ahead=a.noise_ahead)
+    if batching.enabled or a.cuda_graphs == "on" or a.noise_ahead == "on":
         batching.resolved(resolve_device(a.device))  # a bad combination fails here, before the model loads
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
                       workers=a.workers, batching=batching, limits=limits, admission=admission, tls=tls,

@@ -43,6 +43,7 @@ import torch
 from specdec.edge.batched import BatchWorkspace, ForwardRequest, batch_key, batchable, forward_batch
 from specdec.common.loadaware import CURVE_POINTS, CostCurve, best_draft_len
 from specdec.common.modeling import CachedLM
+from specdec.edge.noise_ahead import NOISE_AHEAD, draw_ahead
 from specdec.edge.slots import SlotPool, slots_supported
 from specdec.edge.verify_batch import ChainRound, RoundOutcome, verify_rounds
 
@@ -56,6 +57,7 @@ class DeviceDefaults:
     wait_s: float
     kv_cache: str      # "slots" or "per-session" (edge/slots.py, edge/batched.py)
     cuda_graphs: str   # "on" or "off": chain forwards of KV slots replayed from CUDA graphs (edge/slots.py)
+    noise_ahead: str   # "on" or "off": a round's noise drawn by its session while the forward runs (edge/noise_ahead.py)
 
 
 DEVICE_DEFAULTS = {
@@ -63,14 +65,18 @@ DEVICE_DEFAULTS = {
     # that full has long stopped being cheap per token. A wait of a draft packet's decode time or so;
     # a session that needs longer is not waited for. Per-session caches: memory
     # follows each session's length, and copying them costs little next to a CPU forward.
-    "cpu": DeviceDefaults(max_batch_tokens=256, wait_s=0.002, kv_cache="per-session", cuda_graphs="off"),
+    # Noise ahead: off, since the cores a session's thread would draw on run the forward.
+    "cpu": DeviceDefaults(max_batch_tokens=256, wait_s=0.002, kv_cache="per-session", cuda_graphs="off",
+                          noise_ahead="off"),
     # A GPU reads its weights once per forward whatever the batch: an 8B model's forward of 256
     # tokens costs ~1.9x one of a single token (vLLM on an H100), so 64 sessions x 8 tokens fit in
     # one forward; a prefill chunk of 512 tokens holds the others' rounds for ~2-3 forwards. KV
     # slots: no per-session copy in a forward, which a GPU would pay in thousands of small kernels.
     # CUDA graphs: a forward of a few tokens a session is launch-bound (an ~8B one 21-24 ms eager,
-    # 8-11 ms replayed on an H200: docs/gpu.md).
-    "cuda": DeviceDefaults(max_batch_tokens=512, wait_s=0.002, kv_cache="slots", cuda_graphs="on"),
+    # 8-11 ms replayed on an H200: docs/gpu.md). Noise ahead: the host's cores idle while the GPU
+    # runs the forward, and the race noise of 32 sessions' rounds is more host work than the forward.
+    "cuda": DeviceDefaults(max_batch_tokens=512, wait_s=0.002, kv_cache="slots", cuda_graphs="on",
+                           noise_ahead="on"),
 }
 KV_CACHES = ("auto", "slots", "per-session")
 CUDA_GRAPHS = ("auto", "on", "off")
@@ -100,6 +106,7 @@ class BatchSettings:
     wait_s: float | None = None                     # longest wait of a ready forward for others; None: default
     kv_cache: str = "auto"                          # slots | per-session | auto: the device's default
     cuda_graphs: str = "auto"                       # on | off | auto: on with slots on CUDA
+    noise_ahead: str = "auto"                       # on | off | auto: the device's default
 
     def resolved(self, device: torch.device | str) -> "BatchSettings":
         """These settings with every default filled in for ``device`` (DEVICE_DEFAULTS)."""
@@ -107,11 +114,16 @@ class BatchSettings:
             raise ValueError(f"kv_cache must be one of {list(KV_CACHES)}, got {self.kv_cache!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {list(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
+        if self.noise_ahead not in NOISE_AHEAD:
+            raise ValueError(f"noise_ahead must be one of {list(NOISE_AHEAD)}, got {self.noise_ahead!r}")
         kind = torch.device(device).type
         d = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         out = replace(self, max_batch_tokens=self.max_batch_tokens or d.max_batch_tokens,
                       wait_s=d.wait_s if self.wait_s is None else self.wait_s,
-                      kv_cache=d.kv_cache if self.kv_cache == "auto" else self.kv_cache)
+                      kv_cache=d.kv_cache if self.kv_cache == "auto" else self.kv_cache,
+                      noise_ahead=d.noise_ahead if self.noise_ahead == "auto" else self.noise_ahead)
+        if self.noise_ahead == "on" and not out.enabled:
+            raise ValueError("noise ahead is drawn while a batched forward runs: it needs batching")
         if self.cuda_graphs == "auto":
             return replace(out, cuda_graphs=d.cuda_graphs if out.kv_cache == "slots" and out.enabled else "off")
         if self.cuda_graphs == "on" and (kind != "cuda" or out.kv_cache != "slots" or not out.enabled):
@@ -245,7 +257,8 @@ class ForwardScheduler:
 
     def verify(self, request: ForwardRequest, round_: ChainRound) -> RoundOutcome:
         """The verdict of ``round_`` against the logits ``request`` asks for, verified with the other
-        rounds of the same forward."""
+        rounds of the same forward; with ``noise_ahead`` on, the round's noise is drawn here while the
+        forward runs (edge/noise_ahead.py)."""
         return self._through(request, round_)
 
     def _through(self, request: ForwardRequest, round_: ChainRound | None = None):
@@ -254,7 +267,10 @@ class ForwardScheduler:
         *head, last = chunks(request, self.settings.max_batch_tokens)
         for chunk in head:
             self._submit(chunk).result()
-        return self._submit(last, round_).result()
+        answer = self._submit(last, round_)
+        if round_ is not None and self.settings.noise_ahead == "on":
+            draw_ahead(round_, answer.done)
+        return answer.result()
 
     def _submit(self, request: ForwardRequest, round_: ChainRound | None = None) -> Future:
         future: Future = Future()

@@ -227,7 +227,8 @@ SEEDED = tuple(range(8))
 SEEDED_TOKENS = 40
 
 
-def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, factory=None):
+def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, factory=None,
+                   batching: BatchSettings = BatchSettings()):
     """Eight seeded T = 1 sessions on one batching edge that advises ``advice()`` in every verdict
     (None: no advice), ``concurrency`` at a time: their tokens, rounds by mode, mean sessions per forward."""
     metrics = EdgeMetrics()
@@ -239,7 +240,7 @@ def _seeded_tokens(target_dir, drafter_dir, cfg, concurrency: int, advice, facto
         return s
 
     async def main():
-        async with edge(target_dir, metrics=metrics) as address:
+        async with edge(target_dir, metrics=metrics, batching=batching) as address:
             return await run_sessions(address, drafter_dir, cfg, PROMPTS[1], SEEDED, session_factory=session,
                                       concurrency=concurrency)
 
@@ -264,9 +265,10 @@ def _device_factory(cfg):
 def test_seeded_sessions_give_the_same_tokens_alone_and_eight_at_once(accepting_pair_v512, tiny_pair_v512) -> None:
     """Issue 44: a seeded T = 1 session gives the same tokens alone on a quiet edge and among eight
     sessions on a batching edge whose load advice (scripted: a test cannot load two cores as 32 devices
-    do) would cut its rounds elsewhere, and in mode auto with another drafter too. Each forward's
-    numerics differ with the batch (padding, row order): a Gumbel-max over nearly tied scores could flip;
-    none did here."""
+    do) would cut its rounds elsewhere, and in mode auto with another drafter too, and with the race
+    noise drawn by the sessions while the forwards run (edge/noise_ahead.py, a GPU edge's default).
+    Each forward's numerics differ with the batch (padding, row order): a Gumbel-max over nearly tied
+    scores could flip; none did here."""
     target_dir, close = accepting_pair_v512
     other = tiny_pair_v512[1]   # another random model of the same tokenizer: it hardly ever guesses right
     hints = iter(SCRIPTED_HINTS * 1000)
@@ -282,6 +284,28 @@ def test_seeded_sessions_give_the_same_tokens_alone_and_eight_at_once(accepting_
             assert tokens == reference, (name, str(drafter))
             assert modes["gumbel"] > 0 and set(modes) <= {"gumbel", "none"} if name == "auto" else "none" not in modes, \
                 modes
+        if name == "auto":
+            assert _tokens_with_noise_ahead(target_dir, close, cfg) == reference
+
+
+def _tokens_with_noise_ahead(target_dir, drafter_dir, cfg) -> list:
+    """The eight sessions at once on an edge whose sessions draw their noise while the forwards run;
+    fails unless they drew some there (else the comparison would test nothing)."""
+    from specdec.edge import batching
+    drawn = []
+
+    def counting(round_, done):
+        drawn.append(batching_draw_ahead(round_, done))
+        return drawn[-1]
+    batching_draw_ahead = batching.draw_ahead
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batching, "draw_ahead", counting)
+        tokens, modes, batch = _seeded_tokens(target_dir, drafter_dir, cfg, len(SEEDED), lambda: None,
+                                              batching=BatchSettings(noise_ahead="on"))
+    print(f"noise ahead, eight at once, {batch:.2f} sessions per forward: {sum(drawn)} draws ahead in "
+          f"{len(drawn)} rounds, rounds by mode {dict(modes)}")
+    assert batch > 1.5 and sum(drawn) > len(drawn) // 2, (batch, sum(drawn), len(drawn))
+    return tokens
 
 
 def test_control_unreproducible_fixed_mode_follows_the_advice_and_gives_other_tokens(accepting_pair_v512) -> None:

@@ -52,6 +52,15 @@ def test_cuda_graphs_on_a_cpu_is_one_line_before_the_model_loads(args, capsys) -
     assert lines == ["edge-server: error: CUDA graphs need a CUDA device and batching with KV slots (--kv-cache slots)"]
 
 
+def test_noise_ahead_follows_the_flag_and_without_batching_is_one_line(capsys) -> None:
+    parse = edge_cli.build_parser().parse_args
+    assert edge_cli.config_from_args(parse(["--noise-ahead", "on"])).batching.noise_ahead == "on"
+    assert edge_cli.config_from_args(parse([])).batching.noise_ahead == "auto"
+    assert edge_cli.main(["--model", "/nonexistent", "--noise-ahead", "on", "--no-batching"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["edge-server: error: noise ahead is drawn while a batched forward runs: it needs batching"]
+
+
 def test_the_law_flags_make_one_logit_adjust() -> None:
     args = device_cli.build_parser().parse_args([*DEVICE, "--logit-bias", '{"7": -100, "3": 2.5}', "--presence-penalty",
                                                  "0.5", "--repetition-penalty", "1.2", "--target-min-p", "0.1"])

@@ -8,7 +8,8 @@ numbers would fail (the control below shows that one shifted uniform already cha
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from specdec.common import verification as V
 from specdec.common.distributions import SparseDist, densify, race_token_unchecked
 from specdec.common.sampling import TargetLaw
+from specdec.edge.noise_ahead import Memo, draw_ahead
 from specdec.edge.verify_batch import (ChainRound, RoundKind, chain_round, dssd_round, gumbel_round,
                                          verify_rounds)
 
@@ -210,3 +212,31 @@ def test_the_float64_sum_of_float32_rows_is_the_sum_of_their_float64_copy(vocab:
     for k in (1, 6, 40):
         assert torch.equal(rows[:k].sum(-1, dtype=torch.float64), rows[:k].double().sum(-1))
         assert torch.equal(rows[:k].sum(-1, dtype=torch.float64), torch.stack([r.double().sum() for r in rows[:k]]))
+
+
+def _kept(r: ChainRound) -> ChainRound:
+    """``r`` with its noise functions keeping their draws, as the edge builds rounds at T > 0."""
+    return replace(r, token_noise=Memo(r.token_noise) if r.token_noise is not None else None,
+                   bonus_noise=Memo(r.bonus_noise) if callable(r.bonus_noise) else r.bonus_noise)
+
+
+@pytest.mark.parametrize("how", ["before", "while verifying"])
+def test_noise_drawn_ahead_gives_the_same_verdicts(how: str) -> None:
+    """edge/noise_ahead.py: the race and bonus noise drawn beforehand by the session (all of it), or by
+    other threads while the batch is verified (each draw by whichever thread asks first), and read
+    from what they kept: every verdict as drawn where read."""
+    rounds = drawn = 0
+    for cases in list(_batches(2027))[:120]:
+        kept = [_kept(c.batched) for c in cases]
+        threads = [threading.Thread(target=lambda r=r: draw_ahead(r, lambda: False)) for r in kept]
+        if how == "before":
+            assert all(draw_ahead(r, lambda: False) == r.length + 1 for r in kept if isinstance(r.token_noise, Memo))
+        for t in threads if how != "before" else ():
+            t.start()
+        outcomes = verify_rounds([c.logits for c in cases], kept)
+        for t in threads if how != "before" else ():
+            t.join()
+        rounds += len(cases)
+        drawn += sum(r.token_noise.drawn(r.length) for r in kept if isinstance(r.token_noise, Memo))
+        assert [_observed(c, o) for c, o in zip(cases, outcomes)] == [c.expected for c in cases]
+    assert rounds >= 500 and drawn >= 100, (rounds, drawn)
