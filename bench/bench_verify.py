@@ -38,6 +38,7 @@ from specdec.common.distributions import SparseDist, densify, race_token_uncheck
 from specdec.common.runtime import retain_freed_memory
 from specdec.common.sampling import TargetLaw
 from specdec.common.streams import Purpose, stream
+from specdec.edge.noise_ahead import Memo, draw_ahead
 from specdec.edge.verify_batch import RoundKind, chain_round, dssd_round, gumbel_round, verify_rounds
 
 HEAD_TOKENS = 8         # tokens that hold most of a row's mass, as a language model's next-token law
@@ -122,22 +123,53 @@ def per_session(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> lis
     return out
 
 
-def batched(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> list[tuple]:
-    """The edge's path now: every round built (its uniforms drawn) and verified together."""
+def build_rounds(sessions: list[Session], mode: RoundKind, law: TargetLaw, kept: bool = False) -> list:
+    """Each session's round, its uniforms drawn; ``kept``: its noise functions keep their draws (the
+    edge's at T > 0, edge/noise_ahead.py)."""
+    wrap = Memo if kept and law.temperature > 0 else (lambda draw: draw)
     rounds = []
     for s in sessions:
         vocab = s.logits.shape[1]
         generator = stream(s.seed, Purpose.VERIFY, s.position)
         if mode is RoundKind.GUMBEL:
-            rounds.append(gumbel_round(s.gumbel_draft, law, _noise(s, vocab, law.temperature)))
+            rounds.append(gumbel_round(s.gumbel_draft, law, wrap(_noise(s, vocab, law.temperature))))
         elif mode is RoundKind.DSSD:
-            rounds.append(dssd_round(s.draft, s.q_of_draft, law, generator, DSSD_SAMPLES, _bonus(s, vocab)))
+            rounds.append(dssd_round(s.draft, s.q_of_draft, law, generator, DSSD_SAMPLES, wrap(_bonus(s, vocab))))
         else:
-            rounds.append(chain_round(s.draft, s.rows, law, generator, _bonus(s, vocab)))
+            rounds.append(chain_round(s.draft, s.rows, law, generator, wrap(_bonus(s, vocab))))
+    return rounds
+
+
+def verdicts(sessions: list[Session], mode: RoundKind, rounds: list) -> list[tuple]:
     outcomes = verify_rounds([s.logits for s in sessions], rounds)
     if mode is RoundKind.DSSD:
         return [(o.num_accepted, o.next_token, o.reject_samples) for o in outcomes]
     return [(o.num_accepted, o.next_token) for o in outcomes]
+
+
+def batched(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> list[tuple]:
+    """The edge's path now: every round built (its uniforms drawn) and verified together."""
+    return verdicts(sessions, mode, build_rounds(sessions, mode, law))
+
+
+def noise_ahead(sessions: list[Session], mode: RoundKind, law: TargetLaw, repeats: int,
+                sync) -> tuple[float, float, list[tuple]]:
+    """A GPU edge's path (edge/noise_ahead.py): the rounds built and their noise drawn while the forward
+    runs (timed apart: the sessions' threads' work, on cores a GPU forward leaves idle), then verified
+    together. Median seconds of the verification and of the draws, and the verdicts."""
+    verify_s, draw_s, result = [], [], None
+    for _ in range(repeats + 1):  # the first is the warm-up
+        rounds = build_rounds(sessions, mode, law, kept=True)
+        start = time.perf_counter()
+        for r in rounds:
+            draw_ahead(r, lambda: False)
+        drawn = time.perf_counter()
+        sync()
+        result = verdicts(sessions, mode, rounds)
+        sync()
+        verify_s.append(time.perf_counter() - drawn)
+        draw_s.append(drawn - start)
+    return statistics.median(verify_s[1:]), statistics.median(draw_s[1:]), result
 
 
 def timed(fn, repeats: int, sync) -> tuple[float, object]:
@@ -171,10 +203,16 @@ def measure(a: argparse.Namespace) -> dict:
                             "speedup": old_s / new_s, "same_verdicts": old == new,
                             "acceptance": sum(accepted) / (n * a.drafts),
                             "all_accepted": sum(k == a.drafts for k in accepted) / n}
+                    line = ""
+                    if a.noise_ahead and temperature > 0:
+                        ahead_s, draw_s, ahead = noise_ahead(group, mode, law, a.repeats, sync)
+                        cell.update(noise_ahead_verify_s=ahead_s, noise_ahead_draw_s=draw_s,
+                                    same_verdicts=cell["same_verdicts"] and ahead == old)
+                        line = f"; noise drawn ahead: verify {ahead_s * 1e3:7.2f} ms (draws {draw_s * 1e3:7.2f} ms)"
                     cells.append(cell)
                     print(f"V={vocab:6d} T={temperature:g} {mode.value:6s} N={n:2d}: per session "
                           f"{old_s * 1e3:8.2f} ms, batched {new_s * 1e3:7.2f} ms, {old_s / new_s:5.2f}x, "
-                          f"acceptance {cell['acceptance']:.2f}, same verdicts {cell['same_verdicts']}", flush=True)
+                          f"acceptance {cell['acceptance']:.2f}, same verdicts {cell['same_verdicts']}{line}", flush=True)
     return {"settings": {k: (v if not isinstance(v, list) else [getattr(x, "value", x) for x in v])
                          for k, v in vars(a).items() if k != "out"},
             "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -206,6 +244,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     default=[RoundKind.CHAIN, RoundKind.DSSD, RoundKind.GUMBEL])
     ap.add_argument("--draft-noise", type=float, default=DRAFT_NOISE,
                     help="the drafter's distance from the target (0: q is the target's top-K, nearly every draft accepted)")
+    ap.add_argument("--noise-ahead", action="store_true",
+                    help="at T > 0 also time the verification with each round's noise drawn beforehand, as a "
+                    "GPU edge's session threads draw it while the forward runs (edge/noise_ahead.py), and the draws")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (an edge process's share of the cores)")

@@ -331,6 +331,9 @@ def summary(data: dict, say) -> None:
                 "on the host: " + "; ".join(
                     f"T = {t} " + " / ".join(_fmt(d.get(f"verify_{place}_T{t}"), 1e3)
                                              for place in ("batched", "device", "host")) for t in (0, 1)))
+            say(f"  gumbel T = 1 ({layout}), ms verified with the noise / noise drawn ahead + what is left: "
+                f"{_fmt(d.get('verify_batched_gumbel_T1'), 1e3)} / {_fmt(d.get('noise_ahead_draws_gumbel_T1'), 1e3)}"
+                f" + {_fmt(d.get('verify_batched_gumbel_T1_noise_ahead'), 1e3)}")
 
 
 def _fmt(x, scale: float = 1.0) -> str:

@@ -20,8 +20,9 @@ from specdec.common.sampling import TargetLaw, model_probs
 from specdec.common.modes import Mode
 from specdec.edge.slots import SlotPool
 from specdec.common.streams import Purpose, stream
-from specdec.common.verification import chain_verify
-from specdec.edge.verify_batch import chain_round, verify_rounds
+from specdec.common.verification import chain_verify, token_noise
+from specdec.edge.noise_ahead import Memo, draw_ahead
+from specdec.edge.verify_batch import chain_round, gumbel_round, verify_rounds
 
 
 def sync(device: torch.device) -> None:
@@ -137,7 +138,8 @@ def phases(model, device: torch.device, batch: int, drafts: int, context: int, v
     target's probabilities at T = 0 and T = 1, the accept tests and the bonus): all rounds together as
     batch tensor work on the device (``verify_batched``, the edge's path: edge/verify_batch.py), and
     session by session on the device and on the host (``verify_device``, ``verify_host``: the paths
-    the edge had before)."""
+    the edge had before); and the same drafts as gumbel rounds at T = 1 with and without the noise
+    drawn ahead (:func:`_gumbel_with_and_without_noise_ahead`)."""
     codec = CodecConfig(mode=Mode.TSLT, vocab_size=vocab, top_k=1)
     out = {}
     for layout in ("slots", "per-session"):
@@ -157,6 +159,7 @@ def phases(model, device: torch.device, batch: int, drafts: int, context: int, v
                     timer.mark(f"verify_{place}_T{temperature:g}")
                 _verify_batched(logits, rounds, codec, temperature)
                 timer.mark(f"verify_batched_T{temperature:g}")
+            _gumbel_with_and_without_noise_ahead(logits, rounds, vocab, timer)
             timings.append(timer.seconds)
         out[layout] = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
         del sessions
@@ -191,6 +194,31 @@ def _verify_batched(logits: list[torch.Tensor], rounds: list[tuple[list[int], li
     built = [chain_round(torch.tensor(ids), [decode_distribution(x, codec) for x in payloads], law,
                          stream(b, Purpose.VERIFY, 0)) for b, (ids, payloads) in enumerate(rounds)]
     return [o.next_token for o in verify_rounds(list(logits), built)]
+
+
+def _gumbel_with_and_without_noise_ahead(logits: list[torch.Tensor], rounds: list[tuple[list[int], list[bytes]]],
+                                         vocab: int, timer) -> None:
+    """The same drafts as gumbel rounds at T = 1, verified together: the race noise drawn by the
+    verification (``verify_batched_gumbel_T1``), or drawn ahead (``noise_ahead_draws_gumbel_T1``: what
+    the sessions' threads draw while the forward runs, edge/noise_ahead.py) and then verified
+    (``verify_batched_gumbel_T1_noise_ahead``: what is left on the scheduler's thread)."""
+    law = TargetLaw(1.0)
+
+    def built(kept: bool) -> list:
+        def noise(b: int):
+            draw = lambda i: token_noise(b, i, vocab)  # noqa: E731
+            return Memo(draw) if kept else draw
+        return [gumbel_round(torch.tensor(ids), law, noise(b)) for b, (ids, _) in enumerate(rounds)]
+    plain = built(False)
+    timer.mark("verify_batched_gumbel_T1_build")
+    verify_rounds(list(logits), plain)
+    timer.mark("verify_batched_gumbel_T1")
+    kept = built(True)
+    for r in kept:
+        draw_ahead(r, lambda: False)
+    timer.mark("noise_ahead_draws_gumbel_T1")
+    verify_rounds(list(logits), kept)
+    timer.mark("verify_batched_gumbel_T1_noise_ahead")
 
 
 # ------------------------------------------------------------------------------------ CUDA graphs

@@ -22,6 +22,18 @@ def test_a_small_run_compares_both_paths_and_writes_its_cells(tmp_path, capsys) 
     assert "same verdicts True" in capsys.readouterr().out
 
 
+def test_noise_ahead_times_the_verification_apart_from_the_draws(tmp_path, capsys) -> None:
+    out = tmp_path / "verify.json"
+    assert bv.main(["--vocabs", "300", "--sessions", "4", "--drafts", "3", "--repeats", "1", "--modes",
+                    "gumbel,chain", "--noise-ahead", "--out", str(out)]) == 0
+    cells = {(c["temperature"], c["mode"]): c for c in json.loads(out.read_text())["cells"]}
+    for mode in ("gumbel", "chain"):
+        ahead = cells[(1.0, mode)]
+        assert ahead["same_verdicts"] and ahead["noise_ahead_verify_s"] > 0 and ahead["noise_ahead_draw_s"] > 0
+        assert "noise_ahead_verify_s" not in cells[(0.0, mode)]  # T = 0 draws no noise
+    assert "noise drawn ahead: verify" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags", [["--drafts", "0"], ["--vocabs", "10"], ["--modes", "tree"],
                                    ["--repeats", "0"]])
 def test_bad_flags_exit_nonzero(flags: list[str]) -> None:
