@@ -31,7 +31,8 @@ uniform falls within a rounding error of its threshold (of order 1e-16 per test)
 exact either way.
 
 On a CPU, positions in lockstep: step ``i`` takes row ``i`` of every round still running, so rows
-past a round's first rejection are never computed. Elsewhere (:class:`_Upfront`) the whole batch at
+past a round's first rejection are never computed, and each race (``argmin E / p``) runs on its own
+row, where copying the noise and the law into a batch cost more than the batch saved. Elsewhere (:class:`_Upfront`) the whole batch at
 once, since a GPU pays per operation and per transfer to the host rather than per row. A round's
 outcome depends on its own inputs only, never on the batch around it. Trees and a DSSD fallback's
 ``p_j`` keep the per-session host path.
@@ -266,6 +267,11 @@ class _Rows:
     def rows(self, j: list[int]) -> torch.Tensor:  # [e, V] float64, a new tensor
         return self.mass[j].double().div_(self.total[j])
 
+    def race(self, j: int, noise: torch.Tensor) -> int:  # noise: [V] float64
+        """``argmin noise / p_j`` for row j alone: the same elementwise operations as on a batch of rows."""
+        p = self.mass[j].double().div_(self.total[j])
+        return int(first_argmin(torch.div(noise, p, out=p)))
+
 
 class _GreedyRows:
     """Temperature 0: each row's law is one-hot at its argmax ``a`` (``probs_from_logits``), so p(x) is
@@ -305,6 +311,8 @@ def _finite_argmax(row: np.ndarray) -> int:
 
 class _Lockstep:
     """The rounds of one law, verified a draft position at a time (module docstring)."""
+
+    row_by_row = True  # a CPU's races row by row (one [V] pass each, no batch copies); _Upfront: batched
 
     def __init__(self, law: TargetLaw, logits: list[torch.Tensor], rounds: list[ChainRound]):
         self.law, self.logits, self.rounds = law, logits, rounds
@@ -362,6 +370,8 @@ class _Lockstep:
             return []
         if isinstance(law, _GreedyRows):
             won = [law.top_host[j] for _, j in gumbel]
+        elif self.row_by_row and self.device.type == "cpu":  # no [g, V] float64 copies of noise and law
+            won = [law.race(j, _checked_noise(self.rounds[b].token_noise, i, law.vocab)) for b, j in gumbel]
         else:
             noise = torch.stack([_checked_noise(self.rounds[b].token_noise, i, law.vocab)
                                  for b, _ in gumbel]).to(self.device)             # [g, V]
@@ -440,6 +450,8 @@ class _Upfront(_Lockstep):
     device), then the corrections, DSSD's samples and the bonuses of all rounds together. Gumbel's
     races still run a position at a time (a race's noise is drawn only for positions reached). Rows
     past a round's first rejection are computed too (on a CPU the lockstep path skips them)."""
+
+    row_by_row = False
 
     def run(self) -> list[RoundOutcome]:
         starts = [0]
@@ -531,6 +543,14 @@ def _checked_noise(noise: Callable[[int], torch.Tensor] | None, i: int, vocab: i
     """noise(i), checked as gumbel_verify checks it: [V] positive float64."""
     assert noise is not None, "a gumbel round carries its noise"
     e = noise(i)
-    if not isinstance(e, torch.Tensor) or e.shape != (vocab,) or e.dtype != torch.float64 or not bool((e > 0).all()):
+    if not isinstance(e, torch.Tensor) or e.shape != (vocab,) or e.dtype != torch.float64 or not _all_positive(e):
         raise ValueError(f"noise({i}) must be a positive float64 tensor of shape ({vocab},)")
     return e
+
+
+def _all_positive(e: torch.Tensor) -> bool:
+    """Every entry > 0, NaN not: on the CPU one NumPy pass for the minimum (a NaN propagates into it),
+    a fifth of what torch's comparison and reduction cost, for every race row a batch verifies."""
+    if e.device.type == "cpu" and not e.requires_grad:
+        return bool(e.numpy().min() > 0)
+    return bool((e > 0).all())
