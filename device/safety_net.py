@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 
 EDGE, SPEC = "edge", "spec"  # the arms, named as their sums in NetState
 PROBE_COST = {SPEC: "spec_probe", EDGE: "edge_probe"}  # NetState's field of what exploring each arm cost
-SUMS = (EDGE, SPEC, "switch")                   # NetState's Sums: the arms' and the catch-up rounds'
+SUMS = (EDGE, SPEC, "switch", "spec_steady")    # NetState's Sums: the arms', the catch-up rounds', steady drafting's
 COSTS = ("edge_wait", *PROBE_COST.values())     # NetState's Costs: first-token waits, explorations
 LOST = {SPEC: "spec_lost", EDGE: "edge_lost"}   # NetState's field of how many explorations of each lost in a row
 
@@ -182,6 +182,7 @@ class NetState:
     episode: Episode | None = None  # the exploration under way, if any
     spec_lost: int = 0        # explorations of drafted rounds that lost, in a row (a win resets it)
     edge_lost: int = 0        # ... of edge-only rounds
+    spec_steady: Sums = Sums()  # drafted rounds neither catching up nor exploring (:func:`_measured_better`)
 
     def lost(self, arm: str) -> int:
         return getattr(self, LOST[arm])
@@ -227,6 +228,8 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     steady = seconds - wait
     counted = min(steady, cfg.outlier * usual_seconds(mine, arm, tokens))
     changes = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
+    if changes and arm == SPEC and not switch and not explore:
+        changes["spec_steady"] = state.spec_steady.plus(tokens, counted, cfg.discount)
     if wait_s is not None and not first:
         changes["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
     changes.update(_episode(state, cfg, arm, tokens, counted + wait, explore, first))
@@ -363,14 +366,26 @@ def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     out the explorations of an arm measured worse; one measured better is left only because the model
     disagrees (a T = 1 text whose drafts were rejected early twice, after drafted rounds ran at 15
     tok/s against edge-only's 12), and its explorations are what bring it back."""
-    measured, rival = state.sums(arm), state.sums(EDGE if arm == SPEC else SPEC)
+    measured = state.sums(arm)
     if measured.seconds <= 0:
         return 0
-    rate = measured.tokens / measured.seconds
-    lead = 1 + cfg.margin if arm == SPEC else 1.0
-    if prior.rate > rate or (rival.seconds > 0 and rate > lead * rival.tokens / rival.seconds):
+    if prior.rate > measured.tokens / measured.seconds or _measured_better(state, cfg, arm):
         return 0
     return min(state.lost(arm), cfg.backoff)
+
+
+def _measured_better(state: NetState, cfg: NetConfig, arm: str) -> bool:
+    """Whether ``arm``'s rounds delivered more than the other arm's (drafting by ``margin``). Drafting
+    is judged by its steady rounds: an exploration's measuring round was drafted while its catch-up
+    was verified, so it flatters a slow drafter (at 1.5x the target's cost per token: 15-16 tok/s
+    after a catch-up, 11 in steady rounds, where edge-only made 13.5-14), and on those alone a
+    drafter that never pays was explored at the full share every few seconds."""
+    mine = state.spec_steady if arm == SPEC else state.edge
+    rival = state.sums(EDGE if arm == SPEC else SPEC)
+    if mine.seconds <= 0 or rival.seconds <= 0:
+        return False
+    lead = 1 + cfg.margin if arm == SPEC else 1.0
+    return mine.tokens / mine.seconds > lead * rival.tokens / rival.seconds
 
 
 def with_discount(cfg: NetConfig, memory: float) -> NetConfig:

@@ -111,7 +111,7 @@ def _net_json(net: N.NetState) -> dict:
 
 def _net_of(d: Mapping) -> N.NetState:
     sums = {arm: N.Sums(*(num(x, 0.0, MAX_COUNT) for x in _fields(d[arm], len(fields(N.Sums)))))
-            for arm in N.SUMS}
+            for arm in N.SUMS if arm in d or arm != "spec_steady"}  # spec_steady: absent in older files
     costs = {name: N.Cost(*(num(x, 0.0, MAX_COUNT) for x in _fields(d[name], len(fields(N.Cost)))))
              for name in N.COSTS}
     lost = {name: int(num(d.get(name, 0), 0, MAX_COUNT)) for name in N.LOST.values()}  # absent in older files

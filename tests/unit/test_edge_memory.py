@@ -93,9 +93,10 @@ def test_the_remembered_record_round_trips_through_json() -> None:
     assert TS.from_json(json.loads(json.dumps(TS.to_json(state)))) == state
     assert TS.from_json({"link": None, "models": None}) == TS.TrackerState()
     older = TS.to_json(state)  # a file written before the nets kept their explorations' losing streaks
-    for name in N.LOST.values():
+    for name in (*N.LOST.values(), "spec_steady"):  # nor their steady drafted rounds apart
         del older["link"]["nets"]["1.0"][name]
-    assert TS.from_json(older).link.nets[1.0] == replace(state.link.nets[1.0], spec_lost=0, edge_lost=0)
+    assert TS.from_json(older).link.nets[1.0] == replace(state.link.nets[1.0], spec_lost=0, edge_lost=0,
+                                                         spec_steady=N.Sums())
     broken = TS.to_json(state)
     broken["models"]["temperatures"]["1.0"]["sigma"] = {"tslt:256": 2.0}  # a TV above 1
     with pytest.raises(ValueError):

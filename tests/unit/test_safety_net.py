@@ -269,10 +269,17 @@ def test_an_exploration_that_lost_time_lengthens_the_streak() -> None:
     slow, hopeful = N.ArmPrior(4, 1.0), N.ArmPrior(4, 0.2)                   # the model: 4 and 20 tok/s
     assert N.backoff(s, CFG, N.SPEC, slow) == 2 and N.backoff(s, CFG, N.SPEC, hopeful) == 0
     assert N.backoff(replace(s, spec_lost=9), CFG, N.SPEC, slow) == CFG.backoff
-    # drafted rounds measured faster than edge-only's (left because the model disagrees): no backoff
-    ahead = replace(s, spec=N.Sums().plus(40, 2.0, CFG.discount))           # 20 tok/s against 10
-    assert N.backoff(ahead, CFG, N.SPEC, slow) == 0
-    assert N.backoff(replace(s, spec=N.Sums().plus(40, 3.95, CFG.discount)), CFG, N.SPEC, slow) == 2  # within the margin
+    # steady drafted rounds measured faster than edge-only's (left because the model disagrees): no backoff
+    ahead = N.observe(N.observe(s, CFG, N.SPEC, 4, 0.4, switch=True), CFG, N.SPEC, 40, 2.0)  # 20 tok/s against 10
+    assert ahead.spec_steady.rounds == 1 and N.backoff(ahead, CFG, N.SPEC, slow) == 0
+    assert N.backoff(replace(s, spec_steady=N.Sums().plus(40, 3.95, CFG.discount)), CFG, N.SPEC, slow) == 2  # within the margin
+    # faster only in explorations' measuring rounds (drafted while the catch-up was verified): kept backed off
+    flattered = s
+    for _ in range(6):                                                       # 40 tok/s measured, each lost
+        flattered = explored(flattered, 2.0, 0.1)
+    rate = lambda sums: sums.tokens / sums.seconds                           # noqa: E731
+    assert rate(flattered.spec) > 1.5 * rate(flattered.edge) and flattered.spec_steady.rounds == 0
+    assert N.backoff(flattered, CFG, N.SPEC, slow) == CFG.backoff
 
 
 def test_an_explorations_cost_runs_from_its_first_round_to_the_return() -> None:
