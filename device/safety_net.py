@@ -362,7 +362,7 @@ def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     """How many times ``arm``'s explorations lost in a row (at most ``backoff``), 0 while the model
     predicts ``arm`` faster than its rounds delivered (what the model learned since, a drafter's
     acceptance rising in the explorations themselves, is news the next exploration should test soon)
-    and while ``arm``'s rounds delivered more than the other arm's (drafting by ``margin``): UCB thins
+    and while ``arm``'s rounds delivered more than the other arm's (:func:`_measured_better`): UCB thins
     out the explorations of an arm measured worse; one measured better is left only because the model
     disagrees (a T = 1 text whose drafts were rejected early twice, after drafted rounds ran at 15
     tok/s against edge-only's 12), and its explorations are what bring it back."""
