@@ -38,7 +38,7 @@ from specdec.common.distributions import SparseDist, densify, race_token_uncheck
 from specdec.common.runtime import retain_freed_memory
 from specdec.common.sampling import TargetLaw
 from specdec.common.streams import Purpose, stream
-from specdec.edge.noise_ahead import Memo, draw_ahead
+from specdec.edge.noise_ahead import draw_ahead, kept
 from specdec.edge.verify_batch import RoundKind, chain_round, dssd_round, gumbel_round, verify_rounds
 
 HEAD_TOKENS = 8         # tokens that hold most of a row's mass, as a language model's next-token law
@@ -123,20 +123,18 @@ def per_session(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> lis
     return out
 
 
-def build_rounds(sessions: list[Session], mode: RoundKind, law: TargetLaw, kept: bool = False) -> list:
-    """Each session's round, its uniforms drawn; ``kept``: its noise functions keep their draws (the
-    edge's at T > 0, edge/noise_ahead.py)."""
-    wrap = Memo if kept and law.temperature > 0 else (lambda draw: draw)
+def build_rounds(sessions: list[Session], mode: RoundKind, law: TargetLaw) -> list:
+    """Each session's round, its uniforms drawn."""
     rounds = []
     for s in sessions:
         vocab = s.logits.shape[1]
         generator = stream(s.seed, Purpose.VERIFY, s.position)
         if mode is RoundKind.GUMBEL:
-            rounds.append(gumbel_round(s.gumbel_draft, law, wrap(_noise(s, vocab, law.temperature))))
+            rounds.append(gumbel_round(s.gumbel_draft, law, _noise(s, vocab, law.temperature)))
         elif mode is RoundKind.DSSD:
-            rounds.append(dssd_round(s.draft, s.q_of_draft, law, generator, DSSD_SAMPLES, wrap(_bonus(s, vocab))))
+            rounds.append(dssd_round(s.draft, s.q_of_draft, law, generator, DSSD_SAMPLES, _bonus(s, vocab)))
         else:
-            rounds.append(chain_round(s.draft, s.rows, law, generator, wrap(_bonus(s, vocab))))
+            rounds.append(chain_round(s.draft, s.rows, law, generator, _bonus(s, vocab)))
     return rounds
 
 
@@ -159,7 +157,7 @@ def noise_ahead(sessions: list[Session], mode: RoundKind, law: TargetLaw, repeat
     together. Median seconds of the verification and of the draws, and the verdicts."""
     verify_s, draw_s, result = [], [], None
     for _ in range(repeats + 1):  # the first is the warm-up
-        rounds = build_rounds(sessions, mode, law, kept=True)
+        rounds = [kept(r) for r in build_rounds(sessions, mode, law)]
         start = time.perf_counter()
         for r in rounds:
             draw_ahead(r, lambda: False)

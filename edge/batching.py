@@ -43,7 +43,7 @@ import torch
 from specdec.edge.batched import BatchWorkspace, ForwardRequest, batch_key, batchable, forward_batch
 from specdec.common.loadaware import CURVE_POINTS, CostCurve, best_draft_len
 from specdec.common.modeling import CachedLM
-from specdec.edge.noise_ahead import NOISE_AHEAD, draw_ahead
+from specdec.edge.noise_ahead import NOISE_AHEAD, draw_ahead, kept
 from specdec.edge.slots import SlotPool, slots_supported
 from specdec.edge.verify_batch import ChainRound, RoundOutcome, verify_rounds
 
@@ -267,8 +267,10 @@ class ForwardScheduler:
         *head, last = chunks(request, self.settings.max_batch_tokens)
         for chunk in head:
             self._submit(chunk).result()
+        ahead = round_ is not None and self.settings.noise_ahead == "on"
+        round_ = kept(round_) if ahead else round_  # only then: kept draws hold V floats a position
         answer = self._submit(last, round_)
-        if round_ is not None and self.settings.noise_ahead == "on":
+        if ahead:
             draw_ahead(round_, answer.done)
         return answer.result()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -57,6 +58,15 @@ class Memo:
     def drawn(self, *key) -> bool:
         with self._lock:
             return key in self._kept
+
+
+def kept(round_: ChainRound) -> ChainRound:
+    """``round_`` with its noise functions keeping their draws (:class:`Memo`), at T > 0; at T = 0 as it
+    is (the target is one-hot: no noise is drawn)."""
+    if round_.law.temperature == 0:
+        return round_
+    return replace(round_, token_noise=Memo(round_.token_noise) if round_.token_noise is not None else None,
+                   bonus_noise=Memo(round_.bonus_noise) if callable(round_.bonus_noise) else round_.bonus_noise)
 
 
 def draw_ahead(round_: ChainRound, done: Callable[[], bool]) -> int:

@@ -29,7 +29,6 @@ from specdec.common.adjust import MAX_LOGIT_BIAS_ENTRIES, chain_paths
 from specdec.common.logprobs import NO_LOGPROBS
 from specdec.common.sampling import TargetLaw, validate_hello
 from specdec.edge.prefix_law import PrefixLaw
-from specdec.edge.noise_ahead import Memo
 from specdec.edge.verify_batch import ChainRound, RoundOutcome, chain_round, dssd_round, gumbel_round, verify_rounds
 from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
@@ -285,8 +284,8 @@ class VerifierSession:
     def _edge_token(self, round_start: int) -> RoundOutcome:
         """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""
         offset = len(self.tokens) - round_start
-        noise = _kept(lambda i: self.token_noise(round_start, offset + i), self.hello.temperature)
-        race = self.prefix.asking(gumbel_round(torch.empty(0, dtype=torch.long), self.law, noise,
+        race = self.prefix.asking(gumbel_round(torch.empty(0, dtype=torch.long), self.law,
+                                               lambda i: self.token_noise(round_start, offset + i),
                                                **self.prefix.shape(self.tokens, [[]])))
         outcome = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race)
         self.tokens.append(outcome.next_token)
@@ -331,8 +330,8 @@ class VerifierSession:
         ids = torch.tensor(draft_ids, dtype=torch.long)
         shape = self.prefix.shape(self.tokens, chain_paths(draft_ids))
         if settings.mode is Mode.GUMBEL:
-            noise = _kept(lambda i, start=len(self.tokens): self.token_noise(start, i), self.hello.temperature)
-            return self.prefix.asking(gumbel_round(ids, self.law, noise, **shape))
+            start = len(self.tokens)
+            return self.prefix.asking(gumbel_round(ids, self.law, lambda i: self.token_noise(start, i), **shape))
         bonus = self._bonus_noise(len(draft_ids), settings)
         if settings.mode is Mode.DSSD:
             if self.hello.logprobs != NO_LOGPROBS:
@@ -347,7 +346,7 @@ class VerifierSession:
         if not settings.coupled_bonus:
             return None
         position = len(self.tokens) + num_drafts
-        return _kept(lambda: V.bonus_noise(self.hello.seed, position, self.info.vocab_size), self.hello.temperature)
+        return lambda: V.bonus_noise(self.hello.seed, position, self.info.vocab_size)
 
     def _verify_tree(self, draft: DraftBlock, spec: TreeSpec, q: torch.Tensor,
                      generator: torch.Generator) -> Verdict:
@@ -517,9 +516,3 @@ def _check_tree(config: tuple[int, ...], limits: EdgeLimits) -> None:
         nodes += width
         if nodes - 1 > limits.max_tree_nodes:
             raise LimitError(f"tree {list(config)} has more than the edge limit of {limits.max_tree_nodes} nodes")
-
-
-def _kept(draw, temperature: float):
-    """``draw`` with its draws kept at T > 0 (edge/noise_ahead.py: the session's thread may draw them
-    while the forward runs); at T = 0 as it is (the target is one-hot: no noise is drawn)."""
-    return Memo(draw) if temperature > 0 else draw

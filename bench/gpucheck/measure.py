@@ -21,7 +21,7 @@ from specdec.common.modes import Mode
 from specdec.edge.slots import SlotPool
 from specdec.common.streams import Purpose, stream
 from specdec.common.verification import chain_verify, token_noise
-from specdec.edge.noise_ahead import Memo, draw_ahead
+from specdec.edge.noise_ahead import draw_ahead, kept
 from specdec.edge.verify_batch import chain_round, gumbel_round, verify_rounds
 
 
@@ -204,20 +204,18 @@ def _gumbel_with_and_without_noise_ahead(logits: list[torch.Tensor], rounds: lis
     (``verify_batched_gumbel_T1_noise_ahead``: what is left on the scheduler's thread)."""
     law = TargetLaw(1.0)
 
-    def built(kept: bool) -> list:
-        def noise(b: int):
-            draw = lambda i: token_noise(b, i, vocab)  # noqa: E731
-            return Memo(draw) if kept else draw
-        return [gumbel_round(torch.tensor(ids), law, noise(b)) for b, (ids, _) in enumerate(rounds)]
-    plain = built(False)
+    def built() -> list:
+        return [gumbel_round(torch.tensor(ids), law, lambda i, b=b: token_noise(b, i, vocab))
+                for b, (ids, _) in enumerate(rounds)]
+    plain = built()
     timer.mark("verify_batched_gumbel_T1_build")
     verify_rounds(list(logits), plain)
     timer.mark("verify_batched_gumbel_T1")
-    kept = built(True)
-    for r in kept:
+    ahead = [kept(r) for r in built()]
+    for r in ahead:
         draw_ahead(r, lambda: False)
     timer.mark("noise_ahead_draws_gumbel_T1")
-    verify_rounds(list(logits), kept)
+    verify_rounds(list(logits), ahead)
     timer.mark("verify_batched_gumbel_T1_noise_ahead")
 
 

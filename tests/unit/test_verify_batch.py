@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ import torch
 from specdec.common import verification as V
 from specdec.common.distributions import SparseDist, densify, race_token_unchecked
 from specdec.common.sampling import TargetLaw
-from specdec.edge.noise_ahead import Memo, draw_ahead
+from specdec.edge.noise_ahead import Memo, draw_ahead, kept as noise_kept
 from specdec.edge.verify_batch import (ChainRound, RoundKind, chain_round, dssd_round, gumbel_round,
                                          verify_rounds)
 
@@ -214,12 +214,6 @@ def test_the_float64_sum_of_float32_rows_is_the_sum_of_their_float64_copy(vocab:
         assert torch.equal(rows[:k].sum(-1, dtype=torch.float64), torch.stack([r.double().sum() for r in rows[:k]]))
 
 
-def _kept(r: ChainRound) -> ChainRound:
-    """``r`` with its noise functions keeping their draws, as the edge builds rounds at T > 0."""
-    return replace(r, token_noise=Memo(r.token_noise) if r.token_noise is not None else None,
-                   bonus_noise=Memo(r.bonus_noise) if callable(r.bonus_noise) else r.bonus_noise)
-
-
 @pytest.mark.parametrize("how", ["before", "while verifying"])
 def test_noise_drawn_ahead_gives_the_same_verdicts(how: str) -> None:
     """edge/noise_ahead.py: the race and bonus noise drawn beforehand by the session (all of it), or by
@@ -227,7 +221,7 @@ def test_noise_drawn_ahead_gives_the_same_verdicts(how: str) -> None:
     from what they kept: every verdict as drawn where read."""
     rounds = drawn = 0
     for cases in list(_batches(2027))[:120]:
-        kept = [_kept(c.batched) for c in cases]
+        kept = [noise_kept(c.batched) for c in cases]
         threads = [threading.Thread(target=lambda r=r: draw_ahead(r, lambda: False)) for r in kept]
         if how == "before":
             assert all(draw_ahead(r, lambda: False) == r.length + 1 for r in kept if isinstance(r.token_noise, Memo))
