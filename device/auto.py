@@ -567,7 +567,8 @@ class AutoPolicy:
         model_arm = N.EDGE if pick.candidate.mode is Mode.NONE else N.SPEC
         flying = None if in_flight is None else N.EDGE if in_flight.settings.mode is Mode.NONE else N.SPEC
         return N.call(self.net, self.net_config, N.ArmPrior(edge.tokens, edge.seconds),
-                      N.ArmPrior(spec.tokens, spec.seconds), model_arm, flying, remaining)
+                      N.ArmPrior(spec.tokens, spec.seconds), model_arm, flying, remaining,
+                      opening=self.rounds == 0 and in_flight is None)
 
     def begin(self, plan: RoundPlan) -> None:
         """A round is drafted with ``plan`` (hysteresis keeps to it)."""

@@ -259,9 +259,9 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     ahead and accepted, it flatters a drafter: the streak flipped on noise) nor the arm's measured
     rate (its sums forget only as the arm runs: a device whose drafter slowed kept its faster past)
     judges it as well. One a session's first round began lacks its catch-up (kept out with the
-    prefill): priced as measured, it leaves the streak as it was (its sign is noise: explorations
-    deferred by a session's end run first thing in the next). The explored arm running on (it won:
-    its streak ends) or a session's first round of the other arm (the prefill's) drop it unpriced."""
+    prefill): priced as measured, it leaves the streak as it was (its sign is noise; :func:`call`
+    begins none there). The explored arm running on (it won: its streak ends) or a session's first
+    round of the other arm (the prefill's) drop it unpriced."""
     ep = state.episode
     if explore:
         ep = ep if ep is not None and ep.arm == arm else Episode(arm)
@@ -282,7 +282,7 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
 
 
 def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_arm: str,
-         in_flight: str | None = None, remaining: int | None = None) -> NetCall:
+         in_flight: str | None = None, remaining: int | None = None, opening: bool = False) -> NetCall:
     """The arm of the next round, given the model's predictions for both (the priors) and its pick: the
     model's arm unless what the arms delivered says, by ``confidence`` standard errors, that the other
     is faster (drafting counted ``margin`` slower): a few unlucky rounds (a text rejected at depth 1
@@ -291,7 +291,12 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     is planned ahead of its verdict): it counts in the run, so an exploration runs its rounds, not one
     more drafted ahead. ``remaining``: the tokens the session still wants (None: not known); an
     exploration starts only if its rounds fit in them, since one cut short by the session's end pays
-    its switch and measures nothing."""
+    its switch and measures nothing. ``opening``: the round is a session's first; no exploration
+    begins there or goes on from the session before: that round holds the prefill and stays out of
+    every sum, so an exploration it began went unpriced (its catch-up, the drafter reading the prompt,
+    uncounted) and never lengthened the losing streak. Explorations deferred by a session's end ran
+    first thing in the next, so a drafter that never paid was explored at the full share, every
+    session."""
     r_edge = state.edge.rate(edge.rate, cfg.prior_rounds)
     r_spec = state.spec.rate(spec.rate, cfg.prior_rounds)
     se = math.hypot(state.edge.stderr(r_edge, cfg.prior_rounds, cfg.prior_cv),
@@ -306,7 +311,9 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     last, runs = state.last_arm, state.run_rounds
     if in_flight is not None:
         last, runs = in_flight, (runs + 1 if in_flight == last else 1)
-    if last == other and runs < (cfg.probe_rounds if other == SPEC else 1):
+    if opening:
+        arm, why = better, None if better == model_arm else "net"
+    elif last == other and runs < (cfg.probe_rounds if other == SPEC else 1):
         arm, why = other, "explore"         # an exploration's rounds not all run yet
     elif last is not None and last != other and due <= 0 and fits(cfg, other, spec, remaining):
         arm, why = other, "explore"
@@ -360,7 +367,7 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
 
 def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     """How many times ``arm``'s explorations lost in a row (at most ``backoff``), 0 while the model
-    predicts ``arm`` faster than its rounds delivered (what the model learned since, a drafter's
+    predicts ``arm`` faster than its rounds delivered (by ``margin``) (what the model learned since, a drafter's
     acceptance rising in the explorations themselves, is news the next exploration should test soon)
     and while ``arm``'s rounds delivered more than the other arm's (:func:`_measured_better`): UCB thins
     out the explorations of an arm measured worse; one measured better is left only because the model
@@ -369,7 +376,9 @@ def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     measured = state.sums(arm)
     if measured.seconds <= 0:
         return 0
-    if prior.rate > measured.tokens / measured.seconds or _measured_better(state, cfg, arm):
+    # by more than ``margin``: a model calibrated on the same rounds (autotune's time scale) predicts
+    # the arm within a hair of them either way, and the backoff flapped on and off with that hair
+    if prior.rate > (1 + cfg.margin) * measured.tokens / measured.seconds or _measured_better(state, cfg, arm):
         return 0
     return min(state.lost(arm), cfg.backoff)
 
