@@ -82,9 +82,15 @@ class _Stream:
     route: Route | None = None          # the fleet's route this stream runs on
     trail: SessionTrail | None = None   # the session's record of edges and resumes
     edge: str | None = None             # the edge that welcomed this stream
+    close_bytes: int = 0                # the Close's size once sent (0: not yet)
 
     async def send(self, msg) -> int:
         return await self.write(wire.device_message_to_pb(msg))
+
+    async def close(self) -> int:
+        if not self.close_bytes:
+            self.close_bytes = await self.write(wire.close_to_pb())
+        return self.close_bytes
 
     async def recv(self) -> tuple[object, int]:
         msg = await self.read()
@@ -272,7 +278,7 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     while not finished(result.token_ids, hello.max_new_tokens, eos_ids):
         await run_round(stream, session, hello.max_new_tokens - len(result.token_ids), deliver)
     result.wall_seconds = time.perf_counter() - result.t_start
-    result.setup_bytes += await stream.write(wire.close_to_pb())
+    result.setup_bytes += await stream.close()  # (sent already if an edge-only round ended the session)
     # Through half_close: a call that broke under it raises grpc's ExecuteBatchError here, not a status
     # (a fleet's edge SIGKILLed just after the last round); the drain below reads how it ended.
     await half_close(stream.call)

@@ -32,6 +32,9 @@ class Link(Protocol):
     async def recv(self) -> tuple[object, int]:
         """The next Verdict or ResidualReply and its serialized size."""
 
+    async def close(self) -> int:
+        """Tell the edge that the session ends with the round it streams now (Close); its size."""
+
 
 async def run_round(link: Link, session: DraftSession, remaining: int,
                     deliver: Callable[[list[int]], None]) -> RoundEvent:
@@ -104,11 +107,17 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
                       deliver: Callable[[list[int]], None], t0: float) -> RoundEvent:
     """Mode none: the edge streams the round's tokens (its request is sent already, by the caller or
     ahead while the last round streamed); each is handed on as soon as it arrives. Once the last few
-    are due, the next round's request goes out if that round is edge-only too (:func:`_send_ahead`)."""
+    are due, the next round's request goes out if that round is edge-only too (:func:`_send_ahead`).
+    A round that streams all the session still wants sends Close once its first token is in: the edge
+    reads it after the round's last token and ends the stream at once, where a Close sent after that
+    token waited a round trip more for the edge's answer, and a link down just then (a cellular outage)
+    held the finished session for seconds. Not before that token: a round the edge supersedes (it ran
+    ahead) delivers less, and the session goes on."""
     # t0: when the round's request went out, or (sent ahead) when it became the round in flight
     catch_up = _start_catch_up(session, rd.plan)
     received, edge_verify, edge_queue, first, verdict, arrived, planned = 0, 0.0, 0.0, None, None, [], False
     after = remaining - rd.settings.edge_tokens  # tokens still wanted after this round, if it streams them all
+    ends_session = after <= 0                    # so Close goes out with its first token
 
     def io() -> RoundIO:
         return RoundIO(rd.block_bytes, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
@@ -143,6 +152,9 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
                 deliver([session.take_edge_token(rd, verdict)])
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
+            if ends_session:
+                ends_session = False
+                await link.close()
             if catch_up is not None:
                 catch_up[2].set()
             if not verdict.more:

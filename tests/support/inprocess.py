@@ -74,6 +74,10 @@ class EdgeLink:
             verdict = replace(verdict, draft_len_hint=self.hint(verdict))
         return verdict, wire.verdict_to_pb(verdict).ByteSize()
 
+    async def close(self) -> int:
+        """The session's Close: the in-process edge keeps the session (a law test may go on with it)."""
+        return wire.close_to_pb().ByteSize()
+
     async def recv(self):
         answer = self.answers.popleft()
         if self.fault is not None and self.fault("recv", answer[0], self.device):

@@ -43,12 +43,17 @@ class ScriptedEdge:
 
     def __init__(self, answer):
         self.answer, self.sent, self.queue, self.sent_during = answer, [], [], []
+        self.closed_during: list[int] = []  # per Close: the verdicts still to read when it went out
 
     async def send(self, msg) -> int:
         self.sent_during.append(len(self.queue))  # verdicts of earlier rounds not yet read: it went ahead
         self.sent.append(msg)
         self.queue.extend(self.answer(msg))
         return 10
+
+    async def close(self) -> int:
+        self.closed_during.append(len(self.queue))
+        return 2
 
     async def recv(self):
         return self.queue.pop(0), 5
@@ -100,6 +105,22 @@ def test_the_next_round_goes_out_before_the_last_token_and_streams_on(drafter) -
     assert [e.sent_ahead for e in events] == [False, True, True, True]
     assert [e.new_tokens for e in events] == [tuple(range(10, 14)), tuple(range(14, 18)), tuple(range(18, 22)),
                                               (22, 23)]
+
+
+def test_the_round_that_ends_the_session_sends_close_with_its_first_token(drafter) -> None:
+    """Close goes out once, as the last round's first token is in (its other three still to read):
+    the edge ends the stream right after that round's last token, not a round trip later."""
+    session, link = session_of(drafter), ScriptedEdge(tokens_from(10))
+    _, delivered = rounds(link, session, 16)
+    assert [asked(b) for b in link.sent] == [4, 4, 4, 4] and link.closed_during == [3]
+    # rounds that leave tokens for the rounds after them send none
+    session, link = session_of(drafter, cls=DraftsAfterTwo), ScriptedEdge(tokens_from(10))
+
+    async def two_rounds():
+        for _ in range(2):
+            await run_round(link, session, 10, lambda _: None)
+    asyncio.run(two_rounds())
+    assert link.closed_during == []
 
 
 def test_without_drafting_ahead_each_round_waits_for_the_last(drafter) -> None:
