@@ -276,6 +276,8 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
             on_tokens(new)
 
     while not finished(result.token_ids, hello.max_new_tokens, eos_ids):
+        if stream.close_bytes:  # the edge ended the closing round early, at a token the device goes on after
+            raise EdgeError(grpc.StatusCode.UNAVAILABLE, "the session outlived its Close: resuming on a new stream")
         await run_round(stream, session, hello.max_new_tokens - len(result.token_ids), deliver)
     result.wall_seconds = time.perf_counter() - result.t_start
     result.setup_bytes += await stream.close()  # (sent already if an edge-only round ended the session)

@@ -138,15 +138,7 @@ def test_a_session_that_ends_with_a_round_sent_ahead_closes_at_once(tiny_pair_v5
     # chunks of 4: the second round's request for the third goes out after its second token (index 5)
     end = next(i for i in (6, 7) if greedy[i] not in greedy[:i])
     eos = greedy[end]
-    edge_dir = target_dir
-    if edge_knows_the_eos:
-        edge_dir = tmp_path / "target"
-        shutil.copytree(target_dir, edge_dir)
-        for name in ("config.json", "generation_config.json"):
-            if (edge_dir / name).exists():
-                conf = json.loads((edge_dir / name).read_text())
-                conf["eos_token_id"] = eos
-                (edge_dir / name).write_text(json.dumps(conf))
+    edge_dir = _with_eos(target_dir, tmp_path, eos) if edge_knows_the_eos else target_dir
     cfg = device_config(mode=Mode.NONE, edge_tokens=4, temperature=0.0, max_new_tokens=12)
     hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
     session = DraftSession(drafter, hello, draft_ahead=True, round_log=True)
@@ -165,6 +157,42 @@ def test_a_session_that_ends_with_a_round_sent_ahead_closes_at_once(tiny_pair_v5
     ended = metrics.registry.get_sample_value
     assert ended("specdec_edge_sessions_ended_total", {"status": "ok"}) == 1
     assert metrics.registry.get_sample_value("specdec_edge_sessions_active") == 0
+
+
+def _with_eos(target_dir, tmp_path, eos: int):
+    """A copy of the target whose configs name ``eos`` its end-of-sequence token."""
+    edge_dir = tmp_path / "target"
+    shutil.copytree(target_dir, edge_dir)
+    for name in ("config.json", "generation_config.json"):
+        if (edge_dir / name).exists():
+            conf = json.loads((edge_dir / name).read_text())
+            conf["eos_token_id"] = eos
+            (edge_dir / name).write_text(json.dumps(conf))
+    return edge_dir
+
+
+def test_a_session_that_outlives_its_early_close_resumes(tiny_pair_v512, tmp_path) -> None:
+    """The one round that would end the session sends Close with its first token; the edge ends that
+    round early at its target's end-of-sequence token, which the device does not stop at. The device
+    resumes on a new stream (the edge has ended the session, or ends it when it reads the Close) and
+    gets the target's greedy tokens on past it, none lost or repeated."""
+    target_dir, drafter_dir = tiny_pair_v512
+    drafter = load(str(drafter_dir))
+    ids = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    greedy = target_greedy(target_dir, ids, 8)
+    end = next(i for i in range(2, 6) if greedy[i] not in greedy[:i])
+    cfg = device_config(mode=Mode.NONE, edge_tokens=8, temperature=0.0, max_new_tokens=8)
+    hello = cfg.hello(vocab_fingerprint(drafter.tokenizer), drafter.vocab_size, seed=0)
+    session = DraftSession(drafter, hello, draft_ahead=True, round_log=True)
+
+    async def main():
+        async with edge(_with_eos(target_dir, tmp_path, greedy[end])) as address:
+            async with edge_channel(replace(cfg, edge=address)) as channel:
+                return await asyncio.wait_for(generate(channel, session, hello, ids, (),
+                                                       policy=connection_policy(cfg)), 20)
+    r = run(main())
+    assert r.token_ids == greedy and r.reconnects >= 1
+    assert session.round_log[0]["generated"] == end + 1
 
 
 def test_an_edge_only_round_with_a_draft_is_refused_and_the_edge_carries_on(tiny_pair_v512) -> None:
