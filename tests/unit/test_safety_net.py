@@ -281,6 +281,12 @@ def test_an_exploration_that_lost_time_lengthens_the_streak() -> None:
     assert s.spec_lost == 2 and s.spec_probe.mean() > 0
     assert explored(s, 0.6, 0.3).spec_lost == 3                              # 8 in 0.9 s (0.8 at 10 tok/s)
     assert explored(s, 0.4, 0.2).spec_lost == 0                              # 8 in 0.6 s: it gained time
+    # coming back to edge-only, only the first token's wait counts: 20 tokens streamed 25 % faster than
+    # the arm's 10 tok/s do not make an exploration that lost 0.3 s a win
+    lost = N.observe(N.observe(s, CFG, N.SPEC, 4, 0.7, switch=True, explore=True), CFG, N.SPEC, 4, 0.4, explore=True)
+    back = N.observe(lost, CFG, N.EDGE, 20, 1.6 + 0.1, wait_s=0.1)
+    assert back.spec_lost == 3                                               # 1.1 + 0.1 s for 8 tokens: 0.4 s lost
+    assert back.spec_probe.seconds == pytest.approx(s.spec_probe.seconds * CFG.discount + 1.2 - 8 / 10)
     ran_on = N.observe(N.observe(s, CFG, N.SPEC, 4, 0.3, switch=True, explore=True), CFG, N.SPEC, 5, 0.3)
     assert ran_on.spec_lost == 0
     # begun by a session's first round (the prefill's, kept out): priced as measured, the streak kept
