@@ -256,8 +256,8 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     the other arm after it closes it, its cost the seconds beyond what that arm's measured rate gives
     all their tokens (of an edge-only round coming back, only its wait for the first token: its stream
     measures edge-only, not the exploration, and 30-40 tokens streaming 15 % faster than the arm's
-    average made a drafted exploration that lost 0.2 s a win); a cost above 0 (the exploration lost time, its switches in) lengthens the arm's
-    losing streak, one at most 0 ends it. Neither the exploration's one measuring round (drafted
+    average made a drafted exploration that lost 0.2 s a win); a cost above 0 (the exploration lost
+    time, its switches in) lengthens the arm's losing streak, one at most 0 ends it. Neither the exploration's one measuring round (drafted
     ahead and accepted, it flatters a drafter: the streak flipped on noise) nor the arm's measured
     rate (its sums forget only as the arm runs: a device whose drafter slowed kept its faster past)
     judges it as well. One a session's first round began lacks its catch-up (kept out with the
@@ -315,11 +315,9 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     last, runs = state.last_arm, state.run_rounds
     if in_flight is not None:
         last, runs = in_flight, (runs + 1 if in_flight == last else 1)
-    if opening:
-        arm, why = better, None if better == model_arm else "net"
-    elif last == other and runs < (cfg.probe_rounds if other == SPEC else 1):
-        arm, why = other, "explore"         # an exploration's rounds not all run yet
-    elif last is not None and last != other and due <= 0 and fits(cfg, other, spec, remaining):
+    going_on = last == other and runs < (cfg.probe_rounds if other == SPEC else 1)  # rounds not all run yet
+    starting = last is not None and last != other and due <= 0 and fits(cfg, other, spec, remaining)
+    if not opening and (going_on or starting):
         arm, why = other, "explore"
     else:
         arm, why = better, None if better == model_arm else "net"
@@ -371,8 +369,9 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
 
 def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     """How many times ``arm``'s explorations lost in a row (at most ``backoff``), 0 while the model
-    predicts ``arm`` faster than its rounds delivered (by ``margin``) (what the model learned since, a drafter's
-    acceptance rising in the explorations themselves, is news the next exploration should test soon)
+    predicts ``arm`` faster than its rounds delivered, by more than ``margin`` (what the model learned
+    since, a drafter's acceptance rising in the explorations themselves, is news the next exploration
+    should test soon)
     and while ``arm``'s rounds delivered more than the other arm's (:func:`_measured_better`): UCB thins
     out the explorations of an arm measured worse; one measured better is left only because the model
     disagrees (a T = 1 text whose drafts were rejected early twice, after drafted rounds ran at 15

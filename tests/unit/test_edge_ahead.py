@@ -93,6 +93,14 @@ def rounds(link, session, max_new: int) -> tuple[list, list[int]]:
     return events, delivered
 
 
+def two_rounds(link, session) -> None:
+    """Two rounds of a session that wants 10 tokens more before each."""
+    async def main():
+        for _ in range(2):
+            await run_round(link, session, 10, lambda _: None)
+    asyncio.run(main())
+
+
 def test_the_next_round_goes_out_before_the_last_token_and_streams_on(drafter) -> None:
     """Each round after the first goes out while the one before streams."""
     session, link = session_of(drafter), ScriptedEdge(tokens_from(10))
@@ -115,11 +123,7 @@ def test_the_round_that_ends_the_session_sends_close_with_its_first_token(drafte
     assert [asked(b) for b in link.sent] == [4, 4, 4, 4] and link.closed_during == [3]
     # rounds that leave tokens for the rounds after them send none
     session, link = session_of(drafter, cls=DraftsAfterTwo), ScriptedEdge(tokens_from(10))
-
-    async def two_rounds():
-        for _ in range(2):
-            await run_round(link, session, 10, lambda _: None)
-    asyncio.run(two_rounds())
+    two_rounds(link, session)
     assert link.closed_during == []
 
 
@@ -175,11 +179,7 @@ DraftsAfterTwo = with_parts(planner=ScriptedPlanner(none_then_gumbel))
 
 def test_a_drafted_next_round_or_a_round_that_expects_one_sends_nothing_ahead(drafter) -> None:
     session, link = session_of(drafter, cls=DraftsAfterTwo), ScriptedEdge(tokens_from(10))
-
-    async def two_rounds():
-        for _ in range(2):
-            await run_round(link, session, 10, lambda _: None)
-    asyncio.run(two_rounds())
+    two_rounds(link, session)
     assert len(link.sent) == 2 and session.take_sent_ahead() is None and session.plan().settings.mode.value == "gumbel"
     # a round whose plan says a drafted round is due after it (auto's catch_up) plans nothing ahead
     session = session_of(drafter)

@@ -23,9 +23,9 @@ class World:
     tells the net so unless ``tell_wait`` is False (the control); an exploration of drafted rounds runs
     ``ahead_rounds`` more than the net asked for (drafted ahead: a cost its model of a probe leaves out).
     The drafted round after a catch-up takes ``flatter`` times its time (drafted while the catch-up
-    was verified, it flatters a slow drafter). ``session_tokens``: the rounds make sessions of that many tokens, each starting from the device's
-    net (None: one endless session); the net is told which round opens one unless ``tell_opening`` is
-    False (the control)."""
+    was verified, it flatters a slow drafter). ``session_tokens``: the rounds make sessions of that
+    many tokens, each starting from the device's net (None: one endless session); the net is told
+    which round opens one unless ``tell_opening`` is False (the control)."""
 
     def __init__(self, edge_rate: float, spec_rate: float, model_edge: float, model_spec: float,
                  cfg: N.NetConfig = CFG, noise: float = 0.3, catch_up: float = 2.0, seed: int = 0,
@@ -496,7 +496,6 @@ def test_no_exploration_starts_that_the_sessions_end_would_cut_short() -> None:
     assert N.call(drafting, CFG, edge, spec, N.SPEC, remaining=2).why == "explore"
 
 
-
 def test_an_exploration_deferred_by_a_sessions_end_waits_for_the_next_ones_second_round() -> None:
     """Drafting is due for an exploration but its two rounds do not fit in what the session still
     wants: it waits. The next session's first round holds the prefill (out of every sum), so the
@@ -521,7 +520,6 @@ def test_an_exploration_deferred_by_a_sessions_end_waits_for_the_next_ones_secon
         return N.observe(s, CFG, N.EDGE, 32, 32 / 12 + 0.1, wait_s=0.1)
     assert explored(nxt, told=True).spec_lost == nxt.spec_lost + 1
     assert explored(nxt, told=False).spec_lost == nxt.spec_lost
-
 
 
 def test_no_exploration_opens_a_session_and_exploring_costs_less() -> None:
