@@ -257,10 +257,10 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     all their tokens (of an edge-only round coming back, only its wait for the first token: its stream
     measures edge-only, not the exploration, and 30-40 tokens streaming 15 % faster than the arm's
     average made a drafted exploration that lost 0.2 s a win); a cost above 0 (the exploration lost
-    time, its switches in) lengthens the arm's losing streak, one at most 0 ends it. Neither the exploration's one measuring round (drafted
-    ahead and accepted, it flatters a drafter: the streak flipped on noise) nor the arm's measured
-    rate (its sums forget only as the arm runs: a device whose drafter slowed kept its faster past)
-    judges it as well. One a session's first round began lacks its catch-up (kept out with the
+    time, its switches in) lengthens the arm's losing streak, one at most 0 ends it. Neither the
+    exploration's one measuring round (drafted ahead and accepted, it flatters a drafter: the streak
+    flipped on noise) nor the arm's measured rate (its sums forget only as the arm runs: a device
+    whose drafter slowed kept its faster past) judges it as well. One a session's first round began lacks its catch-up (kept out with the
     prefill): priced as measured, it leaves the streak as it was (its sign is noise; :func:`call`
     begins none there). The explored arm running on (it won: its streak ends) or a session's first
     round of the other arm (the prefill's) drop it unpriced."""

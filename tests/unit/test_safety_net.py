@@ -303,7 +303,8 @@ def test_an_exploration_that_lost_time_lengthens_the_streak() -> None:
     # steady drafted rounds measured faster than edge-only's (left because the model disagrees): no backoff
     ahead = N.observe(N.observe(s, CFG, N.SPEC, 4, 0.4, switch=True), CFG, N.SPEC, 40, 2.0)  # 20 tok/s against 10
     assert ahead.spec_steady.rounds == 1 and N.backoff(ahead, CFG, N.SPEC, slow) == 0
-    assert N.backoff(replace(s, spec_steady=N.Sums().plus(40, 3.95, CFG.discount)), CFG, N.SPEC, slow) == 2  # within the margin
+    within = replace(s, spec_steady=N.Sums().plus(40, 3.95, CFG.discount))   # within the margin
+    assert N.backoff(within, CFG, N.SPEC, slow) == 2
     # faster only in explorations' measuring rounds (drafted while the catch-up was verified): kept backed off
     flattered = s
     for _ in range(6):                                                       # 40 tok/s measured, each lost
