@@ -259,11 +259,11 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     average made a drafted exploration that lost 0.2 s a win); a cost above 0 (the exploration lost
     time, its switches in) lengthens the arm's losing streak, one at most 0 ends it. Neither the
     exploration's one measuring round (drafted ahead and accepted, it flatters a drafter: the streak
-    flipped on noise) nor the arm's measured rate (its sums forget only as the arm runs: a device
-    whose drafter slowed kept its faster past) judges it as well. One a session's first round began lacks its catch-up (kept out with the
-    prefill): priced as measured, it leaves the streak as it was (its sign is noise; :func:`call`
-    begins none there). The explored arm running on (it won: its streak ends) or a session's first
-    round of the other arm (the prefill's) drop it unpriced."""
+    flipped on noise) nor the arm's measured rate (its sums forget only as the arm runs: a device whose
+    drafter slowed kept its faster past) judges it as well. One a session's first round began lacks its
+    catch-up (kept out with the prefill): priced as measured, it leaves the streak as it was (its sign
+    is noise; :func:`call` begins none there). The explored arm running on (it won: its streak ends) or
+    a session's first round of the other arm (the prefill's) drop it unpriced."""
     ep = state.episode
     if explore:
         ep = ep if ep is not None and ep.arm == arm else Episode(arm)
