@@ -22,7 +22,8 @@ in), and plays the arms as a two-armed bandit:
   arm has run ``1 / explore_cost`` times what a probe is expected to lose (the other arm's measured
   shortfall over its probe), so probing costs about ``explore_cost`` of the time whichever arm is worse.
   A drafted probe lasts ``probe_rounds`` rounds: its first catches the drafter up (a switch's cost, kept
-  out of the arm's rate), the next measure it;
+  out of the arm's rate), the next measure it; the first of a drafter never measured lasts
+  ``fresh_rounds`` (one round is too few to judge an arm by);
 * each arm is judged by what it delivers once it runs: an edge-only round whose request was not sent
   ahead (after a drafted round, or with drafting ahead off) waits a round trip for its first token,
   where edge-only in steady state streams on without one (each request goes out while the round before
@@ -65,6 +66,9 @@ class NetConfig:
                                 # round of it): a drafted round's tokens run from 1 to L + 1
     explore_cost: float = 0.02  # share of the time exploring the worse arm may cost
     probe_rounds: int = 2       # drafted rounds per exploration: one catches up, one is measured
+    fresh_rounds: int = 3       # ... of drafting never measured: one catches up, two are measured (one
+                                # round's tokens run from 1 to L + 1: a text rejected at its first draft
+                                # once priced a drafter at 0.6x edge-only, and the session ran edge-only)
     optimism: float = 0.5       # an arm measured over n rounds is priced as if up to 0.5 / sqrt(n + prior)
                                 # faster (UCB1's bonus): an arm the model thinks poor is still explored soon
     start_rounds: float = 4.0   # the most a new session's start (the device's sums) weighs, in rounds
@@ -137,12 +141,14 @@ class Cost:
 
 @dataclass(frozen=True)
 class Episode:
-    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far, and
-    whether a session's first round began it (kept out: it holds the prefill)."""
+    """An exploration under way: the arm explored, the tokens and seconds of its rounds so far, whether
+    a session's first round began it (kept out: it holds the prefill), and whether the arm had never
+    been measured when it began (it runs :func:`probe_rounds` of a fresh arm)."""
     arm: str
     tokens: float = 0.0
     seconds: float = 0.0
     partial: bool = False
+    fresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,7 +272,7 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     a session's first round of the other arm (the prefill's) drop it unpriced."""
     ep = state.episode
     if explore:
-        ep = ep if ep is not None and ep.arm == arm else Episode(arm)
+        ep = ep if ep is not None and ep.arm == arm else Episode(arm, fresh=state.sums(arm).rounds <= 0)
         if first:
             return {"episode": replace(ep, partial=True)}
         return {"episode": replace(ep, tokens=ep.tokens + tokens, seconds=ep.seconds + seconds)}
@@ -315,8 +321,8 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     last, runs = state.last_arm, state.run_rounds
     if in_flight is not None:
         last, runs = in_flight, (runs + 1 if in_flight == last else 1)
-    going_on = last == other and runs < (cfg.probe_rounds if other == SPEC else 1)  # rounds not all run yet
-    starting = last is not None and last != other and due <= 0 and fits(cfg, other, spec, remaining)
+    going_on = last == other and runs < probe_rounds(state, cfg, other)  # rounds not all run yet
+    starting = last is not None and last != other and due <= 0 and fits(state, cfg, other, spec, remaining)
     if not opening and (going_on or starting):
         arm, why = other, "explore"
     else:
@@ -324,13 +330,26 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf)
 
 
-def fits(cfg: NetConfig, arm: str, spec: ArmPrior, remaining: int | None) -> bool:
+def probe_rounds(state: NetState, cfg: NetConfig, arm: str) -> int:
+    """Rounds an exploration of ``arm`` runs: edge-only's one (a round of 8 tokens or more measures how
+    it streams); drafting's ``probe_rounds``, or ``fresh_rounds`` while it was never measured (the
+    exploration under way began so, or none is under way and the arm has no measured round: its
+    first round may be in flight, uncommitted): a drafted round delivers 1 to L + 1 tokens in about
+    the same time, and one rejected at its first draft priced the arm at a fraction of its rate."""
+    if arm == EDGE:
+        return 1
+    ep = state.episode
+    fresh = ep.fresh if ep is not None and ep.arm == arm else state.sums(arm).rounds <= 0
+    return cfg.fresh_rounds if fresh else cfg.probe_rounds
+
+
+def fits(state: NetState, cfg: NetConfig, arm: str, spec: ArmPrior, remaining: int | None) -> bool:
     """Whether an exploration of ``arm`` fits in ``remaining`` tokens (None: no end known): a drafted
     one's rounds as the model predicts them (its first only catches the drafter up); an edge-only one
     always (a shorter round still measures how edge-only streams)."""
     if remaining is None or arm == EDGE:
         return True
-    return remaining >= cfg.probe_rounds * spec.tokens
+    return remaining >= probe_rounds(state, cfg, arm) * spec.tokens
 
 
 def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec: ArmPrior, r_edge: float,
