@@ -79,6 +79,8 @@ class NetConfig:
                                 # again is explored ever more rarely (UCB's index grows as log t and the
                                 # rounds' sum as n, so its explorations thin out with n), while discounting
                                 # keeps the net able to notice a change: the wait grows at most 4x
+    forgive: int = 1            # lost explorations in a row that steady rounds measured better excuse from the
+                                # backoff (:func:`backoff`): one unlucky text, not a streak
     outlier: float = 3.0        # a round counts at most this many times what its arm's rounds take: an
                                 # outage met in flight (seconds on a recorded cellular link) would
                                 # otherwise set the arm's rate for many rounds, and it says nothing
@@ -390,19 +392,25 @@ def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:
     """How many times ``arm``'s explorations lost in a row (at most ``backoff``), 0 while the model
     predicts ``arm`` faster than its rounds delivered, by more than ``margin`` (what the model learned
     since, a drafter's acceptance rising in the explorations themselves, is news the next exploration
-    should test soon)
-    and while ``arm``'s rounds delivered more than the other arm's (:func:`_measured_better`): UCB thins
-    out the explorations of an arm measured worse; one measured better is left only because the model
+    should test soon). While ``arm``'s rounds delivered more than the other arm's
+    (:func:`_measured_better`), its first ``forgive`` losses do not count: UCB thins out the
+    explorations of an arm measured worse; one measured better is left only because the model
     disagrees (a T = 1 text whose drafts were rejected early twice, after drafted rounds ran at 15
-    tok/s against edge-only's 12), and its explorations are what bring it back."""
+    tok/s against edge-only's 12), and its explorations are what bring it back. Not a whole streak:
+    the steady rounds may be old (they forget only as the arm runs), and explorations that keep losing
+    are newer news; a drafter that slowed kept its faster steady rounds for good, and was explored at
+    the full share (~3 % of the held-out sessions' time at 1.5x the target's cost per token)."""
     measured = state.sums(arm)
     if measured.seconds <= 0:
         return 0
     # by more than ``margin``: a model calibrated on the same rounds (autotune's time scale) predicts
     # the arm within a hair of them either way, and the backoff flapped on and off with that hair
-    if prior.rate > (1 + cfg.margin) * measured.tokens / measured.seconds or _measured_better(state, cfg, arm):
+    if prior.rate > (1 + cfg.margin) * measured.tokens / measured.seconds:
         return 0
-    return min(state.lost(arm), cfg.backoff)
+    lost = state.lost(arm)
+    if _measured_better(state, cfg, arm):
+        lost = max(0, lost - cfg.forgive)
+    return min(lost, cfg.backoff)
 
 
 def _measured_better(state: NetState, cfg: NetConfig, arm: str) -> bool:
