@@ -199,6 +199,11 @@ class NetState:
         """``arm``'s sums (EDGE, SPEC; "switch": the catch-up rounds')."""
         return getattr(self, arm)
 
+    def measured(self, arm: str) -> bool:
+        """Whether any round of ``arm`` was measured (a drafter never measured is explored at once, and
+        longer: :func:`probe_wait_s`, :func:`probe_rounds`)."""
+        return self.sums(arm).rounds > 0
+
     def probe_cost(self, arm: str) -> Cost:
         return getattr(self, PROBE_COST[arm])
 
@@ -274,7 +279,7 @@ def _episode(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: fl
     a session's first round of the other arm (the prefill's) drop it unpriced."""
     ep = state.episode
     if explore:
-        ep = ep if ep is not None and ep.arm == arm else Episode(arm, fresh=state.sums(arm).rounds <= 0)
+        ep = ep if ep is not None and ep.arm == arm else Episode(arm, fresh=not state.measured(arm))
         if first:
             return {"episode": replace(ep, partial=True)}
         return {"episode": replace(ep, tokens=ep.tokens + tokens, seconds=ep.seconds + seconds)}
@@ -341,7 +346,7 @@ def probe_rounds(state: NetState, cfg: NetConfig, arm: str) -> int:
     if arm == EDGE:
         return 1
     ep = state.episode
-    fresh = ep.fresh if ep is not None and ep.arm == arm else state.sums(arm).rounds <= 0
+    fresh = ep.fresh if ep is not None and ep.arm == arm else not state.measured(arm)
     return cfg.fresh_rounds if fresh else cfg.probe_rounds
 
 
@@ -366,7 +371,7 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
     and priced against measured edge-only, a catch-up round included, it kept a drafter at 2x
     edge-only's speed untried for 13 s. Edge-only's price is measured from its first round on (the
     interval its tokens streamed at), so it keeps its priced rate."""
-    if r_edge <= 0 or r_spec <= 0 or (arm == SPEC and state.spec.rounds <= 0):
+    if r_edge <= 0 or r_spec <= 0 or (arm == SPEC and not state.measured(SPEC)):
         return 0.0
     sw_tokens, sw_s = state.switch.per_round() or (spec.tokens, 2 * spec.tokens / r_spec)
     switch_excess = max(0.0, sw_s - sw_tokens / r_spec)   # a catch-up round beyond a steady one

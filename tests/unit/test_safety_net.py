@@ -52,7 +52,8 @@ class World:
         c = N.call(self.state, self.cfg, self.prior(N.EDGE), self.prior(N.SPEC), model_arm, remaining=self.left,
                    opening=self.opening and self.tell_opening)
         self.round(c.arm, c.why)
-        if c.arm == N.SPEC and c.why == "explore" and self.state.run_rounds == N.probe_rounds(self.state, self.cfg, N.SPEC):
+        probe_done = self.state.run_rounds == N.probe_rounds(self.state, self.cfg, N.SPEC)
+        if c.arm == N.SPEC and c.why == "explore" and probe_done:
             for _ in range(self.ahead_rounds):   # drafted ahead while the probe's last was verified
                 self.round(N.SPEC, "explore")
         return c.arm
