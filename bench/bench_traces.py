@@ -46,6 +46,7 @@ from specdec.testbed.units import parse_queue  # noqa: E402
 RESULTS = harness_plan.RESULTS / "bench_traces"
 WARMUP_TOKENS = 8
 CALIBRATION_TOKENS = 48   # per calibration session: enough rounds that the per-token costs settle
+MAX_TARGET_SLOWDOWN = 10.0  # beyond it a 96-token edge-only session takes minutes here
 
 
 class Run:
@@ -162,8 +163,11 @@ def print_tables(data: dict) -> None:
               f"/ default {fmt(s['auto_vs_default'])}")
     cal = data.get("calibration")
     if cal:
+        slowed = data["settings"].get("target_slowdown", 1.0)
         print(f"\ndrafter as it runs here: {cal['drafter_token_s'] * 1e3:.1f} ms per draft token, target "
-              f"{cal['target_token_s'] * 1e3:.1f} ms per token: drafter cost {cal['drafter_cost']:.2f}x; slowed to "
+              f"{cal['target_token_s'] * 1e3:.1f} ms per token"
+              + (f" (its forwards slowed {slowed:g}x)" if slowed != 1 else "")
+              + f": drafter cost {cal['drafter_cost']:.2f}x; slowed to "
               + ", ".join(f"{cost_label(c)} (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
     r = data.get("regret_summary")
     if r:
@@ -256,6 +260,9 @@ def parse_args(argv=None):
     p.add_argument("--check-seconds", type=float, default=None, help="emulator check per trace (0: skip)")
     p.add_argument("--drafter-costs", default="", help="slow the drafter to these multiples of the target's "
                    "time per token, e.g. natural,1.0,1.5 (natural: as it runs; the default)")
+    p.add_argument("--target-slowdown", type=float, default=None, metavar="F",
+                   help="slow each target forward of the edge to F times its own time (F >= 1; with "
+                   "--drafter-costs, costs below the drafter's natural one, e.g. 0.3)")
     p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
     return p.parse_args(argv)
 
@@ -282,6 +289,10 @@ def settings_from(a) -> plan.Settings:
         if any(c is not None and not 0 < c <= 10 for c in costs):
             raise ValueError(f"--drafter-costs: each 'natural' or in (0, 10], got {a.drafter_costs}")
         kw["drafter_costs"] = costs
+    if a.target_slowdown is not None:
+        if not 1 <= a.target_slowdown <= MAX_TARGET_SLOWDOWN:
+            raise ValueError(f"--target-slowdown: in [1, {MAX_TARGET_SLOWDOWN:g}], got {a.target_slowdown:g}")
+        kw["target_slowdown"] = a.target_slowdown
     return replace(s, **kw)
 
 
@@ -318,7 +329,8 @@ def main(argv=None) -> int:
     print(f"bench-traces {'quick' if s.quick else 'full'}: traces {', '.join(r.name for r in recs)} from {folder}; "
           f"RTT {', '.join(f'{x:g}' for x in s.rtts_ms)} ms; T {', '.join(f'{x:g}' for x in s.temperatures)}; "
           f"{s.prompts} prompt(s) x {s.max_new_tokens} tokens; configs {', '.join(configs)} "
-          f"({best}: {best_why}); {n} sessions", flush=True)
+          f"({best}: {best_why}); {n} sessions"
+          + (f"; target slowed {s.target_slowdown:g}x" if s.target_slowdown != 1 else ""), flush=True)
     run = Run(s, recs, configs, extra, out)
     data = {"started": stamp, "settings": s.to_json(), "traces_folder": str(folder), "configs": configs,
             "best_fixed": best, "best_fixed_why": best_why, "default": plan.DEFAULT,
@@ -330,7 +342,7 @@ def main(argv=None) -> int:
         if s.check_seconds > 0:
             print("emulator check (loopback, saturating stream):", flush=True)
             data["trace_check"] = check_traces(recs, s.check_seconds)
-        with Rig(out / "logs", link="emulated") as rig:
+        with Rig(out / "logs", link="emulated", target_slowdown=s.target_slowdown) as rig:
             data["timing"]["setup"] = time.perf_counter() - t0
             data["draft_model"] = rig.draft_model
             rig.set_rates(0.0, 0.0)  # the traces carry the capacity

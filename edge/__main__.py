@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Callable
 
-from specdec.common.modeling import DTYPES, ModelSpec, resolve_device
+from specdec.common.modeling import DTYPES, LoadedModel, ModelSpec, load_model, resolve_device
 from specdec.common.runtime import (MAX_MESSAGE_BYTES, OneLineParser, apply_threads, bounded, is_loopback,
                                     retain_freed_memory, run_async)
 from specdec.edge.admission import AdmissionSettings
@@ -118,7 +119,8 @@ def config_from_args(a) -> EdgeConfig:
                       name=a.name, drain_timeout_s=a.drain_timeout)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, load: Callable[[ModelSpec], LoadedModel] = load_model) -> int:
+    """``load``: the target's loader (the bench's slower-edge emulation passes a wrapped one)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads("edge-server", args.threads, is_loopback(args.host))
     retain_freed_memory()
     try:
-        run_async(serve(cfg))
+        run_async(serve(cfg, load))
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"edge-server: error: {exc}\n")
         return 1

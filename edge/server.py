@@ -15,6 +15,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 
@@ -161,10 +162,11 @@ async def drain_server(server, drain_timeout_s: float, cut_short: asyncio.Event 
     await stop_server(server)
 
 
-async def serve(cfg: EdgeConfig) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, then drain and stop."""
+async def serve(cfg: EdgeConfig, load: Callable[[ModelSpec], LoadedModel] = load_model) -> None:
+    """Load the model (with ``load``: the bench's slower-edge emulation wraps it), serve until
+    SIGTERM/SIGINT, then drain and stop."""
     authenticator(cfg)  # a bad token file fails before the model is loaded
-    target = load_model(cfg.model)
+    target = load(cfg.model)
     metrics = EdgeMetrics()
     metrics.set_model(target.name, target.vocab_size)
     server, port = await start_server(cfg, target, metrics)

@@ -136,9 +136,10 @@ def start_probe_server(tb: Testbed, started: list[NsProcess]) -> int:
     return probe.port
 
 
-def start_edge(tb: Testbed, edge_args: list[str], started: list[NsProcess]) -> int:
-    edge = NsProcess(tb.pair.edge_ns, *edge_server_cmd("--host", EDGE_IP, "--port", "0", "--threads", "1",
-                                                       *edge_args), name="edge-server")
+def start_edge(tb: Testbed, edge_args: list[str], started: list[NsProcess], exe: list[str] | None = None) -> int:
+    """``edge-server`` (or ``exe``, a command taking its flags) in the edge namespace; its port."""
+    args = ["--host", EDGE_IP, "--port", "0", "--threads", "1", *edge_args]
+    edge = NsProcess(tb.pair.edge_ns, *(exe + args if exe else edge_server_cmd(*args)), name="edge-server")
     started.append(edge)
     return edge.port
 

@@ -34,6 +34,7 @@ from specdec.testbed.linkemu import LinkSpec, send_control
 from specdec.testbed.netns import EDGE_IP, in_ns, sent_bytes, shape, testbed
 
 DRIVER = "specdec.bench.harness.driver"
+SLOW_EDGE, SLOW_EDGE_FLAG = "specdec.bench.harness.slow_edge", "--target-slowdown"
 READY_TIMEOUT_S = 600.0   # first load of the GGUF target dequantizes it; drafter load on busy cores
 STOP_TIMEOUT_S = 15.0
 TC_TIMEOUT_S = 10.0
@@ -51,18 +52,18 @@ def shaping_available() -> str | None:
 
 
 class Edge(procs.ReadyProcess):
-    """One ``edge-server`` on loopback with one torch thread (``threads``), optionally pinned to
-    ``cpus`` (taskset) and with its /metrics on a port of its own; its output goes to ``log`` (if
-    given) when it stops."""
+    """One ``edge-server`` (or ``exe``, a command taking its flags) on loopback with one torch thread
+    (``threads``), optionally pinned to ``cpus`` (taskset) and with its /metrics on a port of its own;
+    its output goes to ``log`` (if given) when it stops."""
 
     def __init__(self, *args: str, log: Path | None = None, threads: int = 1, cpus: tuple[int, ...] = (),
-                 metrics: bool = False, env: dict[str, str] | None = None, lines=None):
+                 metrics: bool = False, env: dict[str, str] | None = None, lines=None, exe: list[str] | None = None):
         self.log_path = log
         self.metrics_port = procs.free_port() if metrics else None
         pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
         extra = ["--metrics-port", str(self.metrics_port)] if metrics else []
-        super().__init__(pin + procs.edge_server_cmd("--host", "127.0.0.1", "--port", "0", "--threads", str(threads),
-                                                     *extra, *args),
+        flags = ["--host", "127.0.0.1", "--port", "0", "--threads", str(threads), *extra, *args]
+        super().__init__(pin + (exe + flags if exe else procs.edge_server_cmd(*flags)),
                          name="edge-server", ready_re=procs.EDGE_READY_RE,
                          ready_timeout=READY_TIMEOUT_S, env=env, lines=lines)
 
@@ -205,7 +206,7 @@ class Rig:
     """Edge + driver for a whole run over a ``link`` of :data:`LINKS`; :meth:`run` runs a batch of
     jobs over the link as it is now."""
 
-    def __init__(self, logs: Path, link: str = "loopback", driver: bool = True):
+    def __init__(self, logs: Path, link: str = "loopback", driver: bool = True, target_slowdown: float = 1.0):
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
         self.logs = logs
@@ -213,6 +214,9 @@ class Rig:
         self.with_driver = driver  # False: the benchmark runs its own device processes (device_cmd)
         self.shaper = "none"
         self.control = ""
+        # a slower edge (slow_edge): the edge-server command with the flag that slows its target
+        self.edge_exe = procs.python_module(SLOW_EDGE, SLOW_EDGE_FLAG, f"{target_slowdown:g}") \
+            if target_slowdown != 1.0 else None
         self._started: list[procs.NsProcess] = []
         self._stack = contextlib.ExitStack()
 
@@ -225,7 +229,7 @@ class Rig:
             if self.namespaces:
                 address, prefix = self._start_in_namespaces()
             else:
-                edge = Edge(log=self.logs / "edge.log")
+                edge = Edge(log=self.logs / "edge.log", exe=self.edge_exe)
                 self._stack.callback(edge.stop)
                 address, prefix, self.edge_pid = edge.address, [], edge.proc.pid
             self.device_address, self.device_prefix = address, prefix
@@ -242,7 +246,7 @@ class Rig:
         the driver dials and the prefix that runs it in the device namespace."""
         self.tb = self._stack.enter_context(testbed(LinkSpec(), LinkSpec()))
         self._stack.callback(self._stop_ns)
-        port = procs.start_edge(self.tb, [], self._started)
+        port = procs.start_edge(self.tb, [], self._started, self.edge_exe)
         self.edge_pid = self._started[0].proc.pid  # `ip netns exec` execs the command: same pid
         prefix = in_ns(self.tb.pair.device_ns)
         if self.link == "tbf":

@@ -66,6 +66,9 @@ class Settings:
     # drafter cost per forward as a multiple of the target's per token, reached by a delay after each
     # drafter forward (a slower device); () = the drafter as it runs here (its cost measured and reported)
     drafter_costs: tuple[float | None, ...] = ()
+    # the edge's target forwards slowed to this multiple of their own time (harness.slow_edge): drafter
+    # costs below what this machine gives (a device fast against its edge); 1 = as it runs
+    target_slowdown: float = 1.0
 
     @classmethod
     def preset(cls, quick: bool) -> "Settings":
