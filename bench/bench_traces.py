@@ -146,7 +146,7 @@ def check_traces(recs: list[plan.Recording], seconds: float) -> dict:
 def print_tables(data: dict) -> None:
     configs, best = data["configs"], data["best_fixed"]
     print(f"\nper cell: tokens/s | TTFT s (mean) | gap p50/p95/max ms | bytes/token up/down | device CPU ms/token "
-          f"(best fixed of the links grid: {best})")
+          f"| end wait p50/max ms (after the last token) (best fixed of the links grid: {best})")
     for name, c in data["cells"].items():
         print(f"{name}")
         for cfg in configs:
@@ -157,7 +157,7 @@ def print_tables(data: dict) -> None:
             print(f"  {cfg:<12}{fmt(v['tps'], '.1f'):>7} tok/s  TTFT {fmt(v['ttft_mean'], '.2f'):>5}  "
                   f"gap {ms(v['gap_p50']):>4}/{ms(v['gap_p95']):>5}/{ms(v['gap_max']):>5} ms  "
                   f"{fmt(v['up_bytes_per_token'], '.0f'):>6}/{fmt(v['down_bytes_per_token'], '.0f'):>4} B  "
-                  f"{ms(v.get('device_cpu_per_token')):>4}")
+                  f"{ms(v.get('device_cpu_per_token')):>4}  end {ms(v.get('end_wait_p50')):>4}/{ms(v.get('end_wait_max')):>5}")
         s = c["summary"]
         print(f"  auto / best fixed {fmt(s['auto_vs_best_fixed'])}, / edge-only {fmt(s['auto_vs_edge_only'])}, "
               f"/ default {fmt(s['auto_vs_default'])}")

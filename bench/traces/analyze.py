@@ -55,12 +55,16 @@ def session_metrics(sess: dict) -> dict:
     wall = t1 - t0 if t0 is not None and t1 is not None else st["wall_seconds"]
     return {"tokens": st["generated_tokens"], "wall": wall, "device_cpu": extra.get("device_cpu_s"),
             "ttft": arrivals[0] - t0 if arrivals and t0 is not None else None,
+            # the session's end after its last token: the stream's close (a drafted last round waits a
+            # round trip for the edge's status; an edge-only one sent its Close with its first token)
+            "end_wait": t1 - arrivals[-1] if arrivals and t1 is not None else None,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
             "up_bytes": st["uplink_bytes"], "down_bytes": st["downlink_bytes"]}
 
 
 def config_stats(sessions: list[dict]) -> dict[str, dict]:
-    """{config: tokens/s, TTFT (mean, max), gap p50/p95/max, bytes per token up/down, sessions}."""
+    """{config: tokens/s, TTFT (mean, max), gap p50/p95/max, bytes per token up/down, the wait after the
+    last token p50/max, sessions}."""
     by: dict[str, list[dict]] = defaultdict(list)
     for s in sessions:
         by[s["config"]].append(session_metrics(s))
@@ -70,7 +74,9 @@ def config_stats(sessions: list[dict]) -> dict[str, dict]:
         gaps = [g for m in ms for g in m["gaps"]]
         ttfts = [m["ttft"] for m in ms if m["ttft"] is not None]
         cpu = [(m["device_cpu"], m["tokens"]) for m in ms if m["device_cpu"] is not None]
-        out[name] = {"sessions": len(ms), "tokens": tokens, "wall": wall, "tps": ratio(tokens, wall),
+        ends = [m["end_wait"] for m in ms if m["end_wait"] is not None]
+        out[name] = {"end_wait_p50": percentile(ends, 50), "end_wait_max": max(ends, default=None),
+                     "sessions": len(ms), "tokens": tokens, "wall": wall, "tps": ratio(tokens, wall),
                      "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None, "ttft_max": max(ttfts, default=None),
                      "gap_p50": percentile(gaps, 50), "gap_p95": percentile(gaps, 95), "gap_max": max(gaps, default=None),
                      "up_bytes_per_token": ratio(sum(m["up_bytes"] for m in ms), tokens),

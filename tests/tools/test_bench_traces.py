@@ -175,3 +175,16 @@ def test_a_drafter_cost_is_printed_as_the_flag_spells_it() -> None:
     from specdec.bench.bench_traces import cost_label
     assert [cost_label(c) for c in (None, 0.6, 1.0)] == ["natural", "0.6x", "1x"]
     assert [cost_label(c) for c in json.loads(json.dumps({None: 0, 1.5: 0}))] == ["natural", "1.5x"]
+
+
+def test_the_end_wait_is_the_wall_after_a_sessions_last_token() -> None:
+    """A drafted last round's tokens arrive with its verdict, an edge-only round's one by one; the wait
+    after the last of them (the stream's close) is what session_t1 adds."""
+    drafted = {**session("a", "fixA", 0, 8, 1.0), "extra": {"session_t0": 100.0, "session_t1": 101.09, "timeline": [
+        {"t_wall": 100.5, "generated": 4}, {"t_wall": 101.0, "generated": 4}]}}
+    streamed = {**session("a", "none", 0, 3, 1.0), "extra": {"session_t0": 100.0, "session_t1": 100.702, "timeline": [
+        {"t_wall": 100.7, "generated": 3, "token_t": [100.3, 100.5, 100.7]}]}}
+    stats = analyze.config_stats([drafted, streamed])
+    assert stats["fixA"]["end_wait_p50"] == pytest.approx(0.09) and stats["fixA"]["end_wait_max"] == pytest.approx(0.09)
+    assert stats["none"]["end_wait_p50"] == pytest.approx(0.002)
+    assert analyze.config_stats([session("a", "auto", 0, 8, 1.0)])["auto"]["end_wait_p50"] is None
