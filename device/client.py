@@ -118,14 +118,17 @@ class _Stream:
         self._observe(msg)
         return msg
 
-    async def drain(self) -> None:
+    async def drain(self) -> bool:
         """After Close: read and drop what the edge still sends until it ends the stream (the answer
         to an edge-only round sent ahead that the session no longer needs: its Verdicts, or the void
-        one after an end-of-sequence token). A gRPC call's status waits until its messages are read."""
+        one after an end-of-sequence token). A gRPC call's status waits until its messages are read.
+        True if the edge's End came (its status, sent as a message), False at the end of the stream."""
         while True:
             msg = await self._next()
-            if msg is grpc.aio.EOF or msg.WhichOneof("kind") == "end":
-                return
+            if msg is grpc.aio.EOF:
+                return False
+            if msg.WhichOneof("kind") == "end":
+                return True
 
     async def _next(self):
         """The call's next message (or EOF) within the round timeout (asyncio.TimeoutError), the read
@@ -284,10 +287,12 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
     # Through half_close: a call that broke under it raises grpc's ExecuteBatchError here, not a status
     # (a fleet's edge SIGKILLed just after the last round); the drain below reads how it ended.
     await half_close(stream.call)
-    # Wait for the edge's OK: cancelling the call (generate's finally) before it arrives would end
-    # a finished session as CANCELLED on the edge and count it as failed there. An edge that does not
-    # end the stream within a round's timeout is left to that cancel: every token is delivered already.
+    # Wait for the edge's End, or its status: cancelling the call (generate's finally) before either
+    # arrives would end a finished session as CANCELLED on the edge and count it as failed there. An
+    # End says the edge has freed the session: its status, a round trip later (after this half-close
+    # reaches it), is not waited for. An edge that does not end the stream within a round's timeout is
+    # left to that cancel: every token is delivered already.
     with contextlib.suppress(asyncio.TimeoutError):
-        await stream.drain()
-        await stream.call.code()
+        if not await stream.drain():
+            await stream.call.code()
 

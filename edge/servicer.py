@@ -41,6 +41,9 @@ log = logging.getLogger("specdec.edge")
 
 SESSION_ID_RE = re.compile(f"[0-9a-f]{{{2 * SESSION_ID_BYTES}}}")  # secrets.token_hex's form
 END_WAIT_S = 5.0  # after an End, how long the device has to half-close before the status goes anyway
+# _serve's answer for a session that holds every token its device asked for: ended by the edge with
+# End(OK) at once, without waiting for the device's Close (see End in the proto)
+COMPLETE = object()
 
 
 class _SessionEnd(Exception):
@@ -86,19 +89,25 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             self.registry.observe_end("unauthenticated", False)
             await self._refuse_unauthenticated(context, stream)
         stream.counts_as = admission_principal(principal, context.peer())
-        status = None
+        status, released = None, False
         try:
-            closed = await self._serve(principal, context, stream)
-            status = "ok" if closed else None  # end of stream without Close: keep it for a resume
+            ended = await self._serve(principal, context, stream)
+            status = "ok" if ended else None  # end of stream without Close: keep it for a resume
+            if ended is COMPLETE:  # freed first: the device may cancel the call once it reads the End
+                self.registry.release(stream, status)
+                released = True
+                await self._end_complete(context)
         except _SessionEnd as end:
             status = MOVED if end.reason == P.DRAINING and stream.sid else end.code.name.lower()
             log.info("session %s ended: %s: %s", (stream.sid or "-")[:8], end.code.name, end.details)
             await self._end(context, stream, end)
         except asyncio.CancelledError:  # the stream broke: keep the session for a resume
-            log.info("session %s: stream broke, kept for a resume", (stream.sid or "-")[:8])
+            if not released:
+                log.info("session %s: stream broke, kept for a resume", (stream.sid or "-")[:8])
             raise
         finally:
-            self.registry.release(stream, status)
+            if not released:
+                self.registry.release(stream, status)
 
     async def _end(self, context, stream: Stream, end: _SessionEnd):
         """End the stream with ``end``'s status (and its reason as trailing metadata).
@@ -114,6 +123,16 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
         await context.abort(end.code, end.details)
 
+    @staticmethod
+    async def _end_complete(context) -> None:
+        """A complete session's end (:data:`COMPLETE`): End(OK) at once, then the status once the device
+        has half-closed, as :meth:`_end`. The device's Close is one of the messages dropped meanwhile; a
+        device that waited for the status after its Close waited a round trip past its last token, and a
+        link outage just then held a finished session for seconds."""
+        with contextlib.suppress(Exception):
+            await context.write(wire.end_to_pb(P.End(grpc.StatusCode.OK.value[0], "session complete")))
+            await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
+
     async def _refuse_unauthenticated(self, context, stream: Stream):
         """UNAUTHENTICATED; the Hello is read first (nothing more) to learn whether End is understood."""
         with contextlib.suppress(Exception):
@@ -122,8 +141,9 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         await self._end(context, stream, _SessionEnd(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials"))
 
     # -- session lifecycle ---------------------------------------------------------------------------
-    async def _serve(self, principal: str, context, stream: Stream) -> bool:
-        """Serve one stream; True if the device closed the session, False if the stream just ended."""
+    async def _serve(self, principal: str, context, stream: Stream) -> bool | object:
+        """Serve one stream; True if the device closed the session, :data:`COMPLETE` if it holds every
+        token the device asked for and the device reads End messages, False if the stream just ended."""
         hello = await self._expect(context, P.Hello, "Hello")
         stream.wants_end = hello.wants_end
         entry, resumed = await self._attach(stream, hello, principal)
@@ -132,8 +152,9 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         with self.registry.attached():
             return await self._stream(context, entry, stream, resumed)
 
-    async def _stream(self, context, entry: Entry, stream: Stream, resumed: bool) -> bool:
-        """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close.
+    async def _stream(self, context, entry: Entry, stream: Stream, resumed: bool) -> bool | object:
+        """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close, or
+        until the session is complete (:data:`COMPLETE`: its last verdict out, to a device that reads End).
         A stream another one has resumed the session from (a half-dead one, whose device reconnected
         before this edge saw the break) stops at once: what it still reads is stale, and the session is
         the newer stream's."""
@@ -155,6 +176,9 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             await self._call(entry.session.resync if resumed else entry.session.prefill, prompt)
         overdue = None  # seconds after which the next round is overdue and the edge runs ahead; None: never
         while True:
+            if stream.wants_end and entry.session.complete and _owns(entry, stream):
+                self._observe_request(entry.session, len(prompt.token_ids), time.perf_counter() - t_start)
+                return COMPLETE
             msg, size = await self._read_or_run_ahead(context, entry, stream, overdue)
             if msg is None or not _owns(entry, stream):
                 return False
