@@ -35,14 +35,14 @@ from specdec.edge.batching import ForwardScheduler
 from specdec.edge.registry import (MOVED, RESUME_TOKEN_BYTES, SESSION_ID_BYTES, Draining, Entry, NotOwner,
                                   SessionRegistry, Stream)
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
-                                   VerifierSession, forward_alone)
+                                   VerifierSession, complete, forward_alone)
 
 log = logging.getLogger("specdec.edge")
 
 SESSION_ID_RE = re.compile(f"[0-9a-f]{{{2 * SESSION_ID_BYTES}}}")  # secrets.token_hex's form
 END_WAIT_S = 5.0  # after an End, how long the device has to half-close before the status goes anyway
-# _serve's answer for a session that holds every token its device asked for: ended by the edge with
-# End(OK) at once, without waiting for the device's Close (see End in the proto)
+# _serve's answer for a session that holds every token its device asked for (verifier.complete), to a
+# device that reads End: ended by the edge with End(OK) at once, not after the device's Close (proto)
 COMPLETE = object()
 
 
@@ -96,7 +96,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             if ended is COMPLETE:  # freed first: the device may cancel the call once it reads the End
                 self.registry.release(stream, status)
                 released = True
-                await self._end_complete(context)
+                await _end_complete(context)
         except _SessionEnd as end:
             status = MOVED if end.reason == P.DRAINING and stream.sid else end.code.name.lower()
             log.info("session %s ended: %s: %s", (stream.sid or "-")[:8], end.code.name, end.details)
@@ -123,16 +123,6 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
         await context.abort(end.code, end.details)
 
-    @staticmethod
-    async def _end_complete(context) -> None:
-        """A complete session's end (:data:`COMPLETE`): End(OK) at once, then the status once the device
-        has half-closed, as :meth:`_end`. The device's Close is one of the messages dropped meanwhile; a
-        device that waited for the status after its Close waited a round trip past its last token, and a
-        link outage just then held a finished session for seconds."""
-        with contextlib.suppress(Exception):
-            await context.write(wire.end_to_pb(P.End(grpc.StatusCode.OK.value[0], "session complete")))
-            await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
-
     async def _refuse_unauthenticated(self, context, stream: Stream):
         """UNAUTHENTICATED; the Hello is read first (nothing more) to learn whether End is understood."""
         with contextlib.suppress(Exception):
@@ -142,8 +132,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
 
     # -- session lifecycle ---------------------------------------------------------------------------
     async def _serve(self, principal: str, context, stream: Stream) -> bool | object:
-        """Serve one stream; True if the device closed the session, :data:`COMPLETE` if it holds every
-        token the device asked for and the device reads End messages, False if the stream just ended."""
+        """Serve one stream; True if the device closed the session, False if the stream just ended, or COMPLETE."""
         hello = await self._expect(context, P.Hello, "Hello")
         stream.wants_end = hello.wants_end
         entry, resumed = await self._attach(stream, hello, principal)
@@ -153,8 +142,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             return await self._stream(context, entry, stream, resumed)
 
     async def _stream(self, context, entry: Entry, stream: Stream, resumed: bool) -> bool | object:
-        """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close, or
-        until the session is complete (:data:`COMPLETE`: its last verdict out, to a device that reads End).
+        """The attached stream of a session: Welcome, Prompt (prefill or resync), rounds until Close (or COMPLETE).
         A stream another one has resumed the session from (a half-dead one, whose device reconnected
         before this edge saw the break) stops at once: what it still reads is stale, and the session is
         the newer stream's."""
@@ -176,7 +164,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             await self._call(entry.session.resync if resumed else entry.session.prefill, prompt)
         overdue = None  # seconds after which the next round is overdue and the edge runs ahead; None: never
         while True:
-            if stream.wants_end and entry.session.complete and _owns(entry, stream):
+            if stream.wants_end and complete(entry.session) and _owns(entry, stream):
                 self._observe_request(entry.session, len(prompt.token_ids), time.perf_counter() - t_start)
                 return COMPLETE
             msg, size = await self._read_or_run_ahead(context, entry, stream, overdue)
@@ -405,6 +393,16 @@ def _check_resume_fields(hello: P.Hello) -> None:
     if len(hello.resume_token) != RESUME_TOKEN_BYTES:
         raise _SessionEnd(grpc.StatusCode.INVALID_ARGUMENT,
                           f"resume_token of {len(hello.resume_token)} bytes: expected {RESUME_TOKEN_BYTES}")
+
+
+async def _end_complete(context) -> None:
+    """A complete session's end (:data:`COMPLETE`): End(OK) at once, then the status once the device
+    has half-closed, as the servicer's ``_end``. The device's Close is one of the messages dropped
+    meanwhile; a device that waited for the status after its Close waited a round trip past its last
+    token, and a link outage just then held a finished session for seconds."""
+    with contextlib.suppress(Exception):
+        await context.write(wire.end_to_pb(P.End(grpc.StatusCode.OK.value[0], "session complete")))
+        await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
 
 
 async def _until_half_closed(context) -> None:

@@ -105,6 +105,13 @@ def verify_alone(request: ForwardRequest, round_: ChainRound) -> RoundOutcome:
     return verify_rounds([forward_alone(request)], [round_])[0]
 
 
+def complete(session: "VerifierSession") -> bool:
+    """Whether ``session`` holds all the tokens its Hello asked for (``max_new_tokens``): no round can
+    follow, whatever the device's end-of-sequence set. A DSSD correction still with the device is not
+    counted, so a session waiting for one is never complete."""
+    return len(session.tokens) - session.prefix.prompt_len >= session.hello.max_new_tokens
+
+
 class VerifierSession:
     """One generation session on the edge. Methods are blocking (torch); call them off the loop.
 
@@ -269,20 +276,13 @@ class VerifierSession:
         self.round_id = draft.round_id
         return Verdict(round_id=draft.round_id, num_accepted=0, next_token=None, superseded=True)
 
-    @property
-    def complete(self) -> bool:
-        """Whether the session holds all the tokens its Hello asked for (``max_new_tokens``): no round
-        can follow, whatever the device's end-of-sequence set. A DSSD correction still with the device
-        is not counted, so a session waiting for one is never complete."""
-        return len(self.tokens) - self.prefix.prompt_len >= self.hello.max_new_tokens
-
     def ahead_token(self) -> Verdict | None:
         """A token generated ahead (the next message is overdue): the race an edge-only or gumbel round
         runs at the position. None after an end-of-sequence token, at ``max_new_tokens``, with the context
         full or a DSSD correction still with the device."""
         n = len(self.tokens)
         if (self._pending_reject is not None or self.tokens[-1] in self.eos_token_ids or n + 1 > self.max_context
-                or self.complete):
+                or complete(self)):
             return None
         start, outcome = time.perf_counter(), self._edge_token(n)
         return Verdict(round_id=self.round_id, num_accepted=0, next_token=outcome.next_token, ahead=True,

@@ -145,6 +145,7 @@ class Outcome:
     details: str
     replies: list            # EdgeMessages received before the status (an End announcing it left out)
     seconds: float
+    complete: bool = False   # the End was OK: the session held every token asked for, and the edge stopped
 
 
 @dataclasses.dataclass
@@ -179,13 +180,16 @@ class Fuzz:
             code, details = grpc.StatusCode.OK, ""
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
+        complete = False
         if replies and replies[-1].HasField("end"):  # the edge's status announced first (Hello.wants_end);
             end = replies.pop().end                  # gRPC itself may still end the call otherwise (an
-            assert end.code and end.details, end     # oversized message the device goes on sending)
+            assert end.details, end                  # oversized message the device goes on sending);
+            assert end.code or code is grpc.StatusCode.OK, (end, code)  # code 0: a session complete
+            complete = not end.code
         seconds = time.monotonic() - t0
         self.slowest = max(self.slowest, seconds)
         self.stream_seconds += seconds
-        return Outcome(code, details, replies, seconds)
+        return Outcome(code, details, replies, seconds, complete)
 
     def count(self, part: str, out: Outcome) -> None:
         with _COUNT_LOCK:  # silent clients count from their own threads
@@ -299,7 +303,7 @@ def _record_corpus(ctx: Fuzz) -> None:
     for session in ctx.corpus:
         out = ctx.send(session)
         assert out.code == grpc.StatusCode.OK, (out.code, out.details)
-        _check_well_formed(ctx, [pb.DeviceMessage.FromString(m) for m in session], out.replies)
+        _check_well_formed(ctx, [pb.DeviceMessage.FromString(m) for m in session], out.replies, out.complete)
         for raw in session:
             msg = pb.DeviceMessage.FromString(raw)
             ctx.bank.append(raw)
@@ -323,11 +327,14 @@ def _parse(raw: bytes):
         return None
 
 
-def _check_well_formed(ctx: Fuzz, msgs: list, replies: list) -> None:
+def _check_well_formed(ctx: Fuzz, msgs: list, replies: list, complete: bool = False) -> None:
     """An OK session: Hello, Prompt, rounds, then Close or end of stream (which may also come right
-    after Hello: the session waits for a resume); one answer per request."""
+    after Hello: the session waits for a resume), or the round that made it ``complete``; one answer
+    per request."""
     kinds = [_kind(m) for m in msgs]
     read = kinds[: kinds.index("close")] if "close" in kinds else kinds  # the edge stops at Close
+    if complete:  # ... or at the round after which it held every token asked for (End OK): the rest dropped
+        read = read[:2 + len(_answers(replies[1:]))]
     assert read == ["hello"] and "close" not in kinds or (
         read[:2] == ["hello", "prompt"] and all(k in ("draft", "residual_request") for k in read[2:])), \
         f"OK for a malformed session: {kinds}"
@@ -394,7 +401,7 @@ def _check(ctx: Fuzz, part: str, chunks: list[bytes], out: Outcome, metadata=AUT
         return
     msgs = [_parse(c) for c in chunks]
     if out.code == grpc.StatusCode.OK:
-        _check_well_formed(ctx, msgs, out.replies)
+        _check_well_formed(ctx, msgs, out.replies, out.complete)
     elif UNDECODABLE[1] in out.details:
         assert out.code == UNDECODABLE[0] and None in msgs, out
     else:
