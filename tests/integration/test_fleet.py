@@ -26,6 +26,7 @@ import pytest
 
 from tests.support.fleet_rig import ALICE, MAX_NEW, POLICY, PROMPT, edges, kill_busiest_after, sessions, total, unbroken
 from tests.support.harness import device_config, load, run, target_greedy
+from tests.support.raw_stream import wait_for
 from specdec.common import protocol as P
 from specdec.common import wire
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
@@ -120,7 +121,10 @@ def test_a_resume_on_an_edge_with_another_target_is_refused_and_harms_nobody(tin
                 async with open_channel(b.address) as direct:
                     bystander = sessions(direct, drafter_dir, [2], [0.0])
                     (moved,), (other,) = await asyncio.gather(moving, bystander)
-            return moved, other, b.value("specdec_edge_sessions_ended_total", {"status": "failed_precondition"})
+            # the edge counts the refusal once the device's half-close (after the End) reaches it
+            refused = lambda: b.value("specdec_edge_sessions_ended_total", {"status": "failed_precondition"})  # noqa: E731
+            await wait_for(lambda: refused() >= 1)
+            return moved, other, refused()
     moved, other, refused_on_b = run(main())
     assert isinstance(moved, EdgeError) and moved.code is grpc.StatusCode.FAILED_PRECONDITION, moved
     assert moved.reason == P.TARGET_MISMATCH and "target mismatch" in moved.details
