@@ -96,7 +96,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             if ended is COMPLETE:  # freed first: the device may cancel the call once it reads the End
                 self.registry.release(stream, status)
                 released = True
-                await _end_complete(context)
+                await _announce(context, P.End(grpc.StatusCode.OK.value[0], "session complete"))
         except _SessionEnd as end:
             status = MOVED if end.reason == P.DRAINING and stream.sid else end.code.name.lower()
             log.info("session %s ended: %s: %s", (stream.sid or "-")[:8], end.code.name, end.details)
@@ -118,9 +118,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         if end.reason:
             context.set_trailing_metadata(((P.REASON_KEY, end.reason),))
         if stream.wants_end:
-            with contextlib.suppress(Exception):
-                await context.write(wire.end_to_pb(P.End(end.code.value[0], end.details, end.reason)))
-                await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
+            await _announce(context, P.End(end.code.value[0], end.details, end.reason))
         await context.abort(end.code, end.details)
 
     async def _refuse_unauthenticated(self, context, stream: Stream):
@@ -395,13 +393,12 @@ def _check_resume_fields(hello: P.Hello) -> None:
                           f"resume_token of {len(hello.resume_token)} bytes: expected {RESUME_TOKEN_BYTES}")
 
 
-async def _end_complete(context) -> None:
-    """A complete session's end (:data:`COMPLETE`): End(OK) at once, then the status once the device
-    has half-closed, as the servicer's ``_end``. The device's Close is one of the messages dropped
-    meanwhile; a device that waited for the status after its Close waited a round trip past its last
-    token, and a link outage just then held a finished session for seconds."""
+async def _announce(context, end: P.End) -> None:
+    """``end`` as a message, then (up to END_WAIT_S) the device's half-close, after which the status
+    goes without a stream reset (``_end``). A complete session (:data:`COMPLETE`) ends so at its last
+    verdict: its device returns on the End, and its Close is one of the messages dropped meanwhile."""
     with contextlib.suppress(Exception):
-        await context.write(wire.end_to_pb(P.End(grpc.StatusCode.OK.value[0], "session complete")))
+        await context.write(wire.end_to_pb(end))
         await asyncio.wait_for(_until_half_closed(context), END_WAIT_S)
 
 

@@ -100,9 +100,10 @@ class NsProcess(ReadyProcess):
         super().__init__(in_ns(ns, *cmd), name=name, env=child_env())
 
 
-def edge_server_cmd(*args: str, bindir: Path = BIN) -> list[str]:
-    """``edge-server`` of this environment (or of ``bindir``) with ``args``."""
-    return [str(bindir / "edge-server"), *args]
+def edge_server_cmd(*args: str, bindir: Path = BIN, exe: list[str] | None = None) -> list[str]:
+    """``edge-server`` of this environment (or of ``bindir``), or ``exe`` (a command that takes its
+    flags, e.g. the bench's slower edge), with ``args``."""
+    return [*(exe or [str(bindir / "edge-server")]), *args]
 
 
 def python_module(module: str, *args: str) -> list[str]:
@@ -138,8 +139,8 @@ def start_probe_server(tb: Testbed, started: list[NsProcess]) -> int:
 
 def start_edge(tb: Testbed, edge_args: list[str], started: list[NsProcess], exe: list[str] | None = None) -> int:
     """``edge-server`` (or ``exe``, a command taking its flags) in the edge namespace; its port."""
-    args = ["--host", EDGE_IP, "--port", "0", "--threads", "1", *edge_args]
-    edge = NsProcess(tb.pair.edge_ns, *(exe + args if exe else edge_server_cmd(*args)), name="edge-server")
+    edge = NsProcess(tb.pair.edge_ns, *edge_server_cmd("--host", EDGE_IP, "--port", "0", "--threads", "1",
+                                                       *edge_args, exe=exe), name="edge-server")
     started.append(edge)
     return edge.port
 

@@ -62,8 +62,8 @@ class Edge(procs.ReadyProcess):
         self.metrics_port = procs.free_port() if metrics else None
         pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
         extra = ["--metrics-port", str(self.metrics_port)] if metrics else []
-        flags = ["--host", "127.0.0.1", "--port", "0", "--threads", str(threads), *extra, *args]
-        super().__init__(pin + (exe + flags if exe else procs.edge_server_cmd(*flags)),
+        super().__init__(pin + procs.edge_server_cmd("--host", "127.0.0.1", "--port", "0", "--threads", str(threads),
+                                                     *extra, *args, exe=exe),
                          name="edge-server", ready_re=procs.EDGE_READY_RE,
                          ready_timeout=READY_TIMEOUT_S, env=env, lines=lines)
 
