@@ -30,6 +30,8 @@ from specdec.common.settings import DraftSettings
 # So are min-p, logit bias, penalties and a grammar (Hello.target_min_p, .adjust, .grammar): an older edge ignores
 # them and says nothing of them in its Welcome, and a device whose Hello sets any stops there
 # (Welcome.adjusts_law), before any round; Prompt.prompt_len, which only such an edge reads.
+# So is a late round continued (Hello.continues_late): an older edge supersedes the round, as the
+# device expects of it, and an older device is never sent a verdict after tokens generated ahead.
 PROTOCOL_VERSION = 1
 
 __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
@@ -75,6 +77,7 @@ class Hello:
     adjust: LogitAdjust = NO_ADJUST  # logit bias and penalties, applied to the target distribution
     grammar: Grammar | None = None   # what the output must match (structured outputs); None: anything
     logprobs: int = NO_LOGPROBS      # each verdict's tokens' log-probabilities (0) and their top N (N > 0)
+    continues_late: bool = False     # the device takes a late round's verdict (Draft.start in the proto)
 
     @property
     def adjusts_law(self) -> bool:

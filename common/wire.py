@@ -76,7 +76,7 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         seed=h.seed, max_new_tokens=h.max_new_tokens, resume_session_id=h.resume_session_id,
         resume_token=h.resume_token, target_fingerprint=h.target_fingerprint, wants_end=h.wants_end,
         target_min_p=h.target_min_p, adjust=adjust_to_pb(h.adjust), grammar=grammar_to_pb(h.grammar),
-        logprobs=None if h.logprobs == NO_LOGPROBS else h.logprobs,
+        logprobs=None if h.logprobs == NO_LOGPROBS else h.logprobs, continues_late=h.continues_late,
     ))
 
 
@@ -123,7 +123,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         seed=m.seed, max_new_tokens=m.max_new_tokens, resume_session_id=m.resume_session_id,
         resume_token=m.resume_token, target_fingerprint=m.target_fingerprint, wants_end=m.wants_end,
         target_min_p=m.target_min_p, adjust=adjust_from_pb(m.adjust), grammar=grammar_from_pb(m),
-        logprobs=m.logprobs if m.HasField("logprobs") else NO_LOGPROBS,
+        logprobs=m.logprobs if m.HasField("logprobs") else NO_LOGPROBS, continues_late=m.continues_late,
     )
 
 

@@ -203,7 +203,8 @@ async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_token
     failover = Failover(fleet, policy, retryable)
     route, home, delivered = fleet.pick(), None, 0
     metadata = (*policy.metadata, (P.SESSION_KEY, result.trail.key))  # the same on every stream: affinity
-    hello = replace(hello, wants_end=True)  # End messages: statuses that survive proxies (see the proto)
+    # End messages: statuses that survive proxies (see the proto); late rounds continued (engine._continued)
+    hello = replace(hello, wants_end=True, continues_late=True)
     while True:
         call = pb_grpc.SpeculativeDecodingStub(route.channel).Generate(metadata=metadata)
         stream = _Stream(call, meter=meter, round_timeout=policy.round_timeout_s, seen=watch_status(call), route=route,

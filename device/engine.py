@@ -70,10 +70,13 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
     session.replied_at = time.perf_counter()
     if not isinstance(verdict, P.Verdict) or verdict.round_id != rd.block.round_id:
         raise ProtocolError(f"expected the Verdict of round {rd.block.round_id}")
-    if early or verdict.superseded:
+    if verdict.superseded:
         return await _superseded(session, rd, early, verdict, received, deliver)
     io = RoundIO(sent, received, max(0.0, session.replied_at - t0 - verdict.verify_seconds - verdict.queue_seconds))
-    session.overdue.trip(io.network_s)
+    if early:  # continued after tokens the edge generated ahead: its wait was no round trip
+        verdict = _continued(rd, early, verdict)
+    else:
+        session.overdue.trip(io.network_s)
     correction = verdict.next_token is None  # DSSD rejection: the device draws the token itself
     token = verdict.next_token
     if correction:
@@ -82,9 +85,18 @@ async def _drafted_round(link: Link, session: DraftSession, plan: RoundPlan, rem
             t1 = time.perf_counter()
             token, up, down, trips = await _dssd_fallback(link, session, rd, verdict)
             io = RoundIO(sent + up, received + down, io.network_s + time.perf_counter() - t1, trips, down)
-    event = await asyncio.to_thread(session.apply_verdict, rd, verdict, token, io, dssd_correction=correction)
+    event = await asyncio.to_thread(session.apply_verdict, rd, verdict, token, io, dssd_correction=correction,
+                                    learn=not early)
     deliver(list(event.new_tokens))
     return event
+
+
+def _continued(rd: RoundDraft, early: list[P.Verdict], verdict: P.Verdict) -> P.Verdict:
+    """``rd``'s verdict after the tokens generated ahead before it reached the edge (run_ahead.continued)."""
+    try:
+        return run_ahead.continued(rd.block, early, verdict)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 async def _superseded(session: DraftSession, rd: RoundDraft, early: list[P.Verdict], verdict: P.Verdict,

@@ -12,7 +12,9 @@ once, one whose guess failed a whole draft later, and the wrong guesses are too 
 see (they were: every failed guess ran ahead and cost its round).
 
 A false alarm costs the round the device sent meanwhile (the edge supersedes it: the device drafts
-again) and gains the tokens generated ahead; a late alarm costs the outage's time up to it. The tokens
+again) and gains the tokens generated ahead, except where the edge continues the round (:func:`continued`:
+a race or greedy round whose first drafts are those tokens gets the verdict it would have had on time,
+and the alarm cost nothing); a late alarm costs the outage's time up to it. The tokens
 are the ones any race round draws at their positions, so no alarm, early or late, changes a token of
 a session whose rounds are race rounds (or greedy): see :func:`runs_ahead`.
 """
@@ -95,6 +97,21 @@ def ahead_token(verdict: Verdict, after_round: int) -> int:
             or verdict.num_accepted or verdict.more):
         raise ValueError(f"a token generated ahead must follow round {after_round}")
     return int(verdict.next_token)
+
+
+def continued(block: DraftBlock, early: list[Verdict], verdict: Verdict) -> Verdict:
+    """The Verdict of round ``block`` that the edge continued after the tokens ``early`` it generated
+    ahead (Hello.continues_late): those must be the round's first drafts, among its accepted ones. It
+    is the round's verdict as on time, with their log-probabilities first; ValueError for anything else."""
+    tokens = tuple(ahead_token(v, block.round_id - 1) for v in early)
+    k = len(tokens)
+    if (verdict.superseded or verdict.ahead or verdict.more or verdict.next_token is None
+            or not k <= verdict.num_accepted <= len(block.token_ids)):
+        raise ValueError(f"round {block.round_id}: a verdict after {k} tokens generated ahead must accept them")
+    if tokens != tuple(block.token_ids[:k]):
+        raise ValueError(f"round {block.round_id} continued after {k} tokens generated ahead that are not its drafts")
+    logprobs = tuple(t for v in early for t in v.logprobs) + verdict.logprobs
+    return replace(verdict, logprobs=logprobs)
 
 
 def ahead_round(after_round: int, start: int, verdicts: list[Verdict]) -> tuple[RoundDraft, Verdict]:

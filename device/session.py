@@ -270,9 +270,9 @@ class DraftSession:
 
     # -- verdicts: one event per committed round -----------------------------------------------------------
     def apply_verdict(self, rd: RoundDraft, verdict: Verdict, next_token: int, io: RoundIO, *,
-                      dssd_correction: bool = False) -> RoundEvent:
+                      dssd_correction: bool = False, learn: bool = True) -> RoundEvent:
         """Commit a drafted round: keep the accepted prefix, roll the draft cache back, and publish the
-        round's event."""
+        round's event (mode auto ``learn``s from it unless the edge ran ahead of it: its wait is an outage's)."""
         guess, discarded = None, 0
         if rd.tree is not None:
             t = tree_round.commit(rd, verdict, next_token, len(self.tokens))
@@ -294,7 +294,7 @@ class DraftSession:
         if dssd_correction:
             self.pending_correction = int(next_token)
         record = round_record(rd, verdict, len(new), io, self.csqs.threshold(rd.settings), discarded)
-        return self._commit_event(rd, record, new, guess, verdict)
+        return self._commit_event(rd, record, new, guess, verdict, learn)
 
     def end_edge_round(self, rd: RoundDraft, totals: Verdict, io: RoundIO, *, broken: bool = False) -> RoundEvent:
         """An edge-only round whose last token arrived (its tokens are committed already), or whose

@@ -28,9 +28,11 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
   ``rate(specdec_edge_batch_static_forwards_total[$__rate_interval]) / rate(specdec_edge_batch_forward_seconds_count[$__rate_interval])``,
   ``sum by (graph) (rate(specdec_edge_batch_cuda_graph_forwards_total[$__rate_interval]))``
 - running ahead through overdue rounds (an outage, a stalled device): tokens generated ahead per
-  second, and rounds superseded by them (each cost its device a draft):
+  second, rounds superseded by them (each cost its device a draft), and rounds continued after them
+  (their first drafts were those tokens: nothing lost):
   ``rate(specdec_edge_run_ahead_tokens_total[$__rate_interval])``,
-  ``rate(specdec_edge_superseded_rounds_total[$__rate_interval])``
+  ``rate(specdec_edge_superseded_rounds_total[$__rate_interval])``,
+  ``rate(specdec_edge_continued_rounds_total[$__rate_interval])``
 - share of the edge's time in target forwards (1 = the target never idles):
   ``rate(specdec_edge_batch_forward_seconds_sum[$__rate_interval])``
 - seconds spent verifying the rounds the forwards served (batch tensor work) per second of forwards:
@@ -123,6 +125,8 @@ class EdgeMetrics(SpecMetrics):
                                  "was overdue (Draft.run_ahead_ms)", **self.kw)
         self.superseded_rounds = Counter("superseded_rounds", "Rounds that started before tokens generated ahead "
                                   "(answered without verifying)", **self.kw)
+        self.continued_rounds = Counter("continued_rounds", "Rounds that started before tokens generated ahead, "
+                                        "verified after them (their first drafts; Hello.continues_late)", **self.kw)
 
     def set_model(self, name: str, vocab_size: int) -> None:
         self.model.info({"name": name, "vocab_size": str(vocab_size)})
@@ -181,6 +185,9 @@ class EdgeMetrics(SpecMetrics):
         for seconds in b.queue_seconds:
             self.batch_queue.observe(seconds)
 
-    def observe_round(self, r: RoundRecord) -> None:
+    def observe_round(self, r: RoundRecord, continued: bool = False) -> None:
+        """A served round; ``continued``: after tokens generated ahead past its start (verifier.continued)."""
         super().observe_round(r)
         self.generated_tokens.labels(r.mode).inc(r.generated)  # the device counts what it delivers
+        if continued:
+            self.continued_rounds.inc()

@@ -35,7 +35,7 @@ from specdec.edge.batching import ForwardScheduler
 from specdec.edge.registry import (MOVED, RESUME_TOKEN_BYTES, SESSION_ID_BYTES, Draining, Entry, NotOwner,
                                   SessionRegistry, Stream)
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
-                                   VerifierSession, complete, forward_alone)
+                                   VerifierSession, complete, forward_alone, verify_round)
 
 log = logging.getLogger("specdec.edge")
 
@@ -232,14 +232,14 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             if settings.mode is Mode.NONE:
                 last = await self._edge_round(session, msg, size, context)
                 return _overdue_after(msg, settings, last)
-            t0 = time.perf_counter()
-            verdict = await self._call(session.verify, msg)
+            t0, late = time.perf_counter(), bool(msg.start) and msg.start < len(session.tokens)  # continued
+            verdict = await self._call(verify_round, session, msg)
             queue = max(0.0, time.perf_counter() - t0 - verdict.verify_seconds)
             self.recent.observe(msg.tree_depth or len(msg.token_ids), verdict.num_accepted)
             verdict = replace(verdict, queue_seconds=queue, draft_len_hint=self._hint(session))
             reply = wire.verdict_to_pb(verdict)
             if self.metrics:
-                self.metrics.observe_round(edge_record(msg, verdict, settings.mode.value, size, reply.ByteSize()))
+                self.metrics.observe_round(edge_record(msg, verdict, settings.mode.value, size, reply.ByteSize()), late)
             await context.write(reply)
             return _overdue_after(msg, settings, verdict)
         elif isinstance(msg, P.ResidualRequest):

@@ -112,6 +112,39 @@ def complete(session: "VerifierSession") -> bool:
     return len(session.tokens) - session.prefix.prompt_len >= session.hello.max_new_tokens
 
 
+def continued(session: "VerifierSession", draft: DraftBlock) -> DraftBlock | None:
+    """The rest of a late ``draft`` to verify (Hello.continues_late): its drafts after the k tokens the
+    edge generated ahead past its start, where those are its first k drafts and it drafted more; None
+    for any other round.
+
+    Verified from the edge's end, the rest gets the verdict the whole round would have had on time. A
+    gumbel round accepts a draft iff it is its position's race, which is the token generated ahead
+    there (:meth:`VerifierSession.ahead_token`); a chain round at temperature 0 iff it is the target's
+    argmax, also that token, whatever its q; after the k, a gumbel round's noise is keyed by position
+    and a greedy round draws nothing. Not DSSD (a rejection's token may be the device's) nor trees
+    (their drafts are no single path), nor chain rounds at T > 0 (their accept tests draw numbers
+    keyed by the round's start)."""
+    k = len(session.tokens) - draft.start
+    if not (session.hello.continues_late and draft.start and 0 < k < len(draft.token_ids)):
+        return None
+    settings = session.round_settings(draft)
+    race = settings.mode is Mode.GUMBEL or (session.hello.temperature == 0 and settings.mode is not Mode.DSSD)
+    if settings.tree or not race or tuple(session.tokens[draft.start:]) != tuple(draft.token_ids[:k]):
+        return None
+    return replace(draft, token_ids=draft.token_ids[k:], distributions=draft.distributions[k:],
+                   start=len(session.tokens))
+
+
+def verify_round(session: "VerifierSession", draft: DraftBlock) -> Verdict:
+    """``session.verify(draft)``, a late round :func:`continued`: its Verdict counts from the round's
+    start, the drafts matched by tokens generated ahead among the accepted ones."""
+    rest = continued(session, draft)
+    if rest is None:
+        return session.verify(draft)
+    verdict = session.verify(rest)
+    return replace(verdict, num_accepted=verdict.num_accepted + len(draft.token_ids) - len(rest.token_ids))
+
+
 class VerifierSession:
     """One generation session on the edge. Methods are blocking (torch); call them off the loop.
 
@@ -265,10 +298,10 @@ class VerifierSession:
     # -- running ahead (Draft.run_ahead_ms): the device's next round is overdue ---------------------------
     def superseded(self, draft: DraftBlock) -> Verdict | None:
         """The answer to a round that starts before tokens generated ahead (which the device gets first):
-        unverified, no token; None: a round to serve. A start beyond the edge's is an error (void in a
-        round sent ahead: :meth:`generate`)."""
+        unverified, no token; None: a round to serve (one :func:`continued` included). A start beyond the
+        edge's is an error (void in a round sent ahead: :meth:`generate`)."""
         end = len(self.tokens) + (self._pending_reject is not None)  # the device holds its DSSD correction
-        if not draft.start or draft.start == end or (draft.start > end and draft.sent_ahead):
+        if not draft.start or draft.start == end or (draft.start > end and draft.sent_ahead) or continued(self, draft):
             return None
         if draft.start > end:
             raise ValueError(f"round {draft.round_id} starts at token {draft.start}, beyond the {end} tokens verified")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from specdec.common.modes import Mode
-from specdec.common.protocol import DraftSettings, Hello
+from specdec.common.logprobs import TokenLogprob
+from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Verdict
 from specdec.device import run_ahead as RA
 
 
@@ -47,3 +48,25 @@ def test_only_sessions_whose_tokens_cannot_change_run_ahead_by_default() -> None
 
 def test_quantile_is_nearest_rank_from_below() -> None:
     assert RA.quantile([5, 1, 3, 2, 4], 0.75) == 4 and RA.quantile([7], 0.75) == 7
+
+
+def _ahead(token: int, lp: float) -> Verdict:
+    return Verdict(round_id=4, num_accepted=0, next_token=token, ahead=True, logprobs=(TokenLogprob(lp),))
+
+
+def test_a_continued_verdict_must_accept_the_tokens_generated_ahead_and_carries_their_logprobs_first() -> None:
+    block = DraftBlock(round_id=5, token_ids=(11, 12, 13, 14))
+    early = [_ahead(11, -0.1), _ahead(12, -0.2)]
+    on_time = Verdict(round_id=5, num_accepted=3, next_token=40, logprobs=(TokenLogprob(-0.3), TokenLogprob(-0.4)))
+    got = RA.continued(block, early, on_time)
+    assert (got.num_accepted, got.next_token) == (3, 40)
+    assert [t.logprob for t in got.logprobs] == [-0.1, -0.2, -0.3, -0.4]  # one per token of the round, in order
+    bad = {"not the round's drafts": ([_ahead(11, 0.0), _ahead(99, 0.0)], on_time),
+           "accepting fewer than them": (early, Verdict(round_id=5, num_accepted=1, next_token=40)),
+           "accepting more than the round drafted": (early, Verdict(round_id=5, num_accepted=5, next_token=40)),
+           "without a token (DSSD's)": (early, Verdict(round_id=5, num_accepted=3, next_token=None)),
+           "after another round": ([Verdict(round_id=3, num_accepted=0, next_token=11, ahead=True)], on_time)}
+    for why, (ahead, verdict) in bad.items():
+        with pytest.raises(ValueError):
+            RA.continued(block, ahead, verdict)
+            pytest.fail(why)
