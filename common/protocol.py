@@ -111,6 +111,7 @@ class Welcome:
     modes: tuple[Mode, ...] = ()  # the draft modes it verifies; () = an edge before the field (all but gumbel)
     draft_len_hint: int | None = None  # the load-aware advice for the first round (None: no advice)
     adjusts_law: bool = False     # applies Hello.target_min_p, .adjust and .grammar (False: an older edge)
+    continues_late: bool = False  # continues a late round where the Hello asks (False: an older edge)
 
     def verifies(self, mode: Mode) -> bool:
         """Whether this edge takes rounds of ``mode`` (an edge that does not say: every mode but gumbel)."""

@@ -134,7 +134,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
         max_k=w.max_k, resume_token=w.resume_token, resumed=w.resumed, dssd_max_samples=w.dssd_max_samples,
         target_fingerprint=w.target_fingerprint, edge_name=w.edge_name,
         forward_cost=[pb.CostPoint(tokens=t, seconds=sec) for t, sec in w.forward_cost],
-        modes=[_MODE_TO_PB[m] for m in w.modes], adjusts_law=w.adjusts_law,
+        modes=[_MODE_TO_PB[m] for m in w.modes], adjusts_law=w.adjusts_law, continues_late=w.continues_late,
     )
     if w.draft_len_hint is not None:
         msg.draft_len_hint = w.draft_len_hint
@@ -151,7 +151,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         # a mode this device does not know is one it never sends: left out
         modes=tuple(_PB_TO_MODE[v] for v in m.modes if v in _PB_TO_MODE),
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
-        adjusts_law=m.adjusts_law,
+        adjusts_law=m.adjusts_law, continues_late=m.continues_late,
     )
 
 

@@ -54,6 +54,7 @@ class OverdueClock:
     """The device's measurements behind each round's ``run_ahead_ms``."""
     trips: deque = field(default_factory=lambda: deque(maxlen=WINDOW))        # network seconds of a round
     turnarounds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # reply in -> next round out
+    continued: bool = False  # the edge continues this session's late rounds (:func:`continues`)
 
     def trip(self, seconds: float) -> None:
         self.trips.append(max(0.0, seconds))
@@ -68,8 +69,20 @@ class OverdueClock:
         if not self.trips or mode is Mode.DSSD:
             return 0
         turnaround = max(draft_s, max(self.turnarounds, default=0.0))
-        expected = quantile(self.trips, QUANTILE) + turnaround
-        return max(1, math.ceil(1000.0 * (OVERDUE_FACTOR * expected + OVERDUE_MARGIN_S)))
+        # The factor covers the link's jitter; the device's own turnaround needs it only where a false
+        # alarm costs the round in flight: a continued round loses nothing to one.
+        turn_factor = 1.0 if self.continued else OVERDUE_FACTOR
+        late = OVERDUE_FACTOR * quantile(self.trips, QUANTILE) + turn_factor * turnaround
+        return max(1, math.ceil(1000.0 * (late + OVERDUE_MARGIN_S)))
+
+
+def continues(hello: Hello, fixed_cuts: bool, auto: bool) -> bool:
+    """Whether an edge that continues late rounds (Welcome.continues_late) would continue this session's:
+    greedy sessions and race rounds (gumbel, or a reproducible mode auto at T > 0), not DSSD rounds or
+    trees (edge/verifier.continued). Mode auto at T = 0 may still send a DSSD round or a tree now and then."""
+    if not auto and (hello.draft.mode is Mode.DSSD or hello.draft.tree):
+        return False
+    return hello.temperature == 0 or hello.draft.mode is Mode.GUMBEL or (auto and fixed_cuts)
 
 
 def quantile(xs, q: float) -> float:

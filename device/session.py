@@ -160,6 +160,7 @@ class DraftSession:
             self._next = retry_within(self._next, welcome, auto=self.policy is not None)
         if welcome.draft_len_hint is not None and self.round_id == 0 and not self.stats.rounds:
             self.edge_hint = welcome.draft_len_hint
+        self.overdue.continued = welcome.continues_late and RA.continues(self.hello, self.fixed_cuts, self.policy is not None)
 
     # -- rounds ---------------------------------------------------------------------------------------
     def draft(self, plan: RoundPlan, max_tokens: int) -> RoundDraft:

@@ -183,7 +183,7 @@ class VerifierSession:
         return Welcome(session_id=self.session_id, model_name=self.info.name,
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
                        max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
-                       dssd_max_samples=self.limits.dssd_max_samples,
+                       dssd_max_samples=self.limits.dssd_max_samples, continues_late=True,
                        target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode), adjusts_law=True)
 
     # -- prompt ----------------------------------------------------------------------------------

@@ -34,6 +34,30 @@ def test_the_clock_adds_the_longest_turnaround_and_one_outage_does_not_switch_it
     assert clock.after_ms(Mode.GUMBEL) > 2 * usual
 
 
+def test_a_clock_whose_rounds_the_edge_continues_counts_the_turnaround_once() -> None:
+    clock = RA.OverdueClock()
+    clock.trip(0.1)
+    clock.turnaround(0.5)
+    assert clock.after_ms(Mode.KSQS) == pytest.approx(1000 * (RA.OVERDUE_FACTOR * 0.6 + RA.OVERDUE_MARGIN_S), abs=1)
+    clock.continued = True  # a false alarm costs nothing: only the link's jitter gets the factor
+    assert clock.after_ms(Mode.KSQS) == pytest.approx(
+        1000 * (RA.OVERDUE_FACTOR * 0.1 + 0.5 + RA.OVERDUE_MARGIN_S), abs=1)
+    assert clock.after_ms(Mode.KSQS, draft_s=0.8) == pytest.approx(
+        1000 * (RA.OVERDUE_FACTOR * 0.1 + 0.8 + RA.OVERDUE_MARGIN_S), abs=1)
+
+
+def test_sessions_whose_late_rounds_are_continued() -> None:
+    def hello(mode, t, **kw):
+        return Hello(vocab_fingerprint="", vocab_size=8, temperature=t, draft=DraftSettings(mode=mode, **kw))
+    assert RA.continues(hello(Mode.TSLT, 0.0), fixed_cuts=False, auto=False)  # greedy: the argmax either way
+    assert RA.continues(hello(Mode.GUMBEL, 1.0), fixed_cuts=True, auto=False)  # the position's race
+    assert RA.continues(hello(Mode.TSLT, 1.0), fixed_cuts=True, auto=True)  # reproducible auto: race rounds only
+    assert not RA.continues(hello(Mode.TSLT, 1.0), fixed_cuts=False, auto=True)  # may send chain rounds at T > 0
+    assert not RA.continues(hello(Mode.TSLT, 1.0), fixed_cuts=False, auto=False)
+    assert not RA.continues(hello(Mode.DSSD, 0.0), fixed_cuts=False, auto=False)
+    assert not RA.continues(hello(Mode.TSLT, 0.0, tree=(2, 2)), fixed_cuts=False, auto=False)
+
+
 def test_only_sessions_whose_tokens_cannot_change_run_ahead_by_default() -> None:
     def hello(mode, t):
         return Hello(vocab_fingerprint="", vocab_size=8, temperature=t, draft=DraftSettings(mode=mode))

@@ -49,12 +49,24 @@ def test_welcome_round_trips_with_every_field() -> None:
     welcome = P.Welcome(session_id="s1", model_name="m", vocab_size=49152, max_context=2048, max_draft_len=16,
                         max_k=512, resume_token=b"\x01\x02", resumed=True, dssd_max_samples=32,
                         target_fingerprint="fp", edge_name="edge-a",
-                        forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)), modes=tuple(Mode), draft_len_hint=3)
+                        forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)), modes=tuple(Mode), draft_len_hint=3,
+                        adjusts_law=True, continues_late=True)
     for w in (welcome, replace(welcome, draft_len_hint=0), replace(welcome, draft_len_hint=None)):
         msg = pb.EdgeMessage.FromString(wire.welcome_to_pb(w).SerializeToString())
         assert wire.welcome_from_pb(msg.welcome) == w
     old = pb.Welcome(session_id="s1", model_name="m", vocab_size=8, max_context=64, max_draft_len=4, max_k=8)
     assert wire.welcome_from_pb(old).forward_cost == () and wire.welcome_from_pb(old).draft_len_hint is None
+    assert not wire.welcome_from_pb(old).continues_late  # an edge before the field supersedes late rounds
+
+
+def test_a_hello_that_asks_for_late_rounds_continued_says_so_on_the_wire() -> None:
+    from specdec.common.settings import DraftSettings
+    hello = P.Hello(vocab_fingerprint="fp", vocab_size=8, temperature=0.0, draft=DraftSettings(mode=Mode.TSLT),
+                    wants_end=True, continues_late=True)
+    for h in (hello, replace(hello, continues_late=False)):
+        msg = pb.DeviceMessage.FromString(wire.hello_to_pb(h).SerializeToString())
+        back = wire.device_message_from_pb(msg)  # (the CSQS floats are float32 on the wire)
+        assert (back.continues_late, back.wants_end, back.temperature) == (h.continues_late, True, 0.0)
 
 
 # --- gumbel rounds: ids only, packed ---------------------------------------------------------------
