@@ -78,6 +78,7 @@ class Hello:
     grammar: Grammar | None = None   # what the output must match (structured outputs); None: anything
     logprobs: int = NO_LOGPROBS      # each verdict's tokens' log-probabilities (0) and their top N (N > 0)
     continues_late: bool = False     # the device takes a late round's verdict (Draft.start in the proto)
+    stop_ids: tuple[int, ...] = ()   # the device's end-of-sequence ids (); () = the edge does not know them
 
     @property
     def adjusts_law(self) -> bool:
@@ -89,6 +90,7 @@ class Hello:
 # default to these), and what a Welcome that does not state one means (an edge from before it did).
 DEFAULT_MAX_DRAFT_LEN = 32        # draft tokens per round
 DEFAULT_MAX_K = 8192              # transmitted support size per distribution
+MAX_STOP_IDS = 64                 # Hello.stop_ids: tokenizers name a handful; the bound keeps a Hello small
 DEFAULT_DSSD_MAX_SAMPLES = 64     # downlink samples per DSSD rejection
 
 

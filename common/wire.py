@@ -77,6 +77,7 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         resume_token=h.resume_token, target_fingerprint=h.target_fingerprint, wants_end=h.wants_end,
         target_min_p=h.target_min_p, adjust=adjust_to_pb(h.adjust), grammar=grammar_to_pb(h.grammar),
         logprobs=None if h.logprobs == NO_LOGPROBS else h.logprobs, continues_late=h.continues_late,
+        stop_ids=list(h.stop_ids),
     ))
 
 
@@ -124,6 +125,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         resume_token=m.resume_token, target_fingerprint=m.target_fingerprint, wants_end=m.wants_end,
         target_min_p=m.target_min_p, adjust=adjust_from_pb(m.adjust), grammar=grammar_from_pb(m),
         logprobs=m.logprobs if m.HasField("logprobs") else NO_LOGPROBS, continues_late=m.continues_late,
+        stop_ids=tuple(m.stop_ids),
     )
 
 

@@ -196,6 +196,13 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
         meter.ended(status)
 
 
+def stop_ids(eos_ids) -> tuple[int, ...]:
+    """Hello.stop_ids: the device's end-of-sequence ids, or none where there are more than an edge takes
+    (it then learns of the end from the device's Close, as before the field)."""
+    ids = tuple(sorted({int(i) for i in eos_ids}))
+    return ids if len(ids) <= P.MAX_STOP_IDS else ()
+
+
 async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_tokens, meter: SessionMeter,
                      policy) -> GenerationResult:
     result = GenerationResult(token_ids=[], welcome=None, stats=session.stats)
@@ -203,8 +210,9 @@ async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_token
     failover = Failover(fleet, policy, retryable)
     route, home, delivered = fleet.pick(), None, 0
     metadata = (*policy.metadata, (P.SESSION_KEY, result.trail.key))  # the same on every stream: affinity
-    # End messages: statuses that survive proxies (see the proto); late rounds continued (engine._continued)
-    hello = replace(hello, wants_end=True, continues_late=True)
+    # End messages: statuses that survive proxies (see the proto), and one right after the token that
+    # ends the session (stop_ids); late rounds continued (engine._continued)
+    hello = replace(hello, wants_end=True, continues_late=True, stop_ids=stop_ids(eos_ids))
     while True:
         call = pb_grpc.SpeculativeDecodingStub(route.channel).Generate(metadata=metadata)
         stream = _Stream(call, meter=meter, round_timeout=policy.round_timeout_s, seen=watch_status(call), route=route,

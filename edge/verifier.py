@@ -34,7 +34,7 @@ from specdec.common.streams import Purpose, stream
 from specdec.common.tree import TreeSpec, tree_verify
 from specdec.common.treeplan import edge_tree_inputs, path_cache_indices
 from specdec.common.protocol import (CONTEXT_FULL, DEFAULT_DSSD_MAX_SAMPLES, DEFAULT_MAX_DRAFT_LEN, DEFAULT_MAX_K,
-                                     PROTOCOL_VERSION, TARGET_MISMATCH, DraftBlock,
+                                     MAX_STOP_IDS, PROTOCOL_VERSION, TARGET_MISMATCH, DraftBlock,
                                      DraftSettings, Hello, Prompt, ResidualReply, ResidualRequest, Verdict, Welcome)
 
 
@@ -106,10 +106,14 @@ def verify_alone(request: ForwardRequest, round_: ChainRound) -> RoundOutcome:
 
 
 def complete(session: "VerifierSession") -> bool:
-    """Whether ``session`` holds all the tokens its Hello asked for (``max_new_tokens``): no round can
-    follow, whatever the device's end-of-sequence set. A DSSD correction still with the device is not
-    counted, so a session waiting for one is never complete."""
-    return len(session.tokens) - session.prefix.prompt_len >= session.hello.max_new_tokens
+    """Whether no round of ``session`` can follow: it holds all the tokens its Hello asked for
+    (``max_new_tokens``; a DSSD correction still with the device is not counted, so a session waiting
+    for one is not complete by this), or a generated token is among the device's end-of-sequence ids
+    (``Hello.stop_ids``), where the device stops."""
+    generated = session.tokens[session.prefix.prompt_len:]
+    if len(generated) >= session.hello.max_new_tokens:
+        return True
+    return bool(session.hello.stop_ids) and not set(session.hello.stop_ids).isdisjoint(generated)
 
 
 def continued(session: "VerifierSession", draft: DraftBlock) -> DraftBlock | None:
@@ -289,7 +293,7 @@ class VerifierSession:
                 raise LimitError(f"context limit {self.max_context} tokens reached", CONTEXT_FULL)
             outcome = self._edge_token(round_start)
             token = outcome.next_token
-            last = i + 1 == want or token in self.eos_token_ids or len(self.tokens) + 1 > self.max_context
+            last = i + 1 == want or token in self.eos_token_ids or len(self.tokens) + 1 > self.max_context or complete(self)
             yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=token, more=not last,
                           verify_seconds=time.perf_counter() - start, logprobs=outcome.logprobs)
             if last:
@@ -485,6 +489,9 @@ def check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
     if len(hello.adjust.logit_bias) > limits.max_logit_bias:
         raise LimitError(f"logit bias of {len(hello.adjust.logit_bias)} entries exceeds the edge limit "
                          f"{limits.max_logit_bias}")
+    if len(hello.stop_ids) > MAX_STOP_IDS:
+        raise LimitError(f"{len(hello.stop_ids)} stop ids; at most {MAX_STOP_IDS}")
+    check_ids(hello.stop_ids, info.vocab_size, "stop")
     _check_limits(hello.draft, info, limits)
 
 

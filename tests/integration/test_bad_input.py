@@ -18,7 +18,7 @@ from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.common.pb import speculative_pb2 as pb
 from specdec.common.pb import speculative_pb2_grpc as pb_grpc
-from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Prompt
+from specdec.common.protocol import MAX_STOP_IDS, DraftBlock, DraftSettings, Hello, Prompt
 from specdec.device.factory import open_channel
 from specdec.edge.verifier import EdgeLimits
 
@@ -79,6 +79,8 @@ def _bad_cases(drafter):
     huge_grammar = wire.hello_to_pb(replace(_hello(drafter), grammar=Grammar(GrammarKind.REGEX, "a" * 70_000)))
     odd_kind = wire.hello_to_pb(replace(_hello(drafter), grammar=Grammar(GrammarKind.REGEX, "a")))
     odd_kind.hello.grammar.kind = 99
+    stop_beyond = wire.hello_to_pb(replace(_hello(drafter), stop_ids=(2, V)))
+    stops_too_many = wire.hello_to_pb(replace(_hello(drafter), stop_ids=tuple(range(MAX_STOP_IDS + 1))))
     return {
         "vocabulary mismatch": ([bad_fp], grpc.StatusCode.FAILED_PRECONDITION),
         "K > V": ([big_k], grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -97,6 +99,8 @@ def _bad_cases(drafter):
         "grammar the engine refuses": ([bad_regex], grpc.StatusCode.INVALID_ARGUMENT),
         "grammar over the size limit": ([huge_grammar], grpc.StatusCode.INVALID_ARGUMENT),
         "grammar of an unknown kind": ([odd_kind], grpc.StatusCode.INVALID_ARGUMENT),
+        "stop id beyond the vocabulary": ([stop_beyond], grpc.StatusCode.INVALID_ARGUMENT),
+        "more stop ids than an edge takes": ([stops_too_many], grpc.StatusCode.RESOURCE_EXHAUSTED),
         "prompt_len beyond the prompt": ([hello, wire.prompt_to_pb(Prompt((1, 2), prompt_len=3))],
                                          grpc.StatusCode.INVALID_ARGUMENT),
         "draft too long": ([hello, prompt, draft(token_ids=(5,) * 5, distributions=(good,) * 5)],

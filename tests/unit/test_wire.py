@@ -59,14 +59,14 @@ def test_welcome_round_trips_with_every_field() -> None:
     assert not wire.welcome_from_pb(old).continues_late  # an edge before the field supersedes late rounds
 
 
-def test_a_hello_that_asks_for_late_rounds_continued_says_so_on_the_wire() -> None:
+def test_a_hello_s_late_rounds_and_stop_ids_survive_the_wire() -> None:
     from specdec.common.settings import DraftSettings
     hello = P.Hello(vocab_fingerprint="fp", vocab_size=8, temperature=0.0, draft=DraftSettings(mode=Mode.TSLT),
-                    wants_end=True, continues_late=True)
-    for h in (hello, replace(hello, continues_late=False)):
+                    wants_end=True, continues_late=True, stop_ids=(2, 7))
+    for h in (hello, replace(hello, continues_late=False, stop_ids=())):
         msg = pb.DeviceMessage.FromString(wire.hello_to_pb(h).SerializeToString())
         back = wire.device_message_from_pb(msg)  # (the CSQS floats are float32 on the wire)
-        assert (back.continues_late, back.wants_end, back.temperature) == (h.continues_late, True, 0.0)
+        assert (back.continues_late, back.stop_ids, back.wants_end) == (h.continues_late, h.stop_ids, True)
 
 
 # --- gumbel rounds: ids only, packed ---------------------------------------------------------------
