@@ -53,13 +53,10 @@ def test_the_edge_ends_a_complete_session_before_its_close(tiny_pair_v512) -> No
     assert metrics.registry.get_sample_value("specdec_edge_sessions_ended_total", {"status": "ok"}) == 1
 
 
-def test_a_device_returns_on_the_end_without_the_status(tiny_pair_v512) -> None:
-    """The edge's status is held until the test releases it, after the sessions returned: drafted and
-    edge-only sessions to max_new_tokens return the target's greedy tokens all the same, and the edge
-    counts each ok. Without the device's change (awaiting the status after an End) they never return."""
-    target_dir, drafter_dir = tiny_pair_v512
+def _status_held(target_dir, metrics, sessions, *patches):
+    """``sessions(address)``'s result against an edge whose status, after an End, is held until they have
+    returned (its wait for the half-close blocks): a device that waits for the status fails at WAIT_S."""
     release = None
-    metrics = EdgeMetrics()
 
     async def held_until_released(context) -> None:
         await release.wait()
@@ -68,15 +65,27 @@ def test_a_device_returns_on_the_end_without_the_status(tiny_pair_v512) -> None:
         nonlocal release
         release = asyncio.Event()
         async with edge(target_dir, metrics=metrics) as address:
-            out = []
-            for mode in ("tslt", "none"):
-                cfg = device_config(mode=mode, max_new_tokens=MAX_NEW, temperature=0.0)
-                out.append(await asyncio.wait_for(run_sessions(address, drafter_dir, cfg, "w5 w6 w7", [1]), WAIT_S))
+            out = await asyncio.wait_for(sessions(address), WAIT_S)
             release.set()
             return out
 
-    with patched([(servicer, "_until_half_closed", held_until_released), (servicer, "END_WAIT_S", 2 * WAIT_S)]):
-        out = run(main())
+    with patched([(servicer, "_until_half_closed", held_until_released), (servicer, "END_WAIT_S", 2 * WAIT_S), *patches]):
+        return run(main())
+
+
+def test_a_device_returns_on_the_end_without_the_status(tiny_pair_v512) -> None:
+    """The edge's status is held until the test releases it, after the sessions returned: drafted and
+    edge-only sessions to max_new_tokens return the target's greedy tokens all the same, and the edge
+    counts each ok. Without the device's change (awaiting the status after an End) they never return."""
+    target_dir, drafter_dir = tiny_pair_v512
+    metrics = EdgeMetrics()
+
+    async def sessions(address):
+        return [await run_sessions(address, drafter_dir, device_config(mode=mode, max_new_tokens=MAX_NEW,
+                                                                       temperature=0.0), "w5 w6 w7", [1])
+                for mode in ("tslt", "none")]
+
+    out = _status_held(target_dir, metrics, sessions)
     tok = load(str(drafter_dir)).tokenizer
     expected = target_greedy(target_dir, encode_prompt(tok, "w5 w6 w7", raw=True), MAX_NEW)
     assert [o[0][0] for o in out] == [expected, expected]
@@ -144,25 +153,11 @@ def test_a_device_whose_session_ends_at_its_stop_token_names_it_and_returns_on_t
     expected = target_greedy(target_dir, encode_prompt(tok, "w5 w6 w7", raw=True), 3 * MAX_NEW)
     stop_at = _first_new(expected, MAX_NEW)
     stops = _StopsAt(drafter.model, drafter.tokenizer, drafter.name, drafter.device, stop=(expected[stop_at],))
-    release = None
     metrics = EdgeMetrics()
-
-    async def held_until_released(context) -> None:
-        await release.wait()
-
-    async def main():
-        nonlocal release
-        release = asyncio.Event()
-        async with edge(target_dir, metrics=metrics) as address:
-            cfg = device_config(mode=mode, max_new_tokens=3 * MAX_NEW, temperature=0.0)
-            out = await asyncio.wait_for(run_sessions(address, stops, cfg, "w5 w6 w7", [1]), WAIT_S)
-            release.set()
-            return out
-
+    cfg = device_config(mode=mode, max_new_tokens=3 * MAX_NEW, temperature=0.0)
     SeesStopIds.seen = []
-    with patched([(servicer, "_until_half_closed", held_until_released), (servicer, "END_WAIT_S", 2 * WAIT_S),
-                  (servicer, "VerifierSession", SeesStopIds)]):
-        [(tokens, _, _)] = run(main())
+    [(tokens, _, _)] = _status_held(target_dir, metrics, lambda address: run_sessions(address, stops, cfg, "w5 w6 w7", [1]),
+                                    (servicer, "VerifierSession", SeesStopIds))
     assert tokens == expected[:stop_at + 1] and SeesStopIds.seen == [(expected[stop_at],)]
     assert metrics.registry.get_sample_value("specdec_edge_sessions_ended_total", {"status": "ok"}) == 1
 

@@ -16,16 +16,14 @@ from functools import partial
 import pytest
 
 from specdec.common import wire
-from specdec.common.modeling import encode_prompt
 from specdec.common.modes import Mode
 from specdec.common.protocol import DraftBlock, DraftSettings
-from specdec.device.factory import new_session
 from specdec.device.session import DraftSession
 from specdec.edge import servicer
 from specdec.edge.metrics import EdgeMetrics
 from specdec.edge.verifier import VerifierSession
-from tests.integration.test_run_ahead import MAX_NEW, OVERDUE_30MS, PROMPTS, StallsEveryOtherRound
-from tests.support.harness import device_config, edge, load, patched, run, run_sessions, target_greedy
+from tests.integration.test_run_ahead import MAX_NEW, OVERDUE_30MS, PROMPTS, StallsEveryOtherRound, stalled_greedy
+from tests.support.harness import device_config, edge, load, patched, run, run_sessions
 from tests.support.laws import COMPRESSING_MODES
 from tests.support.raw_stream import PROMPT_IDS, RawSession
 
@@ -137,15 +135,8 @@ def _stalled(target_dir, drafter_dir, cfg, seeds, factory, metrics):
 
 @pytest.mark.parametrize("name", ["tslt", "ksqs", "gumbel", "auto"])
 def test_greedy_output_equals_the_target_s_with_late_rounds_continued(accepting_pair_v512, name) -> None:
-    target_dir, drafter_dir = accepting_pair_v512
-    cfg = device_config(temperature=0.0, max_new_tokens=MAX_NEW, **COMPRESSING_MODES[name])
-    factory = partial(new_session, cfg, session_class=CountsContinued) if name == "auto" else CountsContinued
     metrics = EdgeMetrics()
-    results = _stalled(target_dir, drafter_dir, cfg, [0], factory, metrics)
-    tok = load(str(drafter_dir)).tokenizer
-    for prompt, [(tokens, _, _)] in zip(PROMPTS, results):
-        assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), MAX_NEW), (name, prompt)
-    sessions = [s for [(_, _, s)] in results]
+    sessions = stalled_greedy(accepting_pair_v512, name, CountsContinued, metrics, _stalled)
     continued = sum(s.continued for s in sessions)
     assert metrics.registry.get_sample_value("specdec_edge_continued_rounds_total") == continued
     assert [r for s in sessions for r in s.could_continue] == []

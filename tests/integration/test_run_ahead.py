@@ -95,17 +95,23 @@ def _sessions(target_dir, drafter_dir, cfg, seeds, factory, metrics=None):
         return run(main())
 
 
-@pytest.mark.parametrize("name", ["tslt", "dssd", "tree", "gumbel", "auto"])
-def test_greedy_output_equals_the_target_s_while_the_edge_runs_ahead(accepting_pair_v512, name) -> None:
-    target_dir, drafter_dir = accepting_pair_v512
+def stalled_greedy(pair, name: str, session_class, metrics, sessions=_sessions) -> list:
+    """One greedy session a prompt in mode ``name`` (auto: its controller, with ``session_class``), run by
+    ``sessions``; each asserted to give the target's greedy tokens. Returns the device sessions."""
+    target_dir, drafter_dir = pair
     cfg = device_config(temperature=0.0, max_new_tokens=MAX_NEW, **COMPRESSING_MODES[name])
-    factory = partial(new_session, cfg, session_class=StallsEveryOtherRound) if name == "auto" else StallsEveryOtherRound
-    metrics = EdgeMetrics()
-    results = _sessions(target_dir, drafter_dir, cfg, [0], factory, metrics)
+    factory = partial(new_session, cfg, session_class=session_class) if name == "auto" else session_class
+    results = sessions(target_dir, drafter_dir, cfg, [0], factory, metrics)
     tok = load(str(drafter_dir)).tokenizer
     for prompt, [(tokens, _, _)] in zip(PROMPTS, results):
         assert tokens == target_greedy(target_dir, encode_prompt(tok, prompt, raw=True), MAX_NEW), (name, prompt)
-    sessions = [s for [(_, _, s)] in results]
+    return [s for [(_, _, s)] in results]
+
+
+@pytest.mark.parametrize("name", ["tslt", "dssd", "tree", "gumbel", "auto"])
+def test_greedy_output_equals_the_target_s_while_the_edge_runs_ahead(accepting_pair_v512, name) -> None:
+    metrics = EdgeMetrics()
+    sessions = stalled_greedy(accepting_pair_v512, name, StallsEveryOtherRound, metrics)
     superseded = sum(s.superseded_rounds for s in sessions)
     ahead = metrics.run_ahead_tokens._value.get()
     for prompt, s in zip(PROMPTS, sessions):  # each chain verdict is greedy's: the draft's prefix that is the target's
