@@ -110,10 +110,32 @@ def complete(session: "VerifierSession") -> bool:
     (``max_new_tokens``; a DSSD correction still with the device is not counted, so a session waiting
     for one is not complete by this), or a generated token is among the device's end-of-sequence ids
     (``Hello.stop_ids``), where the device stops."""
-    generated = session.tokens[session.prefix.prompt_len:]
-    if len(generated) >= session.hello.max_new_tokens:
+    if len(session.tokens) - session.prefix.prompt_len >= session.hello.max_new_tokens:
         return True
-    return bool(session.hello.stop_ids) and not set(session.hello.stop_ids).isdisjoint(generated)
+    return session.stops.reached(session.tokens, session.prefix.prompt_len)
+
+
+class StopScan:
+    """Whether a session's generated tokens hold one of the device's end-of-sequence ids (Hello.stop_ids),
+    each token looked at once: :func:`complete` asks after every token an edge-only round or running
+    ahead generates, and a scan of the whole sequence each time grows with it."""
+
+    def __init__(self, stop_ids):
+        self.stop = frozenset(stop_ids)
+        self._tokens: list[int] | None = None  # the sequence scanned: a prefill or resync replaces the list
+        self._clean = 0                        # its tokens before this index hold no stop id
+
+    def reached(self, tokens: list[int], start: int) -> bool:
+        """Whether ``tokens[start:]`` (the session's, which only grow between replacements) holds a stop id."""
+        if not self.stop:
+            return False
+        if tokens is not self._tokens:
+            self._tokens, self._clean = tokens, start
+        for i in range(self._clean, len(tokens)):
+            if tokens[i] in self.stop:
+                return True
+            self._clean = i + 1
+        return False
 
 
 def continued(session: "VerifierSession", draft: DraftBlock) -> DraftBlock | None:
@@ -160,9 +182,9 @@ class VerifierSession:
                  session_id: str, forward: Forward = forward_alone, lm: CachedLM | None = None,
                  verify: VerifyForward = verify_alone):
         check_hello(info, hello, limits)
-        self._forward = forward
-        self._verify = verify
+        self._forward, self._verify = forward, verify
         self.hello = hello
+        self.stops = StopScan(hello.stop_ids)  # where the device's own end-of-sequence ids end it
         self.law = TargetLaw(hello.temperature, hello.target_top_k, hello.target_top_p, hello.target_min_p,
                              hello.adjust)
         # what the law reads of the verified prefix, and the logprobs the session asks for
