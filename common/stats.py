@@ -35,6 +35,8 @@ class RoundRecord:
     ahead_discarded: int = 0        # tokens drafted ahead for the next round on a wrong guess
     threshold: float | None = None  # C-SQS threshold beta after the round
     draft_forwards: int = 0         # drafter forwards its "draft" phase took (0: not counted, trees)
+    forward_s: tuple[float, ...] = ()  # seconds of each of those forwards that fed one token (chains;
+                                    # mode auto's samples of the drafter's cost)
     residual_trips: int = 0         # DSSD fallback round trips (1: p_j's head or whole; 2: head, then whole)
     residual_bytes: int = 0         # of downlink_bytes: the fallback's ResidualReplies
     first_reply_s: float = 0.0      # network seconds until the first reply (edge-only rounds: the first

@@ -54,6 +54,12 @@ from specdec.common.verification import dssd_fallback_bytes
 # (_Stepped). Three: one or two slow forwards (a page fault, a GC pause) are noise.
 STEP_SAMPLES = 3
 STEP_SHIFT = 0.25
+# A drafter whose cost per forward jumped by this factor (either way) is another device: the drafted
+# rounds the safety net measured before describe a drafter that no longer runs (N.drafter_changed).
+# Drafting is about half a drafted round's time wherever drafting pays at all (a drafter costing more
+# than the target's forward per token never pays), so 1.4x moves that round by ~20 %: more than the
+# net's margin, and a step no scatter of forwards makes three times in a row.
+DRAFTER_CHANGE = 1.4
 
 
 class _Ewma:
@@ -74,16 +80,21 @@ class _Stepped(_Ewma):
     def __init__(self, prior: float | None, decay: float):
         super().__init__(prior, decay)
         self.run: list[float] = []
+        self.run_from = prior
 
-    def add(self, x: float) -> None:
+    def add(self, x: float) -> float | None:
+        """Add a sample; the new level over the old one if it jumped (None if it did not)."""
         v = self.value
         beyond = v is not None and v > 0 and (x > v * (1 + STEP_SHIFT) or x * (1 + STEP_SHIFT) < v)
         same_way = beyond and all((y > v) == (x > v) for y in self.run)
+        if not same_way:
+            self.run_from = v  # the level the run left (each of its samples moves the EWMA meanwhile)
         self.run = [*self.run, x] if same_way else ([x] if beyond else [])
         if len(self.run) >= STEP_SAMPLES:
             self.value, self.run = sum(self.run) / len(self.run), []
-            return
+            return self.value / self.run_from
         super().add(x)
+        return None
 
 
 class _Ratio:
@@ -235,6 +246,8 @@ class LinkTracker:
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
         self.rounds_seen = 0      # committed rounds observed (by any session)
+        self.drafter_changes = 0  # steps of the drafter's cost by DRAFTER_CHANGE: sessions drop what their
+                                  # nets measured of drafting before one
         self.nets: dict[float, N.NetState] = {}  # per temperature: what each arm delivered, over the sessions
         self.restored = False     # started from a remembered state (device/edge_memory.py)
 
@@ -379,11 +392,7 @@ class LinkTracker:
             self.queue_s.add(queue)
             if r.drafted_tokens:
                 per_token = {name: r.phases.get(name, 0.0) / r.drafted_tokens for name in ("encode", "decode")}
-                if not catching_up:
-                    # per forward: a round of L drafts takes L + 1 forwards when it feeds the last draft
-                    # and the bonus one at a time (after a full accept, and always when drafted ahead),
-                    # and the model counts that extra forward itself (latency.oracle_time_drafting_ahead)
-                    self.draft_s.add(r.phases.get("draft", 0.0) / (r.draft_forwards or r.drafted_tokens))
+                self._observe_drafter(r, catching_up)
                 self.encode_s.setdefault(settings.mode, self._ewma()).add(per_token["encode"])
                 self.decode_s.setdefault(settings.mode, self._ewma()).add(per_token["decode"])
             side = self.model(temperature)
@@ -396,6 +405,24 @@ class LinkTracker:
             if r.residual_trips:
                 self.fallback_bytes.add(r.residual_bytes)
             return stalled
+
+    def _observe_drafter(self, r: RoundRecord, catching_up: bool) -> None:
+        """The drafter's cost per forward, from each forward that fed one token (a round's mean where
+        they were not timed: trees); the nets' drafted arms made stale by a step of it. Per forward: a
+        round of L drafts takes L + 1 forwards when it feeds the last draft and the bonus one at a time
+        (after a full accept, and always when drafted ahead), and the model counts that extra forward
+        itself (latency.oracle_time_drafting_ahead)."""
+        if r.forward_s:
+            samples = r.forward_s
+        elif not catching_up:  # (a round that catches up feeds many tokens in one of its forwards)
+            samples = (r.phases.get("draft", 0.0) / (r.draft_forwards or r.drafted_tokens),)
+        else:
+            samples = ()
+        for x in samples:
+            step = self.draft_s.add(x)
+            if step is not None and max(step, 1 / step) >= DRAFTER_CHANGE:
+                self.drafter_changes += 1
+                self.nets = {t: N.drafter_changed(net, self.config.net) for t, net in self.nets.items()}
 
     @staticmethod
     def _observe_acceptance(r: RoundRecord, settings: DraftSettings, side: "_ModelSide",
@@ -530,6 +557,7 @@ class AutoPolicy:
         self.rounds = 0               # committed rounds of this session
         self.net_config = N.with_discount(tracker.config.net, tracker.config.memory)
         self.net = tracker.net_start(hello.temperature)  # what each arm delivered (the safety net)
+        self._drafter_changes = tracker.drafter_changes  # the drafter's cost steps this net has seen
         self._last_t = 0.0            # when the last round was committed (session seconds)
 
     def choose(self, in_flight: RoundPlan | None = None, remaining: int | None = None) -> RoundPlan:
@@ -598,7 +626,8 @@ class AutoPolicy:
             return self.tracker.config.edge_chunk_min, True
         if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0:
             return e.edge_chunk, False
-        due = math.ceil(max(0.0, net.probe_due_s) * net.edge_rate)
+        # the round may wait for its first token (a request not sent ahead), beyond its tokens' rate
+        due = math.ceil(max(0.0, net.probe_due_s - self.net.edge_wait.mean()) * net.edge_rate)
         if due > e.edge_chunk:  # (one that ends just where it is due reads the tokens too)
             return e.edge_chunk, False
         return max(self.tracker.config.edge_chunk_min, due), True
@@ -661,6 +690,9 @@ class AutoPolicy:
             # measured by how they streamed, A.time_scale)
             modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead, event.sent_ahead)
             self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
+        if self.tracker.drafter_changes != self._drafter_changes:  # (this session's rounds or another's)
+            self._drafter_changes = self.tracker.drafter_changes
+            self.net = N.drafter_changed(self.net, self.net_config)
         self._observe_net(event, drafted)
         self._drafted_last = drafted
         self.rounds += 1

@@ -61,6 +61,7 @@ class ChainRound:
     t_encode: float = 0.0               # codec encode + decode
     forwards: int = 0                   # drafter forwards in t_draft (one per token, plus feeding the
                                         # last draft and the bonus one at a time after a full accept)
+    forward_s: list[float] = field(default_factory=list)  # seconds of each forward that fed one token
     drafted_ahead: bool = False         # its drafting began while the edge verified the last round
 
     @property
@@ -103,10 +104,10 @@ def draft_step(session: RoundHost, part: ChainRound, base: list[int]) -> bool:
     """Sample and encode one more draft token after ``base + part.ids``; False if the bit budget
     says the round ends before it."""
     d = session.drafting
-    t0, n0 = time.perf_counter(), d.model.forwards
+    t0, n0, c0 = time.perf_counter(), d.model.forwards, d.model.cache_len
     q = d.model.q_after(base + part.ids, one_token_per_forward=can_draft_ahead(part.settings))
     t1 = time.perf_counter()
-    part.forwards += d.model.forwards - n0
+    _count_forwards(part, d.model, t1 - t0, n0, c0)
     encoded = d.encode(q, part.settings)
     step = d.sample(encoded, part.settings, part.generator, part.start, len(part.steps))
     measured = d.measure(q, step.encoded, part.settings)
@@ -121,6 +122,16 @@ def draft_step(session: RoundHost, part: ChainRound, base: list[int]) -> bool:
     part.q_stats.append(measured)
     part.bits += step.encoded.theoretical_bits
     return True
+
+
+def _count_forwards(part: ChainRound, model, seconds: float, forwards_before: int, cache_before: int) -> None:
+    """The forwards a step took, and their seconds where each fed one token: those are the drafter's
+    cost per draft, sampled a forward at a time (a forward that catches the drafter up on many tokens
+    costs more, and says nothing of it), so that a drafter that turned slower shows within a round."""
+    n = model.forwards - forwards_before
+    part.forwards += n
+    if n and model.cache_len - cache_before == n:
+        part.forward_s.extend([seconds / n] * n)
 
 
 def _round_draft(session: RoundHost, plan: RoundPlan, part: ChainRound, ahead_steps: int) -> RoundDraft:
@@ -139,7 +150,7 @@ def _round_draft(session: RoundHost, plan: RoundPlan, part: ChainRound, ahead_st
                       support_sizes=[st.encoded.support_size for st in part.steps],
                       draft_seconds=part.t_draft, encode_seconds=part.t_encode, start=part.start,
                       drafted_ahead=part.drafted_ahead, ahead_steps=ahead_steps, draft_forwards=part.forwards,
-                      q_stats=list(part.q_stats))
+                      forward_s=tuple(part.forward_s), q_stats=list(part.q_stats))
 
 
 # -- drafting ahead: the next round while the edge verifies this one ----------------------------------
@@ -155,10 +166,12 @@ def draft_ahead(session: RoundHost, rd: RoundDraft, plan: RoundPlan, max_tokens:
     seq = session.tokens + list(rd.block.token_ids)
     part = new_round(session, len(seq) + 1, s)
     part.drafted_ahead = True
-    t0 = time.perf_counter()
-    logits = session.drafting.model.feed(seq)   # feeds the last draft token
-    part.t_draft += time.perf_counter() - t0
-    part.forwards += 1
+    model = session.drafting.model
+    t0, n0, c0 = time.perf_counter(), model.forwards, model.cache_len
+    logits = model.feed(seq)   # feeds the last draft token
+    dt = time.perf_counter() - t0
+    part.t_draft += dt
+    _count_forwards(part, model, dt, n0, c0)
     guess = session.drafting.guess_bonus(logits, rd, len(seq))
     session.ahead = Ahead(plan=plan, guess=guess, round=part)
     base = seq + [guess]
@@ -181,7 +194,9 @@ def _take_ahead(session: RoundHost, plan: RoundPlan, limit: int) -> ChainRound |
         # the cache as a round of `limit` steps leaves it: every draft but the last fed
         kept = limit / len(part.steps)
         part.t_draft, part.t_encode = part.t_draft * kept, part.t_encode * kept
-        part.forwards -= len(part.steps) - limit  # one forward per dropped step
+        dropped = len(part.steps) - limit  # one forward per dropped step
+        part.forwards -= dropped
+        part.forward_s = part.forward_s[:max(0, len(part.forward_s) - dropped)]
         part.steps, part.q_stats = part.steps[:limit], part.q_stats[:limit]
         part.bits = sum(step.encoded.theoretical_bits for step in part.steps)
         model = session.drafting.model

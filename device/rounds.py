@@ -51,6 +51,7 @@ class RoundDraft:
     drafted_ahead: bool = False     # its drafting began while the edge verified the last round ...
     ahead_steps: int = 0            # ... and this many of its tokens were drafted by the time it became the next
     draft_forwards: int = 0         # drafter forwards in draft_seconds (chains; 0 for trees)
+    forward_s: tuple[float, ...] = ()  # seconds of each of them that fed one token (chains)
     q_stats: list[Any] = field(default_factory=list)  # the policy's measurements of its encoded q's
     received: int = 0               # edge-only rounds: tokens streamed so far
     sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
@@ -111,7 +112,7 @@ def round_record(rd: RoundDraft, verdict: Verdict, generated: int, io: RoundIO, 
         theoretical_bits=rd.theoretical_bits, support_sizes=tuple(rd.support_sizes), phases=phases,
         drafted_ahead=rd.drafted_ahead, ahead_tokens=drafted if rd.drafted_ahead else 0,
         ahead_discarded=ahead_discarded, threshold=threshold, draft_forwards=rd.draft_forwards,
-        residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
+        forward_s=rd.forward_s, residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
         first_reply_s=io.network_s if io.first_reply_s is None else io.first_reply_s,
         token_interval_s=io.token_interval_s)
 

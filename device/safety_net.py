@@ -81,6 +81,9 @@ class NetConfig:
                                 # keeps the net able to notice a change: the wait grows at most 4x
     forgive: int = 1            # lost explorations in a row that steady rounds measured better excuse from the
                                 # backoff (:func:`backoff`): one unlucky text, not a streak
+    changed_rounds: float = 0.5  # drafted rounds measured before the drafter's cost stepped weigh at most
+                                 # this many rounds (as the model's prediction, which knows the new cost):
+                                 # they measured a drafter that no longer runs (drafter_changed)
     outlier: float = 3.0        # a round counts at most this many times what its arm's rounds take: an
                                 # outage met in flight (seconds on a recorded cellular link) would
                                 # otherwise set the arm's rate for many rounds, and it says nothing
@@ -224,6 +227,17 @@ def start_from(device: NetState, cfg: NetConfig) -> NetState:
         return c.scaled(min(1.0, cfg.start_rounds / c.count)) if c.count > 0 else c
     return replace(device, **{name: capped(getattr(device, name)) for name in SUMS},
                    **{name: few(getattr(device, name)) for name in COSTS})
+
+
+def drafter_changed(state: NetState, cfg: NetConfig) -> NetState:
+    """The drafter's cost per forward stepped (auto.DRAFTER_CHANGE): what drafted rounds delivered
+    before (the arm's sums, its steady rounds', its catch-up rounds') weighs at most
+    ``changed_rounds`` rounds, so that the model's prediction at the new cost and the next rounds
+    decide, not rounds of another drafter. Kept at their costs: an exploration still costs what it
+    did, give or take the drafter's part."""
+    def few(s: Sums) -> Sums:
+        return s.scaled(min(1.0, cfg.changed_rounds / s.rounds)) if s.rounds > 0 else s
+    return replace(state, **{name: few(state.sums(name)) for name in (SPEC, "spec_steady", "switch")})
 
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,

@@ -161,7 +161,8 @@ def test_rounds_count_their_drafter_forwards(diverse_pair) -> None:
     """mode auto prices drafting per forward: a round of L drafts takes L forwards after a rejection
     (the correction is the one token to feed) and L + 1 after a full accept (the last draft and the
     bonus are fed one forward each), unless a round drafted ahead on a wrong guess already fed the
-    last draft."""
+    last draft. Each of those forwards feeds one token and is timed (auto's samples of the drafter's
+    cost)."""
     results = _sessions(diverse_pair, counting_forwards, SEEDS[:16], **MODES["tslt"])
     kinds = Counter()
     for _, _, session in results:
@@ -170,6 +171,7 @@ def test_rounds_count_their_drafter_forwards(diverse_pair) -> None:
             full = before.accepted == before.positions
             fed = full and before.ahead_discarded > 0
             assert r.draft_forwards == r.drafted_tokens + (full and not fed), (before, r)
+            assert len(r.forward_s) == r.draft_forwards and min(r.forward_s) > 0  # each fed one token
             kinds[(full, fed, r.drafted_ahead)] += 1
     assert kinds[(True, False, True)] and kinds[(False, False, False)] and kinds[(True, True, False)], kinds
 

@@ -382,6 +382,20 @@ def test_the_drafters_time_follows_a_step_within_three_rounds_not_its_scatter() 
     assert tracker(warm + scatter).estimates(1.0, 49152).draft_s < 0.05  # an average (a jump: 0.08)
 
 
+def test_each_timed_forward_samples_the_drafters_time() -> None:
+    """Rounds that time their forwards step the estimate within one round of three forwards, even a
+    round that catches the drafter up (the forward that reads the tokens it missed is not among them).
+    A step of 1.4x or more counts as a changed drafter."""
+    t = LinkTracker()
+    for _ in range(20):
+        t.observe_round(replace(record(drafted=3, accepted=3, draft=0.09), draft_forwards=3, forward_s=(0.03,) * 3),
+                        SETTINGS, 1.0, 49152)
+    assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.03)
+    slow = replace(record(drafted=3, accepted=3, draft=0.5), draft_forwards=4, forward_s=(0.08,) * 3)
+    t.observe_round(slow, SETTINGS, 1.0, 49152, catching_up=True)
+    assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.08) and t.drafter_changes == 1
+
+
 def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate() -> None:
     """Links run: one T = 1 text the drafter could not follow (rejected at the first draft round after
     round) took ~50 rounds to show in the estimate, and its tail then kept the next six sessions

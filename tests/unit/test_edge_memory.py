@@ -29,7 +29,9 @@ HELLO = Hello(vocab_fingerprint="x", vocab_size=V, temperature=1.0, draft=resolv
 EDGE = "edge.example:50051"
 
 
-def drafted(s: DraftSettings, accepted: int, network=0.08, verify=0.06, draft=0.03, up=1500) -> RoundRecord:
+def drafted(s: DraftSettings, accepted: int, network=0.08, verify=0.06, draft=0.005, up=1500) -> RoundRecord:
+    """A drafted round; ``draft``: seconds a drafter forward, by default :func:`warm_tracker`'s drafter (one
+    1.4x slower or faster is another device, whose drafted rounds the net measures afresh)."""
     return RoundRecord(mode=s.mode.value, drafted_tokens=s.draft_len, positions=s.draft_len, accepted=accepted,
                        generated=accepted + 1, uplink_bytes=up, downlink_bytes=40,
                        phases={"draft": draft * s.draft_len, "encode": 0.0, "network": network, "queue": 0.0,
@@ -332,3 +334,55 @@ def test_edge_only_is_priced_by_how_it_streamed_not_by_the_fit_of_drafted_forwar
     after = LinkTracker()
     after.restore(remembered)
     assert after.estimates(1.0, V).edge_token_s == pytest.approx(tracker.edge_token_s.value)
+
+
+# -- a drafter that changed speed since the device's last sessions ------------------------------------
+def slowed_session(forward_s: float, per_forward: bool = True, changed_rounds: float | None = None,
+                   rounds: int = 8) -> list[Mode]:
+    """A session on :func:`warm_tracker`'s device (drafting at 0.005 s a forward beat edge-only) whose
+    drafter now takes ``forward_s`` a forward, accepting all: the modes of its rounds. ``per_forward``:
+    the rounds time each forward (False: only their sum, as trees do); ``changed_rounds``: the net's
+    weight of drafted rounds measured before a step of the drafter (None: as configured)."""
+    tracker = warm_tracker()
+    if changed_rounds is not None:
+        tracker.config = replace(tracker.config, net=replace(tracker.config.net, changed_rounds=changed_rounds))
+    policy, modes = AutoPolicy(tracker, HELLO, V), []
+    for _ in range(rounds):
+        s = policy.choose().settings
+        modes.append(s.mode)
+        if s.mode is Mode.NONE:
+            commit(policy, s, edge_only(s.edge_tokens))
+            continue
+        r = drafted(s, s.draft_len, draft=forward_s)
+        commit(policy, s, replace(r, forward_s=(forward_s,) * s.draft_len if per_forward else ()))
+    return modes
+
+
+def test_a_drafter_that_slowed_is_left_after_the_round_that_showed_it() -> None:
+    """The device drafted at 0.005 s a forward; now each forward takes 0.1 s (throttled, its cores
+    taken, another device on the same memory), and drafting (5 tokens in 0.54 s) loses to edge-only
+    (~19 tok/s). Each forward samples the drafter's cost, so its first round steps the estimate, and the
+    drafted rounds the device measured before (at 0.005) weigh half a round: the next round is
+    edge-only. Controls: a round's mean alone takes three rounds to step it; the old rounds at their
+    full weight keep the net drafting after the model has turned (five more rounds here)."""
+    modes = slowed_session(0.1)
+    assert modes[0] is not Mode.NONE and modes[1] is Mode.NONE, modes
+    per_round = slowed_session(0.1, per_forward=False)
+    assert all(m is not Mode.NONE for m in per_round[:3]), per_round
+    kept = slowed_session(0.1, changed_rounds=1e9)  # the net overrides the model back to drafting
+    assert sum(m is not Mode.NONE for m in kept[1:6]) >= 3, kept
+
+
+def test_only_a_step_of_the_drafter_makes_the_nets_drafted_rounds_stale() -> None:
+    """A step of 1.4x either way leaves the drafted rounds measured before at half a round, in the
+    session's net and the device's; forwards 1.3x slower move the estimate, not the nets."""
+    for forward_s, changed in ((0.0065, False), (0.0075, True), (0.0035, True)):
+        tracker = warm_tracker()
+        before = tracker.nets[1.0].spec.rounds
+        policy = AutoPolicy(tracker, HELLO, V)
+        s = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
+        commit(policy, s, replace(drafted(s, 4, draft=forward_s), forward_s=(forward_s,) * 4))
+        assert tracker.drafter_changes == changed, forward_s
+        assert (tracker.nets[1.0].spec.rounds <= 1.5) == changed and before > 4
+        assert (policy.net.spec.rounds <= 1.5) == changed
+        assert tracker.estimates(1.0, V).draft_s == pytest.approx(forward_s, rel=0.3 if changed else 1.0)

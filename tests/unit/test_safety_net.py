@@ -609,3 +609,20 @@ def test_a_drafter_that_slowed_is_not_excused_by_its_old_steady_rounds() -> None
             shares.append(w.lost_share(since=since))
         return sum(shares) / len(shares)
     assert lost(CFG) < 0.8 * lost(replace(CFG, forgive=1000))
+
+
+def test_a_drafter_change_leaves_the_drafted_rounds_at_half_a_round_at_their_rate() -> None:
+    """What drafted rounds delivered before the drafter's cost stepped weighs ``changed_rounds``; their
+    rate, edge-only's sums and what explorations cost stay."""
+    cfg = N.NetConfig()
+    state = N.NetState()
+    for i in range(12):
+        state = N.observe(state, cfg, N.SPEC, 5, 0.2 + 0.01 * (i % 3), switch=i == 0)
+        state = N.observe(state, cfg, N.EDGE, 20, 1.0 + 0.01 * (i % 2))
+    changed = N.drafter_changed(state, cfg)
+    for name in (N.SPEC, "spec_steady", "switch"):
+        before, after = state.sums(name), changed.sums(name)
+        assert after.rounds == pytest.approx(min(before.rounds, cfg.changed_rounds))
+        assert after.tokens / after.seconds == pytest.approx(before.tokens / before.seconds)
+    assert state.spec.rounds > 5 and changed.edge == state.edge and changed.spec_probe == state.spec_probe
+    assert N.drafter_changed(N.NetState(), cfg) == N.NetState()  # nothing measured: nothing to drop
