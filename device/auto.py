@@ -177,10 +177,11 @@ class GumbelAcceptance(_Acceptance):
 class _ModelSide:
     """Estimates that depend on the two models and the temperature, not on the link or the text."""
 
-    def __init__(self, greedy: bool, memory: float, cfg: EstimateConfig):
+    def __init__(self, greedy: bool, memory: float, cfg: EstimateConfig, prior_alpha: float | None = None):
         self.greedy, self.memory, self.cfg = greedy, memory, cfg
         # (accepted + TV) per tested position over many sessions: where each new session starts
-        self.long = _Ratio(cfg.prior_alpha * cfg.prior_weight, cfg.prior_weight, cfg.long_accept_decay * memory)
+        prior = cfg.prior_alpha if prior_alpha is None else prior_alpha
+        self.long = _Ratio(prior * cfg.prior_weight, cfg.prior_weight, cfg.long_accept_decay * memory)
         # the same over gumbel rounds (their own event), no prior of its own: gumbel_prior's of the above
         self.long_gumbel = _Ratio(0.0, 0.0, cfg.long_accept_decay * memory)
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
@@ -326,9 +327,11 @@ class LinkTracker:
             (side.guess.hits, side.guess.trials), (side.fallback.hits, side.fallback.trials) = kept.guess, kept.fallback
 
     def model(self, temperature: float) -> _ModelSide:
-        if temperature not in self.models:
-            self.models[float(temperature)] = _ModelSide(temperature == 0, self.config.memory, self.config.estimates)
-        return self.models[float(temperature)]
+        t = float(temperature)
+        if t not in self.models:
+            prior = lent_alpha(self.models, t, self.config.estimates.lend_positions)
+            self.models[t] = _ModelSide(t == 0, self.config.memory, self.config.estimates, prior)
+        return self.models[t]
 
     # -- the edge ---------------------------------------------------------------------------------------
     def observe_edge_cost(self, points: tuple[tuple[int, float], ...]) -> None:
@@ -507,6 +510,16 @@ class LinkTracker:
                 gumbel_alpha=gumbel_alpha, gumbel_depth=gumbel_depth, greedy=side.greedy,
                 edge_chunk=A.edge_chunk(link.rtt_s(), base, self.config.edge_chunk_overhead,
                                         self.config.edge_chunk_min, self.config.edge_chunk_max))
+
+
+def lent_alpha(models: dict[float, "_ModelSide"], temperature: float, lend: float) -> float | None:
+    """A temperature's first acceptance prior: the long-run rate of the nearest temperature measured over
+    ``lend`` positions or more (the same two models), None where none was (the configured prior). The
+    configured 0.8 priced a drafter the device had measured at 0.97 at T = 0 below edge-only in its
+    first session at T = 1 (0.97 there too, once measured), and its one exploration, at the short
+    draft the low prior chose, was too short to show otherwise (held-out LIRR, 40 ms)."""
+    measured = [(abs(temperature - t), side.long.rate) for t, side in models.items() if side.long.trials >= lend]
+    return min(1.0, min(measured)[1]) if measured else None
 
 
 def first_token_wait(r: RoundRecord, settings: DraftSettings, sent_ahead: bool) -> float | None:

@@ -17,7 +17,7 @@ from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
 from specdec.device.link_fit import LinkConfig
 from specdec.device.auto import (AutoConfig, AutoDecision, GumbelAcceptance,
-                                 AutoPolicy, LinkTracker, SessionAcceptance)
+                                 AutoPolicy, EstimateConfig, LinkTracker, SessionAcceptance)
 from specdec.device.q_measure import OBSERVE_Q_EVERY
 from specdec.device.rounds import RoundEvent, RoundPlan
 
@@ -411,6 +411,25 @@ def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate()
         policy.observe(event(record(drafted=4, accepted=0, up=300, network=0.01), SETTINGS))
     assert t.estimates(1.0, 49152, policy.acceptance).alpha_base < 0.5
     assert AutoPolicy(t, HELLO, 49152).acceptance.alpha_base > 0.85  # the next session
+
+
+def test_a_new_temperature_starts_from_the_nearest_measured_ones_acceptance() -> None:
+    """A device that measured its pair at T = 0 (all drafts accepted) and T = 0.7 (half) starts T = 1
+    from T = 0.7's long-run rate, T = 0.2 from T = 0's; one that measured nothing, or a temperature over
+    fewer positions than ``lend_positions``, from the configured prior."""
+    t = LinkTracker()
+    greedy = replace(SETTINGS, draft_len=4)
+    for temperature, accepted in ((0.0, 4), (0.7, 2)):
+        for _ in range(30):
+            t.observe_round(record(drafted=4, accepted=accepted), greedy, temperature, 49152)
+    assert t.session_acceptance(1.0).alpha_base == pytest.approx(t.model(0.7).long.rate)
+    assert t.model(0.7).long.rate < 0.7 and t.model(0.0).long.rate > 0.95
+    assert t.session_acceptance(0.2).alpha_base == pytest.approx(t.model(0.0).long.rate)
+    prior = EstimateConfig().prior_alpha
+    assert LinkTracker().session_acceptance(1.0).alpha_base == pytest.approx(prior)
+    few = LinkTracker()
+    few.observe_round(record(drafted=4, accepted=4), greedy, 0.0, 49152)
+    assert few.session_acceptance(1.0).alpha_base == pytest.approx(prior)
 
 
 def test_sessions_at_once_keep_their_own_acceptance() -> None:
