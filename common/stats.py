@@ -43,7 +43,9 @@ class RoundRecord:
                                     # streamed token; a round trip, where the whole round's network
                                     # time also holds every further token's per-message costs)
     token_interval_s: float = 0.0   # edge-only rounds: mean seconds between its streamed tokens' arrivals
-                                    # (how edge-only streams, everything in; 0: fewer than two arrived)
+                                    # (how edge-only streams, everything in but the link's stalls;
+                                    # 0: fewer than two arrived)
+    stream_stall_s: float = 0.0     # edge-only rounds: seconds the link held the stream up (an outage)
 
     def to_json(self) -> dict:
         """The round's numbers for a JSON round log (settings are the caller's to add)."""
@@ -52,7 +54,8 @@ class RoundRecord:
                 "downlink_bytes": self.downlink_bytes, "phases": dict(self.phases),
                 "drafted_ahead": self.drafted_ahead, "draft_forwards": self.draft_forwards,
                 "residual_trips": self.residual_trips, "residual_bytes": self.residual_bytes,
-                "first_reply_s": self.first_reply_s, "token_interval_s": self.token_interval_s}
+                "first_reply_s": self.first_reply_s, "token_interval_s": self.token_interval_s,
+                "stream_stall_s": self.stream_stall_s}
 
     @property
     def tested(self) -> int:

@@ -727,7 +727,8 @@ class AutoPolicy:
         arm = N.SPEC if drafted else N.EDGE
         kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
                     wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),
-                    explore=(event.plan.choice or {}).get("why") == "explore")
+                    explore=(event.plan.choice or {}).get("why") == "explore",
+                    stall_s=event.record.stream_stall_s)
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)

@@ -28,7 +28,7 @@ class EstimateConfig:
     prior_alpha: float = 0.8         # acceptance before any round ...
     prior_weight: float = 8.0        # ... worth this many positions, where no temperature was measured;
     # a temperature measured over this many positions lends its long-run acceptance as a new one's
-    # prior (LinkTracker._lent_alpha): a few rounds of one text are not yet the pair's rate
+    # prior (auto.lent_alpha): a few rounds of one text are not yet the pair's rate
     lend_positions: float = 32.0
     # a tested position of the other kind (gumbel / exact q), mapped, counts half: each kind's own
     # rounds say most about it

@@ -133,7 +133,8 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
 
     def io() -> RoundIO:
         return RoundIO(rd.block_bytes, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
-                       first_reply_s=first, token_interval_s=edge_only.token_interval(arrived))
+                       first_reply_s=first, token_interval_s=edge_only.token_interval(arrived),
+                       stream_stall_s=edge_only.stream_stall(arrived))
 
     def totals() -> P.Verdict:
         return replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)

@@ -77,6 +77,7 @@ class RoundIO:
     residual_bytes: int = 0         # of downlink_bytes: the fallback's replies
     first_reply_s: float | None = None  # network seconds until the first reply (None: network_s)
     token_interval_s: float = 0.0   # edge-only: mean seconds between streamed tokens' arrivals (0: < 2)
+    stream_stall_s: float = 0.0     # edge-only: seconds the link held its stream up (edge_only.stream_stall)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def round_record(rd: RoundDraft, verdict: Verdict, generated: int, io: RoundIO, 
         ahead_discarded=ahead_discarded, threshold=threshold, draft_forwards=rd.draft_forwards,
         forward_s=rd.forward_s, residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
         first_reply_s=io.network_s if io.first_reply_s is None else io.first_reply_s,
-        token_interval_s=io.token_interval_s)
+        token_interval_s=io.token_interval_s, stream_stall_s=io.stream_stall_s)
 
 
 def round_settings_json(s: DraftSettings) -> dict:

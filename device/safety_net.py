@@ -241,18 +241,21 @@ def drafter_changed(state: NetState, cfg: NetConfig) -> NetState:
 
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,
-            switch: bool = False, wait_s: float | None = None, explore: bool = False) -> NetState:
+            switch: bool = False, wait_s: float | None = None, explore: bool = False,
+            stall_s: float = 0.0) -> NetState:
     """One committed round of ``arm``: ``tokens`` in ``seconds`` of wall time. A session's ``first``
     round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
     (``switch``) goes to the switch's sums; both count in the run. ``wait_s``: an edge-only round not
     sent ahead waited this long for its first token (a round trip that streaming edge-only does not
     wait): kept out of the arm's time, kept as a switch's cost. A round counts at most ``outlier`` times
     what its arm's rounds usually take (:func:`usual_seconds`; in the sums; the run takes its wall time).
-    ``explore``: the round was planned as an exploration (its cost is measured: :func:`_episode`)."""
+    ``explore``: the round was planned as an exploration (its cost is measured: :func:`_episode`).
+    ``stall_s``: seconds the link held the round's stream up (an outage, edge_only.stream_stall): kept
+    out of the arm's time and of an exploration's cost; the link is down for either arm."""
     kept = "switch" if switch else arm
     mine = state.sums(kept)
     wait = min(max(0.0, wait_s or 0.0), seconds)
-    steady = seconds - wait
+    steady = seconds - wait - min(max(0.0, stall_s), seconds - wait)
     counted = min(steady, cfg.outlier * usual_seconds(mine, arm, tokens))
     changes = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     if changes and arm == SPEC and not switch and not explore:

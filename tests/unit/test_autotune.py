@@ -81,6 +81,43 @@ def test_edge_only_is_priced_at_how_its_rounds_streamed_once_measured() -> None:
 def test_a_streamed_rounds_token_interval_is_its_arrivals_mean_spacing() -> None:
     assert edge_only.token_interval([1.0, 1.1, 1.3, 1.6]) == pytest.approx(0.2)
     assert edge_only.token_interval([1.0]) == 0.0 and edge_only.token_interval([]) == 0.0
+    assert edge_only.stream_stall([1.0, 1.1, 1.3, 1.6]) == 0.0
+
+
+def test_an_outage_in_a_stream_is_left_out_of_its_interval() -> None:
+    """Eight tokens 60 ms apart, but for a 2 s outage after the fourth (the tokens generated meanwhile
+    arrive in a burst): the interval is the stream's, and the stall the outage less one usual gap.
+    Gaps a cellular link scatters (0.1-0.3 s among 60 ms ones) are no stall."""
+    steady = [0.06 * i for i in range(4)]
+    arrived = steady + [2.18 + 0.001 * i for i in range(4)]
+    gaps = [b - a for a, b in zip(arrived, arrived[1:])]
+    usual = sorted(gaps)[len(gaps) // 2]
+    assert edge_only.stream_stall(arrived) == pytest.approx(2.0 - usual)
+    assert edge_only.token_interval(arrived) == pytest.approx((arrived[-1] - arrived[0] - 2.0 + usual) / 7)
+    assert edge_only.token_interval(arrived) < 0.06
+    scattered = [0.0, 0.06, 0.3, 0.36, 0.42, 0.6, 0.66]
+    assert edge_only.stream_stall(scattered) == 0.0
+
+
+def test_an_edge_only_round_an_outage_held_up_prices_edge_only_as_it_streams() -> None:
+    """Such a round (8 tokens in 2.5 s, 2 s of them the outage) leaves the model's price of edge-only
+    and the net's rate of it where a round without the outage leaves them; the stall is what it
+    reports. Control: counted in, it pulls both down by over 10 %."""
+    def after(seconds_s: float, stall_s: float, interval_s: float) -> tuple[float, float]:
+        t = LinkTracker()
+        policy = AutoPolicy(t, HELLO, 49152)
+        s = DraftSettings(mode=Mode.NONE, edge_tokens=32)
+        for i, (n, seconds, interval, stall) in enumerate([(32, 2.0, 0.06, 0.0)] * 4 + [(8, seconds_s, interval_s, stall_s)]):
+            r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=n, uplink_bytes=30,
+                            downlink_bytes=40 * n, phases={"network": 0.08, "queue": 0.0, "decode": 0.0,
+                                                           "verify": 0.05 * n},
+                            first_reply_s=0.08, token_interval_s=interval, stream_stall_s=stall)
+            policy.observe(replace(event(r, s, seconds), sent_ahead=i > 0))
+        return t.edge_token_s.value, policy.net.edge.tokens / policy.net.edge.seconds
+    clean, stalled, counted = after(0.5, 0.0, 0.06), after(2.5, 2.0, 0.06), after(2.5, 0.0, 2.5 / 7)
+    assert stalled[0] == pytest.approx(clean[0])
+    assert stalled[1] == pytest.approx(clean[1], rel=0.02)
+    assert counted[0] > 1.1 * clean[0] and counted[1] < 0.9 * clean[1]
 
 
 def test_the_next_edge_only_request_leads_by_a_round_trip_of_tokens() -> None:
