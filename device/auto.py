@@ -329,7 +329,7 @@ class LinkTracker:
     def model(self, temperature: float) -> _ModelSide:
         t = float(temperature)
         if t not in self.models:
-            prior = lent_alpha(self.models, t, self.config.estimates.lend_positions)
+            prior = lent_alpha(self.models, t, self.config.estimates.prior_weight)
             self.models[t] = _ModelSide(t == 0, self.config.memory, self.config.estimates, prior)
         return self.models[t]
 
@@ -512,13 +512,15 @@ class LinkTracker:
                                         self.config.edge_chunk_min, self.config.edge_chunk_max))
 
 
-def lent_alpha(models: dict[float, "_ModelSide"], temperature: float, lend: float) -> float | None:
-    """A temperature's first acceptance prior: the long-run rate of the nearest temperature measured over
-    ``lend`` positions or more (the same two models), None where none was (the configured prior). The
-    configured 0.8 priced a drafter the device had measured at 0.97 at T = 0 below edge-only in its
-    first session at T = 1 (0.97 there too, once measured), and its one exploration, at the short
-    draft the low prior chose, was too short to show otherwise (held-out LIRR, 40 ms)."""
-    measured = [(abs(temperature - t), side.long.rate) for t, side in models.items() if side.long.trials >= lend]
+def lent_alpha(models: dict[float, "_ModelSide"], temperature: float, prior_weight: float) -> float | None:
+    """A temperature's first acceptance prior: the long-run rate of the nearest temperature that tested
+    any position (the same two models; its rate is itself shrunk toward the configured prior, so a few
+    positions move it a little), None where none did (the configured prior). The configured 0.8 priced
+    a drafter the device had measured at 0.97 at T = 0 below edge-only in its first session at T = 1
+    (0.97 there too, once measured), and its one exploration, at the short draft the low prior chose,
+    was too short to show otherwise (held-out LIRR, 40 ms)."""
+    measured = [(abs(temperature - t), side.long.rate) for t, side in models.items()
+                if side.long.trials > prior_weight]  # (the prior's weight, before any position)
     return min(1.0, min(measured)[1]) if measured else None
 
 

@@ -26,10 +26,8 @@ class EstimateConfig:
     # one bad text's tail must not set the next sessions)
     long_accept_decay: float = 0.995
     prior_alpha: float = 0.8         # acceptance before any round ...
-    prior_weight: float = 8.0        # ... worth this many positions, where no temperature was measured;
-    # a temperature measured over this many positions lends its long-run acceptance as a new one's
-    # prior (auto.lent_alpha): a few rounds of one text are not yet the pair's rate
-    lend_positions: float = 32.0
+    prior_weight: float = 8.0        # ... worth this many positions (a temperature never run: the
+                                     # nearest measured one's rate instead, auto.lent_alpha)
     # a tested position of the other kind (gumbel / exact q), mapped, counts half: each kind's own
     # rounds say most about it
     cross_weight: float = 0.5

@@ -452,8 +452,8 @@ def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate()
 
 def test_a_new_temperature_starts_from_the_nearest_measured_ones_acceptance() -> None:
     """A device that measured its pair at T = 0 (all drafts accepted) and T = 0.7 (half) starts T = 1
-    from T = 0.7's long-run rate, T = 0.2 from T = 0's; one that measured nothing, or a temperature over
-    fewer positions than ``lend_positions``, from the configured prior."""
+    from T = 0.7's long-run rate, T = 0.2 from T = 0's; one that measured nothing from the configured
+    prior, and one that tested a round's positions from that prior moved by them."""
     t = LinkTracker()
     greedy = replace(SETTINGS, draft_len=4)
     for temperature, accepted in ((0.0, 4), (0.7, 2)):
@@ -466,7 +466,8 @@ def test_a_new_temperature_starts_from_the_nearest_measured_ones_acceptance() ->
     assert LinkTracker().session_acceptance(1.0).alpha_base == pytest.approx(prior)
     few = LinkTracker()
     few.observe_round(record(drafted=4, accepted=4), greedy, 0.0, 49152)
-    assert few.session_acceptance(1.0).alpha_base == pytest.approx(prior)
+    assert few.session_acceptance(1.0).alpha_base == pytest.approx(few.model(0.0).long.rate)
+    assert prior < few.model(0.0).long.rate < 0.9
 
 
 def test_sessions_at_once_keep_their_own_acceptance() -> None:
