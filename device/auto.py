@@ -177,11 +177,11 @@ class GumbelAcceptance(_Acceptance):
 class _ModelSide:
     """Estimates that depend on the two models and the temperature, not on the link or the text."""
 
-    def __init__(self, greedy: bool, memory: float, cfg: EstimateConfig, prior_alpha: float | None = None):
+    def __init__(self, greedy: bool, memory: float, cfg: EstimateConfig):
         self.greedy, self.memory, self.cfg = greedy, memory, cfg
-        # (accepted + TV) per tested position over many sessions: where each new session starts
-        prior = cfg.prior_alpha if prior_alpha is None else prior_alpha
-        self.long = _Ratio(prior * cfg.prior_weight, cfg.prior_weight, cfg.long_accept_decay * memory)
+        # (accepted + TV) per tested position over many sessions: where each new session starts (before
+        # any, LinkTracker.model lends it another temperature's)
+        self.long = _Ratio(cfg.prior_alpha * cfg.prior_weight, cfg.prior_weight, cfg.long_accept_decay * memory)
         # the same over gumbel rounds (their own event), no prior of its own: gumbel_prior's of the above
         self.long_gumbel = _Ratio(0.0, 0.0, cfg.long_accept_decay * memory)
         self.sigma: dict[tuple[Mode, int], _Ewma] = {}  # TV(q_hat, q) per codec key
@@ -327,11 +327,15 @@ class LinkTracker:
             (side.guess.hits, side.guess.trials), (side.fallback.hits, side.fallback.trials) = kept.guess, kept.fallback
 
     def model(self, temperature: float) -> _ModelSide:
-        t = float(temperature)
-        if t not in self.models:
-            prior = lent_alpha(self.models, t, self.config.estimates.prior_weight)
-            self.models[t] = _ModelSide(t == 0, self.config.memory, self.config.estimates, prior)
-        return self.models[t]
+        t, cfg = float(temperature), self.config.estimates
+        side = self.models.get(t)
+        if side is None:
+            side = self.models[t] = _ModelSide(t == 0, self.config.memory, cfg)
+        if side.long.trials <= cfg.prior_weight:  # no position tested at t yet (a session of edge-only
+            # rounds, the bench's warm-up, made it): its prior follows what other temperatures measured
+            lent = lent_alpha(self.models, t, cfg.prior_weight)
+            side.long.hits = (cfg.prior_alpha if lent is None else lent) * side.long.trials
+        return side
 
     # -- the edge ---------------------------------------------------------------------------------------
     def observe_edge_cost(self, points: tuple[tuple[int, float], ...]) -> None:

@@ -453,7 +453,8 @@ def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate()
 def test_a_new_temperature_starts_from_the_nearest_measured_ones_acceptance() -> None:
     """A device that measured its pair at T = 0 (all drafts accepted) and T = 0.7 (half) starts T = 1
     from T = 0.7's long-run rate, T = 0.2 from T = 0's; one that measured nothing from the configured
-    prior, and one that tested a round's positions from that prior moved by them."""
+    prior, and one that tested a round's positions from that prior moved by them, even where a session
+    at T = 1 that drafted nothing (the bench's warm-up) came first."""
     t = LinkTracker()
     greedy = replace(SETTINGS, draft_len=4)
     for temperature, accepted in ((0.0, 4), (0.7, 2)):
@@ -465,6 +466,7 @@ def test_a_new_temperature_starts_from_the_nearest_measured_ones_acceptance() ->
     prior = EstimateConfig().prior_alpha
     assert LinkTracker().session_acceptance(1.0).alpha_base == pytest.approx(prior)
     few = LinkTracker()
+    assert few.session_acceptance(1.0).alpha_base == pytest.approx(prior)  # a T = 1 session that drafted nothing
     few.observe_round(record(drafted=4, accepted=4), greedy, 0.0, 49152)
     assert few.session_acceptance(1.0).alpha_base == pytest.approx(few.model(0.0).long.rate)
     assert prior < few.model(0.0).long.rate < 0.9
