@@ -87,7 +87,7 @@ class _Stepped(_Ewma):
         v = self.value
         beyond = v is not None and v > 0 and (x > v * (1 + STEP_SHIFT) or x * (1 + STEP_SHIFT) < v)
         same_way = beyond and all((y > v) == (x > v) for y in self.run)
-        if not same_way:
+        if not same_way or not self.run:
             self.run_from = v  # the level the run left (each of its samples moves the EWMA meanwhile)
         self.run = [*self.run, x] if same_way else ([x] if beyond else [])
         if len(self.run) >= STEP_SAMPLES:

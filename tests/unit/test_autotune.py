@@ -433,6 +433,17 @@ def test_each_timed_forward_samples_the_drafters_time() -> None:
     assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.08) and t.drafter_changes == 1
 
 
+def test_a_step_is_measured_from_the_level_its_run_left() -> None:
+    """The step a run of samples makes is its mean over the level before its first sample, from the
+    first level measured on (an estimate that starts empty, or is restored, included)."""
+    from specdec.device.auto import _Stepped
+    fresh = _Stepped(None, 0.9)
+    assert [fresh.add(x) for x in (0.01, 0.03, 0.03, 0.03)] == [None, None, None, pytest.approx(3.0)]
+    warm = _Stepped(0.02, 0.9)
+    steps = [warm.add(x) for x in (0.02, 0.021, 0.01, 0.01, 0.01)]
+    assert steps[:4] == [None] * 4 and steps[4] == pytest.approx(0.01 / (0.9 * 0.02 + 0.1 * 0.021))
+
+
 def test_a_session_follows_its_text_and_the_next_starts_from_the_long_run_rate() -> None:
     """Links run: one T = 1 text the drafter could not follow (rejected at the first draft round after
     round) took ~50 rounds to show in the estimate, and its tail then kept the next six sessions
