@@ -8,6 +8,7 @@ as a round asking for the rest.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import replace
@@ -56,24 +57,55 @@ def asked(edge_tokens: int, remaining: int, tail: int) -> int:
     return remaining if remaining - n < tail else n
 
 
+class Arrivals:
+    """A round's streamed tokens' arrival times, their gaps kept sorted: the engine asks for the interval
+    after every token (edge_only.send_ahead_lead), and sorting the round's gaps each time grew with a
+    long round (a mode-none round of all the session's tokens) on the event loop."""
+
+    def __init__(self, times: tuple[float, ...] = ()):
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+        self.gaps: list[float] = []  # ascending
+        for t in times:
+            self.add(t)
+
+    def add(self, t: float) -> None:
+        if self.last is None:
+            self.first = t
+        else:
+            bisect.insort(self.gaps, t - self.last)
+        self.last, self.count = t, self.count + 1
+
+    def stall(self, cfg: LinkConfig = LinkConfig()) -> float:
+        """Seconds the link held the stream up: each gap beyond the round's median gap by link_fit's rule
+        for a round met by an outage (``stall_rel`` times it and ``stall_abs_s``), less that median. An
+        outage says nothing about edge-only (the link is down for either arm), and one met by an 8-token
+        round (2.5 s) once priced edge-only at 12 tok/s where it streamed at 17, and the next session
+        drafted at 0.64x its speed (held-out ucc LTE, 80 ms)."""
+        if not self.gaps:
+            return 0.0
+        usual = self.gaps[len(self.gaps) // 2]
+        beyond = max(cfg.stall_rel * usual, cfg.stall_abs_s)
+        i = len(self.gaps)
+        while i > 0 and self.gaps[i - 1] - usual > beyond:  # the stalls are the largest gaps
+            i -= 1
+        return sum(g - usual for g in self.gaps[i:])
+
+    def interval(self) -> float:
+        """Mean seconds between arrivals (0: fewer than two): how edge-only streams, the edge's forward,
+        its sampling, the messages and the downlink all in; the link's stalls (:meth:`stall`) left out."""
+        return (self.last - self.first - self.stall()) / (self.count - 1) if self.count >= 2 else 0.0
+
+
 def token_interval(arrived: list[float]) -> float:
-    """Mean seconds between the arrivals of a round's streamed tokens (0: fewer than two): how
-    edge-only streams, the edge's forward, its sampling, the messages and the downlink all in; the
-    link's stalls (:func:`stream_stall`) left out."""
-    return (arrived[-1] - arrived[0] - stream_stall(arrived)) / (len(arrived) - 1) if len(arrived) >= 2 else 0.0
+    """:meth:`Arrivals.interval` of the arrival times ``arrived``."""
+    return Arrivals(tuple(arrived)).interval()
 
 
-def stream_stall(arrived: list[float], cfg: LinkConfig = LinkConfig()) -> float:
-    """Seconds the link held a round's stream up: each gap between arrivals beyond the round's median
-    gap by link_fit's rule for a round met by an outage (``stall_rel`` times it and ``stall_abs_s``),
-    less that median. An outage says nothing about edge-only (the link is down for either arm), and one
-    met by an 8-token round (2.5 s) once priced edge-only at 12 tok/s where it streamed at 17, and the
-    next session drafted at 0.64x its speed (held-out ucc LTE, 80 ms)."""
-    gaps = sorted(b - a for a, b in zip(arrived, arrived[1:]))
-    if not gaps:
-        return 0.0
-    usual = gaps[len(gaps) // 2]
-    return sum(g - usual for g in gaps if g - usual > max(cfg.stall_rel * usual, cfg.stall_abs_s))
+def stream_stall(arrived: list[float]) -> float:
+    """:meth:`Arrivals.stall` of the arrival times ``arrived``."""
+    return Arrivals(tuple(arrived)).stall()
 
 
 def send_ahead_lead(rtt_s: float, interval_s: float) -> int:

@@ -127,14 +127,14 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
     ahead) delivers less, and the session goes on."""
     # t0: when the round's request went out, or (sent ahead) when it became the round in flight
     catch_up = _start_catch_up(session, rd.plan)
-    received, edge_verify, edge_queue, first, verdict, arrived, planned = 0, 0.0, 0.0, None, None, [], False
+    received, edge_verify, edge_queue, first, verdict, planned = 0, 0.0, 0.0, None, None, False
+    arrived = edge_only.Arrivals()
     after = remaining - rd.settings.edge_tokens  # tokens still wanted after this round, if it streams them all
     ends_session = after <= 0                    # so Close goes out with its first token
 
     def io() -> RoundIO:
         return RoundIO(rd.block_bytes, received, max(0.0, time.perf_counter() - t0 - edge_verify - edge_queue),
-                       first_reply_s=first, token_interval_s=edge_only.token_interval(arrived),
-                       stream_stall_s=edge_only.stream_stall(arrived))
+                       first_reply_s=first, token_interval_s=arrived.interval(), stream_stall_s=arrived.stall())
 
     def totals() -> P.Verdict:
         return replace(verdict, verify_seconds=edge_verify, queue_seconds=edge_queue, decode_seconds=0.0)
@@ -153,9 +153,9 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
                 early.append(verdict)
                 continue
             edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
-            arrived.append(time.perf_counter())
+            arrived.add(time.perf_counter())
             if first is None:
-                first = max(0.0, arrived[0] - t0 - edge_verify - edge_queue)
+                first = max(0.0, arrived.first - t0 - edge_verify - edge_queue)
                 if not rd.sent_ahead:
                     session.edge_rtt_s = first
                     session.overdue.trip(first)
@@ -184,14 +184,15 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
     return session.end_edge_round(rd, totals(), io())
 
 
-async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: int, arrived: list[float]) -> bool:
+async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: int,
+                      arrived: edge_only.Arrivals) -> bool:
     """Send the next round's request while ``rd`` streams, once its remaining tokens take about a
     round trip to arrive (edge_only.send_ahead_lead, from the measured token interval): the edge then
     goes on with it when ``rd`` ends, instead of waiting a round trip for it. True once the next round
     is planned (sent or not)."""
-    if len(arrived) < 2 or session.edge_rtt_s is None:
+    if arrived.count < 2 or session.edge_rtt_s is None:
         return False  # no interval measured yet
-    interval = edge_only.token_interval(arrived)
+    interval = arrived.interval()
     if rd.settings.edge_tokens - rd.received > edge_only.send_ahead_lead(session.edge_rtt_s, interval):
         return False
     nxt = session.send_ahead(rd, after)
