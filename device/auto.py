@@ -193,6 +193,12 @@ class _ModelSide:
         self.guess = _Ratio(cfg.prior_guess * 2, 2.0, cfg.decay * memory)
         self.fallback = _Ratio(0.0, 0.0, cfg.decay * memory)  # fallbacks, of DSSD rejections
 
+    @property
+    def tested(self) -> bool:
+        """Whether any position was tested at this temperature (the long-run ratio holds more than its
+        prior's weight)."""
+        return self.long.trials > self.cfg.prior_weight
+
     def fallback_rate(self, samples: int, alpha: float) -> float:
         """P(a DSSD rejection needs the full p_j): measured, shrunk toward alpha^m. A sample y ~ p_j is
         kept with probability TV(p_j, q_j) ~ 1 - alpha, so all m fail with probability ~alpha^m:
@@ -331,9 +337,9 @@ class LinkTracker:
         side = self.models.get(t)
         if side is None:
             side = self.models[t] = _ModelSide(t == 0, self.config.memory, cfg)
-        if side.long.trials <= cfg.prior_weight:  # no position tested at t yet (a session of edge-only
-            # rounds, the bench's warm-up, made it): its prior follows what other temperatures measured
-            lent = lent_alpha(self.models, t, cfg.prior_weight)
+        if not side.tested:  # (a session of edge-only rounds, the bench's warm-up, made it): its prior
+            # follows what other temperatures measured
+            lent = lent_alpha(self.models, t)
             side.long.hits = (cfg.prior_alpha if lent is None else lent) * side.long.trials
         return side
 
@@ -516,15 +522,14 @@ class LinkTracker:
                                         self.config.edge_chunk_min, self.config.edge_chunk_max))
 
 
-def lent_alpha(models: dict[float, "_ModelSide"], temperature: float, prior_weight: float) -> float | None:
+def lent_alpha(models: dict[float, "_ModelSide"], temperature: float) -> float | None:
     """A temperature's first acceptance prior: the long-run rate of the nearest temperature that tested
     any position (the same two models; its rate is itself shrunk toward the configured prior, so a few
     positions move it a little), None where none did (the configured prior). The configured 0.8 priced
     a drafter the device had measured at 0.97 at T = 0 below edge-only in its first session at T = 1
     (0.97 there too, once measured), and its one exploration, at the short draft the low prior chose,
     was too short to show otherwise (held-out LIRR, 40 ms)."""
-    measured = [(abs(temperature - t), side.long.rate) for t, side in models.items()
-                if side.long.trials > prior_weight]  # (the prior's weight, before any position)
+    measured = [(abs(temperature - t), side.long.rate) for t, side in models.items() if side.tested]
     return min(1.0, min(measured)[1]) if measured else None
 
 

@@ -103,6 +103,10 @@ class Sums:
     def scaled(self, f: float) -> "Sums":
         return Sums(self.tokens * f, self.seconds * f, self.rounds * f, self.rates * f, self.rates_sq * f)
 
+    def at_most(self, rounds: float) -> "Sums":
+        """The same rates, weighing at most ``rounds`` rounds."""
+        return self.scaled(min(1.0, rounds / self.rounds)) if self.rounds > 0 else self
+
     def plus(self, tokens: float, seconds: float, discount: float) -> "Sums":
         r = tokens / seconds
         d = self.scaled(discount)
@@ -221,11 +225,9 @@ def start_from(device: NetState, cfg: NetConfig) -> NetState:
     """A new session's net: the device's sums, weighing at most ``start_rounds`` rounds each (the
     session's text may accept differently), and the device's run, so that exploring is priced over the
     device's time, not restarted by each session (short sessions would otherwise never explore)."""
-    def capped(s: Sums) -> Sums:
-        return s.scaled(min(1.0, cfg.start_rounds / s.rounds)) if s.rounds > 0 else s
     def few(c: Cost) -> Cost:
         return c.scaled(min(1.0, cfg.start_rounds / c.count)) if c.count > 0 else c
-    return replace(device, **{name: capped(getattr(device, name)) for name in SUMS},
+    return replace(device, **{name: device.sums(name).at_most(cfg.start_rounds) for name in SUMS},
                    **{name: few(getattr(device, name)) for name in COSTS})
 
 
@@ -235,9 +237,8 @@ def drafter_changed(state: NetState, cfg: NetConfig) -> NetState:
     ``changed_rounds`` rounds, so that the model's prediction at the new cost and the next rounds
     decide, not rounds of another drafter. Kept at their costs: an exploration still costs what it
     did, give or take the drafter's part."""
-    def few(s: Sums) -> Sums:
-        return s.scaled(min(1.0, cfg.changed_rounds / s.rounds)) if s.rounds > 0 else s
-    return replace(state, **{name: few(state.sums(name)) for name in (SPEC, "spec_steady", "switch")})
+    return replace(state, **{name: state.sums(name).at_most(cfg.changed_rounds)
+                             for name in (SPEC, "spec_steady", "switch")})
 
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,
