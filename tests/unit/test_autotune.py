@@ -17,7 +17,7 @@ from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
 from specdec.device.link_fit import LinkConfig
 from specdec.device.auto import (AutoConfig, AutoDecision, GumbelAcceptance,
-                                 AutoPolicy, EstimateConfig, LinkTracker, SessionAcceptance)
+                                 AutoPolicy, EstimateConfig, LinkTracker, SessionAcceptance, _Stepped)
 from specdec.device.q_measure import OBSERVE_Q_EVERY
 from specdec.device.rounds import RoundEvent, RoundPlan
 
@@ -436,7 +436,6 @@ def test_each_timed_forward_samples_the_drafters_time() -> None:
 def test_a_step_is_measured_from_the_level_its_run_left() -> None:
     """The step a run of samples makes is its mean over the level before its first sample, from the
     first level measured on (an estimate that starts empty, or is restored, included)."""
-    from specdec.device.auto import _Stepped
     fresh = _Stepped(None, 0.9)
     assert [fresh.add(x) for x in (0.01, 0.03, 0.03, 0.03)] == [None, None, None, pytest.approx(3.0)]
     warm = _Stepped(0.02, 0.9)
