@@ -596,7 +596,7 @@ class AutoPolicy:
         pick, ranking = A.best(self.candidates, e, self.current, self.tracker.config.hysteresis, self.draft_ahead)
         cold = (self.rounds == 0 and self.tracker.config.cold_start and not self.tracker.known
                 and A.Candidate(Mode.NONE) in self.candidates)
-        net = None if cold else self._net_call(pick, ranking, in_flight, remaining)
+        net = None if cold else self._net_call(pick, ranking, in_flight, remaining, e)
         if cold:
             pick = _best_of_arm(ranking, N.EDGE)
         elif net is not None and net.why is not None:
@@ -611,16 +611,24 @@ class AutoPolicy:
                          edge_tail=0 if catch_up else self.tracker.config.edge_chunk_min)
 
     def _net_call(self, pick: A.Prediction, ranking: list[A.Prediction], in_flight: RoundPlan | None,
-                  remaining: int | None) -> N.NetCall | None:
+                  remaining: int | None, e: A.Estimates) -> N.NetCall | None:
         """The safety net's arm for the next round (None where one arm is not among the candidates)."""
         edge, spec = _best_of_arm(ranking, N.EDGE), _best_of_arm(ranking, N.SPEC)
         if edge is None or spec is None:
             return None
         model_arm = N.EDGE if pick.candidate.mode is Mode.NONE else N.SPEC
         flying = None if in_flight is None else N.EDGE if in_flight.settings.mode is Mode.NONE else N.SPEC
+        ceiling = math.inf if self.net.measured(N.SPEC) else self._ceiling(e)
         return N.call(self.net, self.net_config, N.ArmPrior(edge.tokens, edge.seconds),
-                      N.ArmPrior(spec.tokens, spec.seconds), model_arm, flying, remaining,
+                      N.ArmPrior(spec.tokens, spec.seconds, ceiling), model_arm, flying, remaining,
                       opening=self.rounds == 0 and in_flight is None)
+
+    def _ceiling(self, e: A.Estimates) -> float:
+        """Drafted rounds' best case: the best drafted candidate's rate if every draft were accepted
+        (the drafter's, the link's and the edge's costs as measured), which no acceptance a round
+        measures can exceed."""
+        best = _best_of_arm(A.rank(self.candidates, A.accepting_all(e), self.draft_ahead), N.SPEC)
+        return best.rate if best is not None else 0.0
 
     def begin(self, plan: RoundPlan) -> None:
         """A round is drafted with ``plan`` (hysteresis keeps to it)."""

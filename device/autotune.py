@@ -159,6 +159,14 @@ def gumbel_prior(alpha: float, greedy: bool = False) -> float:
     return max((1.0 - tv) / (1.0 + tv), race_from_exact(alpha))
 
 
+def accepting_all(e: Estimates) -> Estimates:
+    """``e`` with every draft accepted, whatever its packets (no rejection, so no DSSD fallback): what
+    drafted rounds deliver at best, at the costs measured (the bonus's guess as measured: it is the
+    drafter's guess of a token no draft fixes)."""
+    return replace(e, alpha_base=1.0, alpha_depth=(), sigma={}, gumbel_alpha=1.0, gumbel_depth=(),
+                   dssd_fallback_rate=0.0)
+
+
 @dataclass(frozen=True)
 class Prediction:
     candidate: Candidate

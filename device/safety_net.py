@@ -162,9 +162,11 @@ class Episode:
 
 @dataclass(frozen=True)
 class ArmPrior:
-    """The model's prediction for an arm's next round: tokens and seconds (autotune.Prediction's)."""
+    """The model's prediction for an arm's next round: tokens and seconds (autotune.Prediction's), and
+    its best case: the rate it would deliver if every draft were accepted (inf: unbounded, edge-only)."""
     tokens: float
     seconds: float
+    ceiling: float = math.inf
 
     @property
     def rate(self) -> float:
@@ -387,9 +389,13 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
     rounds this device never measured (at this temperature) are due at once, as UCB1 plays each arm
     once before any index (Auer et al. 2002): their price is the model's guess (acceptance priors),
     and priced against measured edge-only, a catch-up round included, it kept a drafter at 2x
-    edge-only's speed untried for 13 s. Edge-only's price is measured from its first round on (the
-    interval its tokens streamed at), so it keeps its priced rate."""
-    if r_edge <= 0 or r_spec <= 0 or (arm == SPEC and not state.measured(SPEC)):
+    edge-only's speed untried for 13 s. Not where even their best case (``spec.ceiling``: every draft
+    accepted, at the drafter's measured cost) loses to edge-only: the acceptance a round would measure
+    cannot make them pay, and the device's first session at a new temperature spent 0.9 s of 3.2 on
+    such rounds (a drafter at the target's cost per token); they are priced as any other. Edge-only's
+    price is measured from its first round on (the interval its tokens streamed at), so it keeps its
+    priced rate."""
+    if r_edge <= 0 or r_spec <= 0 or (arm == SPEC and not state.measured(SPEC) and could_pay(spec, r_edge, cfg)):
         return 0.0
     sw_tokens, sw_s = state.switch.per_round() or (spec.tokens, 2 * spec.tokens / r_spec)
     switch_excess = max(0.0, sw_s - sw_tokens / r_spec)   # a catch-up round beyond a steady one
@@ -409,6 +415,11 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
         loss = max(loss, state.probe_cost(arm).mean())
     share = cfg.explore_cost / (1 + backoff(state, cfg, arm, spec if arm == SPEC else edge))
     return max(loss, cfg.margin * probe_s) / max(1e-6, share)
+
+
+def could_pay(spec: ArmPrior, r_edge: float, cfg: NetConfig) -> bool:
+    """Whether drafted rounds could beat edge-only's ``r_edge`` by ``margin`` at their best case."""
+    return spec.ceiling > (1 + cfg.margin) * r_edge
 
 
 def backoff(state: NetState, cfg: NetConfig, arm: str, prior: ArmPrior) -> int:

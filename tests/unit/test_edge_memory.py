@@ -386,3 +386,40 @@ def test_only_a_step_of_the_drafter_makes_the_nets_drafted_rounds_stale() -> Non
         assert (tracker.nets[1.0].spec.rounds <= 1.5) == changed and before > 4
         assert (policy.net.spec.rounds <= 1.5) == changed
         assert tracker.estimates(1.0, V).draft_s == pytest.approx(forward_s, rel=0.3 if changed else 1.0)
+
+
+def new_temperature_session(forward_s: float, accepted: int, monkeypatch=None) -> list[tuple[Mode, str | None]]:
+    """A device that drafted 12 rounds at T = 1 (``accepted`` of 4 drafts, ``forward_s`` a drafter
+    forward) and streamed edge-only at 20 tok/s; its first session at T = 0.5: (mode, why) of its rounds."""
+    tracker = LinkTracker()
+    policy = AutoPolicy(tracker, HELLO, V)
+    s = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
+    for _ in range(12):
+        commit(policy, s, replace(drafted(s, accepted, draft=forward_s), forward_s=(forward_s,) * 4))
+    for _ in range(3):
+        commit(policy, replace(DraftSettings(), mode=Mode.NONE, edge_tokens=16),
+               replace(edge_only(16), token_interval_s=0.05))
+    policy, log = AutoPolicy(tracker, replace(HELLO, temperature=0.5), V), []
+    for _ in range(6):
+        plan = policy.choose(remaining=400)
+        log.append((plan.settings.mode, plan.choice["why"]))
+        s = plan.settings
+        r = (replace(edge_only(s.edge_tokens), token_interval_s=0.05) if s.mode is Mode.NONE
+             else replace(drafted(s, s.draft_len, draft=forward_s), forward_s=(forward_s,) * s.draft_len))
+        commit(policy, s, r, plan.choice)
+    return log
+
+
+def test_a_new_temperature_explores_drafting_at_once_only_where_it_could_pay(monkeypatch) -> None:
+    """UCB1's play-each-arm-once, where the arm could win: a drafter as slow as the target (0.1 s a
+    forward; drafting 5 tokens in 0.54 s against edge-only's 20 tok/s) loses even accepting every draft,
+    so a temperature it never drafted at is not explored at once (the control: explored at once, as
+    before); a fast drafter the device measured rejected at T = 1 is explored at once at T = 0.5, since
+    its acceptance there could make it pay."""
+    slow = new_temperature_session(0.1, 4)
+    assert all(mode is Mode.NONE for mode, _ in slow), slow
+    fast = new_temperature_session(0.005, 0)
+    assert any(why == "explore" and mode is not Mode.NONE for mode, why in fast[:3]), fast
+    monkeypatch.setattr(N, "could_pay", lambda *a: True)
+    control = new_temperature_session(0.1, 4)
+    assert any(why == "explore" and mode is not Mode.NONE for mode, why in control[:3]), control

@@ -366,6 +366,22 @@ def test_drafting_never_measured_is_explored_at_once_edge_only_keeps_its_price()
     assert N.probe_wait_s(drafting, CFG, N.EDGE, e, sp, 14, 12) > 0.0
 
 
+def test_drafting_that_cannot_pay_even_accepting_every_draft_is_not_explored_at_once() -> None:
+    """A drafter as slow as the target per token, at a temperature it never drafted at: no acceptance
+    its rounds could measure makes it beat edge-only, so it waits its priced time like a measured
+    loser; where its best case beats edge-only (by more than the margin) it is due at once."""
+    e = N.ArmPrior(32, 32 / 14)
+    s = N.observe(N.observe(N.NetState(), CFG, N.EDGE, 8, 1.0, first=True), CFG, N.EDGE, 32, 32 / 14)
+    hopeless = N.ArmPrior(4, 4 / 12, ceiling=13.0)
+    assert N.probe_wait_s(s, CFG, N.SPEC, e, hopeless, 14, 12) > 5.0
+    assert N.call(s, CFG, e, hopeless, N.EDGE).why is None
+    at_the_margin = N.ArmPrior(4, 4 / 12, ceiling=14 * (1 + CFG.margin) * 0.999)
+    assert N.probe_wait_s(s, CFG, N.SPEC, e, at_the_margin, 14, 12) > 5.0
+    could = N.ArmPrior(4, 4 / 12, ceiling=14 * (1 + CFG.margin) * 1.01)
+    assert N.probe_wait_s(s, CFG, N.SPEC, e, could, 14, 12) == 0.0
+    assert N.call(s, CFG, e, could, N.EDGE).why == "explore"
+
+
 def test_the_model_weighs_a_fraction_of_a_round_either_way() -> None:
     one = N.Sums().plus(6, 1.0, CFG.discount)
     assert one.rate(30.0, CFG.prior_rounds) == pytest.approx((6 + 30 * CFG.prior_rounds) / (1 + CFG.prior_rounds))
