@@ -47,6 +47,7 @@ from specdec.device.tracker_state import FAST_LINK_BPS, TIME_SCALE_MAX, TIME_SCA
 from specdec.device import q_measure as Q
 from specdec.device.q_measure import QStats
 from specdec.device.rounds import RoundEvent, RoundPlan
+from specdec.device.run_ahead import OverdueClock
 from specdec.device.verify_fit import VerifyFit
 from specdec.common.verification import dssd_fallback_bytes
 
@@ -257,6 +258,7 @@ class LinkTracker:
                                   # nets measured of drafting before one
         self.nets: dict[float, N.NetState] = {}  # per temperature: what each arm delivered, over the sessions
         self.restored = False     # started from a remembered state (device/edge_memory.py)
+        self.overdue = OverdueClock()  # the round trips and turnarounds its sessions' clocks share
 
     @property
     def known(self) -> bool:

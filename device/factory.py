@@ -140,13 +140,16 @@ def choose_drafter(cfg: DeviceConfig) -> DrafterChoice:
 def new_session(cfg: DeviceConfig, drafter: LoadedModel, hello: Hello,
                 tracker: LinkTracker | None = None, session_class=DraftSession) -> DraftSession:
     """A session for ``hello``; with ``mode auto``, driven by a controller that learns from ``tracker``
-    (one per device: its sessions share the link)."""
+    (one per device: its sessions share the link, and the round trips that time the edge's running
+    ahead)."""
     policy = None
     if cfg.auto:
-        policy = AutoPolicy(tracker or LinkTracker(), hello, drafter.vocab_size, draft_ahead=cfg.draft_ahead,
+        tracker = tracker or LinkTracker()
+        policy = AutoPolicy(tracker, hello, drafter.vocab_size, draft_ahead=cfg.draft_ahead,
                             reproducible=cfg.reproducible)
     return session_class(drafter, hello, draft_ahead=cfg.draft_ahead, policy=policy, round_log=cfg.round_log,
-                         reproducible=cfg.reproducible, run_ahead=cfg.run_ahead)
+                         reproducible=cfg.reproducible, run_ahead=cfg.run_ahead,
+                         overdue=tracker.overdue if tracker is not None else None)
 
 
 def device_tracker(cfg: DeviceConfig, drafter: LoadedModel) -> LinkTracker:

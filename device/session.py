@@ -72,7 +72,7 @@ class DraftSession:
 
     def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False, policy=None,
                  round_log: bool = False, reproducible: bool = False, parts: SessionParts = SessionParts(),
-                 run_ahead: bool = False):
+                 run_ahead: bool = False, overdue: RA.OverdueClock | None = None):
         self.hello = hello
         self.parts = parts
         # Seeded and sampling (factory.DeviceConfig.reproducible): the edge's load advice must not cut a
@@ -103,7 +103,9 @@ class DraftSession:
         self.edge_rtt_s: float | None = None  # the network wait of the last edge-only round not sent ahead
         # Rounds say where they start and when the edge may run ahead of them (device/run_ahead.py)
         self.runs_ahead = run_ahead and RA.runs_ahead(hello, self.fixed_cuts, policy is not None)
-        self.overdue = RA.OverdueClock()
+        # ``overdue``: the device's (its sessions share the link), so that a session's first round is
+        # stamped from the rounds before it: unstamped, an outage at its end left the edge idle
+        self.overdue = RA.OverdueClock() if overdue is None else RA.OverdueClock(overdue.trips, overdue.turnarounds)
         self.replied_at: float | None = None  # when the last round's last reply arrived (turnaround)
         self.round_log: list[dict] | None = [] if round_log else None  # per-round entries for the JSON
         self._t0 = self._round_began = time.perf_counter()

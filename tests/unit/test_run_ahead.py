@@ -7,6 +7,10 @@ from specdec.common.modes import Mode
 from specdec.common.logprobs import TokenLogprob
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, Verdict
 from specdec.device import run_ahead as RA
+from specdec.device.auto import LinkTracker
+from specdec.device.factory import new_session
+from specdec.testbed.tiny_models import make_model
+from tests.support.harness import device_config, load
 
 
 def test_the_clock_says_never_before_a_round_trip_and_never_for_dssd() -> None:
@@ -32,6 +36,34 @@ def test_the_clock_adds_the_longest_turnaround_and_one_outage_does_not_switch_it
     for _ in range(RA.WINDOW):  # the link is slower now: the clock follows it
         clock.trip(0.5)
     assert clock.after_ms(Mode.GUMBEL) > 2 * usual
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    return load(str(make_model(tmp_path_factory.mktemp("drafter") / "m", 64, seed=3)))
+
+
+@pytest.mark.parametrize("mode", ["auto", "tslt"])
+def test_a_sessions_first_round_is_stamped_from_the_devices_earlier_rounds(drafter, mode) -> None:
+    """A session's clock shares the device's round trips and turnarounds: its first round, sent before
+    it measured any, may still be run ahead of (the edge sat idle through an outage at that round's
+    end, 0.77x edge-only's session); a session made without the device's tracker measures its own."""
+    cfg = device_config(mode=mode, temperature=0.0)
+    hello = cfg.hello("fp", drafter.vocab_size, seed=7)
+
+    def first_round_ms(tracker) -> tuple:
+        session = new_session(cfg, drafter, hello, tracker)
+        session.start([1, 2, 3])
+        return RA.stamp(session, session.draft(session.plan(), 8)).run_ahead_ms, session
+
+    tracker = LinkTracker()
+    ms, earlier = first_round_ms(tracker)
+    assert ms == 0                                       # nothing measured on this device yet
+    earlier.overdue.trip(0.1)
+    earlier.overdue.turnaround(0.05)
+    ms, _ = first_round_ms(tracker)
+    assert ms >= 1000 * (RA.OVERDUE_FACTOR * 0.1 + 0.05)
+    assert first_round_ms(None)[0] == 0                  # no device's tracker: its own clock
 
 
 def test_a_clock_whose_rounds_the_edge_continues_counts_the_turnaround_once() -> None:
