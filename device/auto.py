@@ -620,9 +620,8 @@ class AutoPolicy:
             return None
         model_arm = N.EDGE if pick.candidate.mode is Mode.NONE else N.SPEC
         flying = None if in_flight is None else N.EDGE if in_flight.settings.mode is Mode.NONE else N.SPEC
-        ceiling = math.inf if self.net.measured(N.SPEC) else self._ceiling(e)
         return N.call(self.net, self.net_config, N.ArmPrior(edge.tokens, edge.seconds),
-                      N.ArmPrior(spec.tokens, spec.seconds, ceiling), model_arm, flying, remaining,
+                      N.ArmPrior(spec.tokens, spec.seconds, self._ceiling(e)), model_arm, flying, remaining,
                       opening=self.rounds == 0 and in_flight is None)
 
     def _ceiling(self, e: A.Estimates) -> float:

@@ -392,7 +392,11 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
     edge-only's speed untried for 13 s. Not where even their best case (``spec.ceiling``: every draft
     accepted, at the drafter's measured cost) loses to edge-only: the acceptance a round would measure
     cannot make them pay, and the device's first session at a new temperature spent 0.9 s of 3.2 on
-    such rounds (a drafter at the target's cost per token); they are priced as any other. Edge-only's
+    such rounds (a drafter at the target's cost per token); they are priced as any other, their
+    optimism capped by that best case (UCB's bonus stands for what the arm might deliver, which is
+    bounded) and its rounds counted as it runs them (``fresh_rounds``): uncapped, over
+    ``probe_rounds``, the first such exploration at T = 1 was priced at 0.22 s where it lost 1.2 s
+    (a drafter at 1.5x the target's cost). Edge-only's
     price is measured from its first round on (the interval its tokens streamed at), so it keeps its
     priced rate."""
     if r_edge <= 0 or r_spec <= 0 or (arm == SPEC and not state.measured(SPEC) and could_pay(spec, r_edge, cfg)):
@@ -402,10 +406,11 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
     # priced optimistically (UCB1, Auer, Cesa-Bianchi & Fischer 2002: the less an arm was measured,
     # the larger its bonus), so that an arm the model or a few rounds wrongly thought poor is retried
     bonus = 1 + cfg.optimism / math.sqrt(state.sums(arm).rounds + cfg.prior_rounds)
-    if arm == SPEC:
-        r_spec *= bonus
-        tokens = sw_tokens + (cfg.probe_rounds - 1) * spec.tokens
-        probe_s = sw_s + (cfg.probe_rounds - 1) * spec.tokens / r_spec
+    if arm == SPEC:  # the bonus lifts the rate up to the arm's best case, not past it (nor below its rounds')
+        r_spec = max(r_spec, min(r_spec * bonus, spec.ceiling))
+        measuring = probe_rounds(state, cfg, SPEC) - 1   # the rounds after its catch-up, as it will run them
+        tokens = sw_tokens + measuring * spec.tokens
+        probe_s = sw_s + measuring * spec.tokens / r_spec
         loss = probe_s - tokens / r_edge + state.edge_wait.mean()   # edge-only again waits its first token
     else:
         r_edge *= bonus

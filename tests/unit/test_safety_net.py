@@ -642,3 +642,22 @@ def test_a_drafter_change_leaves_the_drafted_rounds_at_half_a_round_at_their_rat
         assert after.tokens / after.seconds == pytest.approx(before.tokens / before.seconds)
     assert state.spec.rounds > 5 and changed.edge == state.edge and changed.spec_probe == state.spec_probe
     assert N.drafter_changed(N.NetState(), cfg) == N.NetState()  # nothing measured: nothing to drop
+
+
+def test_an_arm_that_cannot_pay_is_priced_within_its_best_case_over_the_rounds_it_will_run() -> None:
+    """UCB's bonus lifts drafting's rate at most to its best case (every draft accepted), never below
+    what its rounds delivered; and drafting never measured is priced over the fresh_rounds it runs
+    (priced at the uncapped bonus over two rounds, the first exploration at T = 1 of a drafter at 1.5x
+    the target's cost was due after 11 s of edge-only and lost 1.2 s)."""
+    e, sp = N.ArmPrior(32, 32 / 16), N.ArmPrior(4, 4 / 6)
+    s = N.observe(N.observe(N.NetState(), CFG, N.EDGE, 8, 1.0, first=True), CFG, N.EDGE, 32, 2.0)
+    hopeless = 16 * (1 + CFG.margin) * 0.999   # cannot pay, above 6 tok/s with the bonus (~10)
+    uncapped = N.probe_wait_s(s, CFG, N.SPEC, e, replace(sp, ceiling=hopeless), 16, 6)
+    capped = N.probe_wait_s(s, CFG, N.SPEC, e, replace(sp, ceiling=7.0), 16, 6)
+    two_rounds = N.probe_wait_s(s, replace(CFG, fresh_rounds=CFG.probe_rounds), N.SPEC, e,
+                                replace(sp, ceiling=7.0), 16, 6)
+    assert capped > uncapped > 0 and capped > two_rounds > 0
+    # measured: the bonus never prices drafting below what its rounds delivered
+    measured = replace(s, spec=N.Sums().plus(4, 4 / 12, CFG.discount))
+    assert N.probe_wait_s(measured, CFG, N.SPEC, e, replace(sp, ceiling=1.0), 16, 12) == pytest.approx(
+        N.probe_wait_s(measured, CFG, N.SPEC, e, replace(sp, ceiling=12.0), 16, 12))
