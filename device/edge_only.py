@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import replace
 
 from specdec.common.protocol import Verdict
@@ -62,7 +63,7 @@ class Arrivals:
     after every token (edge_only.send_ahead_lead), and sorting the round's gaps each time grew with a
     long round (a mode-none round of all the session's tokens) on the event loop."""
 
-    def __init__(self, times: tuple[float, ...] = ()):
+    def __init__(self, times: Iterable[float] = ()):
         self.first: float | None = None
         self.last: float | None = None
         self.count = 0
@@ -96,16 +97,6 @@ class Arrivals:
         """Mean seconds between arrivals (0: fewer than two): how edge-only streams, the edge's forward,
         its sampling, the messages and the downlink all in; the link's stalls (:meth:`stall`) left out."""
         return (self.last - self.first - self.stall()) / (self.count - 1) if self.count >= 2 else 0.0
-
-
-def token_interval(arrived: list[float]) -> float:
-    """:meth:`Arrivals.interval` of the arrival times ``arrived``."""
-    return Arrivals(tuple(arrived)).interval()
-
-
-def stream_stall(arrived: list[float]) -> float:
-    """:meth:`Arrivals.stall` of the arrival times ``arrived``."""
-    return Arrivals(tuple(arrived)).stall()
 
 
 def send_ahead_lead(rtt_s: float, interval_s: float) -> int:

@@ -253,7 +253,7 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     wait): kept out of the arm's time, kept as a switch's cost. A round counts at most ``outlier`` times
     what its arm's rounds usually take (:func:`usual_seconds`; in the sums; the run takes its wall time).
     ``explore``: the round was planned as an exploration (its cost is measured: :func:`_episode`).
-    ``stall_s``: seconds the link held the round's stream up (an outage, edge_only.stream_stall): kept
+    ``stall_s``: seconds the link held the round's stream up (an outage, edge_only.Arrivals.stall): kept
     out of the arm's time and of an exploration's cost; the link is down for either arm."""
     kept = "switch" if switch else arm
     mine = state.sums(kept)
@@ -396,9 +396,8 @@ def probe_wait_s(state: NetState, cfg: NetConfig, arm: str, edge: ArmPrior, spec
     optimism capped by that best case (UCB's bonus stands for what the arm might deliver, which is
     bounded) and its rounds counted as it runs them (``fresh_rounds``): uncapped, over
     ``probe_rounds``, the first such exploration at T = 1 was priced at 0.22 s where it lost 1.2 s
-    (a drafter at 1.5x the target's cost). Edge-only's
-    price is measured from its first round on (the interval its tokens streamed at), so it keeps its
-    priced rate."""
+    (a drafter at 1.5x the target's cost). Edge-only's price is measured from its first round on (the
+    interval its tokens streamed at), so it keeps its priced rate."""
     if r_edge <= 0 or r_spec <= 0 or (arm == SPEC and not state.measured(SPEC) and could_pay(spec, r_edge, cfg)):
         return 0.0
     sw_tokens, sw_s = state.switch.per_round() or (spec.tokens, 2 * spec.tokens / r_spec)

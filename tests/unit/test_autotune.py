@@ -79,9 +79,9 @@ def test_edge_only_is_priced_at_how_its_rounds_streamed_once_measured() -> None:
 
 
 def test_a_streamed_rounds_token_interval_is_its_arrivals_mean_spacing() -> None:
-    assert edge_only.token_interval([1.0, 1.1, 1.3, 1.6]) == pytest.approx(0.2)
-    assert edge_only.token_interval([1.0]) == 0.0 and edge_only.token_interval([]) == 0.0
-    assert edge_only.stream_stall([1.0, 1.1, 1.3, 1.6]) == 0.0
+    assert edge_only.Arrivals([1.0, 1.1, 1.3, 1.6]).interval() == pytest.approx(0.2)
+    assert edge_only.Arrivals([1.0]).interval() == 0.0 and edge_only.Arrivals([]).interval() == 0.0
+    assert edge_only.Arrivals([1.0, 1.1, 1.3, 1.6]).stall() == 0.0
 
 
 def test_an_outage_in_a_stream_is_left_out_of_its_interval() -> None:
@@ -92,11 +92,11 @@ def test_an_outage_in_a_stream_is_left_out_of_its_interval() -> None:
     arrived = steady + [2.18 + 0.001 * i for i in range(4)]
     gaps = [b - a for a, b in zip(arrived, arrived[1:])]
     usual = sorted(gaps)[len(gaps) // 2]
-    assert edge_only.stream_stall(arrived) == pytest.approx(2.0 - usual)
-    assert edge_only.token_interval(arrived) == pytest.approx((arrived[-1] - arrived[0] - 2.0 + usual) / 7)
-    assert edge_only.token_interval(arrived) < 0.06
+    assert edge_only.Arrivals(arrived).stall() == pytest.approx(2.0 - usual)
+    assert edge_only.Arrivals(arrived).interval() == pytest.approx((arrived[-1] - arrived[0] - 2.0 + usual) / 7)
+    assert edge_only.Arrivals(arrived).interval() < 0.06
     scattered = [0.0, 0.06, 0.3, 0.36, 0.42, 0.6, 0.66]
-    assert edge_only.stream_stall(scattered) == 0.0
+    assert edge_only.Arrivals(scattered).stall() == 0.0
 
 
 def test_an_edge_only_round_an_outage_held_up_prices_edge_only_as_it_streams() -> None:

@@ -388,7 +388,7 @@ def test_only_a_step_of_the_drafter_makes_the_nets_drafted_rounds_stale() -> Non
         assert tracker.estimates(1.0, V).draft_s == pytest.approx(forward_s, rel=0.3 if changed else 1.0)
 
 
-def new_temperature_session(forward_s: float, accepted: int, monkeypatch=None) -> list[tuple[Mode, str | None]]:
+def new_temperature_session(forward_s: float, accepted: int) -> list[tuple[Mode, str | None]]:
     """A device that drafted 12 rounds at T = 1 (``accepted`` of 4 drafts, ``forward_s`` a drafter
     forward) and streamed edge-only at 20 tok/s; its first session at T = 0.5: (mode, why) of its rounds."""
     tracker = LinkTracker()
