@@ -61,6 +61,9 @@ STEP_SHIFT = 0.25
 # than the target's forward per token never pays), so 1.4x moves that round by ~20 %: more than the
 # net's margin, and a step no scatter of forwards makes three times in a row.
 DRAFTER_CHANGE = 1.4
+# Forwards of the drafter timed where the safety net asks for it (NetCall.retime): as many as a step of
+# its cost takes (_Stepped), so that one timing finds a drafter that got faster.
+RETIME_FORWARDS = STEP_SAMPLES
 
 
 class _Ewma:
@@ -397,6 +400,8 @@ class LinkTracker:
             elif not first and (wait := first_token_wait(r, settings, sent_ahead)) is not None:
                 stalled = self.link.add(wait, r.uplink_bytes, 0)
             if settings.mode is Mode.NONE:
+                if r.forward_s:  # the drafter timed while the round streamed (safety_net.NetCall.retime)
+                    self._observe_drafter(r, catching_up=False)
                 if r.generated:
                     self.verify.add(1, forward / r.generated)
                     self.queue_s.add(queue / r.generated)
@@ -607,8 +612,10 @@ class AutoPolicy:
         chosen = probe or pick
         chunk, catch_up = self._edge_chunk(chosen, net, e, cold)
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
-        return RoundPlan(self.settings_for(chosen.candidate, chunk),
-                         choice=_explain(chosen, e, ranking, why, chunk, catch_up, net, self.net),
+        choice = _explain(chosen, e, ranking, why, chunk, catch_up, net, self.net)
+        if net is not None and net.retime and chosen.candidate.mode is Mode.NONE:
+            choice["retime"] = RETIME_FORWARDS
+        return RoundPlan(self.settings_for(chosen.candidate, chunk), choice=choice,
                          decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk,
                          edge_tail=0 if catch_up else self.tracker.config.edge_chunk_min)
 
@@ -657,8 +664,8 @@ class AutoPolicy:
             return e.edge_chunk, False
         if cold:
             return self.tracker.config.edge_chunk_min, True
-        if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0:
-            return e.edge_chunk, False
+        if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0 or not net.spec_pays:
+            return e.edge_chunk, False  # (drafting that cannot pay is timed, not explored: no round is cut for it)
         # the round may wait for its first token (a request not sent ahead), beyond its tokens' rate
         due = math.ceil(max(0.0, net.probe_due_s - self.net.edge_wait.mean()) * net.edge_rate)
         if due > e.edge_chunk:  # (one that ends just where it is due reads the tokens too)
@@ -748,7 +755,7 @@ class AutoPolicy:
         kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
                     wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),
                     explore=(event.plan.choice or {}).get("why") == "explore",
-                    stall_s=event.record.stream_stall_s)
+                    stall_s=event.record.stream_stall_s, retimed=not drafted and bool(event.record.forward_s))
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -139,6 +140,29 @@ def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event
             continue
         arrived.wait()
         arrived.clear()
+
+
+def time_drafter(session: RoundHost, stop: threading.Event, arrived: threading.Event,
+                 forwards: int) -> tuple[float, ...]:
+    """In a worker thread during an edge-only round: the seconds of ``forwards`` forwards of the drafter
+    that each feed it one verified token it has not seen, as a drafted round's forwards do (the tokens
+    before them fed at once first, so that they run at the session's context length). Where the safety
+    net does not explore drafting, this is how it learns the drafter's cost still. Deterministic: no
+    random number is drawn."""
+    model = session.drafting.model
+    times: list[float] = []
+    while len(times) < forwards and not stop.is_set():
+        behind = len(session.tokens) - 1 - model.cache_len
+        if behind > forwards - len(times):
+            model.feed(session.tokens[:len(session.tokens) - 1 - (forwards - len(times))])
+        elif behind > 0:
+            t0 = time.perf_counter()
+            model.feed(session.tokens[:model.cache_len + 1])
+            times.append(time.perf_counter() - t0)
+        else:
+            arrived.wait()
+            arrived.clear()
+    return tuple(times)
 
 
 def retry_plan(rd: RoundDraft) -> RoundPlan | None:

@@ -126,7 +126,7 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
     held the finished session for seconds. Not before that token: a round the edge supersedes (it ran
     ahead) delivers less, and the session goes on."""
     # t0: when the round's request went out, or (sent ahead) when it became the round in flight
-    catch_up = _start_catch_up(session, rd.plan)
+    catch_up = _start_catch_up(session, rd)
     received, edge_verify, edge_queue, first, verdict, planned = 0, 0.0, 0.0, None, None, False
     arrived = edge_only.Arrivals()
     after = remaining - rd.settings.edge_tokens  # tokens still wanted after this round, if it streams them all
@@ -201,13 +201,22 @@ async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: 
     return True
 
 
-def _start_catch_up(session: DraftSession, plan: RoundPlan):
-    """While an edge-only round streams, feed the drafter the tokens it has not seen (its plan says
-    whether a drafted round is expected soon); no random number is drawn."""
-    if not (plan.choice or {}).get("catch_up"):
+def _start_catch_up(session: DraftSession, rd: RoundDraft):
+    """While edge-only round ``rd`` streams, time the drafter's forwards (its plan's ``retime``: how
+    many, into the round's ``forward_s``) and feed it the tokens it has not seen (its plan's
+    ``catch_up``: a drafted round is expected soon); no random number is drawn."""
+    choice = rd.plan.choice or {}
+    forwards, catch_up = int(choice.get("retime") or 0), bool(choice.get("catch_up"))
+    if not (forwards or catch_up):
         return None
     stop, arrived = threading.Event(), threading.Event()
-    return stop, asyncio.ensure_future(asyncio.to_thread(edge_only.catch_up, session, stop, arrived)), arrived
+
+    def work() -> None:
+        if forwards:
+            rd.forward_s = edge_only.time_drafter(session, stop, arrived, forwards)
+        if catch_up:
+            edge_only.catch_up(session, stop, arrived)
+    return stop, asyncio.ensure_future(asyncio.to_thread(work)), arrived
 
 
 def _start_draft_ahead(session: DraftSession, rd: RoundDraft, remaining: int):

@@ -38,6 +38,7 @@ AUTO_GAUGES = (
      "Tokens per second edge-only rounds delivered (the safety net's estimate)"),
     ("net_spec_tokens_per_s", "net_drafted_tokens_per_second",
      "Tokens per second drafted rounds delivered (the safety net's estimate)"),
+    ("draft_s", "drafter_forward_seconds", "Estimated seconds of one drafter forward feeding one token"),
 )
 # why mode auto overrode its model's pick (``AutoPolicy.last["why"]``): a fixed set, so a bounded label
 AUTO_OVERRIDES = ("cold", "probe", "net", "explore")
@@ -60,6 +61,9 @@ class DeviceMetrics(SpecMetrics):
                                       "arm)", ["why"], **self.kw)
         for why in AUTO_OVERRIDES:
             self.auto_overrides.labels(why)
+        self.auto_drafter_timings = Counter("auto_drafter_timings", "Edge-only rounds during which mode auto "
+                                            "timed the drafter, where exploring drafting could not pay "
+                                            "(safety_net.NetCall.retime)", **self.kw)
         # The edge label takes Welcome.edge_name: one value per edge of the fleet, never per session.
         self.fleet_sessions = Gauge("fleet_sessions", "Sessions running on each edge now", ["edge"], **self.kw)
         self.fleet_moves = Counter("fleet_moves", "Sessions that continued on another edge than the one "
@@ -84,6 +88,8 @@ class DeviceMetrics(SpecMetrics):
         self.auto_choices.labels(last["mode"]).inc()
         if last.get("why") in AUTO_OVERRIDES:
             self.auto_overrides.labels(last["why"]).inc()
+        if last.get("retime"):
+            self.auto_drafter_timings.inc()
         for key, gauge in self.auto_gauges.items():
             gauge.set(last.get(key) or 0.0)
 

@@ -38,6 +38,14 @@ in), and plays the arms as a two-armed bandit:
 * an arm whose explorations lost ``k`` times in a row is explored at ``explore_cost / (1 + k)`` (k up
   to ``backoff``): at a fixed share, exploring a drafter that never pays (one slower than the target)
   cost 2-4 % of the time for ever, where UCB's explorations of an arm measured worse thin out.
+* drafting whose best case loses (every draft accepted, at the drafter's measured cost:
+  ``ArmPrior.ceiling``) is not explored: no acceptance a drafted round could measure makes it pay, and
+  the link's and the edge's costs in that best case are measured by the edge-only rounds themselves.
+  What could change is the drafter's cost (a device that stopped throttling, another app gone), so
+  where an exploration of it falls due the net asks for the drafter to be timed instead
+  (``NetCall.retime``: a few forwards while an edge-only round streams, costing no wall time) and
+  restarts its clock once it was. Explored regardless, drafted rounds at 1.5x the target's cost per
+  token lost 6-20 % of the sessions they ran in.
 
 Pure: no clock, no model; the rounds' times come in with their events.
 """
@@ -181,6 +189,8 @@ class NetCall:
     edge_rate: float
     spec_rate: float
     probe_due_s: float   # seconds of the current arm before the other is explored (inf: not counting)
+    spec_pays: bool = True  # drafting's best case beats edge-only (it is explored, not timed)
+    retime: bool = False    # an exploration of drafting that cannot pay is due: time the drafter instead
 
 
 @dataclass(frozen=True)
@@ -245,7 +255,7 @@ def drafter_changed(state: NetState, cfg: NetConfig) -> NetState:
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,
             switch: bool = False, wait_s: float | None = None, explore: bool = False,
-            stall_s: float = 0.0) -> NetState:
+            stall_s: float = 0.0, retimed: bool = False) -> NetState:
     """One committed round of ``arm``: ``tokens`` in ``seconds`` of wall time. A session's ``first``
     round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
     (``switch``) goes to the switch's sums; both count in the run. ``wait_s``: an edge-only round not
@@ -254,7 +264,9 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     what its arm's rounds usually take (:func:`usual_seconds`; in the sums; the run takes its wall time).
     ``explore``: the round was planned as an exploration (its cost is measured: :func:`_episode`).
     ``stall_s``: seconds the link held the round's stream up (an outage, edge_only.Arrivals.stall): kept
-    out of the arm's time and of an exploration's cost; the link is down for either arm."""
+    out of the arm's time and of an exploration's cost; the link is down for either arm. ``retimed``: the
+    drafter was timed during the round (``NetCall.retime``), which stands for the exploration due: the
+    run's clock restarts."""
     kept = "switch" if switch else arm
     mine = state.sums(kept)
     wait = min(max(0.0, wait_s or 0.0), seconds)
@@ -267,8 +279,8 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
         changes["edge_wait"] = state.edge_wait.plus(wait, cfg.discount)
     changes.update(_episode(state, cfg, arm, tokens, counted + wait, explore, first, wait))
     same = arm == state.last_arm
-    return replace(state, **changes, last_arm=arm, run_s=(state.run_s if same else 0.0) + seconds,
-                   run_rounds=(state.run_rounds if same else 0) + 1)
+    run_s = 0.0 if retimed else (state.run_s if same else 0.0) + seconds
+    return replace(state, **changes, last_arm=arm, run_s=run_s, run_rounds=(state.run_rounds if same else 0) + 1)
 
 
 def usual_seconds(sums: Sums, arm: str, tokens: int) -> float:
@@ -350,11 +362,19 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
         last, runs = in_flight, (runs + 1 if in_flight == last else 1)
     going_on = last == other and runs < probe_rounds(state, cfg, other)  # rounds not all run yet
     starting = last is not None and last != other and due <= 0 and fits(state, cfg, other, spec, remaining)
-    if not opening and (going_on or starting):
+    pays = spec_pays(state, cfg, spec, r_edge)
+    if not opening and (going_on or (starting and (other == EDGE or pays))):
         arm, why = other, "explore"
     else:
         arm, why = better, None if better == model_arm else "net"
-    return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf)
+    retime = arm == EDGE and other == SPEC and not pays and due <= 0
+    return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf, pays, retime)
+
+
+def spec_pays(state: NetState, cfg: NetConfig, spec: ArmPrior, r_edge: float) -> bool:
+    """Whether drafting could beat edge-only's ``r_edge``: its best case does (:func:`could_pay`), or its
+    steady rounds measured better (evidence outranks the model the best case comes from)."""
+    return could_pay(spec, r_edge, cfg) or _measured_better(state, cfg, SPEC)
 
 
 def probe_rounds(state: NetState, cfg: NetConfig, arm: str) -> int:

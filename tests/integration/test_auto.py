@@ -40,14 +40,17 @@ class RandomAuto(AutoPolicy):
         keep = self.current is not None and rng.random() < 0.5
         c = self.current if keep else rng.choice(self.candidates)
         self.last_choices.append(c.key)
-        return RoundPlan(self.settings_for(c, rng.choice((1, 2, 9))), choice={"catch_up": rng.random() < 0.5},
+        return RoundPlan(self.settings_for(c, rng.choice((1, 2, 9))), choice={"catch_up": rng.random() < 0.5, "retime": rng.choice((0, 3))},
                          decision=AutoDecision(c, None))
 
 
 def random_auto_session(drafter, hello, session_class=DraftSession):
     policy = RandomAuto(LinkTracker(TINY), hello, drafter.vocab_size, draft_ahead=True)
     policy.last_choices = []
-    return session_class(drafter, hello, draft_ahead=True, policy=policy)
+    session = session_class(drafter, hello, draft_ahead=True, policy=policy)
+    session.events = []
+    session.listeners.append(session.events.append)
+    return session
 
 
 def measured_auto_session(drafter, hello):
@@ -113,8 +116,15 @@ def test_random_auto_covers_every_kind_of_round(tiny_pair_v8) -> None:
         async with edge(target_dir) as address:
             return await run_sessions(address, load(str(drafter_dir)), cfg, PROMPT, range(60), random_auto_session)
 
-    kinds = Counter(key.split("/")[0] for _, _, s in run(main()) for key in s.policy.last_choices)
+    sessions = [s for _, _, s in run(main())]
+    kinds = Counter(key.split("/")[0] for s in sessions for key in s.policy.last_choices)
     assert {"none", "dssd", "dense"} <= set(kinds) and len(kinds) >= 6, kinds
+    # edge-only rounds that timed the drafter as they streamed (the safety net's retime) recorded its
+    # forwards, each fed one token; none did unasked
+    streamed = [e for s in sessions for e in s.events if e.settings.mode is Mode.NONE]
+    timed = [e.record.forward_s for e in streamed if e.plan.choice.get("retime")]
+    assert len(timed) >= 3 and any(len(t) == 3 for t in timed) and all(min(t, default=1) > 0 for t in timed), timed
+    assert not any(e.record.forward_s for e in streamed if not e.plan.choice.get("retime"))
 
 
 def test_auto_stays_within_the_limits_of_a_smaller_edge(tiny_pair_v8) -> None:

@@ -433,6 +433,22 @@ def test_each_timed_forward_samples_the_drafters_time() -> None:
     assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.08) and t.drafter_changes == 1
 
 
+def test_an_edge_only_round_that_timed_the_drafter_samples_its_time() -> None:
+    """The safety net times the drafter during an edge-only round where it does not explore drafting
+    (safety_net.NetCall.retime): those forwards step the estimate as drafted rounds' do, so a drafter
+    that got faster is found without drafting; an edge-only round without them leaves it."""
+    t = LinkTracker()
+    for _ in range(20):
+        t.observe_round(replace(record(drafted=3, accepted=3, draft=0.3), draft_forwards=3, forward_s=(0.1,) * 3),
+                        SETTINGS, 1.0, 49152)
+    edge = DraftSettings(mode=Mode.NONE, edge_tokens=32)
+    streamed = replace(record(mode=Mode.NONE, drafted=0, accepted=0, draft=0.0), generated=32)
+    t.observe_round(streamed, edge, 1.0, 49152)
+    assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.1) and t.drafter_changes == 0
+    t.observe_round(replace(streamed, forward_s=(0.04,) * 3), edge, 1.0, 49152)
+    assert t.estimates(1.0, 49152).draft_s == pytest.approx(0.04) and t.drafter_changes == 1
+
+
 def test_a_step_is_measured_from_the_level_its_run_left() -> None:
     """The step a run of samples makes is its mean over the level before its first sample, from the
     first level measured on (an estimate that starts empty, or is restored, included)."""
@@ -540,27 +556,50 @@ def test_every_choice_is_a_valid_round() -> None:
             assert s.draft_len == c.draft_len and (not c.top_k or s.top_k == c.top_k)
 
 
-def test_policy_leaves_speculation_when_the_drafter_is_slow_and_comes_back_to_check() -> None:
+def _drafts_nothing_accepted(draft_s: float, rounds: int = 30) -> tuple[list, list, list]:
+    """A policy's (modes, edge tokens, choices) over ``rounds`` rounds where no draft is ever accepted and
+    the drafter takes ``draft_s`` a token (the target 0.05 s a token, the link 0.05 s a trip)."""
     hello = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
                   seed=0, max_new_tokens=512)
-    tracker = LinkTracker()
-    policy = AutoPolicy(tracker, hello, 49152)
-    modes, edge_tokens = [], []
-    for _ in range(30):
-        s = policy.choose().settings
+    policy = AutoPolicy(LinkTracker(), hello, 49152)
+    modes, edge_tokens, choices = [], [], []
+    for _ in range(rounds):
+        plan = policy.choose()
+        s = plan.settings
         modes.append(s.mode)
+        choices.append(plan.choice)
         edge_tokens.append(s.edge_tokens if s.mode is Mode.NONE else 0)
         if s.mode is Mode.NONE:
+            timed = (draft_s,) * int(plan.choice.get("retime") or 0)   # the drafter timed as it streamed
             r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=s.edge_tokens,
-                            uplink_bytes=30, downlink_bytes=40 * s.edge_tokens,
+                            uplink_bytes=30, downlink_bytes=40 * s.edge_tokens, forward_s=timed,
                             phases={"network": 0.05, "queue": 0.0, "decode": 0.0, "verify": 0.05 * s.edge_tokens})
-        else:  # a drafter as slow as the target, accepting little
-            r = record(drafted=s.draft_len, accepted=0, up=300, network=0.05, verify=0.05, draft=0.1 * s.draft_len)
+        else:
+            r = replace(record(drafted=s.draft_len, accepted=0, up=300, network=0.05, verify=0.05,
+                               draft=draft_s * s.draft_len), draft_forwards=s.draft_len, forward_s=(draft_s,) * s.draft_len)
         policy.observe(event(r, s, sum(r.phases.values())))
+    return modes, edge_tokens, choices
+
+
+def test_policy_leaves_speculation_that_does_not_pay_and_comes_back_to_check() -> None:
+    """A drafter at a fifth of the target's cost per token whose drafts are all rejected: edge-only runs,
+    and drafting, which would pay were its drafts accepted, is explored again now and then."""
+    modes, edge_tokens, _ = _drafts_nothing_accepted(0.01)
     # edge-only rounds are as long as their boundary allows: it is their tokens that outnumber the drafted rounds'
     drafted = sum(m is not Mode.NONE for m in modes[-10:])
     assert sum(edge_tokens[-10:]) >= 10 * drafted and modes[-10:].count(Mode.NONE) > drafted, modes
     assert Mode.NONE in modes and any(m is not Mode.NONE for m in modes[10:]), "never re-checked drafting"
+
+
+def test_a_drafter_slower_than_the_target_is_left_and_timed_not_drafted_again() -> None:
+    """At 1.6x the target's cost per token no acceptance makes drafting pay: once its cost is measured,
+    drafting is left for good and the drafter is timed while edge-only streams (safety_net.NetCall.retime)."""
+    modes, _, choices = _drafts_nothing_accepted(0.08, rounds=60)
+    first_drafted = next(i for i, m in enumerate(modes) if m is not Mode.NONE)  # (its cost not yet measured)
+    left = modes.index(Mode.NONE, first_drafted)
+    assert left <= first_drafted + 3, modes
+    assert all(m is Mode.NONE for m in modes[left:]), modes
+    assert sum(1 for c in choices[left:] if c.get("retime")) >= 2, choices[left:]
 
 
 def test_a_kind_of_round_slower_than_modelled_is_predicted_slower() -> None:

@@ -4,6 +4,7 @@ paying within a few rounds, outvotes a model wrong in either direction, finds a 
 good again, and its exploring costs about ``explore_cost`` of the time."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -31,13 +32,15 @@ class World:
                  cfg: N.NetConfig = CFG, noise: float = 0.3, catch_up: float = 2.0, seed: int = 0,
                  edge_wait: float = 0.0, tell_wait: bool = True, edge_tokens: int = EDGE_TOKENS,
                  ahead_rounds: int = 0, session_tokens: int | None = None, tell_opening: bool = True,
-                 flatter: float = 1.0):
+                 flatter: float = 1.0, ceiling: float = math.inf):
         self.rates = {N.EDGE: edge_rate, N.SPEC: spec_rate}
         self.model = {N.EDGE: model_edge, N.SPEC: model_spec}
         self.cfg, self.noise, self.catch_up = cfg, noise, catch_up
         self.edge_wait, self.tell_wait, self.edge_tokens = edge_wait, tell_wait, edge_tokens
         self.ahead_rounds = ahead_rounds
         self.session_tokens, self.tell_opening, self.flatter = session_tokens, tell_opening, flatter
+        self.ceiling = ceiling            # drafting's best case, as the model gives it
+        self.retimes: list[float] = []    # when the net had the drafter timed (seconds)
         self.left = session_tokens        # tokens the session under way still wants
         self.rng = random.Random(seed)
         self.state = N.NetState()
@@ -45,13 +48,15 @@ class World:
 
     def prior(self, arm: str) -> N.ArmPrior:
         tokens = self.edge_tokens if arm == N.EDGE else SPEC_TOKENS
-        return N.ArmPrior(tokens, tokens / self.model[arm])
+        return N.ArmPrior(tokens, tokens / self.model[arm], self.ceiling if arm == N.SPEC else math.inf)
 
     def step(self) -> str:
         model_arm = max(self.model, key=self.model.get)
         c = N.call(self.state, self.cfg, self.prior(N.EDGE), self.prior(N.SPEC), model_arm, remaining=self.left,
                    opening=self.opening and self.tell_opening)
-        self.round(c.arm, c.why)
+        if c.retime:
+            self.retimes.append(self.seconds)
+        self.round(c.arm, c.why, c.retime)
         probe_done = self.state.run_rounds == N.probe_rounds(self.state, self.cfg, N.SPEC)
         if c.arm == N.SPEC and c.why == "explore" and probe_done:
             for _ in range(self.ahead_rounds):   # drafted ahead while the probe's last was verified
@@ -63,7 +68,7 @@ class World:
         """Whether the next round is a session's first."""
         return not self.log or (self.session_tokens is not None and self.left == self.session_tokens)
 
-    def round(self, arm: str, why: str | None) -> None:
+    def round(self, arm: str, why: str | None, retimed: bool = False) -> None:
         first = self.opening
         tokens = self.edge_tokens if arm == N.EDGE else SPEC_TOKENS
         if self.left is not None:
@@ -80,7 +85,7 @@ class World:
         seconds += self.edge_wait if waited else 0.0
         wait_s = self.edge_wait if waited and self.tell_wait else None
         self.state = N.observe(self.state, self.cfg, arm, tokens, seconds, first=first, switch=catching_up,
-                               wait_s=wait_s, explore=why == "explore")
+                               wait_s=wait_s, explore=why == "explore", retimed=retimed)
         self.log.append((arm, why, tokens, seconds))
         if self.left is not None:
             self.left -= tokens
@@ -382,6 +387,27 @@ def test_drafting_that_cannot_pay_even_accepting_every_draft_is_not_explored_at_
     assert N.call(s, CFG, e, could, N.EDGE).why == "explore"
 
 
+def test_drafting_that_cannot_pay_is_timed_where_its_exploration_falls_due_and_never_drafted() -> None:
+    """A drafter whose best case (every draft accepted, at its measured cost) loses to edge-only: where
+    an exploration of it falls due, the net keeps edge-only and has the drafter timed instead, at the
+    rate explorations would run (the clock restarts after each timing), and no drafted round runs; once
+    a timing finds it faster, so that its best case pays, it is explored at once (it was never measured)."""
+    w = World(edge_rate=10, spec_rate=5, model_edge=10, model_spec=5, ceiling=8.0)
+    w.run(600)
+    assert all(arm == N.EDGE for arm, *_ in w.log) and w.lost_share() == pytest.approx(0.0, abs=1e-9)
+    assert len(w.retimes) >= 3, w.retimes     # (explored instead: a round every few seconds, each a loss)
+    wait = N.probe_wait_s(w.state, CFG, N.SPEC, w.prior(N.EDGE), w.prior(N.SPEC), 10, 5)
+    gaps = [b - a for a, b in zip(w.retimes, w.retimes[1:])]
+    assert min(gaps) >= 0.5 * wait and max(gaps) <= 2 * wait + 2 * EDGE_TOKENS / 10, (gaps, wait)
+    w.ceiling, w.rates[N.SPEC] = 30.0, 20   # a timing found the drafter faster (the model not yet)
+    assert w.step() == N.SPEC and w.log[-1][1] == "explore", w.log[-1]
+    # evidence outranks the best case: steady drafted rounds measured better keep it explored
+    measured = replace(N.NetState(), spec_steady=N.Sums().plus(40, 2.0, CFG.discount),
+                       edge=N.Sums().plus(32, 3.2, CFG.discount))
+    assert N.spec_pays(measured, CFG, N.ArmPrior(4, 1.0, ceiling=5.0), 10.0)
+    assert not N.spec_pays(N.NetState(), CFG, N.ArmPrior(4, 1.0, ceiling=5.0), 10.0)
+
+
 def test_the_model_weighs_a_fraction_of_a_round_either_way() -> None:
     one = N.Sums().plus(6, 1.0, CFG.discount)
     assert one.rate(30.0, CFG.prior_rounds) == pytest.approx((6 + 30 * CFG.prior_rounds) / (1 + CFG.prior_rounds))
@@ -438,12 +464,17 @@ def test_the_nets_estimates_and_overrides_reach_the_device_metrics() -> None:
     registry = CollectorRegistry()
     m = DeviceMetrics(registry)
     m.observe_auto({"mode": "none", "why": "net", "net_edge_tokens_per_s": 12.5, "net_spec_tokens_per_s": 8.0})
-    m.observe_auto({"mode": "tslt", "why": None, "net_edge_tokens_per_s": 12.0, "net_spec_tokens_per_s": 20.0})
+    m.observe_auto({"mode": "tslt", "why": None, "net_edge_tokens_per_s": 12.0, "net_spec_tokens_per_s": 20.0,
+                    "draft_s": 0.09})
     value = registry.get_sample_value
     assert value("specdec_device_auto_overrides_total", {"why": "net"}) == 1.0
     assert value("specdec_device_auto_overrides_total", {"why": "explore"}) == 0.0
     assert value("specdec_device_auto_net_drafted_tokens_per_second") == 20.0
     assert value("specdec_device_auto_net_edge_only_tokens_per_second") == 12.0
+    assert value("specdec_device_auto_drafter_forward_seconds") == 0.09
+    assert value("specdec_device_auto_drafter_timings_total") == 0.0
+    m.observe_auto({"mode": "none", "why": None, "retime": 3, "draft_s": 0.09})
+    assert value("specdec_device_auto_drafter_timings_total") == 1.0
 
 
 class Drafts(World):
