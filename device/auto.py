@@ -730,10 +730,11 @@ class AutoPolicy:
             # measured by how they streamed, A.time_scale)
             modelled = A.first_round(d.candidate, d.estimates, event.ahead_steps, self.draft_ahead, event.sent_ahead)
             self.tracker.add_round_time(d.candidate.codec_key, event.elapsed_s, modelled)
-        if self.tracker.drafter_changes != self._drafter_changes:  # (this session's rounds or another's)
+        changed = self.tracker.drafter_changes != self._drafter_changes  # (this session's rounds or another's)
+        if changed:
             self._drafter_changes = self.tracker.drafter_changes
             self.net = N.drafter_changed(self.net, self.net_config)
-        self._observe_net(event, drafted)
+        self._observe_net(event, drafted, changed)
         self._drafted_last = drafted
         self.rounds += 1
 
@@ -743,19 +744,24 @@ class AutoPolicy:
         safety net's next sample starts after it instead of carrying it."""
         self._last_t = event.t
 
-    def _observe_net(self, event: RoundEvent, drafted: bool) -> None:
+    def _observe_net(self, event: RoundEvent, drafted: bool, drafter_changed: bool = False) -> None:
         """The round's tokens and wall seconds (since the last committed round) to the safety net, here
         and on the device (where the next sessions start): the session's first round (the prefill) and
         a drafted round that catches the drafter up (a switch's cost) apart, and an edge-only round's
-        wait for its first token unless its request went ahead (a switch's cost too), and whether it
-        was planned as an exploration (what explorations cost is measured)."""
+        wait for its first token unless its request went ahead (a switch's cost too), whether it
+        was planned as an exploration (what explorations cost is measured), and whether it timed the
+        drafter (the exploration it stood for is done), unless that found the drafter's cost changed:
+        then the exploration stays due, and the next round explores the drafter as it now is (or
+        times it again), where the clock restarted would keep a drafter that got faster unexplored
+        for another 25-100 s."""
         seconds = max(0.0, event.t - self._last_t)
         self._last_t = event.t
         arm = N.SPEC if drafted else N.EDGE
         kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
                     wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),
                     explore=(event.plan.choice or {}).get("why") == "explore",
-                    stall_s=event.record.stream_stall_s, retimed=not drafted and bool(event.record.forward_s))
+                    stall_s=event.record.stream_stall_s,
+                    retimed=not drafted and bool(event.record.forward_s) and not drafter_changed)
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)

@@ -345,7 +345,8 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     every sum, so an exploration it began went unpriced (its catch-up, the drafter reading the prompt,
     uncounted) and never lengthened the losing streak. Explorations deferred by a session's end ran
     first thing in the next, so a drafter that never paid was explored at the full share, every
-    session."""
+    session. An exploration of drafting that cannot pay (:func:`spec_pays`) is not run: where it falls
+    due, the call says ``retime`` (time the drafter while edge-only streams) instead."""
     r_edge = state.edge.rate(edge.rate, cfg.prior_rounds)
     r_spec = state.spec.rate(spec.rate, cfg.prior_rounds)
     se = math.hypot(state.edge.stderr(r_edge, cfg.prior_rounds, cfg.prior_cv),

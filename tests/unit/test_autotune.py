@@ -556,14 +556,18 @@ def test_every_choice_is_a_valid_round() -> None:
             assert s.draft_len == c.draft_len and (not c.top_k or s.top_k == c.top_k)
 
 
-def _drafts_nothing_accepted(draft_s: float, rounds: int = 30) -> tuple[list, list, list]:
+def _drafts_nothing_accepted(draft_s: float, rounds: int = 30, then: float | None = None,
+                             after: int = 0) -> tuple[list, list, list]:
     """A policy's (modes, edge tokens, choices) over ``rounds`` rounds where no draft is ever accepted and
-    the drafter takes ``draft_s`` a token (the target 0.05 s a token, the link 0.05 s a trip)."""
+    the drafter takes ``draft_s`` a token (the target 0.05 s a token, the link 0.05 s a trip); ``then``
+    a token from round ``after`` on (None: the same)."""
     hello = Hello(vocab_fingerprint="x", vocab_size=49152, temperature=1.0, draft=resolve({}, vocab_size=49152),
                   seed=0, max_new_tokens=512)
     policy = AutoPolicy(LinkTracker(), hello, 49152)
     modes, edge_tokens, choices = [], [], []
-    for _ in range(rounds):
+    for i in range(rounds):
+        if then is not None and i == after:
+            draft_s = then
         plan = policy.choose()
         s = plan.settings
         modes.append(s.mode)
@@ -578,6 +582,7 @@ def _drafts_nothing_accepted(draft_s: float, rounds: int = 30) -> tuple[list, li
             r = replace(record(drafted=s.draft_len, accepted=0, up=300, network=0.05, verify=0.05,
                                draft=draft_s * s.draft_len), draft_forwards=s.draft_len, forward_s=(draft_s,) * s.draft_len)
         policy.observe(event(r, s, sum(r.phases.values())))
+        choices[-1] = {**plan.choice, "run_s_after": policy.net.run_s}
     return modes, edge_tokens, choices
 
 
@@ -600,6 +605,13 @@ def test_a_drafter_slower_than_the_target_is_left_and_timed_not_drafted_again() 
     assert left <= first_drafted + 3, modes
     assert all(m is Mode.NONE for m in modes[left:]), modes
     assert sum(1 for c in choices[left:] if c.get("retime")) >= 2, choices[left:]
+    # the drafter gets 8x faster: the first timing that sees it steps its cost, and the next round
+    # drafts (its best case pays now), not one a whole exploration interval later
+    modes, _, choices = _drafts_nothing_accepted(0.08, rounds=90, then=0.01, after=60)
+    timed = next(i for i in range(60, 90) if choices[i].get("retime"))
+    assert modes[timed + 1] is not Mode.NONE, modes[timed:]
+    # a timing restarts the exploration clock, unless it found the drafter changed
+    assert choices[timed]["run_s_after"] > 0 and all(c["run_s_after"] == 0 for c in choices[:60] if c.get("retime"))
 
 
 def test_a_kind_of_round_slower_than_modelled_is_predicted_slower() -> None:
