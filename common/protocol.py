@@ -31,7 +31,8 @@ from specdec.common.settings import DraftSettings
 # them and says nothing of them in its Welcome, and a device whose Hello sets any stops there
 # (Welcome.adjusts_law), before any round; Prompt.prompt_len, which only such an edge reads.
 # So is a late round continued (Hello.continues_late): an older edge supersedes the round, as the
-# device expects of it, and an older device is never sent a verdict after tokens generated ahead.
+# device expects of it, and an older device is never sent a verdict after tokens generated ahead; so is
+# a late edge-only round continued (Hello.continues_late_edge_only), each way alike.
 PROTOCOL_VERSION = 1
 
 __all__ = ["PROTOCOL_VERSION", "DraftSettings", "Hello", "Welcome", "DraftBlock", "Verdict",
@@ -78,6 +79,7 @@ class Hello:
     grammar: Grammar | None = None   # what the output must match (structured outputs); None: anything
     logprobs: int = NO_LOGPROBS      # each verdict's tokens' log-probabilities (0) and their top N (N > 0)
     continues_late: bool = False     # the device takes a late round's verdict (Draft.start in the proto)
+    continues_late_edge_only: bool = False  # ... and a late edge-only round's rest, after tokens generated ahead
     stop_ids: tuple[int, ...] = ()   # the device's end-of-sequence ids (); () = the edge does not know them
 
     @property
@@ -114,6 +116,7 @@ class Welcome:
     draft_len_hint: int | None = None  # the load-aware advice for the first round (None: no advice)
     adjusts_law: bool = False     # applies Hello.target_min_p, .adjust and .grammar (False: an older edge)
     continues_late: bool = False  # continues a late round where the Hello asks (False: an older edge)
+    continues_late_edge_only: bool = False  # ... and a late edge-only round (False: an older edge)
 
     def verifies(self, mode: Mode) -> bool:
         """Whether this edge takes rounds of ``mode`` (an edge that does not say: every mode but gumbel)."""

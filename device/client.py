@@ -212,7 +212,8 @@ async def _resilient(fleet: Fleet, session, hello, prompt_ids, eos_ids, on_token
     metadata = (*policy.metadata, (P.SESSION_KEY, result.trail.key))  # the same on every stream: affinity
     # End messages: statuses that survive proxies (see the proto), and one right after the token that
     # ends the session (stop_ids); late rounds continued (engine._continued)
-    hello = replace(hello, wants_end=True, continues_late=True, stop_ids=stop_ids(eos_ids))
+    hello = replace(hello, wants_end=True, continues_late=True, continues_late_edge_only=True,
+                    stop_ids=stop_ids(eos_ids))
     while True:
         call = pb_grpc.SpeculativeDecodingStub(route.channel).Generate(metadata=metadata)
         stream = _Stream(call, meter=meter, round_timeout=policy.round_timeout_s, seen=watch_status(call), route=route,

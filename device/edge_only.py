@@ -124,6 +124,8 @@ def take_token(rd: RoundDraft, verdict: Verdict, verified: int) -> int:
         raise ValueError(f"verdict does not belong to edge-only round {rd.block.round_id}")
     if verified != rd.start + rd.received:
         raise ValueError(f"edge-only round {rd.block.round_id} was sent ahead of a round that ended early")
+    if rd.settings.edge_tokens and rd.received >= rd.settings.edge_tokens:
+        raise ValueError(f"edge-only round {rd.block.round_id} streamed more than its {rd.settings.edge_tokens} tokens")
     rd.received += 1
     return int(verdict.next_token)
 

@@ -115,6 +115,23 @@ async def _superseded(session: DraftSession, rd: RoundDraft, early: list[P.Verdi
     return event
 
 
+async def _edge_round_continued(session: DraftSession, rd: RoundDraft, early: list[P.Verdict], received: int,
+                                deliver: Callable[[list[int]], None]) -> None:
+    """The edge continued edge-only round ``rd`` after ``early``, tokens it generated ahead past the
+    round's start (Hello.continues_late_edge_only): they are committed as a round of their own, as
+    where a round is superseded, and ``rd`` streams on with its rest. Out of turn from an edge that did
+    not say it continues such rounds."""
+    if not session.overdue.continued_edge_only:
+        raise ProtocolError(f"round {rd.block.round_id}: {len(early)} tokens generated ahead, then a verdict "
+                            f"that is not superseded")
+    try:
+        event = await asyncio.to_thread(session.superseded, run_ahead.rest_of_edge_round(rd, len(early)), early,
+                                        received, True)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    deliver(list(event.new_tokens))
+
+
 async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaining: int,
                       deliver: Callable[[list[int]], None], t0: float) -> RoundEvent:
     """Mode none: the edge streams the round's tokens (its request is sent already, by the caller or
@@ -152,11 +169,14 @@ async def _edge_round(link: Link, session: DraftSession, rd: RoundDraft, remaini
             if verdict.ahead:
                 early.append(verdict)
                 continue
+            if early:  # the edge continued this round after the tokens it generated ahead
+                await _edge_round_continued(session, rd, early, received - size, deliver)
+                early, received = [], size
             edge_verify, edge_queue = edge_verify + verdict.verify_seconds, edge_queue + verdict.queue_seconds
             arrived.add(time.perf_counter())
             if first is None:
                 first = max(0.0, arrived.first - t0 - edge_verify - edge_queue)
-                if not rd.sent_ahead:
+                if not (rd.sent_ahead or rd.continued_after):  # (a continued round waited an outage out)
                     session.edge_rtt_s = first
                     session.overdue.trip(first)
             if edge_only.is_void(rd, verdict):

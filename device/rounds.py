@@ -56,6 +56,7 @@ class RoundDraft:
     received: int = 0               # edge-only rounds: tokens streamed so far
     sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
     block_bytes: int = 0            # edge-only: the serialized size of its request, once sent
+    continued_after: int = 0        # edge-only: tokens the edge generated ahead past its start, then continued it
 
     @property
     def settings(self) -> DraftSettings:

@@ -55,6 +55,7 @@ class OverdueClock:
     trips: deque = field(default_factory=lambda: deque(maxlen=WINDOW))        # network seconds of a round
     turnarounds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # reply in -> next round out
     continued: bool = False  # the edge continues this session's late rounds (:func:`continues`)
+    continued_edge_only: bool = False  # ... and its late edge-only rounds (Welcome.continues_late_edge_only)
 
     def trip(self, seconds: float) -> None:
         self.trips.append(max(0.0, seconds))
@@ -62,13 +63,18 @@ class OverdueClock:
     def turnaround(self, seconds: float) -> None:
         self.turnarounds.append(max(0.0, seconds))
 
-    def after_ms(self, mode: Mode, draft_s: float = 0.0) -> int:
+    def after_ms(self, mode: Mode, draft_s: float = 0.0, streams_on: bool = False) -> int:
         """The ``run_ahead_ms`` of a round in ``mode`` whose drafting took ``draft_s``, sent now; 0
         (never) before any round trip was measured, and for DSSD rounds (the token after a rejection may
-        be the device's own)."""
+        be the device's own). ``streams_on``: an edge-only round that another follows (no drafted round
+        is expected after it), whose request goes out while it streams, and which the edge continues
+        if it comes late: the device's turnaround (planning, drafting) does not hold that request up,
+        and a false alarm costs nothing. Counted in, the edge sat idle a second or more of a 2 s
+        outage between two edge-only rounds (the turnarounds of drafted rounds at 1.5x the target's cost)
+        where edge-only's one long round streamed on."""
         if not self.trips or mode is Mode.DSSD:
             return 0
-        turnaround = max(draft_s, max(self.turnarounds, default=0.0))
+        turnaround = 0.0 if streams_on else max(draft_s, max(self.turnarounds, default=0.0))
         # The factor covers the link's jitter; the device's own turnaround needs it only where a false
         # alarm costs the round in flight: a continued round loses nothing to one.
         turn_factor = 1.0 if self.continued else OVERDUE_FACTOR
@@ -99,7 +105,9 @@ def stamp(session, rd: RoundDraft) -> DraftBlock:
         session.overdue.turnaround(now - session.replied_at)
     session.replied_at = None
     if session.runs_ahead:
-        after = session.overdue.after_ms(rd.settings.mode, rd.draft_seconds + rd.encode_seconds)
+        streams_on = (rd.settings.mode is Mode.NONE and session.overdue.continued_edge_only
+                      and not (rd.plan.choice or {}).get("catch_up"))
+        after = session.overdue.after_ms(rd.settings.mode, rd.draft_seconds + rd.encode_seconds, streams_on)
         rd.block = replace(rd.block, start=rd.start, run_ahead_ms=after)
     return rd.block
 
@@ -125,6 +133,18 @@ def continued(block: DraftBlock, early: list[Verdict], verdict: Verdict) -> Verd
         raise ValueError(f"round {block.round_id} continued after {k} tokens generated ahead that are not its drafts")
     logprobs = tuple(t for v in early for t in v.logprobs) + verdict.logprobs
     return replace(verdict, logprobs=logprobs)
+
+
+def rest_of_edge_round(rd: RoundDraft, k: int) -> RoundDraft:
+    """Edge-only round ``rd``, continued by the edge after ``k`` tokens it generated ahead past the round's
+    start (Hello.continues_late_edge_only): its rest, from their end (they are a round of their own:
+    :func:`ahead_round`). ValueError unless the round asked for more than k and streamed none yet."""
+    if rd.settings.mode is not Mode.NONE or rd.received or not 0 < k < rd.settings.edge_tokens:
+        raise ValueError(f"round {rd.block.round_id} continued after {k} tokens generated ahead: not an "
+                         f"edge-only round that asked for more")
+    rd.start, rd.continued_after = rd.start + k, k
+    rd.plan = replace(rd.plan, settings=replace(rd.settings, edge_tokens=rd.settings.edge_tokens - k))
+    return rd
 
 
 def ahead_round(after_round: int, start: int, verdicts: list[Verdict]) -> tuple[RoundDraft, Verdict]:

@@ -163,6 +163,7 @@ class DraftSession:
         if welcome.draft_len_hint is not None and self.round_id == 0 and not self.stats.rounds:
             self.edge_hint = welcome.draft_len_hint
         self.overdue.continued = welcome.continues_late and RA.continues(self.hello, self.fixed_cuts, self.policy is not None)
+        self.overdue.continued_edge_only = welcome.continues_late_edge_only
 
     # -- rounds ---------------------------------------------------------------------------------------
     def draft(self, plan: RoundPlan, max_tokens: int) -> RoundDraft:
@@ -231,33 +232,33 @@ class DraftSession:
         self.pending_correction = None
         return block
 
-    def superseded(self, rd: RoundDraft, verdicts: list[Verdict], downlink_bytes: int) -> RoundEvent:
+    def superseded(self, rd: RoundDraft, verdicts: list[Verdict], downlink_bytes: int,
+                   go_on: bool = False) -> RoundEvent:
         """``rd`` was superseded by ``verdicts``, tokens the edge generated ahead before it arrived (its
         predecessor's next message was overdue): they are committed as an edge-only round of their own
         that mode auto does not learn from (their time is the outage's), and ``rd`` is forgotten with
-        anything drafted after it; the next round is planned afresh. ValueError for a verdict that is
-        no such token."""
+        anything drafted after it; or (``go_on``) edge-only ``rd``, its rest already (RA.rest_of_edge_round),
+        stays in flight. ValueError for a verdict that is no such token."""
         tokens = [RA.ahead_token(v, rd.block.round_id - 1) for v in verdicts]  # all checked before any is taken
-        self.drop_drafted()  # rd starts at the verified end: the drafter keeps what precedes it
-        self.csqs.abort_round()
+        if not go_on:  # rd starts at the verified end: the drafter keeps what precedes it
+            self.drop_drafted()
+            self.csqs.abort_round()
+            self._next = None
         first = len(self.tokens)
         for token, v in zip(tokens, verdicts):
-            self.tokens.append(token)
-            self.logprobs.extend(t.complete(token) for t in v.logprobs)
-            self.parts.observer.edge_token(token)
+            _append_edge_token(self, token, v)
         part, totals = RA.ahead_round(rd.block.round_id - 1, first, verdicts)
         record = round_record(part, totals, len(verdicts), RoundIO(0, downlink_bytes), None)
-        self._next = None
-        return self._commit_event(part, record, self.tokens[first:], None, totals, learn=False)
+        event = self._commit_event(part, record, self.tokens[first:], None, totals, learn=False)
+        self._in_flight = rd if go_on else self._in_flight
+        return event
 
     def take_edge_token(self, rd: RoundDraft, verdict: Verdict) -> int:
         """One streamed token of an edge-only round, committed as it arrives."""
         token = edge_only.take_token(rd, verdict, len(self.tokens))
-        self.tokens.append(token)
-        self.logprobs.extend(t.complete(token) for t in verdict.logprobs)
+        _append_edge_token(self, token, verdict)
         if verdict.draft_len_hint is not None:
             self.edge_hint = verdict.draft_len_hint
-        self.parts.observer.edge_token(token)
         return token
 
     def resolve(self, rd: RoundDraft, verdict: Verdict, reply: ResidualReply | None = None) -> int | None:
@@ -309,7 +310,8 @@ class DraftSession:
             part = replace(rd, plan=replace(rd.plan, settings=replace(rd.settings, edge_tokens=rd.received)))
             totals = replace(totals, more=False)
         record = round_record(part, totals, part.received, io, None)
-        event = self._commit_event(part, record, self.tokens[len(self.tokens) - part.received:], None, totals)
+        new = self.tokens[len(self.tokens) - part.received:]  # (a round continued late: its wait was an outage's)
+        event = self._commit_event(part, record, new, None, totals, learn=not part.continued_after)
         if broken:
             self._in_flight = rd
         return event
@@ -371,3 +373,11 @@ def _log_entry(event: RoundEvent, edge_hint: int | None) -> dict:
     if event.plan.choice is not None:
         entry["auto"] = dict(event.plan.choice)
     return entry
+
+
+def _append_edge_token(session: DraftSession, token: int, verdict: Verdict) -> None:
+    """A token the edge generated (an edge-only round's, or ahead) appended to ``session``, with its
+    log-probabilities where the Hello asked, and shown to the session's parts."""
+    session.tokens.append(token)
+    session.logprobs.extend(t.complete(token) for t in verdict.logprobs)
+    session.parts.observer.edge_token(token)

@@ -126,7 +126,8 @@ class EdgeMetrics(SpecMetrics):
         self.superseded_rounds = Counter("superseded_rounds", "Rounds that started before tokens generated ahead "
                                   "(answered without verifying)", **self.kw)
         self.continued_rounds = Counter("continued_rounds", "Rounds that started before tokens generated ahead, "
-                                        "verified after them (their first drafts; Hello.continues_late)", **self.kw)
+                                        "served after them (drafted: their first drafts, Hello.continues_late; "
+                                        "edge-only: the rest, Hello.continues_late_edge_only)", **self.kw)
 
     def set_model(self, name: str, vocab_size: int) -> None:
         self.model.info({"name": name, "vocab_size": str(vocab_size)})

@@ -255,7 +255,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                           context) -> P.Verdict | None:
         """Mode none: the target generates the round's tokens; each goes out as soon as it exists.
         Returns the last Verdict sent."""
-        tokens = session.generate(msg)  # runs a step per next() on the worker pool
+        tokens, late = session.generate(msg), bool(msg.start) and msg.start < len(session.tokens)  # (continued)
         generated, downlink, verify, queue, last = 0, 0, 0.0, 0.0, None
         while True:
             t0 = time.perf_counter()
@@ -272,7 +272,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 break
         session.acceptance.relax(generated)  # no draft seen: the advice must not keep it edge-only for good
         if self.metrics:
-            self.metrics.observe_round(edge_only_record(generated, size, downlink, verify, queue))
+            self.metrics.observe_round(edge_only_record(generated, size, downlink, verify, queue), late)
         return last
 
     async def _read_or_run_ahead(self, context, entry: Entry, stream: Stream, overdue_s: float | None):

@@ -161,6 +161,30 @@ def continued(session: "VerifierSession", draft: DraftBlock) -> DraftBlock | Non
                    start=len(session.tokens))
 
 
+def continued_edge_only(session: "VerifierSession", draft: DraftBlock) -> int:
+    """How many tokens the edge generated ahead past the start of a late edge-only ``draft`` that it
+    continues after them (Hello.continues_late_edge_only): a round that asks for more than those k,
+    whose rest the edge streams after them; 0 for any other round (served, superseded or void as
+    before). The rest is the same race at the same positions as the whole round on time (each token's
+    noise is keyed by its position): which request asks for a token changes nothing of it. Not after an
+    end-of-sequence token or at ``max_new_tokens`` (the edge stopped there: the round is superseded)."""
+    k = len(session.tokens) - draft.start
+    if not (session.hello.continues_late_edge_only and draft.start and k > 0):
+        return 0
+    if session.round_settings(draft).mode is not Mode.NONE or k >= (session.round_settings(draft).edge_tokens or 1):
+        return 0
+    if session.tokens[-1] in session.eos_token_ids or complete(session):
+        return 0
+    return k
+
+
+def served_late(session: "VerifierSession", draft: DraftBlock) -> bool:
+    """Whether a late ``draft`` (it starts before tokens generated ahead) is served, not superseded: a
+    round :func:`continued`, or an edge-only one :func:`continued_edge_only` (its generate() streams the
+    rest)."""
+    return continued(session, draft) is not None or continued_edge_only(session, draft) > 0
+
+
 def verify_round(session: "VerifierSession", draft: DraftBlock) -> Verdict:
     """``session.verify(draft)``, a late round :func:`continued`: its Verdict counts from the round's
     start, the drafts matched by tokens generated ahead among the accepted ones."""
@@ -209,7 +233,7 @@ class VerifierSession:
         return Welcome(session_id=self.session_id, model_name=self.info.name,
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
                        max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
-                       dssd_max_samples=self.limits.dssd_max_samples, continues_late=True,
+                       dssd_max_samples=self.limits.dssd_max_samples, continues_late=True, continues_late_edge_only=True,
                        target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode), adjusts_law=True)
 
     # -- prompt ----------------------------------------------------------------------------------
@@ -307,7 +331,7 @@ class VerifierSession:
         if draft.sent_ahead and (self.tokens[-1] in self.eos_token_ids or draft.start > len(self.tokens)):
             yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=None)
             return
-        want = settings.edge_tokens or 1
+        want = (settings.edge_tokens or 1) - continued_edge_only(self, draft)
         round_start = len(self.tokens)
         for i in range(want):
             start = time.perf_counter()
@@ -324,10 +348,10 @@ class VerifierSession:
     # -- running ahead (Draft.run_ahead_ms): the device's next round is overdue ---------------------------
     def superseded(self, draft: DraftBlock) -> Verdict | None:
         """The answer to a round that starts before tokens generated ahead (which the device gets first):
-        unverified, no token; None: a round to serve (one :func:`continued` included). A start beyond the
+        unverified, no token; None: a round to serve (one :func:`served_late` included). A start beyond the
         edge's is an error (void in a round sent ahead: :meth:`generate`)."""
         end = len(self.tokens) + (self._pending_reject is not None)  # the device holds its DSSD correction
-        if not draft.start or draft.start == end or (draft.start > end and draft.sent_ahead) or continued(self, draft):
+        if not draft.start or draft.start == end or (draft.start > end and draft.sent_ahead) or served_late(self, draft):
             return None
         if draft.start > end:
             raise ValueError(f"round {draft.round_id} starts at token {draft.start}, beyond the {end} tokens verified")

@@ -77,9 +77,9 @@ class StallsEveryOtherRound(DraftSession):
             self.chain_verdicts.append((rd.start, tuple(rd.block.token_ids), verdict.num_accepted))
         return super().apply_verdict(rd, verdict, next_token, io, **kw)
 
-    def superseded(self, rd, verdicts, downlink_bytes):
-        self.superseded_rounds += 1
-        return super().superseded(rd, verdicts, downlink_bytes)
+    def superseded(self, rd, verdicts, downlink_bytes, go_on=False):
+        self.superseded_rounds += not go_on
+        return super().superseded(rd, verdicts, downlink_bytes, go_on)
 
 
 def ran_ahead(stats) -> int:

@@ -38,6 +38,38 @@ def test_the_clock_adds_the_longest_turnaround_and_one_outage_does_not_switch_it
     assert clock.after_ms(Mode.GUMBEL) > 2 * usual
 
 
+def test_an_edge_only_round_another_follows_is_overdue_a_link_s_wait_after_it() -> None:
+    """An edge-only round whose successor goes out while it streams (and which the edge continues if it
+    comes late) counts no turnaround of the device: a drafted round's drafting does not delay that
+    request. Another edge-only round, and any drafted one, still does."""
+    clock = RA.OverdueClock()
+    clock.trip(0.1)
+    clock.turnaround(0.6)   # drafting a round at 1.5x the target's cost
+    link_only = 1000 * (RA.OVERDUE_FACTOR * 0.1 + RA.OVERDUE_MARGIN_S)
+    assert clock.after_ms(Mode.NONE, streams_on=True) == pytest.approx(link_only, abs=1)
+    assert clock.after_ms(Mode.NONE) == pytest.approx(link_only + 1000 * RA.OVERDUE_FACTOR * 0.6, abs=1)
+
+
+def test_an_edge_only_round_is_continued_only_past_fewer_tokens_than_it_asked_for() -> None:
+    """The rest of a late edge-only round the edge continued after k tokens generated ahead: it starts
+    after them and asks for the rest; a round that asked for k or fewer, one of another mode or one
+    that streamed already is no such round."""
+    from specdec.device.rounds import RoundDraft, RoundPlan
+
+    def edge_round(n: int, mode: Mode = Mode.NONE) -> RoundDraft:
+        return RoundDraft(block=DraftBlock(round_id=5, token_ids=()), plan=RoundPlan(DraftSettings(mode=mode, edge_tokens=n)),
+                          q_rows=[], theoretical_bits=0, support_sizes=[], draft_seconds=0.0, encode_seconds=0.0, start=40)
+    rest = RA.rest_of_edge_round(edge_round(8), 3)
+    assert (rest.start, rest.settings.edge_tokens, rest.continued_after) == (43, 5, 3)
+    for rd, k in ((edge_round(3), 3), (edge_round(8, Mode.TSLT), 3), (edge_round(8), 0)):
+        with pytest.raises(ValueError):
+            RA.rest_of_edge_round(rd, k)
+    streamed = edge_round(8)
+    streamed.received = 1
+    with pytest.raises(ValueError):
+        RA.rest_of_edge_round(streamed, 3)
+
+
 @pytest.fixture(scope="module")
 def drafter(tmp_path_factory):
     return load(str(make_model(tmp_path_factory.mktemp("drafter") / "m", 64, seed=3)))
