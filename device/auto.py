@@ -613,7 +613,9 @@ class AutoPolicy:
         chunk, catch_up = self._edge_chunk(chosen, net, e, cold)
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
         choice = _explain(chosen, e, ranking, why, chunk, catch_up, net, self.net)
-        if net is not None and net.retime and chosen.candidate.mode is Mode.NONE:
+        if chosen.candidate.mode is Mode.NONE and (catch_up or (net is not None and net.retime)):
+            # timed where an exploration stands in for one, and before one: a drafter that slowed since
+            # it was measured (throttled, a bench's drafter-cost step) is not explored where it cannot pay
             choice["retime"] = RETIME_FORWARDS
         return RoundPlan(self.settings_for(chosen.candidate, chunk), choice=choice,
                          decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk,
@@ -750,7 +752,8 @@ class AutoPolicy:
         a drafted round that catches the drafter up (a switch's cost) apart, and an edge-only round's
         wait for its first token unless its request went ahead (a switch's cost too), whether it
         was planned as an exploration (what explorations cost is measured), and whether it timed the
-        drafter (the exploration it stood for is done), unless that found the drafter's cost changed:
+        drafter in place of an exploration (which is done then; not a round timing it before one, which
+        catches the drafter up for it), unless that found the drafter's cost changed:
         then the exploration stays due, and the next round explores the drafter as it now is (or
         times it again), where the clock restarted would keep a drafter that got faster unexplored
         for another 25-100 s."""
@@ -761,7 +764,8 @@ class AutoPolicy:
                     wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),
                     explore=(event.plan.choice or {}).get("why") == "explore",
                     stall_s=event.record.stream_stall_s,
-                    retimed=not drafted and bool(event.record.forward_s) and not drafter_changed)
+                    retimed=(not drafted and bool(event.record.forward_s) and not drafter_changed
+                             and not (event.plan.choice or {}).get("catch_up")))
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)
