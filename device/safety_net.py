@@ -374,8 +374,11 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
 
 def spec_pays(state: NetState, cfg: NetConfig, spec: ArmPrior, r_edge: float) -> bool:
     """Whether drafting could beat edge-only's ``r_edge``: its best case does (:func:`could_pay`), or its
-    steady rounds measured better (evidence outranks the model the best case comes from)."""
-    return could_pay(spec, r_edge, cfg) or _measured_better(state, cfg, SPEC)
+    steady rounds measured better (evidence outranks the model the best case comes from), a round's
+    worth of them at least: after the drafter's cost stepped (:func:`drafter_changed`) its older rounds
+    weigh half a round at their old rate, and the rate of a drafter at 1.0x the target's cost kept one
+    at 1.5x explored (two DSSD-L1 rounds, 0.94-0.95x edge-only in those sessions)."""
+    return could_pay(spec, r_edge, cfg) or (_measured_better(state, cfg, SPEC) and state.spec_steady.rounds >= 1.0)
 
 
 def probe_rounds(state: NetState, cfg: NetConfig, arm: str) -> int:

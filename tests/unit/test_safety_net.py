@@ -406,6 +406,11 @@ def test_drafting_that_cannot_pay_is_timed_where_its_exploration_falls_due_and_n
                        edge=N.Sums().plus(32, 3.2, CFG.discount))
     assert N.spec_pays(measured, CFG, N.ArmPrior(4, 1.0, ceiling=5.0), 10.0)
     assert not N.spec_pays(N.NetState(), CFG, N.ArmPrior(4, 1.0, ceiling=5.0), 10.0)
+    # ... measured at the drafter's present cost: rounds of a drafter whose cost stepped since are none
+    slowed = N.drafter_changed(measured, CFG)
+    assert not N.spec_pays(slowed, CFG, N.ArmPrior(4, 1.0, ceiling=5.0), 10.0)
+    again = replace(slowed, spec_steady=slowed.spec_steady.plus(40, 2.0, CFG.discount))
+    assert N.spec_pays(again, CFG, N.ArmPrior(4, 1.0, ceiling=5.0), 10.0)
 
 
 def test_the_model_weighs_a_fraction_of_a_round_either_way() -> None:
