@@ -61,8 +61,8 @@ STEP_SHIFT = 0.25
 # than the target's forward per token never pays), so 1.4x moves that round by ~20 %: more than the
 # net's margin, and a step no scatter of forwards makes three times in a row.
 DRAFTER_CHANGE = 1.4
-# Forwards of the drafter timed where the safety net asks for it (NetCall.retime): as many as a step of
-# its cost takes (_Stepped), so that one timing finds a drafter that got faster.
+# Forwards of the drafter timed in an edge-only round (in place of an exploration, NetCall.retime, or
+# before one): as many as a step of its cost takes (_Stepped), so that one timing finds a changed drafter.
 RETIME_FORWARDS = STEP_SAMPLES
 
 

@@ -62,8 +62,8 @@ class DeviceMetrics(SpecMetrics):
         for why in AUTO_OVERRIDES:
             self.auto_overrides.labels(why)
         self.auto_drafter_timings = Counter("auto_drafter_timings", "Edge-only rounds during which mode auto "
-                                            "timed the drafter, where exploring drafting could not pay "
-                                            "(safety_net.NetCall.retime)", **self.kw)
+                                            "timed the drafter: in place of an exploration of drafting that "
+                                            "could not pay (safety_net.NetCall.retime), or before one", **self.kw)
         # The edge label takes Welcome.edge_name: one value per edge of the fleet, never per session.
         self.fleet_sessions = Gauge("fleet_sessions", "Sessions running on each edge now", ["edge"], **self.kw)
         self.fleet_moves = Counter("fleet_moves", "Sessions that continued on another edge than the one "

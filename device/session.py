@@ -310,8 +310,8 @@ class DraftSession:
             part = replace(rd, plan=replace(rd.plan, settings=replace(rd.settings, edge_tokens=rd.received)))
             totals = replace(totals, more=False)
         record = round_record(part, totals, part.received, io, None)
-        new = self.tokens[len(self.tokens) - part.received:]  # (a round continued late: its wait was an outage's)
-        event = self._commit_event(part, record, new, None, totals, learn=not part.continued_after)
+        new = self.tokens[len(self.tokens) - part.received:]
+        event = self._commit_event(part, record, new, None, totals, learn=not part.continued_after)  # (its wait: an outage)
         if broken:
             self._in_flight = rd
         return event

@@ -171,7 +171,8 @@ def continued_edge_only(session: "VerifierSession", draft: DraftBlock) -> int:
     k = len(session.tokens) - draft.start
     if not (session.hello.continues_late_edge_only and draft.start and k > 0):
         return 0
-    if session.round_settings(draft).mode is not Mode.NONE or k >= (session.round_settings(draft).edge_tokens or 1):
+    settings = session.round_settings(draft)
+    if settings.mode is not Mode.NONE or k >= (settings.edge_tokens or 1):
         return 0
     if session.tokens[-1] in session.eos_token_ids or complete(session):
         return 0
