@@ -158,7 +158,8 @@ class BatchStats:
     verify_seconds: float = 0.0        # verifying the rounds drafted in it, all together (0: none)
     rounds: int = 0                    # rounds verified
     static: bool = False               # run in static shapes (KV slots: edge/slots.py)
-    graph: str = ""                    # "replayed", "captured" (then replayed), or "" (no CUDA graph)
+    graph: str = ""                    # "replayed", "captured" (then replayed), "failed" (capture failed:
+                                       # eager), or "" (no CUDA graph)
 
 
 class Arrivals:
@@ -438,17 +439,20 @@ class ForwardScheduler:
         tokens = sum(p.request.num_tokens for p in batch)
         self._note_load(tokens, seconds)
         if self._observer is not None:
-            static, replays, captures = (b - a for a, b in zip(counts, _pool_counts(self.pool)))
+            static, replays, captures, failures = (b - a for a, b in zip(counts, _pool_counts(self.pool)))
             self._observer(BatchStats(sessions=len(batch), tokens=tokens,
                                       queue_seconds=tuple(start - p.since for p in batch),
                                       forward_seconds=seconds, verify_seconds=verified,
                                       rounds=sum(p.round is not None for p in batch), static=static > 0,
-                                      graph="captured" if captures else "replayed" if replays else ""))
+                                      graph="captured" if captures else "replayed" if replays
+                                      else "failed" if failures else ""))
 
 
-def _pool_counts(pool: SlotPool | None) -> tuple[int, int, int]:
-    """A slot pool's static forwards, graph replays and graph captures so far (zeros without one)."""
-    return (0, 0, 0) if pool is None else (pool.static_forwards, pool.graph_replays, pool.graph_captures)
+def _pool_counts(pool: SlotPool | None) -> tuple[int, int, int, int]:
+    """A slot pool's static forwards, graph replays, captures and failed captures so far (zeros
+    without one)."""
+    return (0, 0, 0, 0) if pool is None else (pool.static_forwards, pool.graph_replays, pool.graph_captures,
+                                              pool.graph_failures)
 
 
 def chunks(r: ForwardRequest, size: int) -> list[ForwardRequest]:

@@ -73,7 +73,7 @@ BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Advised draft lengths: 0 (edge-only) up to the edge's --max-draft-len (32).
 HINT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 FALLBACK_REPLIES = ("head", "whole")
-GRAPH_OUTCOMES = ("captured", "replayed")  # BatchStats.graph
+GRAPH_OUTCOMES = ("captured", "replayed", "failed")  # BatchStats.graph
 BATCH_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -108,9 +108,9 @@ class EdgeMetrics(SpecMetrics):
                                        buckets=PHASE_BUCKETS, **self.kw)
         self.batch_static = Counter("batch_static_forwards", "Target forwards run in static shapes (KV "
                                     "slots' chain forwards: what a CUDA graph replays)", **self.kw)
-        self.batch_graphs = Counter("batch_cuda_graph_forwards", "Target forwards replayed from a CUDA graph, "
-                                    "by whether its graph was captured for it first (the first forward "
-                                    "of a shape) or already held", ["graph"], **self.kw)
+        self.batch_graphs = Counter("batch_cuda_graph_forwards", "Static target forwards by their CUDA graph: "
+                                    "captured for it first (the first forward of a shape), already held "
+                                    "and replayed, or failed to capture (it ran eagerly)", ["graph"], **self.kw)
         for graph in GRAPH_OUTCOMES:
             self.batch_graphs.labels(graph)
         self.batch_verify = Histogram("batch_verify_seconds", "Duration of verifying the rounds drafted in "

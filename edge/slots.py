@@ -161,6 +161,7 @@ class SlotPool:
         self.graph_captures = 0
         self.static_forwards = 0       # forwards run in static shapes (replayed or, if not captured, eager)
         self.graph_replays = 0         # of which replayed from a CUDA graph
+        self.graph_failures = 0        # shapes whose capture failed (they run eagerly)
         self._sessions: weakref.WeakValueDictionary[int, SlotLM] = weakref.WeakValueDictionary()  # slot -> its session
         self.keys: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
         self.values: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
@@ -324,21 +325,28 @@ class SlotPool:
                 for _ in range(GRAPH_WARMUP):  # lazy initialisations (cuBLAS handles, kernels) stay out
                     self._static_call(key, static_inputs)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: the sessions' threads may use the device meanwhile (their own streams' work
             # is not captured and does not break the capture).
-            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool_for_capture(), capture_error_mode="thread_local"):
                 logits = self._static_call(key, static_inputs)
         except Exception as exc:  # noqa: BLE001 - a shape that cannot be captured runs eagerly
             log.warning("no CUDA graph for a slot forward of %s rows x %s columns x %s tokens: %s", *key, exc)
+            self.graph_failures += 1
             torch.cuda.current_stream(self.device).wait_stream(side)
             return None
         self.graph_captures += 1
         log.info("captured a CUDA graph for a slot forward of %s rows x %s columns x %s tokens in %.2f s",
                  *key, time.perf_counter() - started)
         return _Graph(graph, static_inputs, logits)
+
+    def _pool_for_capture(self):
+        """The memory pool a new graph shares with the graphs held, or a fresh one where none is held:
+        once its last graph is gone, torch's allocator keeps a pool's entry (until its memory is
+        released) but refuses to capture into it again (an internal assert in CUDACachingAllocator)."""
+        if self._graph_pool is None or not any(g is not None for g in self._graphs.values()):
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     # -- storage -------------------------------------------------------------------------------------
     def _grow(self, rows: int, columns: int) -> None:

@@ -9,7 +9,9 @@ from specdec.bench.harness.analyze import goal, mean, percentile, ratio
 
 # The edge's batching histograms (issue 19 item 1), read from its /metrics before and after a cell.
 BATCH_FAMILIES = ("specdec_edge_batch_sessions", "specdec_edge_batch_tokens", "specdec_edge_batch_queue_seconds",
-                  "specdec_edge_batch_forward_seconds")
+                  "specdec_edge_batch_forward_seconds", "specdec_edge_batch_static_forwards",
+                  "specdec_edge_batch_cuda_graph_forwards")
+GRAPHS = "specdec_edge_batch_cuda_graph_forwards_total"  # by outcome (its label kept)
 GOAL_N = 8                    # the issue's goals are stated at 8 devices
 GOAL_BATCHED_VS_UNBATCHED = 3.0
 GOAL_BATCHED_VS_EDGE_ONLY = 2.0
@@ -19,7 +21,8 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """``{name: value}`` summed over label sets, for every sample of the batching families."""
+    """``{name: value}`` summed over label sets, for every sample of the batching families; the graph
+    outcomes also by label (``{GRAPHS}{graph="replayed"}``)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
@@ -29,6 +32,8 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         try:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+            if m.group(1) == GRAPHS and m.group(2):
+                out[m.group(1) + m.group(2)] = float(m.group(3))
         except ValueError:
             pass
     return out
@@ -49,7 +54,9 @@ def batch_stats(before: dict | None, after: dict | None) -> dict:
     return {"available": True, "forwards": forwards, "mean_sessions": mean("specdec_edge_batch_sessions"),
             "mean_tokens": mean("specdec_edge_batch_tokens"),
             "mean_queue_s": _family_mean(d, "specdec_edge_batch_queue_seconds"),
-            "mean_forward_s": _family_mean(d, "specdec_edge_batch_forward_seconds")}
+            "mean_forward_s": _family_mean(d, "specdec_edge_batch_forward_seconds"),
+            "static_forwards": d.get("specdec_edge_batch_static_forwards_total", 0.0),
+            "graphs": {o: d.get(f'{GRAPHS}{{graph="{o}"}}', 0.0) for o in ("captured", "replayed", "failed")}}
 
 
 def _family_mean(d: dict, family: str):

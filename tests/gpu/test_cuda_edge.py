@@ -215,6 +215,39 @@ def test_batched_forwards_equal_unbatched(close_pair, device, dtype, kv_cache) -
         assert pool.graph_captures > 0 and any(g is not None for g in pool._graphs.values())
 
 
+GROWN_PAST = 300  # one-token forwards: past the first storage's 256 columns, so the graphs are recaptured
+# Logits of ~10 differ by ~1e-4 between kernels of different shapes in float32 (measured on an H200);
+# a wrong mask or a misplaced key moves them by ~0.1 or more.
+RECAPTURE_RTOL = 1e-4
+
+
+def test_graphs_are_recaptured_after_the_storage_grows(close_pair, device) -> None:
+    """Growing the slots' storage drops every graph; the next shapes are captured again (into a fresh
+    memory pool: torch refuses to capture into one whose graphs are all gone) and replayed, with each
+    session's logits those of the session alone. A pool handle kept across the drop fails every
+    capture after it (graph_failures)."""
+    _graphs_need_cuda("slots-graphs", device)
+    model = on_device(str(close_pair[0]), device, "float32")
+    pool = SlotPool(model.model, model.device, static="graphs")
+    sessions = [(CachedLM(model.model, model.device), pool.new_lm()) for _ in range(2)]
+    prompt = list(range(3, 23))  # 20 tokens: a dynamic first forward makes the storage
+    tokens = []
+    for alone, slot in sessions:
+        x, y = alone.forward(prompt, 1), slot.forward(prompt, 1)
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=RECAPTURE_RTOL)
+        tokens.append(int(x[-1].argmax()))
+    for step in range(GROWN_PAST):
+        for i, (alone, slot) in enumerate(sessions):
+            if i and step % 2:
+                continue  # the second session falls behind: rows of different lengths
+            x, y = alone.forward([tokens[i]], 1), slot.forward([tokens[i]], 1)
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=RECAPTURE_RTOL)
+            tokens[i] = int(x[-1].argmax())
+    assert pool.keys[0].shape[2] > 256, "the storage never grew: the test checks nothing"
+    assert pool.graph_failures == 0
+    assert pool.graph_captures >= 2 and pool.graph_replays > GROWN_PAST
+
+
 def _graphs_need_cuda(kv_cache: str, device: str) -> None:
     if kv_cache.endswith("graphs") and not device.startswith("cuda"):
         pytest.skip("CUDA graphs need a GPU (tests/unit/test_batching.py checks the static shapes they "

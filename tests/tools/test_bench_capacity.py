@@ -235,11 +235,17 @@ def test_cell_aggregate_counts_tokens_while_every_client_is_busy() -> None:
 def test_batch_stats_from_metrics_and_their_absence() -> None:
     before = analyze.parse_metrics("specdec_edge_batch_sessions_count 10\nspecdec_edge_batch_sessions_sum 20\n"
                                    "specdec_edge_batch_tokens_count 10\nspecdec_edge_batch_tokens_sum 50\n"
-                                   'specdec_edge_batch_sessions_bucket{le="1.0"} 3\nother_metric 5\n')
+                                   'specdec_edge_batch_sessions_bucket{le="1.0"} 3\nother_metric 5\n'
+                                   'specdec_edge_batch_cuda_graph_forwards_total{graph="replayed"} 4\n')
     after = analyze.parse_metrics("specdec_edge_batch_sessions_count 20\nspecdec_edge_batch_sessions_sum 60\n"
-                                  "specdec_edge_batch_tokens_count 20\nspecdec_edge_batch_tokens_sum 150\n")
+                                  "specdec_edge_batch_tokens_count 20\nspecdec_edge_batch_tokens_sum 150\n"
+                                  "specdec_edge_batch_static_forwards_total 9\n"
+                                  'specdec_edge_batch_cuda_graph_forwards_total{graph="captured"} 2\n'
+                                  'specdec_edge_batch_cuda_graph_forwards_total{graph="replayed"} 10\n'
+                                  'specdec_edge_batch_cuda_graph_forwards_total{graph="failed"} 1\n')
     b = analyze.batch_stats(before, after)
     assert b["available"] and b["forwards"] == 10 and b["mean_sessions"] == 4.0 and b["mean_tokens"] == 10.0
+    assert b["static_forwards"] == 9 and b["graphs"] == {"captured": 2, "replayed": 6, "failed": 1}
     assert analyze.batch_stats({}, analyze.parse_metrics("other 1\n")) == {"available": False}
 
 

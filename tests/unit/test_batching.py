@@ -538,17 +538,19 @@ def test_a_session_that_left_is_not_waited_for(model):
 
 def test_the_edge_counts_static_forwards_and_cuda_graph_replays_by_outcome() -> None:
     """The metrics a GPU edge's forwards feed (a CPU never captures a graph, so the labels are fed here
-    by hand): static shapes counted, graph forwards by whether their capture came first."""
+    by hand): static shapes counted, graph forwards by whether their capture came first or failed."""
     from specdec.edge.batching import BatchStats
     from specdec.edge.metrics import EdgeMetrics
 
     metrics = EdgeMetrics()
-    for static, graph in ((False, ""), (True, ""), (True, "captured"), (True, "replayed"), (True, "replayed")):
+    for static, graph in ((False, ""), (True, ""), (True, "captured"), (True, "replayed"), (True, "replayed"),
+                          (True, "failed")):
         metrics.observe_batch(BatchStats(sessions=2, tokens=6, queue_seconds=(0.0, 0.0), forward_seconds=0.01,
                                          static=static, graph=graph))
     samples = {(s.name, s.labels.get("graph")): s.value
                for m in (metrics.batch_static, metrics.batch_graphs) for m_ in m.collect() for s in m_.samples
                if s.name.endswith("_total")}
-    assert samples == {("specdec_edge_batch_static_forwards_total", None): 4,
+    assert samples == {("specdec_edge_batch_static_forwards_total", None): 5,
                        ("specdec_edge_batch_cuda_graph_forwards_total", "captured"): 1,
-                       ("specdec_edge_batch_cuda_graph_forwards_total", "replayed"): 2}
+                       ("specdec_edge_batch_cuda_graph_forwards_total", "replayed"): 2,
+                       ("specdec_edge_batch_cuda_graph_forwards_total", "failed"): 1}
