@@ -176,9 +176,17 @@ def model_goals(m: dict, floor_s: float | None) -> dict:
     slots = m.get("cost", {}).get("slots", {})
     curve = slots.get(256) or slots.get("256") or next(iter(slots.values()), {})
     by_b = curve.get("BxL", {}).get(5) or curve.get("BxL", {}).get("5") or {}
+    by_b = {int(b): seconds for b, seconds in by_b.items()}  # str keys once read back from the JSON
     one, many = by_b.get(1), by_b.get(32)
+    # What a CUDA edge serves: the same forwards replayed from graphs (the graph probe), where their
+    # logits matched the eager ones.
+    graphs = {g["batch"]: g["graph_s"] for g in m.get("graphs") or [] if g.get("same_logits") and g.get("graph_s")}
+    g_one, g_many = graphs.get(1), graphs.get(32)
     return {"one_5_token_forward_over_floor": {"value": one / floor_s if one and floor_s else None, "goal": GOAL_FLOOR},
             "32x5_over_1x5": {"value": many / one if one and many else None, "goal": GOAL_BATCH},
+            "one_5_token_graph_over_floor": {"value": g_one / floor_s if g_one and floor_s else None,
+                                             "goal": GOAL_FLOOR},
+            "32x5_over_1x5_graphs": {"value": g_many / g_one if g_one and g_many else None, "goal": GOAL_BATCH},
             **{f"capacity_{k}": v for k, v in m.get("capacity", {}).get("goals", {}).items()}}
 
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,3 +74,17 @@ def test_the_runtime_check_says_which_runtime_is_too_old(tmp_path, monkeypatch) 
             assert "grpcio" in found[0] and "older than the generated code needs (99.0.0)" in found[0]
     monkeypatch.setattr(check, "PB", tmp_path / "missing")
     assert "make proto" in check.problems()[0]
+
+
+def test_the_goals_read_the_graph_probe_where_its_logits_matched() -> None:
+    """On the committed H200 run: the eager curve's 1 x 5 is ~6x the floor, the graph probe's ~2.2x;
+    a probe whose logits differed from the eager forward's does not count."""
+    from specdec.bench.gpu_check import model_goals
+
+    m = json.loads((ROOT / "docs" / "bench" / "gpu" / "warm" / "gpu_check.json").read_text())["models"][0]
+    goals = model_goals(m, m["floor_s"])
+    eager, graph = goals["one_5_token_forward_over_floor"]["value"], goals["one_5_token_graph_over_floor"]["value"]
+    assert graph == pytest.approx(m["graphs"][0]["graph_s"] / m["floor_s"]) and graph < eager / 2
+    assert goals["32x5_over_1x5_graphs"]["value"] == pytest.approx(m["graphs"][1]["graph_s"] / m["graphs"][0]["graph_s"])
+    m["graphs"] = [{**g, "same_logits": False} for g in m["graphs"]]
+    assert model_goals(m, m["floor_s"])["one_5_token_graph_over_floor"]["value"] is None
