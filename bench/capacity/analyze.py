@@ -10,7 +10,7 @@ from specdec.bench.harness.analyze import goal, mean, percentile, ratio
 # The edge's batching histograms (issue 19 item 1), read from its /metrics before and after a cell.
 BATCH_FAMILIES = ("specdec_edge_batch_sessions", "specdec_edge_batch_tokens", "specdec_edge_batch_queue_seconds",
                   "specdec_edge_batch_forward_seconds", "specdec_edge_batch_static_forwards",
-                  "specdec_edge_batch_cuda_graph_forwards")
+                  "specdec_edge_batch_cuda_graph_forwards", "specdec_edge_batch_verify_seconds")
 GRAPHS = "specdec_edge_batch_cuda_graph_forwards_total"  # by outcome (its label kept)
 GOAL_N = 8                    # the issue's goals are stated at 8 devices
 GOAL_BATCHED_VS_UNBATCHED = 3.0
@@ -55,6 +55,8 @@ def batch_stats(before: dict | None, after: dict | None) -> dict:
             "mean_tokens": mean("specdec_edge_batch_tokens"),
             "mean_queue_s": _family_mean(d, "specdec_edge_batch_queue_seconds"),
             "mean_forward_s": _family_mean(d, "specdec_edge_batch_forward_seconds"),
+            # the scheduler thread's verification after each forward with rounds in it
+            "verify_s": d.get("specdec_edge_batch_verify_seconds_sum", 0.0),
             "static_forwards": d.get("specdec_edge_batch_static_forwards_total", 0.0),
             "graphs": {o: d.get(f'{GRAPHS}{{graph="{o}"}}', 0.0) for o in ("captured", "replayed", "failed")}}
 

@@ -219,7 +219,8 @@ def _line(c: dict) -> str:
     batch = f", {b['mean_sessions']:.1f} sessions/{b['mean_tokens']:.0f} tokens per forward" if b.get("available") else ""
     if b.get("static_forwards"):
         g = b.get("graphs", {})
-        batch += (f", {b['mean_forward_s'] * 1e3:.1f} ms a forward, {b['static_forwards']:.0f} static: graphs "
+        batch += (f", {b['mean_forward_s'] * 1e3:.1f} ms a forward, {b.get('verify_s', 0.0):.2f} s verifying in "
+                  f"{st.get('window_s', 0.0):.2f} s, {b['static_forwards']:.0f} static: graphs "
                   f"{g.get('captured', 0):.0f} captured / {g.get('replayed', 0):.0f} replayed / {g.get('failed', 0):.0f} failed")
     tps = st.get("aggregate_tps")
     cold = (c.get("cold") or {}).get("stats", {}).get("aggregate_tps")

@@ -240,12 +240,13 @@ def test_batch_stats_from_metrics_and_their_absence() -> None:
     after = analyze.parse_metrics("specdec_edge_batch_sessions_count 20\nspecdec_edge_batch_sessions_sum 60\n"
                                   "specdec_edge_batch_tokens_count 20\nspecdec_edge_batch_tokens_sum 150\n"
                                   "specdec_edge_batch_static_forwards_total 9\n"
+                                  "specdec_edge_batch_verify_seconds_sum 0.25\n"
                                   'specdec_edge_batch_cuda_graph_forwards_total{graph="captured"} 2\n'
                                   'specdec_edge_batch_cuda_graph_forwards_total{graph="replayed"} 10\n'
                                   'specdec_edge_batch_cuda_graph_forwards_total{graph="failed"} 1\n')
     b = analyze.batch_stats(before, after)
     assert b["available"] and b["forwards"] == 10 and b["mean_sessions"] == 4.0 and b["mean_tokens"] == 10.0
-    assert b["static_forwards"] == 9 and b["graphs"] == {"captured": 2, "replayed": 6, "failed": 1}
+    assert b["verify_s"] == 0.25 and b["static_forwards"] == 9 and b["graphs"] == {"captured": 2, "replayed": 6, "failed": 1}
     assert analyze.batch_stats({}, analyze.parse_metrics("other 1\n")) == {"available": False}
 
 
