@@ -28,6 +28,7 @@ import datetime as dt
 import gc
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -217,6 +218,8 @@ def parse_args(argv=None):
     p.add_argument("--ns", help="device counts for the capacity cells, in the order measured")
     p.add_argument("--tokens", type=int, help="tokens per capacity session")
     p.add_argument("--draft-ms", type=float, help="replayed devices' drafting time per token")
+    p.add_argument("--edge-args", help="extra edge-server flags for the capacity cells, one string "
+                   "(the A/B's other arm: --edge-args='--cuda-graphs off')")
     return p, p.parse_args(argv)
 
 
@@ -236,6 +239,8 @@ def plan_from(p, a) -> Plan:
             cap = replace(cap, tokens=a.tokens)
         if a.draft_ms is not None:
             cap = replace(cap, draft_ms=a.draft_ms)
+        if a.edge_args:
+            cap = replace(cap, edge_args=cap.edge_args + tuple(shlex.split(a.edge_args)))
         plan = replace(plan, capacity=cap, budget_s=a.budget_s or plan.budget_s)
     except ValueError as exc:
         p.error(str(exc))

@@ -88,3 +88,12 @@ def test_the_goals_read_the_graph_probe_where_its_logits_matched() -> None:
     assert goals["32x5_over_1x5_graphs"]["value"] == pytest.approx(m["graphs"][1]["graph_s"] / m["graphs"][0]["graph_s"])
     m["graphs"] = [{**g, "same_logits": False} for g in m["graphs"]]
     assert model_goals(m, m["floor_s"])["one_5_token_graph_over_floor"]["value"] is None
+
+
+def test_edge_args_reach_the_capacity_edges_and_a_bad_flag_is_one_line() -> None:
+    from specdec.bench.gpu_check import parse_args, plan_from
+
+    p, a = parse_args(["--cpu-smoke", "--edge-args=--cuda-graphs off --batch-wait-ms 1"])
+    assert plan_from(p, a).capacity.edge_args == ("--kv-cache", "slots", "--cuda-graphs", "off", "--batch-wait-ms", "1")
+    proc = subprocess.run([sys.executable, "-m", "specdec.bench.gpu_check", "--ns", "x"], capture_output=True, text=True)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
