@@ -24,7 +24,8 @@ resumed sessions, admission, and the statuses only the edge gives (authenticatio
   ``rate(specdec_edge_batch_sessions_sum[$__rate_interval]) / rate(specdec_edge_batch_sessions_count[$__rate_interval])``,
   ``rate(specdec_edge_batch_tokens_sum[$__rate_interval]) / rate(specdec_edge_batch_tokens_count[$__rate_interval])``
 - share of target forwards run in static shapes, and replayed from CUDA graphs (by ``graph``:
-  ``captured`` = the first forward of its shape, which pays the capture; ``replayed``):
+  ``captured`` = the first forward of its shape, which pays the capture; ``replayed``; ``failed`` =
+  a capture that failed, its shape eager from then on, which an alert should catch):
   ``rate(specdec_edge_batch_static_forwards_total[$__rate_interval]) / rate(specdec_edge_batch_forward_seconds_count[$__rate_interval])``,
   ``sum by (graph) (rate(specdec_edge_batch_cuda_graph_forwards_total[$__rate_interval]))``
 - running ahead through overdue rounds (an outage, a stalled device): tokens generated ahead per
