@@ -19,7 +19,7 @@ import torch
 from specdec.edge.batched import ForwardRequest, forward_batch
 from specdec.common.modeling import CachedLM, LoadedModel, ModelSpec, encode_prompt, load_model, vocab_fingerprint
 from specdec.common.modes import Mode
-from specdec.edge.slots import SlotPool
+from specdec.edge.slots import CONTEXT_STEP, SlotPool
 from specdec.common.tree import TreeSpec
 from specdec.common.treeplan import edge_tree_inputs
 from specdec.device.client import ConnectionPolicy, generate
@@ -215,7 +215,7 @@ def test_batched_forwards_equal_unbatched(close_pair, device, dtype, kv_cache) -
         assert pool.graph_captures > 0 and any(g is not None for g in pool._graphs.values())
 
 
-GROWN_PAST = 300  # one-token forwards: past the first storage's 256 columns, so the graphs are recaptured
+GROWN_PAST = CONTEXT_STEP + 44  # one-token forwards: past the first storage's columns, so the graphs are recaptured
 # Logits of ~10 differ by ~1e-4 between kernels of different shapes in float32 (measured on an H200);
 # a wrong mask or a misplaced key moves them by ~0.1 or more.
 RECAPTURE_RTOL = 1e-4
@@ -243,7 +243,7 @@ def test_graphs_are_recaptured_after_the_storage_grows(close_pair, device) -> No
             x, y = alone.forward([tokens[i]], 1), slot.forward([tokens[i]], 1)
             torch.testing.assert_close(x, y, atol=1e-4, rtol=RECAPTURE_RTOL)
             tokens[i] = int(x[-1].argmax())
-    assert pool.keys[0].shape[2] > 256, "the storage never grew: the test checks nothing"
+    assert pool.keys[0].shape[2] > CONTEXT_STEP, "the storage never grew: the test checks nothing"
     assert pool.graph_failures == 0
     assert pool.graph_captures >= 2 and pool.graph_replays > GROWN_PAST
 
