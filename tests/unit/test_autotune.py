@@ -85,18 +85,44 @@ def test_a_streamed_rounds_token_interval_is_its_arrivals_mean_spacing() -> None
 
 
 def test_an_outage_in_a_stream_is_left_out_of_its_interval() -> None:
-    """Eight tokens 60 ms apart, but for a 2 s outage after the fourth (the tokens generated meanwhile
-    arrive in a burst): the interval is the stream's, and the stall the outage less one usual gap.
-    Gaps a cellular link scatters (0.1-0.3 s among 60 ms ones) are no stall."""
+    """Eight tokens 60 ms apart, but for a 2 s outage after the fourth (the tokens the edge generated
+    meanwhile arrive in a burst): the interval is the stream's pace, and the stall the outage less the
+    pace and less what the burst made up. Control: the burst counted as streamed (the stall the whole
+    outage beyond one gap) puts the interval a third below the pace. Gaps a cellular link scatters
+    (0.1-0.3 s among 60 ms ones) are no stall."""
     steady = [0.06 * i for i in range(4)]
     arrived = steady + [2.18 + 0.001 * i for i in range(4)]
-    gaps = [b - a for a, b in zip(arrived, arrived[1:])]
-    usual = sorted(gaps)[len(gaps) // 2]
-    assert edge_only.Arrivals(arrived).stall() == pytest.approx(2.0 - usual)
-    assert edge_only.Arrivals(arrived).interval() == pytest.approx((arrived[-1] - arrived[0] - 2.0 + usual) / 7)
-    assert edge_only.Arrivals(arrived).interval() < 0.06
+    made_up = 3 * (0.06 - 0.001)
+    assert edge_only.Arrivals(arrived).stall() == pytest.approx(2.0 - 0.06 - made_up)
+    assert edge_only.Arrivals(arrived).interval() == pytest.approx(0.06)
+    assert (arrived[-1] - arrived[0] - (2.0 - 0.06)) / 7 < 0.7 * 0.06  # the control
     scattered = [0.0, 0.06, 0.3, 0.36, 0.42, 0.6, 0.66]
     assert edge_only.Arrivals(scattered).stall() == 0.0
+
+
+def test_an_outage_whose_burst_is_most_of_the_round_leaves_the_pace() -> None:
+    """A 42-token round: 6 tokens 55 ms apart, a 2 s outage, then the 35 the edge made meanwhile at
+    once and one more at the pace (the held-out ucc trace at 80 ms): the edge lost ~nothing (it went on
+    generating), so the interval is within 5 % of the pace, where counting the burst as streamed made
+    it ~8x faster; the median gap, a burst gap here, does not set the pace."""
+    arrived = [0.055 * i for i in range(7)]
+    arrived += [arrived[-1] + 2.0 + 0.0005 * i for i in range(35)]
+    arrived.append(arrived[-1] + 0.055)
+    a = edge_only.Arrivals(arrived)
+    assert a.gaps[len(a.gaps) // 2] < 0.01  # the median is a burst gap
+    assert a.interval() == pytest.approx(0.055, rel=0.05)
+    assert a.stall() < 0.1
+
+
+def test_an_outage_at_a_rounds_end_costs_it_all_beyond_the_pace() -> None:
+    """The round's tokens all made before the link went down but the last (no burst to make up for
+    it), and one met at a stream's first gap (no pace before it: the rest's set it)."""
+    arrived = [0.05 * i for i in range(20)] + [0.95 + 2.0]
+    assert edge_only.Arrivals(arrived).stall() == pytest.approx(2.0 - 0.05)
+    first = [0.0, 1.5] + [1.5 + 0.0005 * i for i in range(1, 4)] + [1.5015 + 0.05 * i for i in range(1, 12)]
+    a = edge_only.Arrivals(first)
+    assert a.stall() == pytest.approx(1.5 - 0.05 - 3 * (0.05 - 0.0005), abs=1e-6)
+    assert a.interval() == pytest.approx(0.05)
 
 
 def test_an_edge_only_round_an_outage_held_up_prices_edge_only_as_it_streams() -> None:
