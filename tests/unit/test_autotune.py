@@ -170,6 +170,21 @@ def test_chain_round_without_drafting_ahead_is_eq5_with_the_link() -> None:
     assert p.tokens == pytest.approx((1 - 0.88 ** 5) / (1 - 0.88))
 
 
+def test_drafting_ahead_at_its_best_case_keeps_every_round_at_temperature_0_only() -> None:
+    """Every draft accepted: at T = 0 each round drafted ahead is kept (the bonus is one more argmax
+    agreement), so the round takes its window or its L + 1 forwards, whichever is longer; at T > 0 the
+    bonus is sampled from p and the guess stays as measured. Control: the measured guess (0.7) at
+    T = 0 prices the round ~15 % longer."""
+    greedy, sampled = estimates(greedy=True, draft_s=0.05, rtt_s=0.1), estimates(draft_s=0.05, rtt_s=0.1)
+    c = A.Candidate(Mode.TSLT, 4, 16)
+    window = A.predict(c, replace(A.accepting_all(greedy), draft_s=0.0)).seconds
+    assert A.predict(c, A.accepting_all(greedy)).seconds == pytest.approx(max(window, 5 * 0.05))
+    measured = replace(A.accepting_all(greedy), guess_rate=0.7)
+    assert A.predict(c, measured).seconds > 1.1 * A.predict(c, A.accepting_all(greedy)).seconds
+    assert A.accepting_all(sampled).guess_rate == 0.7
+    assert A.predict(c, A.accepting_all(sampled)).seconds == pytest.approx(A.predict(c, measured).seconds)
+
+
 def test_longer_round_trips_choose_longer_drafts() -> None:
     """A round trip is paid once per round: the slower it is, the more tokens a round should carry."""
     lens = []
