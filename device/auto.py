@@ -801,6 +801,7 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "probe_due_s": net.probe_due_s if net is not None and math.isfinite(net.probe_due_s) else None,
         "spec_lost": state.spec_lost if state is not None else None,
         "edge_lost": state.edge_lost if state is not None else None,
+        "spec_pays": net.spec_pays if net is not None else None,
     }
 
 
