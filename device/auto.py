@@ -405,8 +405,10 @@ class LinkTracker:
                 if r.generated:
                     self.verify.add(1, forward / r.generated)
                     self.queue_s.add(queue / r.generated)
-                if r.token_interval_s > 0:
-                    self.edge_token_s.add(r.token_interval_s)
+                if r.token_interval_s > 0 and r.generated:
+                    # not faster than the edge made them: tokens made ahead (through an outage that
+                    # held the round before up) arrive at once
+                    self.edge_token_s.add(max(r.token_interval_s, _edge_busy_s(r) / r.generated))
                 return stalled
             self.verify.add(r.drafted_tokens + 1, forward)
             self.queue_s.add(queue)
@@ -763,12 +765,18 @@ class AutoPolicy:
         kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
                     wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),
                     explore=(event.plan.choice or {}).get("why") == "explore",
-                    stall_s=event.record.stream_stall_s,
+                    stall_s=event.record.stream_stall_s, busy_s=0.0 if drafted else _edge_busy_s(event.record),
                     retimed=(not drafted and bool(event.record.forward_s) and not drafter_changed
                              and not (event.plan.choice or {}).get("catch_up")))
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)
+
+
+def _edge_busy_s(r: RoundRecord) -> float:
+    """The edge's seconds on a round's tokens: its forwards and its queue (the tokens cannot have
+    streamed faster in steady state)."""
+    return r.phases.get("verify", 0.0) + r.phases.get("queue", 0.0)
 
 
 def _best_of_arm(ranking: list[A.Prediction], arm: str) -> A.Prediction | None:

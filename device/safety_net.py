@@ -255,7 +255,7 @@ def drafter_changed(state: NetState, cfg: NetConfig) -> NetState:
 
 def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: float, *, first: bool = False,
             switch: bool = False, wait_s: float | None = None, explore: bool = False,
-            stall_s: float = 0.0, retimed: bool = False) -> NetState:
+            stall_s: float = 0.0, retimed: bool = False, busy_s: float = 0.0) -> NetState:
     """One committed round of ``arm``: ``tokens`` in ``seconds`` of wall time. A session's ``first``
     round (it holds the prefill) is kept out of the sums, a drafted round that catches the drafter up
     (``switch``) goes to the switch's sums; both count in the run. ``wait_s``: an edge-only round not
@@ -266,12 +266,18 @@ def observe(state: NetState, cfg: NetConfig, arm: str, tokens: int, seconds: flo
     ``stall_s``: seconds the link held the round's stream up (an outage, edge_only.Arrivals.stall): kept
     out of the arm's time and of an exploration's cost; the link is down for either arm. ``retimed``: the
     drafter was timed during the round (``NetCall.retime``), which stands for the exploration due: the
-    run's clock restarts."""
+    run's clock restarts. ``busy_s``: the edge's seconds on an edge-only round's tokens (its forwards
+    and queue), which the round counts at least: tokens the edge made ahead (through an outage that
+    held the round before up) arrive at once, and counted at their arrival a round of 42 such tokens
+    priced edge-only at 96 tok/s where it streamed at 18, its outage already left out of the round
+    before."""
     kept = "switch" if switch else arm
     mine = state.sums(kept)
     wait = min(max(0.0, wait_s or 0.0), seconds)
     steady = seconds - wait - min(max(0.0, stall_s), seconds - wait)
     counted = min(steady, cfg.outlier * usual_seconds(mine, arm, tokens))
+    if arm == EDGE:
+        counted = max(counted, busy_s)
     changes = {kept: mine.plus(tokens, counted, cfg.discount)} if not first and counted > 0 else {}
     if changes and arm == SPEC and not switch and not explore:
         changes["spec_steady"] = state.spec_steady.plus(tokens, counted, cfg.discount)

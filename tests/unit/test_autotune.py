@@ -146,6 +146,22 @@ def test_an_edge_only_round_an_outage_held_up_prices_edge_only_as_it_streams() -
     assert counted[0] > 1.1 * clean[0] and counted[1] < 0.9 * clean[1]
 
 
+def test_edge_only_is_not_priced_faster_than_the_edge_made_its_tokens() -> None:
+    """A round whose tokens the edge made ahead (through an outage) arrives at once (10 ms apart) where
+    the edge took 50 ms on each: the edge's time per token is what its pace is learned from. Control:
+    a round as fast as it streams (60 ms apart) is learned as it streamed."""
+    def learned(interval_s: float) -> float:
+        t = LinkTracker()
+        r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=32, uplink_bytes=30,
+                        downlink_bytes=40 * 32, phases={"network": 0.08, "queue": 0.0, "decode": 0.0,
+                                                        "verify": 0.05 * 32},
+                        first_reply_s=0.08, token_interval_s=interval_s)
+        t.observe_round(r, DraftSettings(mode=Mode.NONE, edge_tokens=32), 0.0, 49152, sent_ahead=True)
+        return t.edge_token_s.value
+    assert learned(0.01) == pytest.approx(0.05)
+    assert learned(0.06) == pytest.approx(0.06)
+
+
 def test_the_next_edge_only_request_leads_by_a_round_trip_of_tokens() -> None:
     assert edge_only.send_ahead_lead(0.08, 0.09) == 1 + edge_only.SEND_AHEAD_SLACK
     assert edge_only.send_ahead_lead(0.30, 0.09) == 4 + edge_only.SEND_AHEAD_SLACK  # a slow link: earlier

@@ -462,6 +462,22 @@ def test_an_edge_only_rounds_outlier_cap_follows_its_tokens() -> None:
     assert outage.edge.seconds - s.edge.seconds * CFG.discount == pytest.approx(CFG.outlier * 3.0)
 
 
+def test_an_edge_only_round_of_tokens_made_ahead_counts_the_edges_time_on_them() -> None:
+    """After an outage held a round up (its stall left out), the next round's 42 tokens, made by the
+    edge meanwhile, arrive in 0.44 s: the round counts the 2.3 s the edge spent on them, and
+    edge-only's rate stays within 2 % of its 18 tok/s. Control: counted at their arrival, the rate
+    reads over 10 % higher after this one round."""
+    s = N.NetState()
+    for _ in range(8):
+        s = N.observe(s, CFG, N.EDGE, 42, 42 / 18, busy_s=42 * 0.05)
+    floored = N.observe(s, CFG, N.EDGE, 42, 0.44, busy_s=42 / 18)
+    assert floored.edge.tokens / floored.edge.seconds == pytest.approx(18, rel=0.02)
+    raw = N.observe(s, CFG, N.EDGE, 42, 0.44)
+    assert raw.edge.tokens / raw.edge.seconds > 1.1 * 18
+    drafted = N.observe(s, CFG, N.SPEC, 5, 0.25, busy_s=9.0)  # only edge-only rounds are floored
+    assert drafted.spec.seconds == pytest.approx(0.25)
+
+
 def test_the_nets_estimates_and_overrides_reach_the_device_metrics() -> None:
     from prometheus_client import CollectorRegistry
 
