@@ -408,7 +408,7 @@ class LinkTracker:
                 if r.token_interval_s > 0 and r.generated:
                     # not faster than the edge made them: tokens made ahead (through an outage that
                     # held the round before up) arrive at once
-                    self.edge_token_s.add(max(r.token_interval_s, _edge_busy_s(r) / r.generated))
+                    self.edge_token_s.add(max(r.token_interval_s, (forward + queue) / r.generated))
                 return stalled
             self.verify.add(r.drafted_tokens + 1, forward)
             self.queue_s.add(queue)

@@ -97,7 +97,7 @@ class Arrivals:
         120 tok/s, and edge-only's rate at 20.7 tok/s where it streamed at 18."""
         if not self.gaps:
             return 0.0
-        usual = self.gaps[len(self.gaps) // 2]
+        usual = _median(self.gaps)
         beyond = max(cfg.stall_rel * usual, cfg.stall_abs_s)
         if self.gaps[-1] - usual <= beyond:  # no outage (the common case: O(1) per token)
             return 0.0
@@ -118,11 +118,12 @@ def outage_cost(gaps: list[float], outage: list[bool]) -> float:
     the link was down, arriving at once). Each outage costs its gap less the pace; each burst gap
     makes up the pace less itself (those tokens were made in the outage's time); at least 0 in all."""
     first = outage.index(True)
-    before = sorted(gaps[:first])
-    # an outage at the stream's start leaves no pace before it: the upper quartile of the rest (a burst
-    # shorter than three quarters of them leaves it at the pace)
-    rest = sorted(g for g, o in zip(gaps, outage) if not o)
-    paced_then = _median(before) if before else rest[3 * len(rest) // 4] if rest else 0.0
+    if first:
+        paced_then = _median(sorted(gaps[:first]))
+    else:  # an outage at the stream's start leaves no pace before it: the upper quartile of the rest
+        # (a burst shorter than three quarters of them leaves it at the pace)
+        rest = sorted(g for g, o in zip(gaps, outage) if not o)
+        paced_then = rest[3 * len(rest) // 4] if rest else 0.0
     paced, burst, in_burst = [], [], False
     for g, o in zip(gaps, outage):
         if o:
