@@ -378,27 +378,32 @@ class LinkTracker:
     # -- rounds ------------------------------------------------------------------------------------------
     def observe_round(self, r: RoundRecord, settings: DraftSettings, temperature: float, vocab_size: int,
                       acceptance: SessionAcceptance | None = None, catching_up: bool = False,
-                      first: bool = False, gumbel: GumbelAcceptance | None = None, sent_ahead: bool = False) -> bool:
+                      first: bool = False, gumbel: GumbelAcceptance | None = None, sent_ahead: bool = False,
+                      seconds: float = 0.0) -> bool:
         """One round's record; its acceptance also goes to ``acceptance``, its session's (a gumbel
         round's to ``gumbel``, the session's gumbel estimate). ``catching_up``:
         the session's first drafted round, or the first after edge-only rounds: its drafting includes
         feeding the drafter the tokens it has not seen, and its network time the edge's prefill, so
         neither says anything about a round in steady state. ``first``: the session's first round (its
         network time holds the edge's prefill). ``sent_ahead``: an edge-only round requested while the
-        one before it streamed (its first token's wait is no round trip). True if the round stalled
-        on the link (an outage)."""
+        one before it streamed (its first token's wait is no round trip). ``seconds``: the round's wall
+        time (since the round before it), for which the link went unmeasured unless the round measured
+        it (LinkFit.elapse). True if the round stalled on the link (an outage)."""
         forward, queue = r.phases.get("verify", 0.0), r.phases.get("queue", 0.0)
         with self.lock:
             self.rounds_seen += 1
-            stalled = False
+            stalled, unmeasured = False, seconds
             # An edge-only round's network time also holds every streamed token's per-message costs
             # (their sum grows with the round): its first token's is the round-trip sample. Its kind's
             # learned time scale covers those costs instead.
             if not catching_up and settings.mode is not Mode.NONE:
                 stalled = self.link.add(r.phases.get("network", 0.0), r.uplink_bytes, r.downlink_bytes,
                                         r.residual_trips)
+                unmeasured = 0.0
             elif not first and (wait := first_token_wait(r, settings, sent_ahead)) is not None:
                 stalled = self.link.add(wait, r.uplink_bytes, 0)
+                unmeasured = seconds - (r.first_reply_s or 0.0)  # (it streamed after its sample)
+            self.link.elapse(unmeasured)
             if settings.mode is Mode.NONE:
                 if r.forward_s:  # the drafter timed while the round streamed (safety_net.NetCall.retime)
                     self._observe_drafter(r, catching_up=False)
@@ -726,7 +731,8 @@ class AutoPolicy:
             self.tracker.observe_guess(t, event.guess)
         stalled = self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
                                              catching_up=drafted and not self._drafted_last, first=self.rounds == 0,
-                                             gumbel=self.gumbel, sent_ahead=event.sent_ahead)
+                                             gumbel=self.gumbel, sent_ahead=event.sent_ahead,
+                                             seconds=max(0.0, event.t - self._last_t))
         if (isinstance(d, AutoDecision) and d.estimates is not None and drafted and self._drafted_last
                 and self.rounds > 0 and not stalled):
             # the round's wall time against the model's (not a round that catches the drafter up, nor

@@ -7,10 +7,20 @@ Round trip and uplink goodput are fitted jointly over the last few rounds (newes
 propagation and how much serialization, rounds of different sizes can. The intercept is the round
 trip (its mean, jitter and loss included: what a round expects to pay), the slope the inverse
 goodput; downlink goodput comes from DSSD's full-p_j replies.
+
+A round trip above the link's usual one (the median of its recent fits) relaxes back toward it for
+the seconds no round measures it (:meth:`LinkFit.elapse`), as a mean-reverting process's forecast
+does. Rounds measure it only while they draft, or wait for an edge-only round's first token: a round
+trip inflated by a bad spell would keep auto edge-only, whose rounds sent ahead never measure it, and
+a device that knows it as it was seconds ago priced drafting at the spell's round trip (0.39 s on a
+40 ms link) for a whole session. A round trip below the usual one is not pulled up: drafted rounds
+measure it every round, so a fit that is too low corrects itself.
 """
 from __future__ import annotations
 
 import collections
+import math
+import statistics
 from dataclasses import dataclass
 
 from specdec.device import autotune as A
@@ -45,6 +55,13 @@ class LinkConfig:
     # link changed (a stale goodput keeps small rounds on a fast link until a large round measures it).
     probe_every: int = 12
     probe_after_change: int = 2
+    # The link's usual round trip: the median of this many recent fits (a bad spell's few rounds do not
+    # move it; a link that stays slower does, in half as many rounds) ...
+    usual_window: int = 16
+    # ... to which a higher fit relaxes with this time constant while no round measures it: the
+    # scale of a bad spell on recorded cellular links (outages and queues last hundreds of ms to
+    # seconds).
+    rtt_relax_s: float = 1.0
 
 
 def goodput(samples) -> float:
@@ -67,9 +84,24 @@ class LinkFit:
         self._held: tuple[float, float] | None = None                # the last round, if it stalled
         self.stalls = 0                                              # rounds held out as stalled
         self.rounds_since_rate = 0                                   # rounds since a goodput sample
+        self.fitted_rtts = collections.deque(maxlen=config.usual_window)  # the round trip of each fit
+        self.unmeasured_s = 0.0                                      # seconds since a round measured it
 
     def rtt_s(self) -> float:
-        return self.fit[0]
+        """The round trip a round expects now: the fit's, relaxed toward the usual one for the seconds
+        no round has measured the link."""
+        rtt, usual = self.fit[0], self.usual_rtt_s()
+        if rtt <= usual or self.unmeasured_s <= 0:
+            return rtt
+        return usual + (rtt - usual) * math.exp(-self.unmeasured_s / self.config.rtt_relax_s)
+
+    def usual_rtt_s(self) -> float:
+        """The median of the recent fits' round trips (the fit's own before any)."""
+        return statistics.median(self.fitted_rtts) if self.fitted_rtts else self.fit[0]
+
+    def elapse(self, seconds: float) -> None:
+        """``seconds`` of rounds passed that did not measure the link (after the last one that did)."""
+        self.unmeasured_s += max(0.0, seconds)
 
     def uplink_bps(self) -> float:
         return self.fit[1]
@@ -88,8 +120,9 @@ class LinkFit:
     def add(self, network: float, up_bytes: int, down_bytes: int, residual_trips: int = 0) -> bool:
         """One round's network time; True if the round stalled (held out of the fit)."""
         c = self.config
+        self.unmeasured_s = 0.0  # (judged against the fit itself: the relaxed value is a forecast)
         if residual_trips:  # a DSSD fallback's round trips and p_j (head or whole) down: a downlink sample
-            excess = network - (1 + residual_trips) * self.rtt_s() - 8 * up_bytes / self.uplink_bps()
+            excess = network - (1 + residual_trips) * self.fit[0] - 8 * up_bytes / self.uplink_bps()
             self.down.append((8 * down_bytes, max(c.min_excess_s, excess)))
             return False
         bits = 8.0 * up_bytes
@@ -107,8 +140,10 @@ class LinkFit:
         self.samples.append((bits, network))
         n = len(self.samples)
         weights = [(c.decay * self.memory) ** (n - 1 - i) for i in range(n)]
-        rtt, rate = A.fit_link(list(self.samples), weights, self.rtt_s(), self.uplink_bps(),
+        rtt, rate = A.fit_link(list(self.samples), weights, self.fit[0], self.uplink_bps(),
                                8.0 * c.min_rate_sample_bytes)
+        if rtt > 0:  # (a fit that could not part the round trip from serialization holds 0 or its prior)
+            self.fitted_rtts.append(rtt)
         self.rounds_since_rate = 0 if up_bytes >= c.min_rate_sample_bytes else self.rounds_since_rate + 1
         if changed:  # small rounds cannot tell a new round trip from a new goodput: probe soon
             self.rounds_since_rate = max(self.rounds_since_rate, c.probe_every - c.probe_after_change)
@@ -117,7 +152,7 @@ class LinkFit:
 
     def _stalled(self, bits: float, network: float) -> bool:
         """Whether a round took ``stall_rel`` times its expected network time beyond it, and ``stall_abs_s``."""
-        expected = self.rtt_s() + bits / self.uplink_bps()
+        expected = self.fit[0] + bits / self.uplink_bps()
         c = self.config
         return len(self.samples) >= 2 and network - expected > max(c.stall_rel * expected, c.stall_abs_s)
 
@@ -125,7 +160,7 @@ class LinkFit:
         """Two rounds in a row far from what the fit predicts (in the same direction), or one far faster:
         the link changed, so the rounds before them describe another link; a single slow one (a lost
         segment) does not."""
-        c, rtt = self.config, self.rtt_s()
+        c, rtt = self.config, self.fit[0]
         expected = rtt + bits / self.uplink_bps()
         off = network - expected
         outlier = abs(off) > max(c.change_rel * expected, c.change_abs_s) and len(self.samples) >= 2

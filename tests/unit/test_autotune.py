@@ -15,7 +15,7 @@ from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve, validate
 from specdec.common.stats import RoundRecord
 from specdec.common.verification import dssd_fallback_bytes
-from specdec.device.link_fit import LinkConfig
+from specdec.device.link_fit import LinkConfig, LinkFit
 from specdec.device.auto import (AutoConfig, AutoDecision, GumbelAcceptance,
                                  AutoPolicy, EstimateConfig, LinkTracker, SessionAcceptance, _Stepped)
 from specdec.device.q_measure import OBSERVE_Q_EVERY
@@ -391,6 +391,61 @@ def test_link_fit_separates_round_trip_from_serialization() -> None:
     assert A.fit_link([(2e3, 0.061)] * 3, [1.0] * 3, 0.0, 2e6, 9600.0) == pytest.approx((0.06, 2e6))
     # bigger rounds not slower: nothing learned about the rate (never "infinitely fast")
     assert A.fit_link([(2e4, 0.01), (8e4, 0.009)], [1.0, 1.0], 0.0, 1e6, 9600.0)[1] == 1e6
+
+
+def _spell_fit() -> LinkFit:
+    """A 40 ms link, then a bad spell: two rounds in a row at 0.4 s (a changed link, by the fit's rule)."""
+    fit = LinkFit(LinkConfig())
+    for network in [0.04] * 12 + [0.4, 0.41]:
+        fit.add(network, 300, 40)
+    return fit
+
+
+def test_a_round_trip_a_bad_spell_inflated_relaxes_to_the_usual_one_while_unmeasured() -> None:
+    """After the spell the fit says ~0.4 s; unmeasured, the round trip expected relaxes toward the
+    usual 40 ms (half-way by ln 2 time constants) and a fresh 40 ms round is believed at once.
+    Control: without time passing nothing relaxes, and a link that stays slow becomes the usual one."""
+    fit = _spell_fit()
+    spell, usual = fit.rtt_s(), fit.usual_rtt_s()
+    assert spell > 0.35 and usual == pytest.approx(0.04, abs=1e-3)
+    fit.elapse(fit.config.rtt_relax_s * math.log(2))
+    assert fit.rtt_s() == pytest.approx(usual + (spell - usual) / 2, rel=1e-6)
+    fit.elapse(10 * fit.config.rtt_relax_s)
+    assert fit.rtt_s() == pytest.approx(usual, abs=1e-4)
+    fit.add(0.04, 300, 40)
+    assert fit.rtt_s() == pytest.approx(0.04, abs=1e-3)
+    slow = _spell_fit()
+    for _ in range(fit.config.usual_window):
+        slow.add(0.4, 300, 40)
+    slow.elapse(10 * fit.config.rtt_relax_s)
+    assert slow.rtt_s() == pytest.approx(0.4, rel=0.05)
+
+
+def test_a_round_trip_below_the_usual_one_is_not_pulled_up() -> None:
+    fit = LinkFit(LinkConfig())
+    for network in [0.2] * 12 + [0.04]:  # one far faster round: a faster link at once
+        fit.add(network, 300, 40)
+    fit.elapse(10.0)
+    assert fit.rtt_s() == pytest.approx(0.04, abs=1e-3) and fit.usual_rtt_s() > 0.15
+
+
+def test_edge_only_rounds_sent_ahead_relax_the_round_trip_and_one_not_sent_ahead_measures_it() -> None:
+    """Rounds sent ahead take no sample: their seconds relax the spell's round trip (what a session
+    started after them prices drafting at); one not sent ahead samples its first token's wait and
+    relaxes only for the seconds it streamed after it."""
+    t = LinkTracker()
+    t.link = _spell_fit()
+    spell, usual = t.estimates(0.0, 49152).rtt_s, t.link.usual_rtt_s()
+    s = DraftSettings(mode=Mode.NONE, edge_tokens=32)
+    r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=32, uplink_bytes=30,
+                    downlink_bytes=40 * 32, phases={"network": 0.4, "queue": 0.0, "decode": 0.0, "verify": 1.6},
+                    first_reply_s=0.4, token_interval_s=0.05)
+    t.observe_round(r, s, 0.0, 49152, sent_ahead=True, seconds=2.0)
+    relaxed = t.estimates(0.0, 49152).rtt_s
+    assert relaxed == pytest.approx(usual + (spell - usual) * math.exp(-2.0 / t.link.config.rtt_relax_s), rel=1e-6)
+    t.observe_round(r, s, 0.0, 49152, sent_ahead=False, seconds=2.0)  # a 0.4 s wait, as the spell's
+    assert t.link.rtt_s() == pytest.approx(usual + (t.link.fit[0] - usual) * math.exp(-1.6 / t.link.config.rtt_relax_s))
+    assert t.link.fit[0] > 0.35
 
 
 def test_verify_time_fit_recovers_base_and_slope() -> None:
