@@ -423,3 +423,34 @@ def test_a_new_temperature_explores_drafting_at_once_only_where_it_could_pay(mon
     monkeypatch.setattr(N, "could_pay", lambda *a: True)
     control = new_temperature_session(0.1, 4)
     assert any(why == "explore" and mode is not Mode.NONE for mode, why in control[:3]), control
+
+
+def _spell_then_edge_only(streamed_rounds: int) -> tuple[LinkTracker, Mode]:
+    """A device that drafted on an 80 ms link (12 rounds, all accepted, drafting well ahead of
+    edge-only), then met a bad spell: two rounds at 0.6 s (a slower link, by the fit's rule), then
+    streamed ``streamed_rounds`` edge-only rounds of 32 tokens at 33 tok/s whose requests went ahead (no
+    round-trip sample; ~1.1 s each). The tracker and the mode of the next session's first round."""
+    tracker = LinkTracker()
+    policy = AutoPolicy(tracker, HELLO, V)
+    s = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
+    for network in [0.08] * 12 + [0.6, 0.6]:
+        commit(policy, s, drafted(s, 4, network=network, up=300))
+    e = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=32)
+    for _ in range(streamed_rounds):
+        r = replace(edge_only(32, per_token=0.03), token_interval_s=0.03)
+        elapsed = sum(r.phases.values())
+        SESSION_CLOCK[policy] = t = SESSION_CLOCK[policy] + elapsed
+        policy.observe(RoundEvent(record=r, plan=RoundPlan(e), new_tokens=(), q_stats=(), guess=None,
+                                  elapsed_s=elapsed, edge_hint=None, t=t, sent_ahead=True))
+    return tracker, AutoPolicy(tracker, HELLO, V).choose().settings.mode
+
+
+def test_a_session_after_a_bad_spell_streamed_edge_only_drafts_again() -> None:
+    """The spell priced drafting below edge-only (the session right after it streams edge-only), and
+    rounds sent ahead never measure the round trip; after ~3.5 s of them the round trip expected has
+    relaxed to the usual 80 ms, and the next session drafts from its first round (at the spell's
+    round trip drafting makes ~22 tok/s against edge-only's 33: without the relaxation it would not)."""
+    spell, right_after = _spell_then_edge_only(0)
+    assert spell.link.rtt_s() > 0.4 and right_after is Mode.NONE
+    relaxed, later = _spell_then_edge_only(3)
+    assert relaxed.link.rtt_s() == pytest.approx(0.08, abs=0.02) and later is not Mode.NONE
