@@ -100,7 +100,9 @@ class LinkFit:
         return statistics.median(self.fitted_rtts) if self.fitted_rtts else self.fit[0]
 
     def elapse(self, seconds: float) -> None:
-        """``seconds`` of rounds passed that did not measure the link (after the last one that did)."""
+        """``seconds`` of rounds passed that did not measure the link (after the last one that did).
+        Sessions running at once each add their rounds' seconds, so the link relaxes up to that many
+        times faster while all of them stream edge-only; the first drafted round measures it again."""
         self.unmeasured_s += max(0.0, seconds)
 
     def uplink_bps(self) -> float:
