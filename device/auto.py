@@ -402,7 +402,7 @@ class LinkTracker:
                 unmeasured = 0.0
             elif not first and (wait := first_token_wait(r, settings, sent_ahead)) is not None:
                 stalled = self.link.add(wait, r.uplink_bytes, 0)
-                unmeasured = seconds - (r.first_reply_s or 0.0)  # (it streamed after its sample)
+                unmeasured = seconds - wait  # (it streamed after its sample)
             self.link.elapse(unmeasured)
             if settings.mode is Mode.NONE:
                 if r.forward_s:  # the drafter timed while the round streamed (safety_net.NetCall.retime)
@@ -729,10 +729,11 @@ class AutoPolicy:
                 self.tracker.add_q_stats(stats)
         if event.guess is not None:
             self.tracker.observe_guess(t, event.guess)
+        seconds = max(0.0, event.t - self._last_t)  # since the last committed round
+        self._last_t = event.t
         stalled = self.tracker.observe_round(r, settings, t, self.vocab_size, self.acceptance,
                                              catching_up=drafted and not self._drafted_last, first=self.rounds == 0,
-                                             gumbel=self.gumbel, sent_ahead=event.sent_ahead,
-                                             seconds=max(0.0, event.t - self._last_t))
+                                             gumbel=self.gumbel, sent_ahead=event.sent_ahead, seconds=seconds)
         if (isinstance(d, AutoDecision) and d.estimates is not None and drafted and self._drafted_last
                 and self.rounds > 0 and not stalled):
             # the round's wall time against the model's (not a round that catches the drafter up, nor
@@ -744,7 +745,7 @@ class AutoPolicy:
         if changed:
             self._drafter_changes = self.tracker.drafter_changes
             self.net = N.drafter_changed(self.net, self.net_config)
-        self._observe_net(event, drafted, changed)
+        self._observe_net(event, drafted, seconds, changed)
         self._drafted_last = drafted
         self.rounds += 1
 
@@ -754,8 +755,8 @@ class AutoPolicy:
         safety net's next sample starts after it instead of carrying it."""
         self._last_t = event.t
 
-    def _observe_net(self, event: RoundEvent, drafted: bool, drafter_changed: bool = False) -> None:
-        """The round's tokens and wall seconds (since the last committed round) to the safety net, here
+    def _observe_net(self, event: RoundEvent, drafted: bool, seconds: float, drafter_changed: bool = False) -> None:
+        """The round's tokens and wall ``seconds`` (since the last committed round) to the safety net, here
         and on the device (where the next sessions start): the session's first round (the prefill) and
         a drafted round that catches the drafter up (a switch's cost) apart, and an edge-only round's
         wait for its first token unless its request went ahead (a switch's cost too), whether it
@@ -765,8 +766,6 @@ class AutoPolicy:
         then the exploration stays due, and the next round explores the drafter as it now is (or
         times it again), where the clock restarted would keep a drafter that got faster unexplored
         for another 25-100 s."""
-        seconds = max(0.0, event.t - self._last_t)
-        self._last_t = event.t
         arm = N.SPEC if drafted else N.EDGE
         kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
                     wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),

@@ -90,8 +90,11 @@ class LinkFit:
     def rtt_s(self) -> float:
         """The round trip a round expects now: the fit's, relaxed toward the usual one for the seconds
         no round has measured the link."""
-        rtt, usual = self.fit[0], self.usual_rtt_s()
-        if rtt <= usual or self.unmeasured_s <= 0:
+        rtt = self.fit[0]
+        if self.unmeasured_s <= 0:  # (every drafted round: no median to take)
+            return rtt
+        usual = self.usual_rtt_s()
+        if rtt <= usual:
             return rtt
         return usual + (rtt - usual) * math.exp(-self.unmeasured_s / self.config.rtt_relax_s)
 

@@ -47,14 +47,16 @@ def edge_only(n: int, first=0.08, per_token=0.05) -> RoundRecord:
 SESSION_CLOCK: "weakref.WeakKeyDictionary[AutoPolicy, float]" = weakref.WeakKeyDictionary()
 
 
-def commit(policy: AutoPolicy, s: DraftSettings, r: RoundRecord, choice: dict | None = None) -> None:
+def commit(policy: AutoPolicy, s: DraftSettings, r: RoundRecord, choice: dict | None = None,
+           sent_ahead: bool = False) -> None:
     """``r`` committed: it took the sum of its phases, and the session's clock moves on by as much.
-    ``choice``: the plan's (why it was chosen), where the test keeps it."""
+    ``choice``: the plan's (why it was chosen), where the test keeps it; ``sent_ahead``: an edge-only
+    round requested while the one before it streamed."""
     plan = RoundPlan(s, choice=choice)
     elapsed = sum(r.phases.values())
     SESSION_CLOCK[policy] = t = SESSION_CLOCK.get(policy, 0.0) + elapsed
     policy.observe(RoundEvent(record=r, plan=plan, new_tokens=(), q_stats=(), guess=None,
-                              elapsed_s=elapsed, edge_hint=None, t=t))
+                              elapsed_s=elapsed, edge_hint=None, t=t, sent_ahead=sent_ahead))
 
 
 def warm_tracker(accepted: int = 4) -> LinkTracker:
@@ -437,11 +439,7 @@ def _spell_then_edge_only(streamed_rounds: int) -> tuple[LinkTracker, Mode]:
         commit(policy, s, drafted(s, 4, network=network, up=300))
     e = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=32)
     for _ in range(streamed_rounds):
-        r = replace(edge_only(32, per_token=0.03), token_interval_s=0.03)
-        elapsed = sum(r.phases.values())
-        SESSION_CLOCK[policy] = t = SESSION_CLOCK[policy] + elapsed
-        policy.observe(RoundEvent(record=r, plan=RoundPlan(e), new_tokens=(), q_stats=(), guess=None,
-                                  elapsed_s=elapsed, edge_hint=None, t=t, sent_ahead=True))
+        commit(policy, e, replace(edge_only(32, per_token=0.03), token_interval_s=0.03), sent_ahead=True)
     return tracker, AutoPolicy(tracker, HELLO, V).choose().settings.mode
 
 
