@@ -41,6 +41,7 @@ from specdec.bench.harness import plan as harness_plan  # noqa: E402
 from specdec.bench.harness.analyze import fmt, print_goals  # noqa: E402
 from specdec.bench.harness.rig import Rig, shaping_available  # noqa: E402
 from specdec.bench.traces import analyze, plan  # noqa: E402
+from specdec.testbed.traces import load_trace  # noqa: E402
 from specdec.testbed.units import parse_queue  # noqa: E402
 
 RESULTS = harness_plan.RESULTS / "bench_traces"
@@ -161,6 +162,9 @@ def print_tables(data: dict) -> None:
         s = c["summary"]
         print(f"  auto / best fixed {fmt(s['auto_vs_best_fixed'])}, / edge-only {fmt(s['auto_vs_edge_only'])}, "
               f"/ default {fmt(s['auto_vs_default'])}")
+        line = finish_line_note(data.get("finish_line", {}).get("cells", {}).get(name))
+        if line:
+            print(f"  {line}")
     cal = data.get("calibration")
     if cal:
         slowed = data["settings"].get("target_slowdown", 1.0)
@@ -190,6 +194,30 @@ def print_tables(data: dict) -> None:
               f"auto/default {fmt(t['auto_vs_default'])}  p95 gap ms: {gaps}")
 
 
+def finish_line_note(view: dict | None) -> str | None:
+    """The line under a cell whose prompts an outage split at the finish line (analyze.finish_line)."""
+    if not view or not view["split"]:
+        return None
+    where = ", ".join(f"p{p} (outage {t:.1f} s in)" for p, t in view["split"])
+    s = view["summary"]
+    rest = ("no prompt left" if s is None else
+            f"the others: auto / cell's best fixed {fmt(s.get('auto_vs_cell_best_fixed'))}, "
+            f"/ edge-only {fmt(s['auto_vs_edge_only'])}")
+    return f"split at the finish line: {where}; {rest}"
+
+
+def trace_outages(recordings: list[dict], min_s: float = analyze.FINISH_LINE_OUTAGE_S) -> dict[str, list]:
+    """{recording: (start s, length s) of each outage of ``min_s`` or longer, either direction}; a recording
+    whose trace files cannot be read (a run's JSON read back elsewhere) is left out."""
+    out = {}
+    for r in recordings:
+        try:
+            out[r["name"]] = sorted(o for path in (r["up"], r["down"]) for o in load_trace(path).outages(min_s * 1e3))
+        except ValueError:
+            continue
+    return out
+
+
 def cost_label(cost: float | str | None) -> str:
     """A drafter cost as --drafter-costs spells it (None, or "null" once a run's JSON is read back:
     the drafter as it runs)."""
@@ -207,6 +235,8 @@ def analyze_all(data: dict) -> None:
     data["regret_summary"] = analyze.regret_summary(data["regret"])
     data["never_loses_goals"] = analyze.never_loses_goals(data["cells"], data["regret"])
     data["host_noise"] = analyze.host_noise(data["sessions"], data["settings"]["prompts"])
+    data["finish_line"] = analyze.finish_line(data["cells"], data["sessions"], trace_outages(data["recordings"]),
+                                              best, plan.DEFAULT)
 
 
 def make_plots(data: dict, out: Path) -> list[str]:
@@ -239,6 +269,10 @@ def finish(data: dict, out: Path) -> None:
         print_tables(data)
         print_goals("issue 35 goals", data["goals"])
         print_goals("issue 46 goals (auto never loses)", data["never_loses_goals"])
+        fl = data["finish_line"]
+        if fl["split_prompts"]:
+            print_goals(f"the same without the {fl['split_prompts']} prompt(s) an outage of {fl['outage_s']:g} s or more "
+                        "split at the finish line (a diagnostic: the goals above are the verdict)", fl["goals"])
     text = buf.getvalue()
     print(text)
     (out / "summary.txt").write_text(text)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdec.bench import bench_traces
 from specdec.bench.harness.driver import AUTO_TIMELINE_KEYS, DraftDelay, add_timeline, device_config
 from specdec.bench.harness.plan import DRAFT_DELAY, balanced, rotated
 from specdec.bench.traces import analyze, plan
@@ -188,3 +189,42 @@ def test_the_end_wait_is_the_wall_after_a_sessions_last_token() -> None:
     assert stats["fixA"]["end_wait_p50"] == pytest.approx(0.09) and stats["fixA"]["end_wait_max"] == pytest.approx(0.09)
     assert stats["none"]["end_wait_p50"] == pytest.approx(0.002)
     assert analyze.config_stats([session("a", "auto", 0, 8, 1.0)])["auto"]["end_wait_p50"] is None
+
+
+def ended(cell: str, config: str, prompt: int, offset_s: float, end_s: float, tokens: int = 96) -> dict:
+    """A session that started at ``offset_s`` into its trace and ended ``end_s`` later."""
+    return {**session(cell, config, prompt, tokens, end_s), "offset_s": offset_s, "applied_wall": 1000.0,
+            "extra": {"session_t0": 1000.0, "session_t1": 1000.0 + end_s}}
+
+
+def test_a_prompt_is_split_at_the_finish_line_only_where_an_outage_began_between_its_sessions_ends() -> None:
+    sessions = [ended("a", "none", 0, 10.0, 7.5), ended("a", "fixA", 0, 10.0, 5.4), ended("a", "auto", 0, 10.0, 7.5),
+                ended("a", "none", 1, 30.0, 5.6), ended("a", "fixA", 1, 30.0, 6.0), ended("a", "auto", 1, 30.0, 5.8),
+                ended("b", "none", 0, 10.0, 7.5), ended("b", "fixA", 0, 10.0, 5.4), ended("b", "auto", 0, 10.0, 7.5)]
+    # trace a: one outage 5.5 s into prompt 0 (between its ends), one 1 s into prompt 1 (all met it) and one
+    # 8 s in (all had ended); trace b has none listed (its files unread): never split
+    outages = {"a": [(15.5, 2.0), (31.0, 2.0), (38.0, 2.0)]}
+    assert analyze.finish_line_splits(sessions, outages) == {("a", 0): pytest.approx(5.5)}
+    # the same outage after every session's end splits nothing (the mutation "met by any" would)
+    assert analyze.finish_line_splits(sessions, {"a": [(18.0, 2.0)]}) == {}
+    cells = {c: {"summary": analyze.cell_summary(analyze.config_stats([s for s in sessions if s["cell"] == c]),
+                                                 "fixA", "fixA")} for c in ("a", "b")}
+    view = analyze.finish_line(cells, sessions, outages, "fixA", "fixA")
+    assert view["split_prompts"] == 1 and view["cells"]["a"]["split"] == [[0, 5.5]]
+    # cell a over prompt 1 alone: auto 96 / 5.8 against fixA's 96 / 6.0 and edge-only's 96 / 5.6
+    rest = view["cells"]["a"]["summary"]
+    assert rest["auto_vs_cell_best_fixed"] == pytest.approx(6.0 / 5.8) and rest["auto_vs_edge_only"] == pytest.approx(5.6 / 5.8)
+    assert cells["a"]["summary"]["auto_vs_cell_best_fixed"] == pytest.approx(11.4 / 13.3)  # all prompts: a miss
+    assert view["goals"]["auto_vs_cell_best_fixed_every_cell"]["value"] == pytest.approx(5.4 / 7.5)  # b, unsplit
+    assert "p0 (outage 5.5 s in)" in bench_traces.finish_line_note(view["cells"]["a"])
+    assert bench_traces.finish_line_note(view["cells"]["b"]) is None
+
+
+def test_the_outages_of_a_recording_are_its_gaps_of_half_a_second_or_more_in_either_direction(tmp_path) -> None:
+    (tmp_path / "x.up").write_text("\n".join(str(t) for t in (1, 2, 402, 403, 2000)) + "\n")  # 0.4 s, then 1.597 s
+    (tmp_path / "x.down").write_text("\n".join(str(t) for t in (1, 700, 2000)) + "\n")        # 0.699 s, 1.3 s
+    recs = [{"name": "x", "up": str(tmp_path / "x.up"), "down": str(tmp_path / "x.down")},
+            {"name": "gone", "up": str(tmp_path / "no.up"), "down": str(tmp_path / "no.down")}]
+    got = bench_traces.trace_outages(recs)
+    assert list(got) == ["x"]  # the unreadable recording left out
+    assert got["x"] == [pytest.approx((0.001, 0.699)), pytest.approx((0.403, 1.597)), pytest.approx((0.7, 1.3))]
