@@ -162,6 +162,9 @@ def print_tables(data: dict) -> None:
         s = c["summary"]
         print(f"  auto / best fixed {fmt(s['auto_vs_best_fixed'])}, / edge-only {fmt(s['auto_vs_edge_only'])}, "
               f"/ default {fmt(s['auto_vs_default'])}")
+        per_prompt = sorted((r["prompt"], r["vs_best_fixed"]) for r in data.get("regret", []) if r["cell"] == name)
+        if per_prompt:
+            print("  auto / cell's best fixed per prompt: " + ", ".join(f"p{p} {fmt(v)}" for p, v in per_prompt))
         line = finish_line_note(data.get("finish_line", {}).get("cells", {}).get(name))
         if line:
             print(f"  {line}")
