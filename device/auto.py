@@ -815,6 +815,10 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "spec_lost": state.spec_lost if state is not None else None,
         "edge_lost": state.edge_lost if state is not None else None,
         "spec_pays": net.spec_pays if net is not None else None,
+        # what the best case and the learned scales were (why drafting was or was not explored)
+        "spec_ceiling_tokens_per_s": net.spec_ceiling if net is not None else None,
+        "time_scales": {f"{m.value}-{k}": v for (m, k), v in e.time_scale.items()},
+        "encode_s": {m.value: v for m, v in e.encode_s.items()},
     }
 
 

@@ -191,6 +191,7 @@ class NetCall:
     probe_due_s: float   # seconds of the current arm before the other is explored (inf: not counting)
     spec_pays: bool = True  # drafting's best case beats edge-only (it is explored, not timed)
     retime: bool = False    # an exploration of drafting that cannot pay is due: time the drafter instead
+    spec_ceiling: float = 0.0  # the best case ``spec_pays`` was judged by (ArmPrior.ceiling), tokens/s
 
 
 @dataclass(frozen=True)
@@ -375,7 +376,7 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     else:
         arm, why = better, None if better == model_arm else "net"
     retime = arm == EDGE and other == SPEC and not pays and due <= 0
-    return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf, pays, retime)
+    return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf, pays, retime, spec.ceiling)
 
 
 def spec_pays(state: NetState, cfg: NetConfig, spec: ArmPrior, r_edge: float) -> bool:

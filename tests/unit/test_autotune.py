@@ -720,6 +720,9 @@ def test_a_drafter_slower_than_the_target_is_left_and_timed_not_drafted_again() 
     modes, _, choices = _drafts_nothing_accepted(0.08, rounds=90, then=0.01, after=60)
     timed = next(i for i in range(60, 90) if choices[i].get("retime"))
     assert modes[timed + 1] is not Mode.NONE, modes[timed:]
+    # each choice says the best case the net judged drafting by: below edge-only's rate, then above it
+    slow, fast = choices[timed - 1], choices[timed + 1]
+    assert 0 < slow["spec_ceiling_tokens_per_s"] < slow["net_edge_tokens_per_s"] < fast["spec_ceiling_tokens_per_s"]
     # a timing in place of an exploration restarts its clock, unless it found the drafter changed (one
     # before an exploration, as the drafter catches up for it, leaves it running)
     assert choices[timed]["run_s_after"] > 0
