@@ -148,7 +148,7 @@ AUTO_TIMELINE_KEYS = ("choice", "why", "predicted_tokens_per_s", "net_edge_token
                       "rtt_s", "draft_s", "verify_base_s", "verify_per_token_s", "edge_token_s", "alpha_base",
                       "time_scale", "model_edge_tokens_per_s", "model_spec_tokens_per_s", "probe_due_s",
                       "spec_lost", "edge_lost", "guess_rate", "spec_pays", "retime",
-                      "spec_ceiling_tokens_per_s", "time_scales", "encode_s")
+                      "spec_ceiling_tokens_per_s", "time_scales", "encode_s", "uplink_bps", "downlink_bps")
 
 
 def add_timeline(session) -> list[dict]:

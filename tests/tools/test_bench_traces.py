@@ -153,7 +153,8 @@ def test_the_timeline_keeps_auto_s_reason_and_the_net_s_arms_for_each_round() ->
               "verify_per_token_s": 0.01, "edge_token_s": 0.07, "alpha_base": 0.9, "time_scale": 1.1, "runner_up": "none",
               "model_edge_tokens_per_s": 11.5, "model_spec_tokens_per_s": 12.0, "probe_due_s": None, "spec_lost": 1,
               "edge_lost": 0, "guess_rate": 0.8, "spec_pays": True, "retime": None, "spec_ceiling_tokens_per_s": 20.0,
-              "time_scales": {"tslt-256": 1.1}, "encode_s": {"tslt": 0.002}}
+              "time_scales": {"tslt-256": 1.1}, "encode_s": {"tslt": 0.002},
+              "uplink_bps": 2e6, "downlink_bps": None}
     for round_plan in (SimpleNamespace(choice=choice), SimpleNamespace(choice=None)):  # auto, then a fixed mode
         session.listeners[-1](SimpleNamespace(record=record, settings=settings, plan=round_plan))
     assert timeline[0]["auto"] == {k: choice[k] for k in AUTO_TIMELINE_KEYS} and "runner_up" not in timeline[0]["auto"]
