@@ -5,7 +5,7 @@ vs the links grid's best fixed configuration vs ``mode auto`` (issue 35, item 2)
     make bench-traces ARGS=--quick           # a few minutes: RTT 80 ms, 2 prompts x 48 tokens per cell
     .venv/bin/python -m specdec.bench.bench_traces [--quick] [--traces DIR] [--only NAME,...] [--rtts 40,80]
         [--temperatures 0,1] [--prompts N] [--max-new-tokens N] [--queue 150kb|100pkt] [--check-seconds S]
-        [--replot DIR]
+        [--ignore-eos] [--replot DIR]
 
 Needs root (network namespaces). One edge-server and one device driver for the whole run, in two
 namespaces (the harness rig's "emulated" link, bench/harness/rig.py) with no tbf: the userspace
@@ -83,7 +83,7 @@ class Run:
             elif "error" in line:
                 self.errors.append({**vars(sess), **line})
                 print(f"  ERROR {sess.id}: {line['error']}", flush=True)
-        rig.run([sess.to_driver(self.prompts, self.s.max_new_tokens)], on_line)
+        rig.run([sess.to_driver(self.prompts, self.s.max_new_tokens, self.s.ignore_eos)], on_line)
 
     def calibrate(self, rig: Rig) -> dict:
         """The target's seconds per token (an edge-only session's edge forward time per token) and the
@@ -300,6 +300,8 @@ def parse_args(argv=None):
     p.add_argument("--target-slowdown", type=float, default=None, metavar="F",
                    help="slow each target forward of the edge to F times its own time (F >= 1; with "
                    "--drafter-costs, costs below the drafter's natural one, e.g. 0.3)")
+    p.add_argument("--ignore-eos", action="store_true", help="every session goes on past end-of-sequence "
+                   "tokens to --max-new-tokens (equal lengths at T > 0, where texts differ)")
     p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
     return p.parse_args(argv)
 
@@ -326,6 +328,8 @@ def settings_from(a) -> plan.Settings:
         if any(c is not None and not 0 < c <= 10 for c in costs):
             raise ValueError(f"--drafter-costs: each 'natural' or in (0, 10], got {a.drafter_costs}")
         kw["drafter_costs"] = costs
+    if a.ignore_eos:
+        kw["ignore_eos"] = True
     if a.target_slowdown is not None:
         if not 1 <= a.target_slowdown <= MAX_TARGET_SLOWDOWN:
             raise ValueError(f"--target-slowdown: in [1, {MAX_TARGET_SLOWDOWN:g}], got {a.target_slowdown:g}")
@@ -367,7 +371,8 @@ def main(argv=None) -> int:
           f"RTT {', '.join(f'{x:g}' for x in s.rtts_ms)} ms; T {', '.join(f'{x:g}' for x in s.temperatures)}; "
           f"{s.prompts} prompt(s) x {s.max_new_tokens} tokens; configs {', '.join(configs)} "
           f"({best}: {best_why}); {n} sessions"
-          + (f"; target slowed {s.target_slowdown:g}x" if s.target_slowdown != 1 else ""), flush=True)
+          + (f"; target slowed {s.target_slowdown:g}x" if s.target_slowdown != 1 else "")
+          + ("; every session to its last token past end-of-sequence (--ignore-eos)" if s.ignore_eos else ""), flush=True)
     run = Run(s, recs, configs, extra, out)
     data = {"started": stamp, "settings": s.to_json(), "traces_folder": str(folder), "configs": configs,
             "best_fixed": best, "best_fixed_why": best_why, "default": plan.DEFAULT,

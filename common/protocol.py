@@ -81,6 +81,7 @@ class Hello:
     continues_late: bool = False     # the device takes a late round's verdict (Draft.start in the proto)
     continues_late_edge_only: bool = False  # ... and a late edge-only round's rest, after tokens generated ahead
     stop_ids: tuple[int, ...] = ()   # the device's end-of-sequence ids (); () = the edge does not know them
+    ignore_eos: bool = False         # the session goes on past end-of-sequence tokens to max_new_tokens
 
     @property
     def adjusts_law(self) -> bool:
@@ -117,6 +118,7 @@ class Welcome:
     adjusts_law: bool = False     # applies Hello.target_min_p, .adjust and .grammar (False: an older edge)
     continues_late: bool = False  # continues a late round where the Hello asks (False: an older edge)
     continues_late_edge_only: bool = False  # ... and a late edge-only round (False: an older edge)
+    ignores_eos: bool = False     # honours Hello.ignore_eos (False: an older edge)
 
     def verifies(self, mode: Mode) -> bool:
         """Whether this edge takes rounds of ``mode`` (an edge that does not say: every mode but gumbel)."""

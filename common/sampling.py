@@ -125,6 +125,8 @@ def validate_hello(hello: Hello) -> None:
     hello.adjust.check(hello.vocab_size)
     if hello.grammar is not None:
         hello.grammar.check()
+        if hello.ignore_eos:
+            raise ValueError("ignore_eos with a grammar: the grammar's output ends where its language does")
     if not (hello.logprobs == NO_LOGPROBS or 0 <= hello.logprobs <= MAX_TOP_LOGPROBS):
         raise ValueError(f"logprobs asks for the top {hello.logprobs}; at most {MAX_TOP_LOGPROBS}")
     validate_settings(hello.draft)

@@ -77,7 +77,7 @@ def hello_to_pb(h: P.Hello) -> pb.DeviceMessage:
         resume_token=h.resume_token, target_fingerprint=h.target_fingerprint, wants_end=h.wants_end,
         target_min_p=h.target_min_p, adjust=adjust_to_pb(h.adjust), grammar=grammar_to_pb(h.grammar),
         logprobs=None if h.logprobs == NO_LOGPROBS else h.logprobs, continues_late=h.continues_late,
-        continues_late_edge_only=h.continues_late_edge_only, stop_ids=list(h.stop_ids),
+        continues_late_edge_only=h.continues_late_edge_only, stop_ids=list(h.stop_ids), ignore_eos=h.ignore_eos,
     ))
 
 
@@ -125,7 +125,7 @@ def hello_from_pb(m: pb.Hello) -> P.Hello:
         resume_token=m.resume_token, target_fingerprint=m.target_fingerprint, wants_end=m.wants_end,
         target_min_p=m.target_min_p, adjust=adjust_from_pb(m.adjust), grammar=grammar_from_pb(m),
         logprobs=m.logprobs if m.HasField("logprobs") else NO_LOGPROBS, continues_late=m.continues_late,
-        continues_late_edge_only=m.continues_late_edge_only, stop_ids=tuple(m.stop_ids),
+        continues_late_edge_only=m.continues_late_edge_only, stop_ids=tuple(m.stop_ids), ignore_eos=m.ignore_eos,
     )
 
 
@@ -137,7 +137,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
         target_fingerprint=w.target_fingerprint, edge_name=w.edge_name,
         forward_cost=[pb.CostPoint(tokens=t, seconds=sec) for t, sec in w.forward_cost],
         modes=[_MODE_TO_PB[m] for m in w.modes], adjusts_law=w.adjusts_law, continues_late=w.continues_late,
-        continues_late_edge_only=w.continues_late_edge_only,
+        continues_late_edge_only=w.continues_late_edge_only, ignores_eos=w.ignores_eos,
     )
     if w.draft_len_hint is not None:
         msg.draft_len_hint = w.draft_len_hint
@@ -155,7 +155,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         modes=tuple(_PB_TO_MODE[v] for v in m.modes if v in _PB_TO_MODE),
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
         adjusts_law=m.adjusts_law, continues_late=m.continues_late,
-        continues_late_edge_only=m.continues_late_edge_only,
+        continues_late_edge_only=m.continues_late_edge_only, ignores_eos=m.ignores_eos,
     )
 
 

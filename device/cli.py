@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(default: 1, off)")
     p.add_argument("--seed", type=bounded(int, 0, SEED_MAX), default=0)
     p.add_argument("--max-new-tokens", type=bounded(int, 1), default=128)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="go on past end-of-sequence tokens to --max-new-tokens (vLLM's ignore_eos: fixed "
+                        "output lengths, as benchmarks want them; the law at each position is unchanged)")
     p.add_argument("--num-samples", type=bounded(int, 1), default=1)
     p.add_argument("--timeout", type=bounded(float, 0.0, low_open=True), default=600.0,
                    help="seconds allowed per session")

@@ -166,7 +166,8 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
                    on_tokens: Callable[[list[int]], None] | None = None,
                    timeout: float | None = None, metrics: DeviceMetrics | None = None,
                    policy: ConnectionPolicy = ConnectionPolicy()) -> GenerationResult:
-    """Run one session to EOS or ``hello.max_new_tokens``; stream new tokens to ``on_tokens``.
+    """Run one session to EOS (not with ``hello.ignore_eos``) or ``hello.max_new_tokens``; stream new
+    tokens to ``on_tokens``.
 
     ``edges``: a channel to one edge (or to a proxy), or a :class:`~specdec.device.fleet.Fleet`.
     A broken stream (link cut, edge restart or gone, a drain, round timeout) is resumed: on the same
@@ -175,6 +176,7 @@ async def generate(edges: grpc.aio.Channel | Fleet, session: DraftSession, hello
     A refusal is never retried. ``timeout`` bounds the whole session.
     """
     fleet = edges if isinstance(edges, Fleet) else Fleet.of_channel(edges)
+    eos_ids = () if hello.ignore_eos else eos_ids  # the session ends at max_new_tokens only
     meter = SessionMeter(metrics, "auto" if session.policy is not None else hello.draft.mode.value)
     meter.started(session.listeners)
     status = "ok"
@@ -275,6 +277,10 @@ async def _run(stream: _Stream, session, hello, eos_ids, on_tokens, result: Gene
         raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
                         f"edge {welcome.edge_name or welcome.model_name} does not apply min-p, logit bias, "
                         "penalties or grammars: its output would not follow the requested law")
+    if hello.ignore_eos and not welcome.ignores_eos:
+        raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"edge {welcome.edge_name or welcome.model_name} does not honour ignore_eos: it would end "
+                        "the session's edge-only rounds at an end-of-sequence token")
     session.observe_welcome(welcome)
     result.setup_bytes += setup + msg.ByteSize()
     if result.t_start is None:

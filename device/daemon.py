@@ -184,6 +184,7 @@ def request_config(base: DeviceConfig, p: openai_schema.SamplingParams) -> Devic
                    adjust=p.adjust if p.adjust.active else base.adjust,
                    grammar=p.grammar if p.grammar is not None else base.grammar, logprobs=p.logprobs,
                    max_new_tokens=p.max_tokens or base.max_new_tokens,
+                   ignore_eos=base.ignore_eos if p.ignore_eos is None else p.ignore_eos,
                    # a request without a seed gets a fresh one: nothing to reproduce
                    reproducible=base.reproducible and p.seed is not None)
 
@@ -298,7 +299,7 @@ class DeviceEngine:
         tail = text.flush()
         if (tail or held) and emit:
             emit(index, tail, shape(held) if shape is not None else None)
-        eos = bool(text.ids) and text.ids[-1] in self.drafter.eos_token_ids
+        eos = bool(text.ids) and text.ids[-1] in self.drafter.eos_token_ids and not cfg.ignore_eos
         reason = "stop" if text.stopped or eos else "length"
         logprobs = shape(list(zip(text.ids, session.logprobs))) if shape is not None else None
         return Choice(index, text.text, text.ids, reason, session.stats.summary(), logprobs)

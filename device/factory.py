@@ -64,6 +64,7 @@ class DeviceConfig:
     logprobs: int = NO_LOGPROBS         # the tokens' log-probabilities (0) and their top N (N > 0)
     seed: int = 0
     max_new_tokens: int = 128
+    ignore_eos: bool = False            # go on past end-of-sequence tokens to max_new_tokens (Hello.ignore_eos)
     num_samples: int = 1
     timeout: float = 600.0              # seconds per session
     json: bool = False
@@ -116,7 +117,7 @@ class DeviceConfig:
                      draft=S.resolve(self.draft, operating_point, vocab_size), seed=seed,
                      max_new_tokens=self.max_new_tokens, target_top_p=self.target_top_p,
                      target_top_k=self.target_top_k, target_min_p=self.target_min_p, adjust=self.adjust,
-                     grammar=self.grammar, logprobs=self.logprobs)
+                     grammar=self.grammar, logprobs=self.logprobs, ignore_eos=self.ignore_eos)
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,7 @@ class SamplingParams:
     adjust: LogitAdjust = NO_ADJUST  # logit_bias and the penalties (token ids checked against the vocabulary later)
     grammar: Grammar | None = None   # response_format or specdec.grammar (compiled against the vocabulary later)
     logprobs: int = NO_LOGPROBS      # the tokens' log-probabilities (0) and the top N (N > 0)
+    ignore_eos: bool | None = None   # vLLM's extension: on to max_tokens past EOS; None = the daemon's default
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,13 @@ def _params(body: dict, *, max_tokens_keys: tuple[str, ...], chat: bool) -> Samp
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise bad("`stream` must be a boolean", "stream")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise bad("`ignore_eos` must be a boolean", "ignore_eos")
+    grammar = _grammar(body)
+    if ignore_eos and grammar is not None:
+        raise bad("`ignore_eos` with a grammar (response_format): the output ends where the grammar's "
+                  "language does", "ignore_eos")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise bad("`stream_options` is an object and only allowed with `stream: true`", "stream_options")
@@ -233,7 +241,7 @@ def _params(body: dict, *, max_tokens_keys: tuple[str, ...], chat: bool) -> Samp
         top_p=_optional(body, "top_p", float, 0.0, 1.0, low_open=True),
         top_k=_optional(body, "top_k", int, -1),
         min_p=_optional(body, "min_p", float, 0.0, 1.0),
-        adjust=_adjust(body), grammar=_grammar(body), logprobs=_logprobs(body, chat),
+        adjust=_adjust(body), grammar=grammar, logprobs=_logprobs(body, chat), ignore_eos=ignore_eos,
         seed=_optional(body, "seed", int, 0, MAX_SEED),
         stop=_stop(body.get("stop")), n=n, stream=stream,
         include_usage=bool((options or {}).get("include_usage")),

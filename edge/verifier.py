@@ -220,7 +220,7 @@ class VerifierSession:
         self.max_context = min(limits.max_context or info.max_context, info.max_context)
         # the target's KV cache of this session: its own, or a slot of the edge's (edge/slots.py)
         self.lm = lm if lm is not None else CachedLM(target.model, target.device)
-        self.eos_token_ids = frozenset(target.eos_token_ids)  # an edge-only round ends at one
+        self.eos_token_ids = eos_ids(hello, target)  # an edge-only round ends at one, running ahead stops there
         self.tokens: list[int] = []
         self.round_id = 0
         self._pending_reject: _PendingReject | None = None  # DSSD: a rejection the device still resolves
@@ -235,7 +235,7 @@ class VerifierSession:
                        vocab_size=self.info.vocab_size, max_context=self.max_context,
                        max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
                        dssd_max_samples=self.limits.dssd_max_samples, continues_late=True, continues_late_edge_only=True,
-                       target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode), adjusts_law=True)
+                       target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode), adjusts_law=True, ignores_eos=True)
 
     # -- prompt ----------------------------------------------------------------------------------
     def prefill(self, prompt: Prompt) -> None:
@@ -540,6 +540,12 @@ def check_hello(info: TargetInfo, hello: Hello, limits: EdgeLimits) -> None:
         raise LimitError(f"{len(hello.stop_ids)} stop ids; at most {MAX_STOP_IDS}")
     check_ids(hello.stop_ids, info.vocab_size, "stop")
     _check_limits(hello.draft, info, limits)
+
+
+def eos_ids(hello: Hello, target: LoadedModel) -> frozenset[int]:
+    """Where the session's tokens end: the target's end-of-sequence ids, none where it ignores them
+    (Hello.ignore_eos: on to max_new_tokens)."""
+    return frozenset() if hello.ignore_eos else frozenset(target.eos_token_ids)
 
 
 def check_ids(ids, vocab_size: int, what: str) -> None:

@@ -69,6 +69,10 @@ class Settings:
     # the edge's target forwards slowed to this multiple of their own time (harness.slow_edge): drafter
     # costs below what this machine gives (a device fast against its edge); 1 = as it runs
     target_slowdown: float = 1.0
+    # every session goes on past end-of-sequence tokens to max_new_tokens (Hello.ignore_eos): at T > 0 a
+    # race text (auto, edge-only) and a sampled one (a fixed chain mode) end at different lengths, and a
+    # shorter session weighs its first token's wait more
+    ignore_eos: bool = False
 
     @classmethod
     def preset(cls, quick: bool) -> "Settings":
@@ -129,9 +133,9 @@ class Session:
     def id(self) -> str:
         return f"{self.cell}|{self.config}|{self.prompt}"
 
-    def to_driver(self, prompts: list[str], max_new_tokens: int) -> dict:
+    def to_driver(self, prompts: list[str], max_new_tokens: int, ignore_eos: bool = False) -> dict:
         return {"id": self.id, "config": {**self.device, "temperature": self.temperature,
-                                          "max_new_tokens": max_new_tokens},
+                                          "max_new_tokens": max_new_tokens, **({"ignore_eos": True} if ignore_eos else {})},
                 "prompts": [prompts[self.prompt % len(prompts)]], "seeds": [SEED_BASE + self.prompt],
                 "extras": ["timeline"]}
 

@@ -225,6 +225,19 @@ def test_completion_greedy_equals_target_alone(client, chat_pair, overrides) -> 
     assert r.usage.total_tokens == len(prompt_ids) + len(expected)
 
 
+def test_ignore_eos_goes_on_to_max_tokens_past_an_eos(client) -> None:
+    """vLLM's ignore_eos: an EOS that a logit bias puts on top ends the plain request at its first token;
+    with the flag the answer goes on to max_tokens, each token that EOS (the biased law's greedy choice
+    at every position), and ends with `length`."""
+    bias = {str(tiny_models.EOS_ID): 100}
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logit_bias=bias)
+    on = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logit_bias=bias,
+                                   extra_body={"ignore_eos": True})
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 1
+    assert on.choices[0].finish_reason == "length" and on.usage.completion_tokens == MAX_TOKENS
+    assert on.choices[0].model_extra["specdec"]["token_ids"] == [tiny_models.EOS_ID] * MAX_TOKENS
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_bias_and_penalties_shape_the_target_law(client, chat_pair, stream) -> None:
     """OpenAI's logit_bias, presence and frequency penalties, and vLLM's repetition_penalty and min_p
@@ -444,6 +457,9 @@ def _open_stream(base: str, body: dict):
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": PROMPT, "ignore_eos": "yes"}, "ignore_eos"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True,
+                              "response_format": {"type": "json_object"}}, "ignore_eos"),
     ("/v1/chat/completions", [1, 2], None),
 ])
 def test_malformed_requests_get_400_in_openai_error_shape(stack, path, body, param) -> None:

@@ -50,7 +50,7 @@ def test_welcome_round_trips_with_every_field() -> None:
                         max_k=512, resume_token=b"\x01\x02", resumed=True, dssd_max_samples=32,
                         target_fingerprint="fp", edge_name="edge-a",
                         forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)), modes=tuple(Mode), draft_len_hint=3,
-                        adjusts_law=True, continues_late=True, continues_late_edge_only=True)
+                        adjusts_law=True, continues_late=True, continues_late_edge_only=True, ignores_eos=True)
     for w in (welcome, replace(welcome, draft_len_hint=0), replace(welcome, draft_len_hint=None)):
         msg = pb.EdgeMessage.FromString(wire.welcome_to_pb(w).SerializeToString())
         assert wire.welcome_from_pb(msg.welcome) == w
@@ -58,17 +58,19 @@ def test_welcome_round_trips_with_every_field() -> None:
     assert wire.welcome_from_pb(old).forward_cost == () and wire.welcome_from_pb(old).draft_len_hint is None
     assert not wire.welcome_from_pb(old).continues_late  # an edge before the field supersedes late rounds
     assert not wire.welcome_from_pb(old).continues_late_edge_only
+    assert not wire.welcome_from_pb(old).ignores_eos  # an edge before the field ends rounds at EOS
 
 
-def test_a_hello_s_late_rounds_and_stop_ids_survive_the_wire() -> None:
+def test_a_hello_s_late_rounds_stop_ids_and_ignore_eos_survive_the_wire() -> None:
     from specdec.common.settings import DraftSettings
     hello = P.Hello(vocab_fingerprint="fp", vocab_size=8, temperature=0.0, draft=DraftSettings(mode=Mode.TSLT),
-                    wants_end=True, continues_late=True, continues_late_edge_only=True, stop_ids=(2, 7))
-    for h in (hello, replace(hello, continues_late=False, continues_late_edge_only=False, stop_ids=())):
+                    wants_end=True, continues_late=True, continues_late_edge_only=True, stop_ids=(2, 7),
+                    ignore_eos=True)
+    for h in (hello, replace(hello, continues_late=False, continues_late_edge_only=False, stop_ids=(), ignore_eos=False)):
         msg = pb.DeviceMessage.FromString(wire.hello_to_pb(h).SerializeToString())
         back = wire.device_message_from_pb(msg)  # (the CSQS floats are float32 on the wire)
-        assert (back.continues_late, back.continues_late_edge_only, back.stop_ids, back.wants_end) == (
-            h.continues_late, h.continues_late_edge_only, h.stop_ids, True)
+        assert (back.continues_late, back.continues_late_edge_only, back.stop_ids, back.wants_end, back.ignore_eos) == (
+            h.continues_late, h.continues_late_edge_only, h.stop_ids, True, h.ignore_eos)
 
 
 # --- gumbel rounds: ids only, packed ---------------------------------------------------------------
