@@ -46,6 +46,8 @@ class RoundRecord:
                                     # (how edge-only streams, everything in but the link's stalls;
                                     # 0: fewer than two arrived)
     stream_stall_s: float = 0.0     # edge-only rounds: seconds the link held the stream up (an outage)
+    shadow: tuple[int, ...] = ()    # edge-only rounds at T = 0: 1 where the drafter's greedy choice was the
+                                    # streamed token (mode auto's shadow acceptance), per token it read
 
     def to_json(self) -> dict:
         """The round's numbers for a JSON round log (settings are the caller's to add)."""

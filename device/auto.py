@@ -407,6 +407,8 @@ class LinkTracker:
             if settings.mode is Mode.NONE:
                 if r.forward_s:  # the drafter timed while the round streamed (safety_net.NetCall.retime)
                     self._observe_drafter(r, catching_up=False)
+                if r.shadow and temperature == 0:
+                    _observe_shadow(r.shadow, self.model(temperature), acceptance, gumbel)
                 if r.generated:
                     self.verify.add(1, forward / r.generated)
                     self.queue_s.add(queue / r.generated)
@@ -423,7 +425,7 @@ class LinkTracker:
                 self.encode_s.setdefault(settings.mode, self._ewma()).add(per_token["encode"])
                 self.decode_s.setdefault(settings.mode, self._ewma()).add(per_token["decode"])
             side = self.model(temperature)
-            self._observe_acceptance(r, settings, side, acceptance, gumbel)
+            _observe_acceptance(r, settings, side, acceptance, gumbel)
             if r.drafted_tokens and settings.mode is not Mode.DSSD:
                 sent = (r.uplink_bytes - A.PROTO_BYTES_PER_ROUND) / r.drafted_tokens - A.PROTO_BYTES_PER_TOKEN
                 side.add_bytes(_codec_key(settings), max(0.0, sent))
@@ -435,7 +437,7 @@ class LinkTracker:
 
     def _observe_drafter(self, r: RoundRecord, catching_up: bool) -> None:
         """The drafter's cost per forward, from each forward that fed one token (a round's mean where
-        they were not timed: trees); the nets' drafted arms made stale by a step of it. Per forward: a
+        they were not timed: trees); the nets' drafted arms and the scales made stale by a step. Per forward: a
         round of L drafts takes L + 1 forwards when it feeds the last draft and the bonus one at a time
         (after a full accept, and always when drafted ahead), and the model counts that extra forward
         itself (latency.oracle_time_drafting_ahead)."""
@@ -450,37 +452,14 @@ class LinkTracker:
             if step is not None and max(step, 1 / step) >= DRAFTER_CHANGE:
                 self.drafter_changes += 1
                 self.nets = {t: N.drafter_changed(net, self.config.net) for t, net in self.nets.items()}
-
-    @staticmethod
-    def _observe_acceptance(r: RoundRecord, settings: DraftSettings, side: "_ModelSide",
-                            acceptance: SessionAcceptance | None, gumbel: GumbelAcceptance | None) -> None:
-        """A round's acceptance teaches both estimates, the exact q's and gumbel's, since both follow the
-        same TV of the same text: its own kind's directly, the other through the measured relation
-        1 - alpha_gumbel = GUMBEL_TV_FACTOR (1 - alpha) at ``cross_weight``, so that neither goes stale
-        while only the other kind runs (a session on gumbel rounds would otherwise keep the exact q's
-        acceptance from its first rounds, whatever its text became)."""
-        if settings.mode is Mode.GUMBEL:
-            raced = [float(d < r.accepted) for d in range(r.tested)]
-            exact = [A.exact_from_race(v, side.greedy) for v in raced]
-        else:
-            tv = side.tv(_codec_key(settings))
-            exact = [(d < r.accepted) + tv for d in range(r.tested)]
-            raced = [A.race_from_exact(min(1.0, v), side.greedy) for v in exact]
-        own_exact = settings.mode is not Mode.GUMBEL
-        for ratio, values, own in ((side.long, exact, own_exact), (side.long_gumbel, raced, not own_exact)):
-            w = 1.0 if own else side.cfg.cross_weight
-            ratio.add(w * max(0.0, sum(values)), w * len(values))  # a round all rejected maps below 0
-        if acceptance is not None:
-            acceptance.add_positions(exact, 1.0 if own_exact else side.cfg.cross_weight)
-        if gumbel is not None:
-            gumbel.add_positions(raced, side.cfg.cross_weight if own_exact else 1.0)
+                self.time_scale = {}  # (rounds modelled at the old cost: their ratios say it changed)
 
     def add_round_time(self, key: tuple[Mode, int], measured_s: float, modelled_s: float) -> None:
         """A round took ``measured_s`` where the model said ``modelled_s`` (before any scale)."""
         if modelled_s > 0 and measured_s > 0:
             ratio = min(TIME_SCALE_MAX, max(TIME_SCALE_MIN, measured_s / modelled_s))
-            with self.lock:
-                self.time_scale.setdefault(key, self._ewma()).add(ratio)
+            with self.lock:  # (from the model as is: a few rounds do not set a kind's scale)
+                self.time_scale.setdefault(key, self._ewma(1.0)).add(ratio)
 
     def net_start(self, temperature: float) -> N.NetState:
         """A new session's safety net, from what the device's sessions measured at this temperature."""
@@ -490,8 +469,8 @@ class LinkTracker:
     def net_observe(self, temperature: float, arm: str, tokens: int, seconds: float, net: N.NetConfig,
                     **kind) -> None:
         with self.lock:
-            t = float(temperature)
-            self.nets[t] = N.observe(self.nets.get(t, N.NetState()), net, arm, tokens, seconds, **kind)
+            self.nets[float(temperature)] = N.observe(self.nets.get(float(temperature), N.NetState()), net, arm,
+                                                      tokens, seconds, **kind)
 
     def session_acceptance(self, temperature: float) -> SessionAcceptance:
         """A new session's acceptance estimate, starting from this device's long-run rate."""
@@ -536,6 +515,30 @@ class LinkTracker:
                                         self.config.edge_chunk_min, self.config.edge_chunk_max))
 
 
+def _observe_acceptance(r: RoundRecord, settings: DraftSettings, side: "_ModelSide",
+                        acceptance: SessionAcceptance | None, gumbel: GumbelAcceptance | None) -> None:
+    """A round's acceptance teaches both estimates, the exact q's and gumbel's, since both follow the
+    same TV of the same text: its own kind's directly, the other through the measured relation
+    1 - alpha_gumbel = GUMBEL_TV_FACTOR (1 - alpha) at ``cross_weight``, so that neither goes stale
+    while only the other kind runs (a session on gumbel rounds would otherwise keep the exact q's
+    acceptance from its first rounds, whatever its text became)."""
+    if settings.mode is Mode.GUMBEL:
+        raced = [float(d < r.accepted) for d in range(r.tested)]
+        exact = [A.exact_from_race(v, side.greedy) for v in raced]
+    else:
+        tv = side.tv(_codec_key(settings))
+        exact = [(d < r.accepted) + tv for d in range(r.tested)]
+        raced = [A.race_from_exact(min(1.0, v), side.greedy) for v in exact]
+    own_exact = settings.mode is not Mode.GUMBEL
+    for ratio, values, own in ((side.long, exact, own_exact), (side.long_gumbel, raced, not own_exact)):
+        w = 1.0 if own else side.cfg.cross_weight
+        ratio.add(w * max(0.0, sum(values)), w * len(values))  # a round all rejected maps below 0
+    if acceptance is not None:
+        acceptance.add_positions(exact, 1.0 if own_exact else side.cfg.cross_weight)
+    if gumbel is not None:
+        gumbel.add_positions(raced, side.cfg.cross_weight if own_exact else 1.0)
+
+
 def lent_alpha(models: dict[float, "_ModelSide"], temperature: float) -> float | None:
     """A temperature's first acceptance prior: the long-run rate of the nearest temperature that tested
     any position (the same two models; its rate is itself shrunk toward the configured prior, so a few
@@ -545,6 +548,37 @@ def lent_alpha(models: dict[float, "_ModelSide"], temperature: float) -> float |
     was too short to show otherwise (held-out LIRR, 40 ms)."""
     measured = [(abs(temperature - t), side.long.rate) for t, side in models.items() if side.tested]
     return min(1.0, min(measured)[1]) if measured else None
+
+
+def shadow_rounds(hits: tuple[int, ...], depth: int) -> list[list[float]]:
+    """The rounds a chain of drafts would have made of the positions ``hits`` (1: the drafter's greedy choice
+    was the target's token): each from where the last ended to its first miss (the target's token
+    replaces it), or ``depth`` hits (the position after them is the bonus, no draft's)."""
+    out, i = [], 0
+    while i < len(hits):
+        run = [float(h) for h in hits[i:i + depth]]
+        miss = next((k for k, h in enumerate(run) if not h), None)
+        run = run if miss is None else run[:miss + 1]
+        out.append(run)
+        i += len(run) + (miss is None)
+    return out
+
+
+def _observe_shadow(hits: tuple[int, ...], side: "_ModelSide", acceptance: "SessionAcceptance | None",
+                    gumbel: "GumbelAcceptance | None") -> None:
+    """An edge-only round's shadow at T = 0 (edge_only.shadow_catch_up): the acceptance this text would
+    have given drafts, per the rounds they would have made (:func:`shadow_rounds`), taught to the exact
+    q's estimates and gumbel's alike (at T = 0 both accept a draft iff it is the target's argmax). Where
+    the session streams edge-only its estimate otherwise stays where its last drafted rounds left it (or
+    the device's long-run rate): an easy text was priced at another text's acceptance, and drafting that
+    ran 5-10 % faster than edge-only (TSLT-L8, ucc T = 0, the drafter at 1.0x) was never chosen."""
+    for values in shadow_rounds(hits, side.cfg.max_depth):
+        for ratio in (side.long, side.long_gumbel):
+            ratio.add(sum(values), len(values))
+        if acceptance is not None:
+            acceptance.add_positions(values)
+        if gumbel is not None:
+            gumbel.add_positions(values)
 
 
 def first_token_wait(r: RoundRecord, settings: DraftSettings, sent_ahead: bool) -> float | None:
@@ -624,6 +658,9 @@ class AutoPolicy:
             # timed where an exploration stands in for one, and before one: a drafter that slowed since
             # it was measured (throttled, a bench's drafter-cost step) is not explored where it cannot pay
             choice["retime"] = RETIME_FORWARDS
+        if chosen.candidate.mode is Mode.NONE and e.greedy and (cold or (net is not None and net.spec_pays)):
+            # the text's acceptance measured while it streams (where drafting could pay at all)
+            choice["shadow"] = True
         return RoundPlan(self.settings_for(chosen.candidate, chunk), choice=choice,
                          decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk,
                          edge_tail=0 if catch_up else self.tracker.config.edge_chunk_min)

@@ -186,6 +186,22 @@ def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event
         arrived.clear()
 
 
+def shadow_catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event, hits: list[int]) -> None:
+    """:func:`catch_up`, recording into ``hits`` for each token it feeds whether the drafter's greedy choice
+    after it was the token that followed: at T = 0, whether a draft there would have been accepted (mode
+    auto's shadow acceptance: the text's acceptance measured while the edge streams it, at the cost of
+    the catch-up's batched forwards). Deterministic: no random number is drawn."""
+    model = session.drafting.model
+    while not stop.is_set():
+        tokens = list(session.tokens)  # (the event loop appends as tokens arrive)
+        target = len(tokens) - 1
+        if target - model.cache_len >= CATCH_UP_MIN:
+            hits.extend(model.feed_agreement(tokens, target))
+            continue
+        arrived.wait()
+        arrived.clear()
+
+
 def time_drafter(session: RoundHost, stop: threading.Event, arrived: threading.Event,
                  forwards: int) -> tuple[float, ...]:
     """In a worker thread during an edge-only round: the seconds of ``forwards`` forwards of the drafter

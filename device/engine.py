@@ -224,17 +224,20 @@ async def _send_ahead(link: Link, session: DraftSession, rd: RoundDraft, after: 
 def _start_catch_up(session: DraftSession, rd: RoundDraft):
     """While edge-only round ``rd`` streams, time the drafter's forwards (its plan's ``retime``: how
     many, into the round's ``forward_s``) and feed it the tokens it has not seen (its plan's
-    ``catch_up``: a drafted round is expected soon); no random number is drawn."""
+    ``catch_up``: a drafted round is expected soon; ``shadow``: the same, noting the drafter's greedy
+    agreement with each token into the round's ``shadow``); no random number is drawn."""
     choice = rd.plan.choice or {}
-    forwards, catch_up = int(choice.get("retime") or 0), bool(choice.get("catch_up"))
-    if not (forwards or catch_up):
+    forwards, catch_up, shadow = int(choice.get("retime") or 0), bool(choice.get("catch_up")), bool(choice.get("shadow"))
+    if not (forwards or catch_up or shadow):
         return None
     stop, arrived = threading.Event(), threading.Event()
 
     def work() -> None:
         if forwards:
             rd.forward_s = edge_only.time_drafter(session, stop, arrived, forwards)
-        if catch_up:
+        if shadow:  # (catching up as it goes)
+            edge_only.shadow_catch_up(session, stop, arrived, rd.shadow)
+        elif catch_up:
             edge_only.catch_up(session, stop, arrived)
     return stop, asyncio.ensure_future(asyncio.to_thread(work)), arrived
 

@@ -57,6 +57,7 @@ class RoundDraft:
     sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
     block_bytes: int = 0            # edge-only: the serialized size of its request, once sent
     continued_after: int = 0        # edge-only: tokens the edge generated ahead past its start, then continued it
+    shadow: list[int] = field(default_factory=list)  # edge-only at T = 0: the drafter's greedy agreement per token fed
 
     @property
     def settings(self) -> DraftSettings:
@@ -114,7 +115,7 @@ def round_record(rd: RoundDraft, verdict: Verdict, generated: int, io: RoundIO, 
         theoretical_bits=rd.theoretical_bits, support_sizes=tuple(rd.support_sizes), phases=phases,
         drafted_ahead=rd.drafted_ahead, ahead_tokens=drafted if rd.drafted_ahead else 0,
         ahead_discarded=ahead_discarded, threshold=threshold, draft_forwards=rd.draft_forwards,
-        forward_s=rd.forward_s, residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
+        forward_s=rd.forward_s, shadow=tuple(rd.shadow), residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
         first_reply_s=io.network_s if io.first_reply_s is None else io.first_reply_s,
         token_interval_s=io.token_interval_s, stream_stall_s=io.stream_stall_s)
 

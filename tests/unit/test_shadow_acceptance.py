@@ -1,0 +1,63 @@
+"""Mode auto's shadow acceptance (device/auto.py ``shadow_rounds``, ``_observe_shadow``): at T = 0 an
+edge-only round's tokens, read by the drafter as they stream, say what acceptance the text would give
+drafts; the session's estimate follows them (the drafted rounds it is not running cannot), and only at
+T = 0, where agreeing with the argmax is acceptance."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specdec.common.modes import Mode
+from specdec.common.protocol import Hello
+from specdec.common.settings import DraftSettings, resolve
+from specdec.common.stats import RoundRecord
+from specdec.device.auto import AutoPolicy, LinkTracker, shadow_rounds
+from specdec.device.rounds import RoundEvent, RoundPlan
+
+
+def test_the_shadow_is_cut_where_a_chain_of_drafts_would_have_been() -> None:
+    # to each first miss (the target's token replaces it); a full round of 3 skips the bonus position
+    assert shadow_rounds((1, 1, 0, 1, 1, 1, 1, 0), 3) == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0]]
+    assert shadow_rounds((0, 0), 3) == [[0.0], [0.0]] and shadow_rounds((), 3) == []
+    assert shadow_rounds((1, 1), 3) == [[1.0, 1.0]]  # a stretch that ended before the round would have
+
+
+def hello(temperature: float) -> Hello:
+    return Hello(vocab_fingerprint="x", vocab_size=49152, temperature=temperature,
+                 draft=resolve({}, vocab_size=49152), seed=0, max_new_tokens=512)
+
+
+def edge_round(shadow: tuple[int, ...], t: float) -> RoundEvent:
+    s = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=32)
+    r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=32, uplink_bytes=30,
+                    downlink_bytes=1000, shadow=shadow, phases={"network": 0.05, "queue": 0.0, "decode": 0.0,
+                                                                 "verify": 1.6})
+    return RoundEvent(record=r, plan=RoundPlan(s), new_tokens=(), q_stats=(), guess=None, elapsed_s=1.7,
+                      edge_hint=None, t=t)
+
+
+def session_alpha(temperature: float, shadow: tuple[int, ...]) -> tuple[float, float]:
+    """(the session's acceptance estimate, its gumbel one) after three edge-only rounds with ``shadow``."""
+    policy = AutoPolicy(LinkTracker(), hello(temperature), 49152)
+    for i in range(3):
+        policy.observe(edge_round(shadow, 1.7 * (i + 1)))
+    e = policy.tracker.estimates(temperature, 49152, policy.acceptance, gumbel=policy.gumbel)
+    return e.alpha_base, e.gumbel_alpha
+
+
+def test_an_easy_text_streamed_edge_only_raises_the_sessions_acceptance_at_t0_only() -> None:
+    easy = (1,) * 31 + (0,)
+    hard = (1, 0) * 16
+    plain, _ = session_alpha(0.0, ())
+    high, high_gumbel = session_alpha(0.0, easy)
+    low, _ = session_alpha(0.0, hard)
+    assert high > 0.9 > plain > low, (high, plain, low)  # the prior (0.8) moved each way by the text
+    assert high_gumbel == pytest.approx(high, abs=0.02)   # at T = 0 the race's acceptance is the same event
+    assert session_alpha(1.0, easy)[0] == pytest.approx(session_alpha(1.0, ())[0])  # T = 1: no such evidence
+
+
+def test_an_edge_only_round_at_t0_shadows_only_where_drafting_could_pay() -> None:
+    cold = AutoPolicy(LinkTracker(), hello(0.0), 49152).choose()
+    assert cold.settings.mode is Mode.NONE and cold.choice.get("shadow")  # a new device's first round reads the text
+    assert not AutoPolicy(LinkTracker(), hello(1.0), 49152).choose().choice.get("shadow")
