@@ -64,16 +64,18 @@ class DraftModel:
         return self.shaped(self.lm.forward(seq[self.lm.cache_len:], num_logits=1), seq)[0]
 
     def feed_agreement(self, tokens: list[int], upto: int) -> list[int]:
-        """Feed ``tokens[:upto]`` beyond the cache (``upto`` < len(tokens)); for each position fed, 1 where
-        the drafter's greedy choice after it (its shaped logits' argmax) is the token that follows in
-        ``tokens``, else 0. At T = 0 that is whether a draft there would have been accepted."""
+        """Feed ``tokens[:upto]`` beyond the cache (``upto`` < len(tokens)); for each position fed whose
+        next token is generated (not the prompt's: a session's first catch-up reads the prompt too), 1
+        where the drafter's greedy choice there (its shaped logits' argmax) is that token, else 0. At
+        T = 0 that is whether a draft there would have been accepted."""
         c0 = self.lm.cache_len
         pending = tokens[c0:upto]
         assert pending and upto < len(tokens), (c0, upto, len(tokens))
         self.forwards += 1
         logits = self.lm.forward(pending, num_logits=len(pending))  # [n, V]
         rows = self.shaped(logits, tokens[:c0], [pending[:r + 1] for r in range(len(pending))])
-        return [int(b == tokens[c0 + r + 1]) for r, b in enumerate(rows.argmax(dim=-1).tolist())]
+        first = max(0, self.shaping.prompt_len - c0 - 1)  # rows before it predict the prompt's own tokens
+        return [int(b == tokens[c0 + r + 1]) for r, b in enumerate(rows.argmax(dim=-1).tolist()) if r >= first]
 
     def shaped(self, logits: torch.Tensor,  # [n, V]
                seq: list[int], paths: list[list[int]] | None = None) -> torch.Tensor:  # [n, V]

@@ -33,7 +33,8 @@ def test_the_agreement_of_a_batched_feed_is_the_drafters_greedy_choice_at_each_p
     expected = greedy_agreement(drafter, seq)
     model = DraftModel(drafter, temperature=0.0)
     model.shaping.prompt_len = len(prompt)
-    model.feed(seq[:len(prompt)])                       # the prompt read, as a session starts
+    assert model.feed_agreement(seq, len(prompt) - 1) == []  # rows that predict the prompt's tokens: none
+    model.feed(seq[:len(prompt)])                       # the prompt read
     got = model.feed_agreement(seq, len(prompt) + 9)    # 9 tokens in one forward ...
     got += model.feed_agreement(seq, len(seq) - 1)      # ... then the rest but the last (its successor unknown)
     assert model.lm.cache_len == len(seq) - 1
@@ -71,6 +72,8 @@ def test_shadowed_edge_only_rounds_between_drafted_ones_keep_the_greedy_decode(a
     assert tokens == target_greedy(target_dir, prompt, MAX_NEW)
     shadows = [r.shadow for r in records if r.mode == "none"]
     assert any(shadows) and not any(r.shadow for r in records if r.mode != "none")
-    # each shadow is the drafter's agreement over a stretch of the text it streamed
-    truth = "".join(map(str, greedy_agreement(drafter, prompt + tokens)))
+    # each shadow is the drafter's agreement over a stretch of the generated text (the first round, which
+    # read the prompt too, none over the prompt's: at most a token each, the last left for the next read)
+    assert all(len(r.shadow) <= r.generated for r in records), [(len(r.shadow), r.generated) for r in records]
+    truth = "".join(map(str, greedy_agreement(drafter, prompt + tokens)[len(prompt) - 1:]))
     assert all("".join(map(str, s)) in truth for s in shadows if s), (shadows, truth)
