@@ -469,8 +469,8 @@ class LinkTracker:
     def net_observe(self, temperature: float, arm: str, tokens: int, seconds: float, net: N.NetConfig,
                     **kind) -> None:
         with self.lock:
-            self.nets[float(temperature)] = N.observe(self.nets.get(float(temperature), N.NetState()), net, arm,
-                                                      tokens, seconds, **kind)
+            t = float(temperature)
+            self.nets[t] = N.observe(self.nets.get(t, N.NetState()), net, arm, tokens, seconds, **kind)
 
     def session_acceptance(self, temperature: float) -> SessionAcceptance:
         """A new session's acceptance estimate, starting from this device's long-run rate."""
@@ -566,7 +566,7 @@ def shadow_rounds(hits: tuple[int, ...], depth: int) -> list[list[float]]:
 
 def _observe_shadow(hits: tuple[int, ...], side: "_ModelSide", acceptance: "SessionAcceptance | None",
                     gumbel: "GumbelAcceptance | None") -> None:
-    """An edge-only round's shadow at T = 0 (edge_only.shadow_catch_up): the acceptance this text would
+    """An edge-only round's shadow at T = 0 (edge_only.catch_up): the acceptance this text would
     have given drafts, per the rounds they would have made (:func:`shadow_rounds`), taught to the exact
     q's estimates and gumbel's alike (at T = 0 both accept a draft iff it is the target's argmax). Where
     the session streams edge-only its estimate otherwise stays where its last drafted rounds left it (or

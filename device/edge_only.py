@@ -172,34 +172,25 @@ def take_token(rd: RoundDraft, verdict: Verdict, verified: int) -> int:
     return int(verdict.next_token)
 
 
-def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event) -> None:
+def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event,
+             hits: list[int] | None = None) -> None:
     """In a worker thread during an edge-only round: feed the drafter the verified tokens it has not
     seen, CATCH_UP_MIN or more at a time (all but the last: the next forward needs an input), so the
-    next drafted round need not. Deterministic: no random number is drawn."""
-    model = session.drafting.model
-    while not stop.is_set():
-        target = len(session.tokens) - 1
-        if target - model.cache_len >= CATCH_UP_MIN:
-            model.feed(session.tokens[:target])
-            continue
-        arrived.wait()
-        arrived.clear()
-
-
-def shadow_catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event, hits: list[int]) -> None:
-    """:func:`catch_up`, recording into ``hits`` for each token it feeds whether the drafter's greedy choice
-    after it was the token that followed: at T = 0, whether a draft there would have been accepted (mode
-    auto's shadow acceptance: the text's acceptance measured while the edge streams it, at the cost of
-    the catch-up's batched forwards). Deterministic: no random number is drawn."""
+    next drafted round need not. With ``hits``, record there for each token fed whether the drafter's
+    greedy choice after it was the token that followed: at T = 0, whether a draft there would have been
+    accepted (mode auto's shadow acceptance: the text's acceptance measured while the edge streams it,
+    at the cost of the catch-up's forwards). Deterministic: no random number is drawn."""
     model = session.drafting.model
     while not stop.is_set():
         tokens = list(session.tokens)  # (the event loop appends as tokens arrive)
         target = len(tokens) - 1
-        if target - model.cache_len >= CATCH_UP_MIN:
+        if target - model.cache_len < CATCH_UP_MIN:
+            arrived.wait()
+            arrived.clear()
+        elif hits is None:
+            model.feed(tokens[:target])
+        else:
             hits.extend(model.feed_agreement(tokens, target))
-            continue
-        arrived.wait()
-        arrived.clear()
 
 
 def time_drafter(session: RoundHost, stop: threading.Event, arrived: threading.Event,

@@ -235,10 +235,8 @@ def _start_catch_up(session: DraftSession, rd: RoundDraft):
     def work() -> None:
         if forwards:
             rd.forward_s = edge_only.time_drafter(session, stop, arrived, forwards)
-        if shadow:  # (catching up as it goes)
-            edge_only.shadow_catch_up(session, stop, arrived, rd.shadow)
-        elif catch_up:
-            edge_only.catch_up(session, stop, arrived)
+        if catch_up or shadow:
+            edge_only.catch_up(session, stop, arrived, rd.shadow if shadow else None)
     return stop, asyncio.ensure_future(asyncio.to_thread(work)), arrived
 
 

@@ -1,5 +1,5 @@
 """Mode auto's shadow acceptance at T = 0: while an edge-only round streams, the drafter reads the tokens in
-batched forwards (edge_only.shadow_catch_up) and notes, for each, whether its greedy choice was the token
+batched forwards (edge_only.catch_up) and notes, for each, whether its greedy choice was the token
 that followed. Checked against the drafter's own forward over the whole sequence (no cache), and end to end:
 shadowed edge-only rounds between drafted ones leave the drafter's cache as drafting expects it (the
 session is still the target's greedy decode)."""
