@@ -64,6 +64,11 @@ DRAFTER_CHANGE = 1.4
 # Forwards of the drafter timed in an edge-only round (in place of an exploration, NetCall.retime, or
 # before one): as many as a step of its cost takes (_Stepped), so that one timing finds a changed drafter.
 RETIME_FORWARDS = STEP_SAMPLES
+# Rounds that measure rather than choose (the net exploring the other arm, a link probe): their candidate
+# does not become the model's incumbent. Kept by hysteresis, an exploration of a candidate the model
+# predicts a little slower than edge-only makes drafting the model's arm, and the net then needs drafted
+# rounds to prove it slower, instead of the exploration's own rounds to prove it faster.
+MEASURING = ("explore", "probe")
 
 
 class _Ewma:
@@ -623,7 +628,7 @@ class AutoPolicy:
         # its own text's acceptance (sessions running at once share the link, not the text)
         self.acceptance = tracker.session_acceptance(hello.temperature)
         self.gumbel = GumbelAcceptance(tracker.config.memory, tracker.config.estimates)  # its gumbel rounds' (their own event)
-        self.current: A.Candidate | None = None  # the candidate of the round drafted last
+        self.current: A.Candidate | None = None  # the model's pick of the round drafted last (hysteresis keeps it)
         self.last: dict = {}          # that round's choice and the estimates behind it (JSON-able)
         self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
         self.rounds = 0               # committed rounds of this session
@@ -685,9 +690,11 @@ class AutoPolicy:
         return best.rate if best is not None else 0.0
 
     def begin(self, plan: RoundPlan) -> None:
-        """A round is drafted with ``plan`` (hysteresis keeps to it)."""
+        """A round is drafted with ``plan`` (hysteresis keeps to it, unless the round measures rather
+        than chooses: :data:`MEASURING`)."""
         if isinstance(plan.decision, AutoDecision):
-            self.current = plan.decision.candidate
+            if (plan.choice or {}).get("why") not in MEASURING:
+                self.current = plan.decision.candidate
             self.last = dict(plan.choice or {})
 
     def _probe(self, pick: A.Prediction, e: A.Estimates) -> A.Prediction | None:

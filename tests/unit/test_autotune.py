@@ -668,6 +668,22 @@ def test_every_choice_is_a_valid_round() -> None:
             assert s.draft_len == c.draft_len and (not c.top_k or s.top_k == c.top_k)
 
 
+def test_an_exploration_does_not_become_the_model_s_pick_by_hysteresis() -> None:
+    """The model keeps its last pick unless another beats it by ``hysteresis``; a round the net ran to
+    measure the other arm (or a link probe) is not the model's pick: kept, the net would then need rounds
+    to prove the model's own choice wrong."""
+    policy = AutoPolicy(LinkTracker(), HELLO, 49152)
+    e = policy.tracker.estimates(HELLO.temperature, 49152, policy.acceptance, gumbel=policy.gumbel)
+    top, ranking = A.best(policy.candidates, e)
+    near = next(p.candidate for p in ranking[1:] if p.candidate != top.candidate
+                and top.rate <= p.rate * (1 + policy.tracker.config.hysteresis))  # within the hysteresis
+    for why in ("explore", "probe"):
+        policy.begin(RoundPlan(policy.settings_for(near, 16), choice={"why": why}, decision=AutoDecision(near, e)))
+        assert A.best(policy.candidates, e, policy.current, policy.tracker.config.hysteresis)[0].candidate == top.candidate
+    policy.begin(RoundPlan(policy.settings_for(near, 16), choice={"why": None}, decision=AutoDecision(near, e)))
+    assert A.best(policy.candidates, e, policy.current, policy.tracker.config.hysteresis)[0].candidate == near  # control
+
+
 def _drafts_nothing_accepted(draft_s: float, rounds: int = 30, then: float | None = None,
                              after: int = 0) -> tuple[list, list, list]:
     """A policy's (modes, edge tokens, choices) over ``rounds`` rounds where no draft is ever accepted and
