@@ -196,17 +196,17 @@ def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event
 def time_drafter(session: RoundHost, stop: threading.Event, arrived: threading.Event,
                  forwards: int) -> tuple[float, ...]:
     """In a worker thread during an edge-only round: the seconds of ``forwards`` forwards of the drafter
-    that each feed it one verified token it has not seen, as a drafted round's forwards do (the tokens
-    before them fed at once first, so that they run at the session's context length). Where the safety
+    that each feed it one verified token it has not seen, as a drafted round's forwards do, from where
+    its cache stands (the prompt's first tokens in a session it never drafted in). Not after reading the
+    whole context first: a forward of a drafter's size costs about the same at any context a session
+    reaches (docs/benchmarks.md), and reading it all is a prefill whose CPU, on a host the edge shares,
+    slows the very tokens the round streams; a drafted round reads it when one runs. Where the safety
     net does not explore drafting, this is how it learns the drafter's cost still. Deterministic: no
     random number is drawn."""
     model = session.drafting.model
     times: list[float] = []
     while len(times) < forwards and not stop.is_set():
-        behind = len(session.tokens) - 1 - model.cache_len
-        if behind > forwards - len(times):
-            model.feed(session.tokens[:len(session.tokens) - 1 - (forwards - len(times))])
-        elif behind > 0:
+        if len(session.tokens) - 1 > model.cache_len:
             t0 = time.perf_counter()
             model.feed(session.tokens[:model.cache_len + 1])
             times.append(time.perf_counter() - t0)

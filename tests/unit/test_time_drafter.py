@@ -1,6 +1,7 @@
 """edge_only.time_drafter: the drafter timed while an edge-only round streams (the safety net's stand-in
 for exploring drafting that cannot pay): its timed forwards each feed one verified token, as a drafted
-round's do, at the session's context length; it waits for tokens to arrive, and stops when told."""
+round's do, from where the drafter's cache stands (no prefill of the context first); it waits for
+tokens to arrive, and stops when told."""
 from __future__ import annotations
 
 import threading
@@ -27,12 +28,15 @@ def host(tokens: list[int], model: CountingModel) -> SimpleNamespace:
     return SimpleNamespace(tokens=tokens, drafting=SimpleNamespace(model=model))
 
 
-def test_the_timed_forwards_each_feed_one_token_after_the_rest_is_fed_at_once() -> None:
+def test_the_timed_forwards_each_feed_one_token_from_where_the_cache_stands() -> None:
     model = CountingModel()
     session = host(list(range(40)), model)
     times = edge_only.time_drafter(session, threading.Event(), threading.Event(), 3)
-    assert model.fed == [36, 1, 1, 1] and model.cache_len == 39   # all but the last token, as catch_up leaves it
+    assert model.fed == [1, 1, 1] and model.cache_len == 3   # no prefill of the 36 tokens before them
     assert len(times) == 3 and all(t >= model.seconds for t in times)
+    model.cache_len = 20   # a cache that read part of the text (a drafted round) goes on from there
+    edge_only.time_drafter(session, threading.Event(), threading.Event(), 3)
+    assert model.fed[3:] == [1, 1, 1] and model.cache_len == 23
 
 
 def test_it_waits_for_streamed_tokens_and_stops_when_told() -> None:
