@@ -13,7 +13,12 @@ The profiler inflates small operators: it charges ``aten::cat`` (the KV-cache up
 token, which a cache written in place did not save in wall time (git history: the KVBuffer
 experiment). Trust the unprofiled medians and the interleaved comparisons over the group split.
 
-    .venv/bin/python -m specdec.bench.profile_drafter [--tokens 64] [--temperature 1] [--compare-heads N] [--out FILE]
+    .venv/bin/python -m specdec.bench.profile_drafter [--tokens 64] [--temperature 1] [--compare-heads N]
+        [--contexts 3,50,150,300] [--out FILE]
+
+``--contexts``: the one-token forward's median at each context length (mode auto times the drafter
+from wherever its cache stands, device/edge_only.py ``time_drafter``) and what reading the longest
+context at once (a prefill) takes.
 
 Writes results/profile_drafter.json and prints the table.
 """
@@ -121,14 +126,46 @@ def compare_heads(drafter, prompt: list[int], tokens: int, repeats: int) -> dict
     return out
 
 
+def time_contexts(drafter, contexts: list[int], tokens: int) -> dict:
+    """Median ms of a one-token forward after each context length (tokens of the bench prompts, repeated),
+    and ms of one forward that reads the longest context at once."""
+    from specdec.common.modeling import CachedLM, encode_prompt
+
+    text = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    ids = (text * (max(contexts) // len(text) + 2))[:max(contexts) + tokens + 1]
+    out: dict = {"forward_ms_median_by_context": {}}
+    for n in contexts:
+        lm = CachedLM(drafter.model, drafter.device)
+        lm.forward(ids[:n], num_logits=1)
+        times = []
+        for i in range(tokens):
+            t0 = time.perf_counter()
+            lm.forward([ids[n + i]], num_logits=1)
+            times.append(time.perf_counter() - t0)
+        out["forward_ms_median_by_context"][str(n)] = 1e3 * statistics.median(times)
+    lm = CachedLM(drafter.model, drafter.device)
+    t0 = time.perf_counter()
+    lm.forward(ids[:max(contexts)], num_logits=1)
+    out["prefill_ms"] = {str(max(contexts)): 1e3 * (time.perf_counter() - t0)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--compare-heads", type=int, default=0, metavar="REPEATS",
                     help="also time the forward with the drafter's head and a float32 copy, interleaved REPEATS times")
+    ap.add_argument("--contexts", default="", metavar="N,N,...",
+                    help="also time a one-token forward after each context length, and a prefill of the longest")
     ap.add_argument("--out", default=str(RESULTS / "profile_drafter.json"))
     args = ap.parse_args()
+    try:
+        contexts = sorted({int(x) for x in args.contexts.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--contexts: comma-separated positive integers, got {args.contexts!r}")
+    if any(n < 1 for n in contexts):
+        ap.error(f"--contexts: comma-separated positive integers, got {args.contexts!r}")
     torch.set_num_threads(1)
     from specdec.common.modeling import CachedLM, encode_prompt, load_model
     from specdec.device.session import DraftSession
@@ -154,6 +191,8 @@ def main() -> None:
         "forward_ms_by_group_profiled": groups,
         "load_average": os.getloadavg(), "torch": torch.__version__,
     }
+    if contexts:
+        result.update(time_contexts(drafter, contexts, args.tokens))
     if args.compare_heads:
         result["forward_ms_by_head"] = compare_heads(drafter, prompt, args.tokens, args.compare_heads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +205,10 @@ def main() -> None:
     for name, runs in result.get("forward_ms_by_head", {}).items():
         print(f"  forward with head {name:<15} median of {len(runs)} runs: {statistics.median(runs):.2f} ms/token "
               f"({', '.join(f'{r:.1f}' for r in runs)})")
+    for n, ms in result.get("forward_ms_median_by_context", {}).items():
+        print(f"  one-token forward after {n:>5} tokens of context: {ms:6.2f} ms")
+    for n, ms in result.get("prefill_ms", {}).items():
+        print(f"  reading {n} tokens at once (a prefill): {ms:.0f} ms")
     print(f"wrote {args.out}  (load average {os.getloadavg()[0]:.2f})")
 
 
