@@ -47,6 +47,11 @@ from specdec.testbed.units import parse_queue  # noqa: E402
 RESULTS = harness_plan.RESULTS / "bench_traces"
 WARMUP_TOKENS = 8
 CALIBRATION_TOKENS = 48   # per calibration session: enough rounds that the per-token costs settle
+# Between sessions (wait_link_idle): the longest wait for the link to drain (a link that never does, a
+# stalled run, holds the bench no longer), and a margin past the last byte's release for the emulator's
+# own scheduling.
+MAX_IDLE_WAIT_S = 30.0
+IDLE_SETTLE_S = 0.05
 MAX_TARGET_SLOWDOWN = 10.0  # beyond it a 96-token edge-only session takes minutes here
 
 
@@ -69,6 +74,7 @@ class Run:
                     lambda line: self.errors.append(line) if "error" in line else None)
 
     def one(self, rig: Rig, rec: plan.Recording, sess: plan.Session) -> None:
+        wait_link_idle(rig)
         reply = rig.set_emulator(rec.emulator(sess.offset_s, sess.rtt_ms, self.s.queue))
 
         def on_line(line: dict) -> None:
@@ -207,6 +213,18 @@ def finish_line_note(view: dict | None) -> str | None:
             f"the others: auto / cell's best fixed {fmt(s.get('auto_vs_cell_best_fixed'))}, "
             f"/ edge-only {fmt(s['auto_vs_edge_only'])}")
     return f"split at the finish line: {where}; {rest}"
+
+
+def wait_link_idle(rig: Rig) -> float:
+    """Wait until the bytes the last session left inside the emulated link (its Close and the edge's
+    reply) have left it; the seconds waited. Each session then starts on an empty link: bytes of one
+    connection leave in order, so a Close that met an outage of the last session's stretch of trace
+    held the next session's Hello for the rest of that outage (2 s), in whichever configuration ran
+    next. Capped, so that a link that never drains cannot stall the run."""
+    waited = min(float(rig.set_emulator({}).get("idle_in_s", 0.0)), MAX_IDLE_WAIT_S)
+    if waited > 0:
+        time.sleep(waited + IDLE_SETTLE_S)
+    return waited
 
 
 def trace_outages(recordings: list[dict], min_s: float = analyze.FINISH_LINE_OUTAGE_S) -> dict[str, list]:

@@ -33,8 +33,10 @@ their defaults) for every open connection and every later one, without dropping 
 direction given a trace (re)starts it at its ``trace_offset_s`` when the line is applied. Bytes
 already inside the link keep the release time they were given; bytes read after the change see the
 new link (and, FIFO, never overtake the earlier ones). Each line gets one JSON line back:
-``{"ok": true, "uplink": {...}, "downlink": {...}, "connections": N, "applied_wall": T}`` (T: the
-``time.time()`` at which the change took effect, where a trace's offset falls), or
+``{"ok": true, "uplink": {...}, "downlink": {...}, "connections": N, "applied_wall": T, "idle_in_s": I}``
+(T: the ``time.time()`` at which the change took effect, where a trace's offset falls; I: seconds until
+the last byte already inside the link leaves it, either direction, 0 when it is empty: bytes read later
+queue behind those, so a client that wants a fresh link for a new session waits that long first), or
 ``{"ok": false, "error": "..."}``; ``{}`` only asks for the current specs. :func:`send_control`
 is the client. The control line ``linkemu control on ADDRESS`` is printed before the ready line.
 """
@@ -322,7 +324,13 @@ class LinkEmulator:
         down = LinkSpec.from_json(message["downlink"]) if "downlink" in message else None
         self.set_specs(up, down)  # both parsed and their traces read before either is applied
         return {"ok": True, "uplink": self.uplink.to_json(), "downlink": self.downlink.to_json(),
-                "connections": len(self._live), "applied_wall": self.applied_wall}
+                "connections": len(self._live), "applied_wall": self.applied_wall, "idle_in_s": self.idle_in_s()}
+
+    def idle_in_s(self) -> float:
+        """Seconds until every byte already inside the link (any connection, either direction) has left it."""
+        now = time.monotonic()
+        last = max((d.clock.last_release for pair in self._live for d in pair), default=now)
+        return max(0.0, last - now)
 
     async def start_control(self, address: str) -> str:
         """Listen for control connections on ``HOST:PORT`` or ``unix:PATH``; the address bound."""

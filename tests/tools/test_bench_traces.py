@@ -71,6 +71,26 @@ def test_bench_traces_cells_continue_the_balanced_orders() -> None:
     assert [s.config for s in first + second] == [c for k in range(4) for c in balanced(configs, k)]
 
 
+def test_each_session_waits_for_the_link_to_drain_before_its_trace_is_applied(monkeypatch) -> None:
+    """What the last session left inside the link (a Close held by an outage) would delay the next
+    session's first bytes in whichever configuration ran next: the bench waits it out, capped."""
+    class Rig:
+        def __init__(self, idle_s: float):
+            self.idle_s, self.messages = idle_s, []
+
+        def set_emulator(self, message: dict) -> dict:
+            self.messages.append(message)
+            return {"ok": True, "idle_in_s": self.idle_s}
+
+    busy = Rig(0.2)
+    t0 = time.perf_counter()
+    assert bench_traces.wait_link_idle(busy) == 0.2 and time.perf_counter() - t0 >= 0.2
+    assert busy.messages == [{}]  # only asked: nothing about the link changed
+    assert bench_traces.wait_link_idle(Rig(0.0)) == 0.0
+    monkeypatch.setattr(bench_traces, "MAX_IDLE_WAIT_S", 0.01)
+    assert bench_traces.wait_link_idle(Rig(1e6)) == 0.01  # a link that never drains does not stall the run
+
+
 def test_the_draft_delay_sleeps_after_each_forward() -> None:
     model = torch.nn.Linear(2, 2)
     delay = DraftDelay(model)

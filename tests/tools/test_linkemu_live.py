@@ -114,6 +114,35 @@ def test_control_message_validation() -> None:
     assert emu.uplink == LinkSpec(delay_s=0.01)  # a direction left out is kept
 
 
+def test_the_control_reply_says_when_the_bytes_inside_the_link_have_left() -> None:
+    """``idle_in_s``: what a bench waits before starting a session on a fresh link (bytes of one
+    connection leave in order, so later ones would queue behind those still inside)."""
+    hold_s = 0.4
+
+    async def scenario() -> tuple[float, float, float]:
+        echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
+        emu = LinkEmulator(("127.0.0.1", echo.sockets[0].getsockname()[1]), LinkSpec(delay_s=hold_s), LinkSpec())
+        port = await emu.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            empty = emu.apply_control({})["idle_in_s"]
+            writer.write(b"z" * PING_BYTES)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # read into the link, not out of it yet
+            inside = emu.apply_control({})["idle_in_s"]
+            await reader.readexactly(PING_BYTES)
+            drained = emu.apply_control({})["idle_in_s"]
+            writer.close()
+            return empty, inside, drained
+        finally:
+            await emu.close()
+            echo.close()
+
+    empty, inside, drained = asyncio.run(scenario())
+    assert empty == 0.0 and drained == 0.0
+    assert 0.2 < inside <= hold_s, inside  # the ping's release, ~hold_s after it was read
+
+
 def test_command_line_control_on_a_unix_socket(tmp_path) -> None:
     """The process the benchmark starts: the control line comes before the ready line, and a unix
     socket (reachable from another network namespace) changes the link of the running emulator."""
