@@ -132,7 +132,7 @@ def time_contexts(drafter, contexts: list[int], tokens: int) -> dict:
     from specdec.common.modeling import CachedLM, encode_prompt
 
     text = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
-    ids = (text * (max(contexts) // len(text) + 2))[:max(contexts) + tokens + 1]
+    ids = (text * ((max(contexts) + tokens) // len(text) + 2))[:max(contexts) + tokens + 1]
     out: dict = {"forward_ms_median_by_context": {}}
     for n in contexts:
         lm = CachedLM(drafter.model, drafter.device)
