@@ -162,9 +162,9 @@ def main() -> None:
     args = ap.parse_args()
     try:
         contexts = sorted({int(x) for x in args.contexts.split(",") if x.strip()})
+        if any(n < 1 for n in contexts):
+            raise ValueError(args.contexts)
     except ValueError:
-        ap.error(f"--contexts: comma-separated positive integers, got {args.contexts!r}")
-    if any(n < 1 for n in contexts):
         ap.error(f"--contexts: comma-separated positive integers, got {args.contexts!r}")
     torch.set_num_threads(1)
     from specdec.common.modeling import CachedLM, encode_prompt, load_model
