@@ -48,6 +48,8 @@ class RoundRecord:
     stream_stall_s: float = 0.0     # edge-only rounds: seconds the link held the stream up (an outage)
     shadow: tuple[int, ...] = ()    # edge-only rounds at T = 0: 1 where the drafter's greedy choice was the
                                     # streamed token (mode auto's shadow acceptance), per token it read
+    shadow_s: float = 0.0           # ... seconds of the drafter's forwards that measured it
+    shadow_fed: int = 0             # ... tokens those forwards read
 
     def to_json(self) -> dict:
         """The round's numbers for a JSON round log (settings are the caller's to add)."""
@@ -57,7 +59,7 @@ class RoundRecord:
                 "drafted_ahead": self.drafted_ahead, "draft_forwards": self.draft_forwards,
                 "residual_trips": self.residual_trips, "residual_bytes": self.residual_bytes,
                 "first_reply_s": self.first_reply_s, "token_interval_s": self.token_interval_s,
-                "stream_stall_s": self.stream_stall_s}
+                "stream_stall_s": self.stream_stall_s, "shadow_s": self.shadow_s, "shadow_fed": self.shadow_fed}
 
     @property
     def tested(self) -> int:

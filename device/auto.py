@@ -258,6 +258,7 @@ class LinkTracker:
         # the edge's forwards extrapolates a one-token forward from drafted rounds' forwards, which can
         # price edge-only far from how it streams (docs/modes.md)
         self.edge_token_s = self._ewma()
+        self.shadow_token_s = self._ewma()  # the shadow's forwards per token they read (edge_only.catch_up)
         self.models: dict[float, _ModelSide] = {}
         self.dssd_samples = config.dssd_samples  # m of the DSSD rounds this device sends
         self.time_scale: dict[tuple[Mode, int], _Ewma] = {}  # measured / modelled round time per codec key
@@ -414,6 +415,8 @@ class LinkTracker:
                     self._observe_drafter(r, catching_up=False)
                 if r.shadow and temperature == 0:
                     _observe_shadow(r.shadow, self.model(temperature), acceptance, gumbel)
+                if r.shadow_fed:
+                    self.shadow_token_s.add(r.shadow_s / r.shadow_fed)
                 if r.generated:
                     self.verify.add(1, forward / r.generated)
                     self.queue_s.add(queue / r.generated)
@@ -663,8 +666,8 @@ class AutoPolicy:
             # timed where an exploration stands in for one, and before one: a drafter that slowed since
             # it was measured (throttled, a bench's drafter-cost step) is not explored where it cannot pay
             choice["retime"] = RETIME_FORWARDS
-        if chosen.candidate.mode is Mode.NONE and e.greedy and (cold or (net is not None and net.spec_pays)):
-            # the text's acceptance measured while it streams (where drafting could pay at all)
+        if chosen.candidate.mode is Mode.NONE and e.greedy and (cold or (net is not None and self._shadow_pays(net))):
+            # the text's acceptance measured while it streams (where drafting could pay its cost)
             choice["shadow"] = True
         return RoundPlan(self.settings_for(chosen.candidate, chunk), choice=choice,
                          decision=AutoDecision(chosen.candidate, e), edge_chunk=e.edge_chunk,
@@ -681,6 +684,15 @@ class AutoPolicy:
         return N.call(self.net, self.net_config, N.ArmPrior(edge.tokens, edge.seconds),
                       N.ArmPrior(spec.tokens, spec.seconds, self._ceiling(e)), model_arm, flying, remaining,
                       opening=self.rounds == 0 and in_flight is None)
+
+    def _shadow_pays(self, net: N.NetCall) -> bool:
+        """Whether an edge-only round should measure the text's acceptance (the shadow): where drafting
+        could pay by more than the shadow costs (:func:`safety_net.shadow_pays`), its cost the share of
+        edge-only's time that its forwards take, as measured (never measured: taken as none, so that
+        it is measured)."""
+        cost = self.tracker.shadow_token_s.value
+        return net.spec_pays and (cost is None or N.shadow_pays(self.net, self.net_config, net.spec_ceiling,
+                                                                net.edge_rate, cost * net.edge_rate))
 
     def _ceiling(self, e: A.Estimates) -> float:
         """Drafted rounds' best case: the best drafted candidate's rate if every draft were accepted

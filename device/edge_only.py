@@ -173,13 +173,14 @@ def take_token(rd: RoundDraft, verdict: Verdict, verified: int) -> int:
 
 
 def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event,
-             hits: list[int] | None = None) -> None:
+             shadow: RoundDraft | None = None) -> None:
     """In a worker thread during an edge-only round: feed the drafter the verified tokens it has not
     seen, CATCH_UP_MIN or more at a time (all but the last: the next forward needs an input), so the
-    next drafted round need not. With ``hits``, record there for each token fed whether the drafter's
-    greedy choice after it was the token that followed: at T = 0, whether a draft there would have been
-    accepted (mode auto's shadow acceptance: the text's acceptance measured while the edge streams it,
-    at the cost of the catch-up's forwards). Deterministic: no random number is drawn."""
+    next drafted round need not. With ``shadow`` (the round), record in its ``shadow`` for each token fed
+    whether the drafter's greedy choice after it was the token that followed: at T = 0, whether a draft
+    there would have been accepted (mode auto's shadow acceptance: the text's acceptance measured while
+    the edge streams it, at the cost of the catch-up's forwards, which its ``shadow_s`` and
+    ``shadow_fed`` count: auto weighs that cost). Deterministic: no random number is drawn."""
     model = session.drafting.model
     while not stop.is_set():
         tokens = list(session.tokens)  # (the event loop appends as tokens arrive)
@@ -187,10 +188,14 @@ def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event
         if target - model.cache_len < CATCH_UP_MIN:
             arrived.wait()
             arrived.clear()
-        elif hits is None:
+        elif shadow is None:
             model.feed(tokens[:target])
         else:
-            hits.extend(model.feed_agreement(tokens, target))
+            fed, t0 = target - model.cache_len, time.perf_counter()
+            hits = model.feed_agreement(tokens, target)
+            shadow.shadow_s += time.perf_counter() - t0
+            shadow.shadow_fed += fed
+            shadow.shadow.extend(hits)
 
 
 def time_drafter(session: RoundHost, stop: threading.Event, arrived: threading.Event,

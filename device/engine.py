@@ -236,7 +236,7 @@ def _start_catch_up(session: DraftSession, rd: RoundDraft):
         if forwards:
             rd.forward_s = edge_only.time_drafter(session, stop, arrived, forwards)
         if catch_up or shadow:
-            edge_only.catch_up(session, stop, arrived, rd.shadow if shadow else None)
+            edge_only.catch_up(session, stop, arrived, rd if shadow else None)
     return stop, asyncio.ensure_future(asyncio.to_thread(work)), arrived
 
 

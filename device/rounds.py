@@ -58,6 +58,8 @@ class RoundDraft:
     block_bytes: int = 0            # edge-only: the serialized size of its request, once sent
     continued_after: int = 0        # edge-only: tokens the edge generated ahead past its start, then continued it
     shadow: list[int] = field(default_factory=list)  # edge-only at T = 0: the drafter's greedy agreement per token fed
+    shadow_s: float = 0.0           # ... seconds of the forwards that measured it
+    shadow_fed: int = 0             # ... tokens they read (the prompt's too, in a session's first)
 
     @property
     def settings(self) -> DraftSettings:
@@ -115,7 +117,8 @@ def round_record(rd: RoundDraft, verdict: Verdict, generated: int, io: RoundIO, 
         theoretical_bits=rd.theoretical_bits, support_sizes=tuple(rd.support_sizes), phases=phases,
         drafted_ahead=rd.drafted_ahead, ahead_tokens=drafted if rd.drafted_ahead else 0,
         ahead_discarded=ahead_discarded, threshold=threshold, draft_forwards=rd.draft_forwards,
-        forward_s=rd.forward_s, shadow=tuple(rd.shadow), residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
+        forward_s=rd.forward_s, shadow=tuple(rd.shadow), shadow_s=rd.shadow_s, shadow_fed=rd.shadow_fed,
+        residual_trips=io.residual_trips, residual_bytes=io.residual_bytes,
         first_reply_s=io.network_s if io.first_reply_s is None else io.first_reply_s,
         token_interval_s=io.token_interval_s, stream_stall_s=io.stream_stall_s)
 

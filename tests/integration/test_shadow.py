@@ -77,3 +77,8 @@ def test_shadowed_edge_only_rounds_between_drafted_ones_keep_the_greedy_decode(a
     assert all(len(r.shadow) <= r.generated for r in records), [(len(r.shadow), r.generated) for r in records]
     truth = "".join(map(str, greedy_agreement(drafter, prompt + tokens)[len(prompt) - 1:]))
     assert all("".join(map(str, s)) in truth for s in shadows if s), (shadows, truth)
+    # the shadow's cost is counted where it ran (mode auto weighs it): the tokens its forwards read (the
+    # first round's, the prompt's too) and their seconds
+    fed = [(r.shadow_fed, r.shadow_s, len(r.shadow)) for r in records if r.mode == "none"]
+    assert all((n >= k and (s > 0) == (n > 0)) for n, s, k in fed) and fed[0][0] >= len(prompt), fed
+    assert not any(r.shadow_fed or r.shadow_s for r in records if r.mode != "none")

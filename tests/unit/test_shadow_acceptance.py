@@ -4,6 +4,7 @@ drafts; the session's estimate follows them (the drafted rounds it is not runnin
 T = 0, where agreeing with the argmax is acceptance."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ from specdec.common.modes import Mode
 from specdec.common.protocol import Hello
 from specdec.common.settings import DraftSettings, resolve
 from specdec.common.stats import RoundRecord
+from specdec.device import safety_net as N
 from specdec.device.auto import AutoPolicy, LinkTracker, shadow_rounds
 from specdec.device.rounds import RoundEvent, RoundPlan
 
@@ -28,10 +30,10 @@ def hello(temperature: float) -> Hello:
                  draft=resolve({}, vocab_size=49152), seed=0, max_new_tokens=512)
 
 
-def edge_round(shadow: tuple[int, ...], t: float) -> RoundEvent:
+def edge_round(shadow: tuple[int, ...], t: float, shadow_s: float = 0.0) -> RoundEvent:
     s = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=32)
     r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=32, uplink_bytes=30,
-                    downlink_bytes=1000, shadow=shadow, phases={"network": 0.05, "queue": 0.0, "decode": 0.0,
+                    downlink_bytes=1000, shadow=shadow, shadow_s=shadow_s, shadow_fed=len(shadow), phases={"network": 0.05, "queue": 0.0, "decode": 0.0,
                                                                  "verify": 1.6})
     return RoundEvent(record=r, plan=RoundPlan(s), new_tokens=(), q_stats=(), guess=None, elapsed_s=1.7,
                       edge_hint=None, t=t)
@@ -61,3 +63,31 @@ def test_an_edge_only_round_at_t0_shadows_only_where_drafting_could_pay() -> Non
     cold = AutoPolicy(LinkTracker(), hello(0.0), 49152).choose()
     assert cold.settings.mode is Mode.NONE and cold.choice.get("shadow")  # a new device's first round reads the text
     assert not AutoPolicy(LinkTracker(), hello(1.0), 49152).choose().choice.get("shadow")
+
+
+def test_the_shadow_runs_only_where_drafting_could_gain_more_than_it_costs() -> None:
+    """Drafting's best case 8 % above edge-only (18 tok/s): a shadow costing 5 ms a token (9 % of
+    edge-only's time) is not worth it, one costing 1 ms (2 %) is; drafted rounds measured faster keep
+    it on whatever it costs. A test that ignored the cost, or added it the wrong way, fails a case."""
+    cfg = N.NetConfig()
+    assert not N.shadow_pays(N.NetState(), cfg, 1.08 * 18, 18.0, 0.005 * 18)
+    assert N.shadow_pays(N.NetState(), cfg, 1.08 * 18, 18.0, 0.001 * 18)
+    assert not N.shadow_pays(N.NetState(), cfg, 1.02 * 18, 18.0, 0.0)  # not even the net's margin
+    measured = replace(N.NetState(), spec_steady=N.Sums().plus(40, 2.0, cfg.discount),
+                       edge=N.Sums().plus(36, 2.0, cfg.discount))
+    assert N.shadow_pays(measured, cfg, 1.08 * 18, 18.0, 0.005 * 18)
+
+
+def test_the_shadows_measured_cost_decides_whether_an_edge_only_round_shadows() -> None:
+    """The cost the shadow's forwards measured (seconds per token read) reaches the policy's choice:
+    unmeasured, a round where drafting could pay shadows (so that it is measured); at 5 ms a token
+    against a best case 8 % up, it does not; where drafting cannot pay at all, never."""
+    policy = AutoPolicy(LinkTracker(), hello(0.0), 49152)
+    call = N.NetCall(N.EDGE, None, edge_rate=18.0, spec_rate=17.0, probe_due_s=math.inf, spec_pays=True,
+                     spec_ceiling=1.08 * 18)
+    assert policy._shadow_pays(call)
+    policy.observe(edge_round((1, 0) * 16, 1.7, shadow_s=32 * 0.005))
+    assert policy.tracker.shadow_token_s.value == pytest.approx(0.005)
+    assert not policy._shadow_pays(call)
+    assert policy._shadow_pays(replace(call, spec_ceiling=1.2 * 18))
+    assert not policy._shadow_pays(replace(call, spec_ceiling=1.2 * 18, spec_pays=False))
