@@ -148,7 +148,8 @@ AUTO_TIMELINE_KEYS = ("choice", "why", "predicted_tokens_per_s", "net_edge_token
                       "rtt_s", "draft_s", "verify_base_s", "verify_per_token_s", "edge_token_s", "alpha_base",
                       "time_scale", "model_edge_tokens_per_s", "model_spec_tokens_per_s", "probe_due_s",
                       "spec_lost", "edge_lost", "guess_rate", "spec_pays", "retime",
-                      "spec_ceiling_tokens_per_s", "time_scales", "encode_s", "uplink_bps", "downlink_bps")
+                      "spec_ceiling_tokens_per_s", "time_scales", "encode_s", "uplink_bps", "downlink_bps",
+                      "shadow", "catch_up")
 
 
 def add_timeline(session) -> list[dict]:
@@ -168,6 +169,8 @@ def add_timeline(session) -> list[dict]:
                  "uplink_bytes": record.uplink_bytes}
         if mode == "none":
             entry["token_t"] = tokens[-record.generated:] if record.generated else []
+            if record.shadow_fed:  # what the shadow's forwards cost (mode auto weighs it)
+                entry["shadow_s"], entry["shadow_fed"] = record.shadow_s, record.shadow_fed
         choice = event.plan.choice
         if choice:  # mode auto: why this round, and the safety net's two arms as it saw them
             entry["auto"] = {key: choice.get(key) for key in AUTO_TIMELINE_KEYS}

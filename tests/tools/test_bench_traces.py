@@ -174,11 +174,16 @@ def test_the_timeline_keeps_auto_s_reason_and_the_net_s_arms_for_each_round() ->
               "model_edge_tokens_per_s": 11.5, "model_spec_tokens_per_s": 12.0, "probe_due_s": None, "spec_lost": 1,
               "edge_lost": 0, "guess_rate": 0.8, "spec_pays": True, "retime": None, "spec_ceiling_tokens_per_s": 20.0,
               "time_scales": {"tslt-256": 1.1}, "encode_s": {"tslt": 0.002},
-              "uplink_bps": 2e6, "downlink_bps": None}
+              "uplink_bps": 2e6, "downlink_bps": None, "shadow": None, "catch_up": False}
     for round_plan in (SimpleNamespace(choice=choice), SimpleNamespace(choice=None)):  # auto, then a fixed mode
         session.listeners[-1](SimpleNamespace(record=record, settings=settings, plan=round_plan))
     assert timeline[0]["auto"] == {k: choice[k] for k in AUTO_TIMELINE_KEYS} and "runner_up" not in timeline[0]["auto"]
     assert "auto" not in timeline[1] and timeline[1]["draft_len"] == 2
+    # an edge-only round that shadowed: what the shadow's forwards cost
+    shadowed = SimpleNamespace(mode="none", generated=2, accepted=0, positions=0, uplink_bytes=30, shadow_s=0.12,
+                               shadow_fed=24)
+    session.listeners[-1](SimpleNamespace(record=shadowed, settings=settings, plan=SimpleNamespace(choice=None)))
+    assert (timeline[2]["shadow_s"], timeline[2]["shadow_fed"]) == (0.12, 24)
 
 
 def test_the_held_out_and_tuning_sets_are_trace_pairs_apart_from_each_other_and_the_shared_set() -> None:
