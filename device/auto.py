@@ -691,8 +691,8 @@ class AutoPolicy:
         edge-only's time that its forwards take, as measured (never measured: taken as none, so that
         it is measured)."""
         cost = self.tracker.shadow_token_s.value
-        return net.spec_pays and (cost is None or N.shadow_pays(self.net, self.net_config, net.spec_ceiling,
-                                                                net.edge_rate, cost * net.edge_rate))
+        return net.spec_pays and (cost is None or N.shadow_pays(self.net_config, net.spec_ceiling, net.edge_rate,
+                                                                cost * net.edge_rate))
 
     def _ceiling(self, e: A.Estimates) -> float:
         """Drafted rounds' best case: the best drafted candidate's rate if every draft were accepted
