@@ -196,6 +196,12 @@ def print_tables(data: dict) -> None:
               f"edge-only on the same prompt and cell: geometric mean {fmt(n['geomean'], '.3f')}, per-session sd "
               f"{fmt(n['sd'], '.3f')} (log); a cell of {data['settings']['prompts']} prompts moves "
               f"~{fmt(n['cell_sd'], '.3f')} (1 sd) with no difference between the configurations")
+    h = data.get("host_slowdowns")
+    if h and h["slowed"]:
+        where = ", ".join(f"{x['t_s']:.0f} s {x['cell']} p{x['prompt']} {x['config']} {x['median_gap_ms']:.0f} ms"
+                          for x in h["slowed"])
+        print(f"host slowdowns: {len(h['slowed'])} session(s) streamed at {analyze.SLOW_STREAM}x the run's median gap "
+              f"({h['median_gap_ms']:.1f} ms) or slower (the host, whichever configuration ran): {where}")
     print("\nper trace and temperature (geometric mean over round trips; p95 gap over both round trips' sessions)")
     for key, t in data["traces"].items():
         gaps = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t["gap_p95"].items() if v is not None)
@@ -256,6 +262,7 @@ def analyze_all(data: dict) -> None:
     data["regret_summary"] = analyze.regret_summary(data["regret"])
     data["never_loses_goals"] = analyze.never_loses_goals(data["cells"], data["regret"])
     data["host_noise"] = analyze.host_noise(data["sessions"], data["settings"]["prompts"])
+    data["host_slowdowns"] = analyze.host_slowdowns(data["sessions"])
     data["finish_line"] = analyze.finish_line(data["cells"], data["sessions"], trace_outages(data["recordings"]),
                                               best, plan.DEFAULT)
 

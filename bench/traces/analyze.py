@@ -22,6 +22,11 @@ Definitions:
     edge-only's differ only by the host (two processes on shared cores, a target forward whose time
     moves between sessions); the spread of that ratio over such pairs says how far a cell's ratio of
     k prompts moves with no difference between the configurations: sd / sqrt(k);
+  * host slowdowns (a diagnostic): sessions whose edge-only tokens streamed SLOW_STREAM times the run's
+    median gap or slower (each session's median gap between streamed tokens, over sessions with
+    MIN_STREAMED_GAPS or more): a target forward takes the same time in every configuration, so a
+    session that streamed that slowly met a host that slowed it (another tenant of the machine), and
+    whichever configuration ran then paid for it;
   * a prompt split at the finish line (a diagnostic; the goals are judged on every prompt): an outage of
     the recording (no delivery opportunity for FINISH_LINE_OUTAGE_S or longer, either direction) began
     after some of the prompt's sessions had ended and before others did, so those met a stall the
@@ -47,6 +52,10 @@ NEVER_LOSES_GOALS = {
 # tolerance against the best fixed setting, so a prompt that only some configurations finished before one
 # began says where the finish line fell, not which configuration streams faster.
 FINISH_LINE_OUTAGE_S = 0.5
+# A session's median gap between streamed tokens this far above the run's: the host slowed it. The median
+# gap moves 2-5 % between a quiet host's sessions; a link stall moves a session's gaps, not its median.
+SLOW_STREAM = 1.2
+MIN_STREAMED_GAPS = 20  # gaps a session's median needs to say how it streamed
 GOALS = {
     "auto_vs_best_geomean": ("auto >= 1.0x the links grid's best fixed, geometric mean over traces and round trips", 1.0),
     "auto_vs_best_every_trace": ("auto >= 0.95x the links grid's best fixed on every trace", 0.95),
@@ -167,6 +176,26 @@ def host_noise(sessions: list[dict], prompts: int) -> dict:
     sd = statistics.stdev(logs)
     return {"pairs": len(logs), "geomean": math.exp(statistics.fmean(logs)), "sd": sd,
             "cell_sd": sd / math.sqrt(max(1, prompts))}
+
+
+def host_slowdowns(sessions: list[dict]) -> dict:
+    """Sessions that streamed SLOW_STREAM times the run's median gap or slower (see the module's
+    docstring): the run's median (ms; None with no session to judge by) and, for each such session in
+    start order, its start (seconds after the run's first session), cell, prompt, configuration and median
+    gap (ms)."""
+    medians = []
+    for s in sessions:
+        gaps = [b - a for r in s.get("extra", {}).get("timeline") or []
+                for a, b in zip(r.get("token_t") or [], (r.get("token_t") or [])[1:])]
+        if len(gaps) >= MIN_STREAMED_GAPS:
+            medians.append((s["extra"].get("session_t0", 0.0), s, statistics.median(gaps)))
+    if not medians:
+        return {"median_gap_ms": None, "slowed": []}
+    run = statistics.median(m for _, _, m in medians)
+    t0 = min(t for t, _, _ in medians)
+    slowed = [{"t_s": t - t0, "cell": s["cell"], "prompt": s["prompt"], "config": s["config"], "median_gap_ms": 1e3 * m}
+              for t, s, m in sorted(medians, key=lambda x: x[0]) if m >= SLOW_STREAM * run]
+    return {"median_gap_ms": 1e3 * run, "slowed": slowed}
 
 
 def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, dict]:

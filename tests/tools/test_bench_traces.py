@@ -150,6 +150,23 @@ def test_the_host_noise_pairs_only_auto_sessions_that_ran_edge_only_rounds_with_
     assert analyze.host_noise(sessions[:2], prompts=3)["sd"] is None  # one pair shows no spread
 
 
+def test_host_slowdowns_are_the_sessions_that_streamed_far_slower_than_the_run() -> None:
+    def streamed(cell: str, config: str, prompt: int, t0: float, gap: float, n: int = 30) -> dict:
+        tokens = [t0 + i * gap for i in range(n)]
+        return {**session(cell, config, prompt, n, 10.0),
+                "extra": {"session_t0": t0, "timeline": [{"mode": "none", "generated": n, "token_t": tokens}]}}
+    sessions = [streamed("a", "none", 0, 100.0, 0.054), streamed("a", "auto", 0, 110.0, 0.055),
+                streamed("a", "none", 1, 120.0, 0.053), streamed("a", "auto", 1, 130.0, 0.087),
+                streamed("a", "none", 2, 140.0, 0.064),              # 1.16x the run's median: not flagged
+                streamed("b", "auto", 0, 150.0, 0.2, n=10),          # too few gaps to judge by
+                session("b", "none", 0, 100, 10.0)]                  # no timeline
+    h = analyze.host_slowdowns(sessions)
+    assert h["median_gap_ms"] == pytest.approx(55.0)  # of 53, 54, 55, 64, 87 ms
+    assert [(x["t_s"], x["cell"], x["prompt"], x["config"]) for x in h["slowed"]] == [(30.0, "a", 1, "auto")]
+    assert h["slowed"][0]["median_gap_ms"] == pytest.approx(87.0)
+    assert analyze.host_slowdowns(sessions[-2:]) == {"median_gap_ms": None, "slowed": []}
+
+
 def test_the_device_cpu_per_token_pools_the_sessions_that_measured_it() -> None:
     measured = [{**session("a", "auto", p, 100, 10.0), "extra": {"device_cpu_s": cpu}} for p, cpu in ((0, 1.0), (1, 3.0))]
     stats = analyze.config_stats([*measured, session("a", "auto", 2, 100, 10.0), session("a", "none", 0, 100, 10.0)])
