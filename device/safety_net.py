@@ -392,13 +392,14 @@ def shadow_pays(cfg: NetConfig, ceiling: float, r_edge: float, cost_share: float
     """Whether measuring the text's acceptance while edge-only streams (mode auto's shadow, at T = 0)
     is worth ``cost_share`` of edge-only's time: whether drafting's best case ``ceiling`` beats
     ``r_edge`` by ``margin`` and that share. The shadow's forwards read every streamed token with every
-    position's logits (the default drafter: ~5 ms a token against edge-only's ~55, a tenth of a core);
-    where drafting could gain less than that, what the shadow finds is worth less than it costs a
-    host the edge shares (there it slowed edge-only sessions by 4-5 % where drafting's best case was
-    8 % up). The best case alone: an acceptance the shadow measures moves the model's prices no
-    higher, and drafted rounds that measured faster need no shadow to be run (the net runs them on
-    that evidence). Nor did they keep it on well: edge-only rounds slowed by the shadow measured
-    drafting ahead (18.2 against 17.2 tok/s), so the shadow kept itself on."""
+    position's logits (bench-traces' round logs: 7-10 ms a token read with the drafter slowed to
+    0.6-1.0x the target's cost, against edge-only's ~54 ms a token); where drafting could gain less
+    than that, what the shadow finds is worth less than it costs a host the edge shares (there it
+    slowed edge-only sessions by 4-5 % where drafting's best case was 8 % up). The best case alone: an
+    acceptance the shadow measures moves the model's prices no higher, and drafted rounds that
+    measured faster need no shadow to be run (the net runs them on that evidence). Nor did they keep
+    it on well: edge-only rounds slowed by the shadow measured drafting ahead (18.2 against 17.2
+    tok/s), so the shadow kept itself on."""
     return ceiling > (1 + cfg.margin + cost_share) * r_edge
 
 
