@@ -178,6 +178,17 @@ def host_noise(sessions: list[dict], prompts: int) -> dict:
             "cell_sd": sd / math.sqrt(max(1, prompts))}
 
 
+def _streamed_gaps(sess: dict) -> list[float]:
+    """Seconds between consecutive tokens of the session's edge-only rounds, within each round (not
+    :func:`session_metrics`' gaps: a drafted round's verdict is one arrival of several tokens, and the
+    wait between rounds is not how the edge streams)."""
+    gaps: list[float] = []
+    for r in sess.get("extra", {}).get("timeline") or []:
+        tokens = r.get("token_t") or []
+        gaps += [b - a for a, b in zip(tokens, tokens[1:])]
+    return gaps
+
+
 def host_slowdowns(sessions: list[dict]) -> dict:
     """Sessions that streamed SLOW_STREAM times the run's median gap or slower (see the module's
     docstring): the run's median (ms; None with no session to judge by) and, for each such session in
@@ -185,8 +196,7 @@ def host_slowdowns(sessions: list[dict]) -> dict:
     gap (ms)."""
     medians = []
     for s in sessions:
-        gaps = [b - a for r in s.get("extra", {}).get("timeline") or []
-                for a, b in zip(r.get("token_t") or [], (r.get("token_t") or [])[1:])]
+        gaps = _streamed_gaps(s)
         if len(gaps) >= MIN_STREAMED_GAPS:
             medians.append((s["extra"].get("session_t0", 0.0), s, statistics.median(gaps)))
     if not medians:

@@ -33,8 +33,8 @@ def hello(temperature: float) -> Hello:
 def edge_round(shadow: tuple[int, ...], t: float, shadow_s: float = 0.0) -> RoundEvent:
     s = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=32)
     r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=32, uplink_bytes=30,
-                    downlink_bytes=1000, shadow=shadow, shadow_s=shadow_s, shadow_fed=len(shadow), phases={"network": 0.05, "queue": 0.0, "decode": 0.0,
-                                                                 "verify": 1.6})
+                    downlink_bytes=1000, shadow=shadow, shadow_s=shadow_s, shadow_fed=len(shadow),
+                    phases={"network": 0.05, "queue": 0.0, "decode": 0.0, "verify": 1.6})
     return RoundEvent(record=r, plan=RoundPlan(s), new_tokens=(), q_stats=(), guess=None, elapsed_s=1.7,
                       edge_hint=None, t=t)
 
