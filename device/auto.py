@@ -762,8 +762,9 @@ class AutoPolicy:
     def _within(self, candidates: list[A.Candidate]) -> list[A.Candidate]:
         """The candidates this session may choose: the race rounds only where it must be reproducible
         (edge-only is always among them unless configured out; then gumbel alone), and no DSSD round
-        in a session that asks for logprobs (a DSSD correction is drawn on the device, without them)."""
-        if self.hello.logprobs != NO_LOGPROBS:
+        in a session that asks for logprobs (a DSSD correction is drawn on the device, without them)
+        nor at temperature 0 beside gumbel rounds (:func:`dssd_dominated`)."""
+        if self.hello.logprobs != NO_LOGPROBS or dssd_dominated(self.hello.temperature, candidates):
             candidates = [c for c in candidates if c.mode is not Mode.DSSD]
         if not self.race_only:
             return candidates
@@ -832,6 +833,17 @@ class AutoPolicy:
         tokens = event.record.generated
         self.net = N.observe(self.net, self.net_config, arm, tokens, seconds, **kind)
         self.tracker.net_observe(self.hello.temperature, arm, tokens, seconds, self.net_config, **kind)
+
+
+def dssd_dominated(temperature: float, candidates: list[A.Candidate]) -> bool:
+    """Whether a DSSD round loses to a gumbel round of its length whatever the link and devices: at
+    temperature 0 both draft the drafter's argmax and the edge accepts exactly the drafts that are the
+    target's argmax, so they deliver the same tokens per round; DSSD sends more (its q scalars), and
+    the edge neither runs ahead after a DSSD round through an outage nor serves one late (its correction
+    may be the device's: run_ahead.after_ms, verifier.continues_like). Chosen between them by their
+    learned time scales (noise: an outage met by one kind's round), auto sent DSSD rounds into a 1.8 s
+    uplink outage that the edge sat out."""
+    return temperature == 0 and any(c.mode is Mode.GUMBEL for c in candidates)
 
 
 def _edge_busy_s(r: RoundRecord) -> float:

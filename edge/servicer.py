@@ -35,7 +35,7 @@ from specdec.edge.batching import ForwardScheduler
 from specdec.edge.registry import (MOVED, RESUME_TOKEN_BYTES, SESSION_ID_BYTES, Draining, Entry, NotOwner,
                                   SessionRegistry, Stream)
 from specdec.edge.verifier import (EdgeLimits, LimitError, RefusedError, TargetInfo,
-                                   VerifierSession, complete, forward_alone, verify_round)
+                                   VerifierSession, complete, continues_like, forward_alone, verify_round)
 
 log = logging.getLogger("specdec.edge")
 
@@ -228,7 +228,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 await context.write(wire.verdict_to_pb(superseded))
                 if self.metrics:
                     self.metrics.round_superseded()
-                return _overdue_after(msg, settings, None)
+                return _overdue_after_superseded(session, msg, settings)
             if settings.mode is Mode.NONE:
                 last = await self._edge_round(session, msg, size, context)
                 return _overdue_after(msg, settings, last)
@@ -380,6 +380,19 @@ def _overdue_after(draft: P.DraftBlock, settings, verdict: P.Verdict | None) -> 
     if verdict is not None and verdict.next_token is None:
         return None
     return draft.run_ahead_ms / 1000.0
+
+
+def _overdue_after_superseded(session: VerifierSession, draft: P.DraftBlock, settings) -> float | None:
+    """When the message after a superseded ``draft`` is overdue: at once where a late round like it is
+    served from the tokens generated ahead (verifier.continues_like), else as after any round. The
+    superseded round came later than its own ``run_ahead_ms``: what held it (an uplink outage on a
+    recorded cellular link lasts seconds) likely holds the device's next message too, which goes out
+    only after the verdict's trip down and a new draft; waiting ``run_ahead_ms`` again left the edge
+    idle through most of it. Where it was no outage, the next round is served from the tokens made
+    meanwhile if its drafts are theirs; one whose drafts are not is superseded (they would have been
+    rejected there) and the device drafts after the tokens it got, at edge-only's pace at worst."""
+    overdue = _overdue_after(draft, settings, None)
+    return 0.0 if overdue is not None and continues_like(session.hello, settings) else overdue
 
 
 def _check_resume_fields(hello: P.Hello) -> None:

@@ -154,11 +154,21 @@ def continued(session: "VerifierSession", draft: DraftBlock) -> DraftBlock | Non
     if not (session.hello.continues_late and draft.start and 0 < k < len(draft.token_ids)):
         return None
     settings = session.round_settings(draft)
-    race = settings.mode is Mode.GUMBEL or (session.hello.temperature == 0 and settings.mode is not Mode.DSSD)
-    if settings.tree or not race or tuple(session.tokens[draft.start:]) != tuple(draft.token_ids[:k]):
+    if not continues_like(session.hello, settings) or tuple(session.tokens[draft.start:]) != tuple(draft.token_ids[:k]):
         return None
     return replace(draft, token_ids=draft.token_ids[k:], distributions=draft.distributions[k:],
                    start=len(session.tokens))
+
+
+def continues_like(hello: Hello, settings: DraftSettings) -> bool:
+    """Whether a late round with these settings is served from the tokens generated ahead instead of
+    superseded (where it drafted them, :func:`continued`, or asks for more of them,
+    :func:`continued_edge_only`): edge-only rounds, gumbel rounds, and chain rounds at temperature 0,
+    never DSSD rounds nor trees, in a session that asked for it (Hello.continues_late, ...late_edge_only)."""
+    if settings.mode is Mode.NONE:
+        return hello.continues_late_edge_only
+    race = settings.mode is Mode.GUMBEL or (hello.temperature == 0 and settings.mode is not Mode.DSSD)
+    return hello.continues_late and race and not settings.tree
 
 
 def continued_edge_only(session: "VerifierSession", draft: DraftBlock) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from functools import partial
 
 import grpc
@@ -19,7 +20,7 @@ import pytest
 
 from specdec.common import wire
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
-from specdec.common.protocol import DraftBlock, DraftSettings
+from specdec.common.protocol import DraftBlock, DraftSettings, Hello
 from specdec.common.modes import Mode
 from specdec.device import run_ahead
 from specdec.device.client import ConnectionPolicy, generate
@@ -33,7 +34,7 @@ from tests.support.harness import device_config, edge, load, patched, run, run_s
 from tests.support.laws import (COMPRESSING_MODES, LAW_SESSIONS, MODES, assert_lossless,
                                 assert_rejected, law_counts)
 from tests.support.linkcut import CuttableLink
-from tests.support.raw_stream import PROMPT_IDS, RawSession
+from tests.support.raw_stream import PROMPT_IDS, WAIT_S, RawSession
 
 STALL_S = 0.1
 # Every round after the first allows 30 ms (the clock's measurements replaced by a margin alone): a
@@ -229,6 +230,69 @@ def test_the_edge_runs_ahead_of_an_overdue_round_and_supersedes_it(tiny_pair_v51
     # the tokens generated ahead are one edge-only round in the edge's account, as in the device's
     assert value("specdec_edge_generated_tokens_total", {"mode": "none"}) == 6
     assert value("specdec_edge_rounds_total", {"mode": "none"}) == 2
+
+
+SLOW_AHEAD_S = 0.02  # between tokens generated ahead: a tiny target on loopback would otherwise run
+                     # through the whole session before the test's next message reaches the edge
+LATE_RUN_AHEAD_MS = 60_000  # the superseded round's own run_ahead_ms: the test cannot wait it out
+
+
+class SlowAhead(VerifierSession):
+    def ahead_token(self):
+        time.sleep(SLOW_AHEAD_S)
+        return super().ahead_token()
+
+
+def test_after_a_superseded_round_the_edge_runs_ahead_at_once(tiny_pair_v512) -> None:
+    """A round that came after the edge ran ahead past it (superseded) says the link holds the device's
+    messages up: where a late round like it is served (edge-only here, Hello.continues_late_edge_only),
+    the edge runs ahead at once for the next one instead of waiting the superseded round's
+    run_ahead_ms again (here a minute: every token after it arriving within WAIT_S fails otherwise).
+    The tokens are the target's greedy ones, none lost or repeated across the supersede."""
+    target_dir, drafter_dir = tiny_pair_v512
+    drafter = load(str(drafter_dir))
+    one = DraftSettings(mode=Mode.NONE, edge_tokens=1, coupled_bonus=False)
+
+    async def main():
+        async with edge(target_dir) as address:
+            s = await RawSession(address, drafter, max_new_tokens=40, continues_late_edge_only=True).open()
+            start = len(PROMPT_IDS)
+            await s.call.write(wire.draft_to_pb(DraftBlock(1, (), settings=one, start=start, run_ahead_ms=1)))
+            got = [wire.edge_message_from_pb(await s.call.read()) for _ in range(3)]  # its token, 2 ahead
+            await s.call.write(wire.draft_to_pb(DraftBlock(2, (), settings=one, start=start + 1,
+                                                           run_ahead_ms=LATE_RUN_AHEAD_MS)))
+            while sum(v.round_id == 2 and v.ahead for v in got) < 3:
+                got.append(wire.edge_message_from_pb(await asyncio.wait_for(s.call.read(), WAIT_S)))
+            await s.channel.close()
+            return got
+
+    with patched([(servicer, "VerifierSession", SlowAhead)]):
+        got = run(main())
+    stale = [v for v in got if v.superseded]
+    assert len(stale) == 1 and stale[0].round_id == 2
+    tokens = [v.next_token for v in got if not v.superseded]
+    assert tokens == target_greedy(target_dir, list(PROMPT_IDS), len(tokens))
+    assert [v.round_id for v in got if v.ahead][-3:] == [2, 2, 2]
+
+
+def test_after_a_superseded_round_that_would_not_be_served_late_the_edge_waits_as_it_asked() -> None:
+    """Only where a late round like the superseded one is served does the edge run ahead at once: a
+    chain round at T = 1 and a DSSD round keep the overdue time they asked for (or none), and so does a
+    session that did not ask for late rounds to be served (else each next round would be superseded
+    in turn, its drafting lost)."""
+    from types import SimpleNamespace
+    hello = Hello(vocab_fingerprint="x", vocab_size=8, temperature=1.0, draft=DraftSettings(),
+                  continues_late=True, continues_late_edge_only=True)
+    greedy = replace(hello, temperature=0.0)
+
+    def overdue(h, mode, ms=500):
+        settings = DraftSettings(mode=mode, top_k=4)
+        return servicer._overdue_after_superseded(SimpleNamespace(hello=h), DraftBlock(2, (1,), settings=settings,
+                                                                                      run_ahead_ms=ms), settings)
+    assert overdue(hello, Mode.GUMBEL) == 0.0 and overdue(greedy, Mode.TSLT) == 0.0 and overdue(hello, Mode.NONE) == 0.0
+    assert overdue(hello, Mode.TSLT) == 0.5 and overdue(greedy, Mode.DSSD) is None and overdue(hello, Mode.GUMBEL, 0) is None
+    assert overdue(replace(hello, continues_late=False), Mode.GUMBEL) == 0.5
+    assert overdue(replace(hello, continues_late_edge_only=False), Mode.NONE) == 0.5
 
 
 # -- a link that stops for a second, with the round thresholds the device measures ---------------------

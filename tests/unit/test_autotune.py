@@ -843,6 +843,26 @@ def test_auto_chooses_within_the_edge_limits_its_welcome_states() -> None:
     assert policy.settings_for(A.Candidate(Mode.DSSD, 8), 16).dssd_samples == AutoConfig().dssd_samples == 64
 
 
+def test_auto_drops_dssd_at_temperature_0_beside_gumbel_and_keeps_it_elsewhere() -> None:
+    """At T = 0 a DSSD round is accepted exactly as a gumbel round of its length, sends more and is
+    neither run ahead of nor served late by the edge: auto does not choose it there while gumbel
+    rounds are among its candidates. At T = 1 (another law) and where the edge verifies no gumbel
+    round, DSSD stays."""
+    def modes(hello, config=AutoConfig(), welcome_modes=None):
+        policy = AutoPolicy(LinkTracker(config), hello, 49152)
+        if welcome_modes is not None:
+            policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,
+                                           max_draft_len=32, max_k=8192, modes=welcome_modes))
+        return {c.mode for c in policy.candidates}
+    greedy = replace(HELLO, temperature=0.0)
+    assert Mode.GUMBEL in modes(greedy) and Mode.DSSD not in modes(greedy)
+    assert {Mode.GUMBEL, Mode.DSSD} <= modes(HELLO)
+    assert Mode.DSSD in modes(greedy, AutoConfig(gumbel=False))
+    no_gumbel = tuple(m for m in Mode if m is not Mode.GUMBEL)
+    assert Mode.DSSD in modes(greedy, welcome_modes=no_gumbel) and Mode.GUMBEL not in modes(greedy, welcome_modes=no_gumbel)
+    assert Mode.DSSD not in modes(greedy, welcome_modes=tuple(Mode))
+
+
 def test_the_verify_fit_recovers_an_affine_cost_and_keeps_its_prior_slope_for_one_size() -> None:
     """The edge's forward time against its tokens: an affine cost is recovered from forwards of
     several sizes; forwards all of one size give the prior slope's share of their time."""
