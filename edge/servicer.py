@@ -177,7 +177,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
             async with entry.lock:
                 if not _owns(entry, stream):
                     return False
-                overdue = await self._dispatch(entry.session, msg, size, context)
+                overdue = await self._dispatch(entry.session, msg, size, context, after_at_once=overdue == AT_ONCE)
 
     async def _attach(self, stream: Stream, hello: P.Hello, principal: str) -> tuple[Entry, bool]:
         """(entry, resumed): the registry's session for ``hello``; its refusals as statuses."""
@@ -215,9 +215,11 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
         return session
 
     # -- messages ------------------------------------------------------------------------------------
-    async def _dispatch(self, session: VerifierSession, msg, size: int, context) -> float | None:
+    async def _dispatch(self, session: VerifierSession, msg, size: int, context,
+                        after_at_once: bool = False) -> float | None:
         """Serve one message; the seconds after its last reply from which the next message is overdue
-        and the edge runs ahead (the round's ``run_ahead_ms``), None where it must not."""
+        and the edge runs ahead (the round's ``run_ahead_ms``), None where it must not. ``after_at_once``:
+        the edge ran ahead at once before it (:func:`_overdue_after_superseded`)."""
         if isinstance(msg, P.DraftBlock):
             try:  # cheap after a round's first use of its settings: no worker hop for it
                 settings = session.round_settings(msg)
@@ -228,7 +230,7 @@ class SpeculativeDecodingServicer(pb_grpc.SpeculativeDecodingServicer):
                 await context.write(wire.verdict_to_pb(superseded))
                 if self.metrics:
                     self.metrics.round_superseded()
-                return _overdue_after_superseded(session, msg, settings)
+                return _overdue_after_superseded(session, msg, settings, after_at_once)
             if settings.mode is Mode.NONE:
                 last = await self._edge_round(session, msg, size, context)
                 return _overdue_after(msg, settings, last)
@@ -370,6 +372,9 @@ def _owns(entry: Entry, stream: Stream) -> bool:
     return entry.generation == stream.generation
 
 
+AT_ONCE = 0.0  # the next message is overdue at once: the edge runs ahead until it arrives
+
+
 def _overdue_after(draft: P.DraftBlock, settings, verdict: P.Verdict | None) -> float | None:
     """When the message after ``draft`` is overdue (its run_ahead_ms), None where the edge must not run
     ahead: a round that did not ask, a DSSD round (its next token may be the device's), or one whose
@@ -382,17 +387,21 @@ def _overdue_after(draft: P.DraftBlock, settings, verdict: P.Verdict | None) -> 
     return draft.run_ahead_ms / 1000.0
 
 
-def _overdue_after_superseded(session: VerifierSession, draft: P.DraftBlock, settings) -> float | None:
-    """When the message after a superseded ``draft`` is overdue: at once where a late round like it is
-    served from the tokens generated ahead (verifier.continues_like), else as after any round. The
-    superseded round came later than its own ``run_ahead_ms``: what held it (an uplink outage on a
+def _overdue_after_superseded(session: VerifierSession, draft: P.DraftBlock, settings,
+                              after_at_once: bool = False) -> float | None:
+    """When the message after a superseded ``draft`` is overdue: at once (``AT_ONCE``) where a late round
+    like it is served from the tokens generated ahead (verifier.continues_like), else as after any round.
+    The superseded round came later than its own ``run_ahead_ms``: what held it (an uplink outage on a
     recorded cellular link lasts seconds) likely holds the device's next message too, which goes out
     only after the verdict's trip down and a new draft; waiting ``run_ahead_ms`` again left the edge
     idle through most of it. Where it was no outage, the next round is served from the tokens made
-    meanwhile if its drafts are theirs; one whose drafts are not is superseded (they would have been
-    rejected there) and the device drafts after the tokens it got, at edge-only's pace at worst."""
+    meanwhile if its drafts are theirs. Not twice in a row (``after_at_once``: ``draft`` met tokens the
+    edge ran ahead at once, as any round does that reaches it a drafting and a round trip later): each
+    next round would be superseded in turn, the device drafting for nothing at edge-only's pace."""
     overdue = _overdue_after(draft, settings, None)
-    return 0.0 if overdue is not None and continues_like(session.hello, settings) else overdue
+    if overdue is None or after_at_once or not continues_like(session.hello, settings):
+        return overdue
+    return AT_ONCE
 
 
 def _check_resume_fields(hello: P.Hello) -> None:

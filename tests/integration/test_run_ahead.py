@@ -235,6 +235,7 @@ def test_the_edge_runs_ahead_of_an_overdue_round_and_supersedes_it(tiny_pair_v51
 SLOW_AHEAD_S = 0.02  # between tokens generated ahead: a tiny target on loopback would otherwise run
                      # through the whole session before the test's next message reaches the edge
 LATE_RUN_AHEAD_MS = 60_000  # the superseded round's own run_ahead_ms: the test cannot wait it out
+QUIET_S = 0.5  # no token ahead for this long: ~25 would have come at SLOW_AHEAD_S
 
 
 class SlowAhead(VerifierSession):
@@ -247,8 +248,9 @@ def test_after_a_superseded_round_the_edge_runs_ahead_at_once(tiny_pair_v512) ->
     """A round that came after the edge ran ahead past it (superseded) says the link holds the device's
     messages up: where a late round like it is served (edge-only here, Hello.continues_late_edge_only),
     the edge runs ahead at once for the next one instead of waiting the superseded round's
-    run_ahead_ms again (here a minute: every token after it arriving within WAIT_S fails otherwise).
-    The tokens are the target's greedy ones, none lost or repeated across the supersede."""
+    run_ahead_ms again (here a minute: every token after it arriving within WAIT_S fails otherwise);
+    a round superseded by those waits its own time (none for QUIET_S). The tokens are the target's
+    greedy ones, none lost or repeated across the supersedes."""
     target_dir, drafter_dir = tiny_pair_v512
     drafter = load(str(drafter_dir))
     one = DraftSettings(mode=Mode.NONE, edge_tokens=1, coupled_bonus=False)
@@ -263,23 +265,29 @@ def test_after_a_superseded_round_the_edge_runs_ahead_at_once(tiny_pair_v512) ->
                                                            run_ahead_ms=LATE_RUN_AHEAD_MS)))
             while sum(v.round_id == 2 and v.ahead for v in got) < 3:
                 got.append(wire.edge_message_from_pb(await asyncio.wait_for(s.call.read(), WAIT_S)))
+            # superseded in turn by those: its own minute now, or every next round would be
+            await s.call.write(wire.draft_to_pb(DraftBlock(3, (), settings=one, start=start + 2,
+                                                           run_ahead_ms=LATE_RUN_AHEAD_MS)))
+            while not got[-1].superseded:
+                got.append(wire.edge_message_from_pb(await asyncio.wait_for(s.call.read(), WAIT_S)))
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(s.call.read(), QUIET_S)
             await s.channel.close()
             return got
 
     with patched([(servicer, "VerifierSession", SlowAhead)]):
         got = run(main())
-    stale = [v for v in got if v.superseded]
-    assert len(stale) == 1 and stale[0].round_id == 2
+    assert [v.round_id for v in got if v.superseded] == [2, 3]
     tokens = [v.next_token for v in got if not v.superseded]
     assert tokens == target_greedy(target_dir, list(PROMPT_IDS), len(tokens))
-    assert [v.round_id for v in got if v.ahead][-3:] == [2, 2, 2]
+    assert [v.round_id for v in got if v.ahead].count(2) >= 3
 
 
 def test_after_a_superseded_round_that_would_not_be_served_late_the_edge_waits_as_it_asked() -> None:
     """Only where a late round like the superseded one is served does the edge run ahead at once: a
     chain round at T = 1 and a DSSD round keep the overdue time they asked for (or none), and so does a
-    session that did not ask for late rounds to be served (else each next round would be superseded
-    in turn, its drafting lost)."""
+    session that did not ask for late rounds to be served, and a round superseded by tokens the edge
+    ran ahead at once (else each next round would be superseded in turn, its drafting lost)."""
     from types import SimpleNamespace
     hello = Hello(vocab_fingerprint="x", vocab_size=8, temperature=1.0, draft=DraftSettings(),
                   continues_late=True, continues_late_edge_only=True)
@@ -293,6 +301,9 @@ def test_after_a_superseded_round_that_would_not_be_served_late_the_edge_waits_a
     assert overdue(hello, Mode.TSLT) == 0.5 and overdue(greedy, Mode.DSSD) is None and overdue(hello, Mode.GUMBEL, 0) is None
     assert overdue(replace(hello, continues_late=False), Mode.GUMBEL) == 0.5
     assert overdue(replace(hello, continues_late_edge_only=False), Mode.NONE) == 0.5
+    # a round superseded by tokens the edge ran ahead at once: the round's own time, else a chain of them
+    assert servicer._overdue_after_superseded(SimpleNamespace(hello=hello), DraftBlock(
+        2, (1,), settings=DraftSettings(mode=Mode.GUMBEL), run_ahead_ms=500), DraftSettings(mode=Mode.GUMBEL), True) == 0.5
 
 
 # -- a link that stops for a second, with the round thresholds the device measures ---------------------
