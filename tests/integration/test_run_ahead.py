@@ -293,17 +293,18 @@ def test_after_a_superseded_round_that_would_not_be_served_late_the_edge_waits_a
                   continues_late=True, continues_late_edge_only=True)
     greedy = replace(hello, temperature=0.0)
 
-    def overdue(h, mode, ms=500):
+    def overdue(h, mode, ms=500, after_at_once=False):
         settings = DraftSettings(mode=mode, top_k=4)
-        return servicer._overdue_after_superseded(SimpleNamespace(hello=h), DraftBlock(2, (1,), settings=settings,
-                                                                                      run_ahead_ms=ms), settings)
-    assert overdue(hello, Mode.GUMBEL) == 0.0 and overdue(greedy, Mode.TSLT) == 0.0 and overdue(hello, Mode.NONE) == 0.0
-    assert overdue(hello, Mode.TSLT) == 0.5 and overdue(greedy, Mode.DSSD) is None and overdue(hello, Mode.GUMBEL, 0) is None
+        draft = DraftBlock(2, (1,), settings=settings, run_ahead_ms=ms)
+        return servicer._overdue_after_superseded(SimpleNamespace(hello=h), draft, settings, after_at_once)
+    assert overdue(hello, Mode.GUMBEL) == 0.0 and overdue(greedy, Mode.TSLT) == 0.0
+    assert overdue(hello, Mode.NONE) == 0.0
+    assert overdue(hello, Mode.TSLT) == 0.5 and overdue(greedy, Mode.DSSD) is None
+    assert overdue(hello, Mode.GUMBEL, ms=0) is None
     assert overdue(replace(hello, continues_late=False), Mode.GUMBEL) == 0.5
     assert overdue(replace(hello, continues_late_edge_only=False), Mode.NONE) == 0.5
     # a round superseded by tokens the edge ran ahead at once: the round's own time, else a chain of them
-    assert servicer._overdue_after_superseded(SimpleNamespace(hello=hello), DraftBlock(
-        2, (1,), settings=DraftSettings(mode=Mode.GUMBEL), run_ahead_ms=500), DraftSettings(mode=Mode.GUMBEL), True) == 0.5
+    assert overdue(hello, Mode.GUMBEL, after_at_once=True) == 0.5
 
 
 # -- a link that stops for a second, with the round thresholds the device measures ---------------------
