@@ -815,7 +815,11 @@ class AutoPolicy:
     def _observe_net(self, event: RoundEvent, drafted: bool, seconds: float, drafter_changed: bool = False) -> None:
         """The round's tokens and wall ``seconds`` (since the last committed round) to the safety net, here
         and on the device (where the next sessions start): the session's first round (the prefill) and
-        a drafted round that catches the drafter up (a switch's cost) apart, and an edge-only round's
+        a drafted round that catches the drafter up (a switch's cost) apart, as is one drafted only after
+        the verdict before it because the plan made ahead of that verdict was edge-only
+        (``RoundEvent.declined_ahead``: the cost of the net's own wavering, not of drafted rounds; counted
+        as the arm's, a net near its threshold drafted every other round ahead, 0.38 s against 0.17 s
+        for the same tokens, and priced drafting below edge-only by it), and an edge-only round's
         wait for its first token unless its request went ahead (a switch's cost too), whether it
         was planned as an exploration (what explorations cost is measured), and whether it timed the
         drafter in place of an exploration (which is done then; not a round timing it before one, which
@@ -824,7 +828,7 @@ class AutoPolicy:
         times it again), where the clock restarted would keep a drafter that got faster unexplored
         for another 25-100 s."""
         arm = N.SPEC if drafted else N.EDGE
-        kind = dict(first=self.rounds == 0, switch=drafted and not self._drafted_last,
+        kind = dict(first=self.rounds == 0, switch=drafted and (not self._drafted_last or event.declined_ahead),
                     wait_s=first_token_wait(event.record, event.settings, event.sent_ahead),
                     explore=(event.plan.choice or {}).get("why") == "explore",
                     stall_s=event.record.stream_stall_s, busy_s=0.0 if drafted else _edge_busy_s(event.record),

@@ -99,6 +99,8 @@ class RoundEvent:
     sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
                                     # (so its first token's wait is no round-trip sample)
     ran_ahead: bool = False         # tokens the edge generated ahead while a round was overdue (run_ahead.py)
+    declined_ahead: bool = False    # drafted after a round accepted whole whose plan made ahead for it was
+                                    # edge-only: nothing was drafted ahead (DraftSession.plan_ahead)
 
     @property
     def settings(self) -> DraftSettings:

@@ -108,6 +108,9 @@ class DraftSession:
         self.overdue = RA.OverdueClock() if overdue is None else RA.OverdueClock(overdue.trips, overdue.turnarounds)
         self.replied_at: float | None = None  # when the last round's last reply arrived (turnaround)
         self.round_log: list[dict] | None = [] if round_log else None  # per-round entries for the JSON
+        self.planned_ahead: dict | None = None  # the plan made ahead of the round in flight's verdict (logged)
+        self._declined_ahead: RoundDraft | None = None  # a round whose plan made ahead drafted nothing ahead
+        self._after_declined = False  # ... and it was accepted whole: the next round waits for its drafts
         self._t0 = self._round_began = time.perf_counter()
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -129,7 +132,11 @@ class DraftSession:
         if not self.draft_ahead_requested or self._next is not None or not chain.can_draft_ahead(rd.settings):
             return None
         plan = self.choose(in_flight=rd.plan)
-        return plan if chain.can_draft_ahead(plan.settings) else None
+        self.planned_ahead = {"mode": plan.settings.mode.value, "draft_len": plan.settings.draft_len,
+                              "why": (plan.choice or {}).get("why")}
+        ahead = chain.can_draft_ahead(plan.settings)
+        self._declined_ahead = rd if not ahead else None
+        return plan if ahead else None
 
     def choose(self, in_flight: RoundPlan | None = None, remaining: int | None = None) -> RoundPlan:
         """The policy's plan (mode auto) or the planner's, drafting no longer than the edge advised at
@@ -278,6 +285,8 @@ class DraftSession:
         """Commit a drafted round: keep the accepted prefix, roll the draft cache back, and publish the
         round's event (mode auto ``learn``s from it unless the edge ran ahead of it: its wait is an outage's)."""
         guess, discarded = None, 0
+        # a drafted round after this one waits for drafts that the plan made ahead would have drafted
+        declined = self._declined_ahead is rd and verdict.num_accepted == len(rd.block.token_ids)
         if rd.tree is not None:
             t = tree_round.commit(rd, verdict, next_token, len(self.tokens))
             self.model.keep(t.cache)
@@ -298,7 +307,7 @@ class DraftSession:
         if dssd_correction:
             self.pending_correction = int(next_token)
         record = round_record(rd, verdict, len(new), io, self.csqs.threshold(rd.settings), discarded)
-        return self._commit_event(rd, record, new, guess, verdict, learn)
+        return self._commit_event(rd, record, new, guess, verdict, learn, declined)
 
     def end_edge_round(self, rd: RoundDraft, totals: Verdict, io: RoundIO, *, broken: bool = False) -> RoundEvent:
         """An edge-only round whose last token arrived (its tokens are committed already), or whose
@@ -317,11 +326,14 @@ class DraftSession:
         return event
 
     def _commit_event(self, rd: RoundDraft, record, new: list[int], guess: bool | None,
-                      verdict: Verdict, learn: bool = True) -> RoundEvent:
+                      verdict: Verdict, learn: bool = True, declined_next: bool = False) -> RoundEvent:
         """The round's one event, published to the session's account, the policy (if it ``learn``s from
         it), the round log and the listeners. Every verdict may carry the edge's draft-length advice:
-        the newest committed counts."""
+        the newest committed counts. ``declined_next``: the round was accepted whole and its plan made
+        ahead for the next drafted nothing ahead."""
         self._in_flight = None
+        after_declined, self._after_declined = self._after_declined, declined_next
+        self._declined_ahead = None
         if verdict.draft_len_hint is not None:
             self.edge_hint = verdict.draft_len_hint
         advised = self.edge_hint == 0 and rd.settings.mode is Mode.NONE
@@ -330,13 +342,14 @@ class DraftSession:
         event = RoundEvent(record=record, plan=rd.plan, new_tokens=tuple(new), q_stats=tuple(rd.q_stats),
                            guess=guess, elapsed_s=now - self._round_began, edge_hint=verdict.draft_len_hint,
                            t=now - self._t0, ahead_steps=rd.ahead_steps, sent_ahead=rd.sent_ahead,
-                           ran_ahead=not learn)
+                           ran_ahead=not learn, declined_ahead=after_declined and rd.settings.mode is not Mode.NONE)
         self._round_began = now
         self.stats.observe(event.record)
         if self.policy is not None:
             (self.policy.observe if learn else self.policy.skip)(event)
         if self.round_log is not None:
-            self.round_log.append(_log_entry(event, self.edge_hint))
+            self.round_log.append(_log_entry(event, self.edge_hint, self.planned_ahead))
+        self.planned_ahead = None
         for listener in self.listeners:
             listener(event)
         return event
@@ -353,6 +366,7 @@ class DraftSession:
         self.pending_correction = None
         self.round_id = 0
         self._sent_ahead = None  # a retry of the round in flight comes first; the next is planned after it
+        self._declined_ahead, self._after_declined = None, False
         rd, self._in_flight = self._in_flight, None
         if rd is not None:
             plan = edge_only.retry_plan(rd) if rd.settings.mode is Mode.NONE else replace(rd.plan, retry=True)
@@ -366,10 +380,12 @@ class DraftSession:
         self.model.truncate(min(self.model.cache_len, len(self.tokens) - 1))
 
 
-def _log_entry(event: RoundEvent, edge_hint: int | None) -> dict:
-    """A committed round's entry in the session's round log (the JSON output's ``rounds``)."""
+def _log_entry(event: RoundEvent, edge_hint: int | None, planned_ahead: dict | None) -> dict:
+    """A committed round's entry in the session's round log (the JSON output's ``rounds``): with the
+    plan made for the round after it while it was verified, if one was (whether it was drafted ahead)."""
     entry = {"t": event.t, **round_settings_json(event.settings), **event.record.to_json(),
-             "edge_hint": edge_hint, "sent_ahead": event.sent_ahead, "ran_ahead": event.ran_ahead}
+             "edge_hint": edge_hint, "sent_ahead": event.sent_ahead, "ran_ahead": event.ran_ahead,
+             "planned_ahead": planned_ahead, "declined_ahead": event.declined_ahead}
     if event.plan.choice is not None:
         entry["auto"] = dict(event.plan.choice)
     return entry

@@ -23,7 +23,10 @@ from tests.support.harness import device_config, edge, load, run, run_sessions, 
 from specdec.common import verification as V
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt
+from specdec.device.auto import AutoConfig, AutoDecision, AutoPolicy, LinkTracker
+from specdec.device.autotune import Candidate
 from specdec.device.parts import Sampler, SessionParts
+from specdec.device.rounds import RoundPlan
 from specdec.device.session import DraftSession
 from tests.support.parts import AheadToTheEnd
 from specdec.device.factory import edge_channel
@@ -310,3 +313,46 @@ def test_bench_driver_drafts_ahead_and_logs_only_what_was_sent(diverse_pair) -> 
 
     records = run(main())
     assert sum(record["stats"]["draft_ahead"]["rounds_used"] for record, _ in records) > 0
+
+
+class WaveringAuto(AutoPolicy):
+    """Mode auto's plumbing (its observations, its safety net) with a net that wavers at its threshold
+    (``wavering``): a plan made ahead of a verdict is edge-only, the plan made after it drafts again
+    (TSLT-L3); without, every plan drafts."""
+    wavering = True
+
+    def choose(self, in_flight=None, remaining=None):
+        c = Candidate(Mode.NONE) if self.wavering and in_flight is not None else Candidate(Mode.TSLT, 3, 8)
+        return RoundPlan(self.settings_for(c, 8), choice={}, decision=AutoDecision(c, None))
+
+
+def _auto_session(drafter, hello, wavering: bool = True) -> DraftSession:
+    policy = WaveringAuto(LinkTracker(AutoConfig(top_ks=(8,), ksqs_ks=(), draft_lens=(3,), dssd=False)), hello,
+                          drafter.vocab_size, draft_ahead=True)
+    policy.wavering = wavering
+    session = DraftSession(drafter, hello, draft_ahead=True, policy=policy,
+                           parts=SessionParts(ahead_stops_at_verdict=False))
+    session.events = []
+    session.listeners.append(session.events.append)
+    return session
+
+def test_a_round_drafted_after_a_plan_made_ahead_declined_is_a_switch_not_the_arms(diverse_pair) -> None:
+    """A drafted round after one accepted whole whose plan made ahead was edge-only waits for drafts
+    that drafting ahead would have made: it is marked (``declined_ahead``) and mode auto's net counts
+    it with the switches' rounds, not as what drafted rounds deliver (a net near its threshold that
+    counted them drafted every other round ahead and priced drafting by the slow half). Rounds after
+    a rejection are drafted after the verdict anyway: they stay the arm's."""
+    results = _sessions(diverse_pair, _auto_session, SEEDS[:8], **MODES["tslt"])
+    kinds = Counter()
+    for _, _, s in results:
+        for before, e in zip(s.events, s.events[1:]):
+            whole = before.record.accepted == before.record.positions
+            assert e.declined_ahead == whole and not e.record.drafted_ahead, (before.record, e)
+            kinds[whole] += 1
+        declined = sum(e.declined_ahead for e in s.events)
+        assert (s.policy.net.switch.rounds > 0) == (declined > 0), (declined, s.policy.net.switch)
+    assert kinds[True] >= 10 and kinds[False] >= 10, kinds
+    control = _sessions(diverse_pair, partial(_auto_session, wavering=False), SEEDS[:8], **MODES["tslt"])
+    assert all(not e.declined_ahead for _, _, s in control for e in s.events)
+    assert all(s.policy.net.switch.rounds == 0 for _, _, s in control)
+    assert sum(e.record.drafted_ahead for _, _, s in control for e in s.events) >= 10
