@@ -101,10 +101,37 @@ class RoundEvent:
     ran_ahead: bool = False         # tokens the edge generated ahead while a round was overdue (run_ahead.py)
     declined_ahead: bool = False    # drafted after a round accepted whole whose plan made ahead for it was
                                     # edge-only: nothing was drafted ahead (DraftSession.plan_ahead)
+    planned_ahead: dict | None = None  # the plan made for the next round while this one was verified (logged)
 
     @property
     def settings(self) -> DraftSettings:
         return self.plan.settings
+
+
+@dataclass
+class AheadPlans:
+    """The plans made ahead of verdicts (DraftSession.plan_ahead): the round log shows each, and mode
+    auto's net needs to know which drafted round waited for drafts because one was edge-only."""
+    logged: dict | None = None          # the plan made for the next round while the one in flight is verified
+    declined: Any = None                # the round in flight, if that plan drafted nothing ahead
+    after_declined: bool = False        # ... and it was accepted whole: the next round waits for its drafts
+
+    def made(self, rd: RoundDraft, plan: RoundPlan, ahead: bool) -> RoundPlan | None:
+        """``plan`` was made for the round after ``rd`` while ``rd`` is verified: itself if the round is
+        to be drafted ``ahead``, else None."""
+        s = plan.settings
+        self.logged = {"mode": s.mode.value, "draft_len": s.draft_len, "why": (plan.choice or {}).get("why")}
+        self.declined = None if ahead else rd
+        return plan if ahead else None
+
+    def commit(self, rd: RoundDraft, record: RoundRecord) -> dict:
+        """``rd`` committed: its RoundEvent's ``declined_ahead`` (a drafted round that waited for drafts
+        the plan made ahead of the verdict before it declined) and ``planned_ahead``."""
+        whole = record.positions > 0 and record.accepted == record.positions
+        out = {"declined_ahead": self.after_declined and rd.settings.mode is not Mode.NONE,
+               "planned_ahead": self.logged}
+        self.after_declined, self.declined, self.logged = whole and self.declined is rd, None, None
+        return out
 
 
 def round_record(rd: RoundDraft, verdict: Verdict, generated: int, io: RoundIO, threshold: float | None,

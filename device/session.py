@@ -34,7 +34,7 @@ from specdec.device import chain, dssd, edge_only, tree_round
 from specdec.device import run_ahead as RA
 from specdec.device.drafting import Drafting
 from specdec.device.parts import SessionParts
-from specdec.device.rounds import RoundDraft, RoundEvent, RoundIO, RoundPlan, round_record, round_settings_json
+from specdec.device.rounds import AheadPlans, RoundDraft, RoundEvent, RoundIO, RoundPlan, round_record, round_settings_json
 
 Listener = Callable[[RoundEvent], None]
 # While the edge's advice stays 0, each edge-only round asks for twice the tokens of the one
@@ -73,8 +73,7 @@ class DraftSession:
     def __init__(self, drafter: LoadedModel, hello: Hello, *, draft_ahead: bool = False, policy=None,
                  round_log: bool = False, reproducible: bool = False, parts: SessionParts = SessionParts(),
                  run_ahead: bool = False, overdue: RA.OverdueClock | None = None):
-        self.hello = hello
-        self.parts = parts
+        self.hello, self.parts = hello, parts
         # Seeded and sampling (factory.DeviceConfig.reproducible): the edge's load advice must not cut a
         # round whose tokens depend on where rounds end (every mode but the race modes).
         self.fixed_cuts = reproducible and hello.temperature > 0
@@ -108,9 +107,7 @@ class DraftSession:
         self.overdue = RA.OverdueClock() if overdue is None else RA.OverdueClock(overdue.trips, overdue.turnarounds)
         self.replied_at: float | None = None  # when the last round's last reply arrived (turnaround)
         self.round_log: list[dict] | None = [] if round_log else None  # per-round entries for the JSON
-        self.planned_ahead: dict | None = None  # the plan made ahead of the round in flight's verdict (logged)
-        self._declined_ahead: RoundDraft | None = None  # a round whose plan made ahead drafted nothing ahead
-        self._after_declined = False  # ... and it was accepted whole: the next round waits for its drafts
+        self.ahead_plans = AheadPlans()  # what was planned ahead of each verdict
         self._t0 = self._round_began = time.perf_counter()
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -132,11 +129,7 @@ class DraftSession:
         if not self.draft_ahead_requested or self._next is not None or not chain.can_draft_ahead(rd.settings):
             return None
         plan = self.choose(in_flight=rd.plan)
-        self.planned_ahead = {"mode": plan.settings.mode.value, "draft_len": plan.settings.draft_len,
-                              "why": (plan.choice or {}).get("why")}
-        ahead = chain.can_draft_ahead(plan.settings)
-        self._declined_ahead = rd if not ahead else None
-        return plan if ahead else None
+        return self.ahead_plans.made(rd, plan, chain.can_draft_ahead(plan.settings))
 
     def choose(self, in_flight: RoundPlan | None = None, remaining: int | None = None) -> RoundPlan:
         """The policy's plan (mode auto) or the planner's, drafting no longer than the edge advised at
@@ -285,8 +278,6 @@ class DraftSession:
         """Commit a drafted round: keep the accepted prefix, roll the draft cache back, and publish the
         round's event (mode auto ``learn``s from it unless the edge ran ahead of it: its wait is an outage's)."""
         guess, discarded = None, 0
-        # a drafted round after this one waits for drafts that the plan made ahead would have drafted
-        declined = self._declined_ahead is rd and verdict.num_accepted == len(rd.block.token_ids)
         if rd.tree is not None:
             t = tree_round.commit(rd, verdict, next_token, len(self.tokens))
             self.model.keep(t.cache)
@@ -307,7 +298,7 @@ class DraftSession:
         if dssd_correction:
             self.pending_correction = int(next_token)
         record = round_record(rd, verdict, len(new), io, self.csqs.threshold(rd.settings), discarded)
-        return self._commit_event(rd, record, new, guess, verdict, learn, declined)
+        return self._commit_event(rd, record, new, guess, verdict, learn)
 
     def end_edge_round(self, rd: RoundDraft, totals: Verdict, io: RoundIO, *, broken: bool = False) -> RoundEvent:
         """An edge-only round whose last token arrived (its tokens are committed already), or whose
@@ -326,14 +317,11 @@ class DraftSession:
         return event
 
     def _commit_event(self, rd: RoundDraft, record, new: list[int], guess: bool | None,
-                      verdict: Verdict, learn: bool = True, declined_next: bool = False) -> RoundEvent:
+                      verdict: Verdict, learn: bool = True) -> RoundEvent:
         """The round's one event, published to the session's account, the policy (if it ``learn``s from
         it), the round log and the listeners. Every verdict may carry the edge's draft-length advice:
-        the newest committed counts. ``declined_next``: the round was accepted whole and its plan made
-        ahead for the next drafted nothing ahead."""
+        the newest committed counts."""
         self._in_flight = None
-        after_declined, self._after_declined = self._after_declined, declined_next
-        self._declined_ahead = None
         if verdict.draft_len_hint is not None:
             self.edge_hint = verdict.draft_len_hint
         advised = self.edge_hint == 0 and rd.settings.mode is Mode.NONE
@@ -342,14 +330,13 @@ class DraftSession:
         event = RoundEvent(record=record, plan=rd.plan, new_tokens=tuple(new), q_stats=tuple(rd.q_stats),
                            guess=guess, elapsed_s=now - self._round_began, edge_hint=verdict.draft_len_hint,
                            t=now - self._t0, ahead_steps=rd.ahead_steps, sent_ahead=rd.sent_ahead,
-                           ran_ahead=not learn, declined_ahead=after_declined and rd.settings.mode is not Mode.NONE)
+                           ran_ahead=not learn, **self.ahead_plans.commit(rd, record))
         self._round_began = now
         self.stats.observe(event.record)
         if self.policy is not None:
             (self.policy.observe if learn else self.policy.skip)(event)
         if self.round_log is not None:
-            self.round_log.append(_log_entry(event, self.edge_hint, self.planned_ahead))
-        self.planned_ahead = None
+            self.round_log.append(_log_entry(event, self.edge_hint))
         for listener in self.listeners:
             listener(event)
         return event
@@ -366,7 +353,6 @@ class DraftSession:
         self.pending_correction = None
         self.round_id = 0
         self._sent_ahead = None  # a retry of the round in flight comes first; the next is planned after it
-        self._declined_ahead, self._after_declined = None, False
         rd, self._in_flight = self._in_flight, None
         if rd is not None:
             plan = edge_only.retry_plan(rd) if rd.settings.mode is Mode.NONE else replace(rd.plan, retry=True)
@@ -374,18 +360,18 @@ class DraftSession:
         self._round_began = time.perf_counter()
 
     def drop_drafted(self) -> None:
-        """Forget what was drafted past the verified tokens (a round drafted ahead too), keeping the
-        cache strictly behind them: the next forward needs an input."""
-        self.ahead = None
+        """Forget what was drafted past the verified tokens (a round drafted ahead too, and what was
+        planned ahead), keeping the cache strictly behind them: the next forward needs an input."""
+        self.ahead, self.ahead_plans = None, AheadPlans()
         self.model.truncate(min(self.model.cache_len, len(self.tokens) - 1))
 
 
-def _log_entry(event: RoundEvent, edge_hint: int | None, planned_ahead: dict | None) -> dict:
+def _log_entry(event: RoundEvent, edge_hint: int | None) -> dict:
     """A committed round's entry in the session's round log (the JSON output's ``rounds``): with the
     plan made for the round after it while it was verified, if one was (whether it was drafted ahead)."""
     entry = {"t": event.t, **round_settings_json(event.settings), **event.record.to_json(),
              "edge_hint": edge_hint, "sent_ahead": event.sent_ahead, "ran_ahead": event.ran_ahead,
-             "planned_ahead": planned_ahead, "declined_ahead": event.declined_ahead}
+             "planned_ahead": event.planned_ahead, "declined_ahead": event.declined_ahead}
     if event.plan.choice is not None:
         entry["auto"] = dict(event.plan.choice)
     return entry
