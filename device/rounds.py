@@ -113,7 +113,7 @@ class AheadPlans:
     """The plans made ahead of verdicts (DraftSession.plan_ahead): the round log shows each, and mode
     auto's net needs to know which drafted round waited for drafts because one was edge-only."""
     logged: dict | None = None          # the plan made for the next round while the one in flight is verified
-    declined: Any = None                # the round in flight, if that plan drafted nothing ahead
+    declined: RoundDraft | None = None  # the round in flight, if that plan drafted nothing ahead
     after_declined: bool = False        # ... and it was accepted whole: the next round waits for its drafts
 
     def made(self, rd: RoundDraft, plan: RoundPlan, ahead: bool) -> RoundPlan | None:

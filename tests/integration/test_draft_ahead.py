@@ -336,6 +336,7 @@ def _auto_session(drafter, hello, wavering: bool = True) -> DraftSession:
     session.listeners.append(session.events.append)
     return session
 
+
 def test_a_round_drafted_after_a_plan_made_ahead_declined_is_a_switch_not_the_arms(diverse_pair) -> None:
     """A drafted round after one accepted whole whose plan made ahead was edge-only waits for drafts
     that drafting ahead would have made: it is marked (``declined_ahead``) and mode auto's net counts
