@@ -729,8 +729,12 @@ class AutoPolicy:
             return e.edge_chunk, False
         if cold:
             return self.tracker.config.edge_chunk_min, True
-        if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0 or not net.spec_pays:
-            return e.edge_chunk, False  # (drafting that cannot pay is timed, not explored: no round is cut for it)
+        if net is not None and not net.spec_pays and net.edge_rate > 0:
+            # drafting that cannot pay is timed, not explored: no round is cut for it, and few boundaries
+            unpaid = math.ceil(self.tracker.config.edge_round_unpaid_s * net.edge_rate)
+            return max(e.edge_chunk, unpaid), False
+        if net is None or not math.isfinite(net.probe_due_s) or net.edge_rate <= 0:
+            return e.edge_chunk, False
         # the round may wait for its first token (a request not sent ahead), beyond its tokens' rate
         due = math.ceil(max(0.0, net.probe_due_s - self.net.edge_wait.mean()) * net.edge_rate)
         if due > e.edge_chunk:  # (one that ends just where it is due reads the tokens too)

@@ -82,6 +82,13 @@ class AutoConfig:
     edge_chunk_overhead: float = 0.05
     edge_chunk_min: int = 8
     edge_chunk_max: int = 64
+    # Where drafting's best case cannot beat edge-only (safety_net.spec_pays), an edge-only round asks
+    # for this many seconds of tokens (the session's rest if fewer): each boundary is a request on the
+    # uplink, and one sent ahead leaves only as the round's tokens arrive, so an outage at a boundary
+    # leaves the edge idle where edge-only's single stream went on generating through it. Seconds of
+    # the user's wait before a drafter that became fast enough is drafted with again (its forwards are
+    # timed while rounds stream and the choice is made at each boundary): the same on any device.
+    edge_round_unpaid_s: float = 10.0
     # Weight of what was learned before each new observation, relative to the decays above: 1 keeps
     # them; 0 makes every estimate its latest observation (tests: a controller as sensitive to each
     # round as it can be, so that a choice that could see a round's own draws would show it).

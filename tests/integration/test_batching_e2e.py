@@ -255,13 +255,15 @@ def _device_factory(cfg):
     drafting explored whenever it might pay and kept until measured below half edge-only's speed (on
     loopback edge-only rounds are cheap: at the net's own margin a loaded host's timings left runs with
     one drafted round among eight sessions, or none, and the comparison would test edge-only alone),
-    edge-only rounds of at most 8 tokens (a session of 40 has rounds to explore in, with explorations
-    that fit; a longer chunk would take the session's tail with it), each session with a fresh memory
-    of the link."""
+    edge-only rounds of at most 8 tokens, where drafting cannot pay too (a session of 40 has rounds to
+    explore in, with explorations that fit; a longer chunk would take the session's tail with it: a
+    drafter timed as slow as the target on a loaded host made the first edge-only round the whole
+    session), each session with a fresh memory of the link."""
     from specdec.device.auto import AutoConfig, LinkTracker
     from specdec.device.factory import new_session
     return lambda drafter, hello: new_session(cfg, drafter, hello, LinkTracker(AutoConfig(
-        memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0, margin=-0.5), cold_start=False, edge_chunk_max=8)))
+        memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0, margin=-0.5), cold_start=False, edge_chunk_max=8,
+        edge_round_unpaid_s=0.0)))
 
 
 def test_seeded_sessions_give_the_same_tokens_alone_and_eight_at_once(accepting_pair_v512, tiny_pair_v512) -> None:

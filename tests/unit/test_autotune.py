@@ -721,6 +721,8 @@ def test_policy_leaves_speculation_that_does_not_pay_and_comes_back_to_check() -
     # edge-only rounds are as long as their boundary allows: it is their tokens that outnumber the drafted rounds'
     drafted = sum(m is not Mode.NONE for m in modes[-10:])
     assert sum(edge_tokens[-10:]) >= 10 * drafted and modes[-10:].count(Mode.NONE) > drafted, modes
+    # drafting that could pay is explored: no edge-only round runs past the longest chunk its boundary allows
+    assert max(edge_tokens) <= AutoConfig().edge_chunk_max, edge_tokens
     assert Mode.NONE in modes and any(m is not Mode.NONE for m in modes[10:]), "never re-checked drafting"
 
 
@@ -728,9 +730,15 @@ def test_a_drafter_slower_than_the_target_is_left_and_timed_not_drafted_again() 
     """At 1.6x the target's cost per token no acceptance makes drafting pay: the drafter timed while the
     first round streams (a new device's first round is edge-only and catches the drafter up), drafting
     never runs, and the drafter is timed again where an exploration falls due (safety_net.NetCall.retime)."""
-    modes, _, choices = _drafts_nothing_accepted(0.08, rounds=60)
+    modes, edge_tokens, choices = _drafts_nothing_accepted(0.08, rounds=60)
     assert choices[0]["retime"] and all(m is Mode.NONE for m in modes), modes
     assert sum(1 for c in choices[1:] if c.get("retime")) >= 2, choices
+    # no exploration cuts its rounds: each asks for edge_round_unpaid_s of tokens at the rate edge-only
+    # streams (20 tok/s here), not a chunk sized by its boundary (16-64 tokens): every boundary is a
+    # request an uplink outage can hold while the edge idles
+    unpaid = AutoConfig().edge_round_unpaid_s
+    assert all(n >= unpaid * c["net_edge_tokens_per_s"] > 2 * AutoConfig().edge_chunk_max
+               for n, c in zip(edge_tokens[1:], choices[1:])), edge_tokens
     # the drafter gets 8x faster: the first timing that sees it steps its cost, and the next round
     # drafts (its best case pays now), not one a whole exploration interval later
     modes, _, choices = _drafts_nothing_accepted(0.08, rounds=90, then=0.01, after=60)
