@@ -220,17 +220,28 @@ def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, d
             for key, (value, where) in out.items()}
 
 
+def last_token_wall(s: dict) -> float | None:
+    """When a session's last token arrived (its rounds' commits and streamed tokens), else when it ended
+    (``extra.session_t1``): the stream's close comes after it, and an edge-only session whose last
+    token came 1 ms before an outage closed 1 ms into it and was counted as having met it."""
+    extra = s.get("extra", {})
+    tl = extra.get("timeline") or []
+    times = [x["t_wall"] for x in tl if x.get("generated") and "t_wall" in x]
+    times += [t for x in tl for t in x.get("token_t", ())]
+    return max(times) if times else extra.get("session_t1")
+
+
 def finish_line_splits(sessions: list[dict],
                        outages: dict[str, list[tuple[float, float]]]) -> dict[tuple[str, int], float]:
     """{(cell, prompt): seconds into its sessions where an outage began} for each prompt split at the finish
     line (module docstring): ``outages[trace]`` lists (start s, length s) into the recording (either
     direction's, FINISH_LINE_OUTAGE_S or longer); a session starts at its offset into it when the emulator
-    applies it (``applied_wall``) and ends at ``extra.session_t1``. Prompts of a trace not in ``outages``,
+    applies it (``applied_wall``) and finishes with its last token (:func:`last_token_wall`). Prompts of a trace not in ``outages``,
     and sessions without those times, are never split."""
     ends: dict[tuple[str, int], list[float]] = defaultdict(list)
     offset: dict[tuple[str, int], tuple[str, float]] = {}
     for s in sessions:
-        t1, applied = s.get("extra", {}).get("session_t1"), s.get("applied_wall")
+        t1, applied = last_token_wall(s), s.get("applied_wall")
         if s.get("trace") in outages and isinstance(t1, (int, float)) and isinstance(applied, (int, float)):
             key = (s["cell"], s["prompt"])
             ends[key].append(t1 - applied)

@@ -251,6 +251,14 @@ def test_a_prompt_is_split_at_the_finish_line_only_where_an_outage_began_between
     assert analyze.finish_line_splits(sessions, outages) == {("a", 0): pytest.approx(5.5)}
     # the same outage after every session's end splits nothing (the mutation "met by any" would)
     assert analyze.finish_line_splits(sessions, {"a": [(18.0, 2.0)]}) == {}
+    # a session finishes with its last token, not its stream's close: edge-only's last token 1 ms before
+    # the outage and its close 1 ms into it (the held-out ucc trace at 40 ms) finished before it
+    closed_late = [{**s, "extra": {**s["extra"], "timeline": [{"t_wall": 1005.499, "generated": 96,
+                                                             "token_t": [1000.3, 1005.499]}]}}
+                   if (s["cell"], s["config"], s["prompt"]) == ("a", "none", 1) else s for s in sessions]
+    closed_late = [{**s, "extra": {**s["extra"], "session_t1": 1005.501}} if s["extra"].get("timeline") else s
+                   for s in closed_late]
+    assert analyze.finish_line_splits(closed_late, {"a": [(35.5, 2.0)]}) == {("a", 1): pytest.approx(5.5)}
     cells = {c: {"summary": analyze.cell_summary(analyze.config_stats([s for s in sessions if s["cell"] == c]),
                                                  "fixA", "fixA")} for c in ("a", "b")}
     view = analyze.finish_line(cells, sessions, outages, "fixA", "fixA")
