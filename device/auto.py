@@ -724,7 +724,8 @@ class AutoPolicy:
         """(tokens an edge-only round asks for, whether the drafter should catch up while it streams).
         A chunk ends where the net's next exploration of drafted rounds becomes due, so that one long
         edge-only round cannot take the rest of a session; the drafter reads the tokens when a drafted
-        round is expected next."""
+        round is expected next. Where drafting cannot pay no exploration falls due (the drafter is timed
+        instead): a round of ``edge_round_unpaid_s``, as few boundaries as that allows."""
         if chosen.candidate.mode is not Mode.NONE:
             return e.edge_chunk, False
         if cold:

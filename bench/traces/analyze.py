@@ -221,14 +221,12 @@ def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, d
 
 
 def last_token_wall(s: dict) -> float | None:
-    """When a session's last token arrived (its rounds' commits and streamed tokens), else when it ended
-    (``extra.session_t1``): the stream's close comes after it, and an edge-only session whose last
-    token came 1 ms before an outage closed 1 ms into it and was counted as having met it."""
+    """When a session's last token arrived (:func:`token_events`, as its end wait is measured from), else
+    when it ended (``extra.session_t1``): the stream's close comes after it, and an edge-only session
+    whose last token came 1 ms before an outage closed 1 ms into it and was counted as having met it."""
     extra = s.get("extra", {})
-    tl = extra.get("timeline") or []
-    times = [x["t_wall"] for x in tl if x.get("generated") and "t_wall" in x]
-    times += [t for x in tl for t in x.get("token_t", ())]
-    return max(times) if times else extra.get("session_t1")
+    arrivals = [t for t, _ in token_events(extra.get("timeline") or [])]
+    return max(arrivals) if arrivals else extra.get("session_t1")
 
 
 def finish_line_splits(sessions: list[dict],
@@ -241,10 +239,10 @@ def finish_line_splits(sessions: list[dict],
     ends: dict[tuple[str, int], list[float]] = defaultdict(list)
     offset: dict[tuple[str, int], tuple[str, float]] = {}
     for s in sessions:
-        t1, applied = last_token_wall(s), s.get("applied_wall")
-        if s.get("trace") in outages and isinstance(t1, (int, float)) and isinstance(applied, (int, float)):
+        last, applied = last_token_wall(s), s.get("applied_wall")
+        if s.get("trace") in outages and isinstance(last, (int, float)) and isinstance(applied, (int, float)):
             key = (s["cell"], s["prompt"])
-            ends[key].append(t1 - applied)
+            ends[key].append(last - applied)
             offset[key] = (s["trace"], s["offset_s"])
     out = {}
     for key, e in ends.items():
