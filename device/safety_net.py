@@ -70,8 +70,13 @@ class NetConfig:
                                 # outweigh a model that is wrong
     margin: float = 0.03        # drafting must beat edge-only by this share (noise alone must not keep it)
     confidence: float = 1.0     # standard errors by which the rounds must contradict the model to override it
-    prior_cv: float = 0.5       # spread of a round's rate around its arm's, before rounds show it (one
-                                # round of it): a drafted round's tokens run from 1 to L + 1
+    prior_cv: float = 0.5       # spread of a drafted round's rate around its arm's, before rounds show it
+                                # (one round of it): a drafted round's tokens run from 1 to L + 1
+    edge_prior_cv: float = 0.1  # ... of an edge-only round's: its rate is the mean of its 8 or more tokens'
+                                # intervals, the edge's forward each (the bench's links: 1-3 % within a
+                                # session, stalls out). At the drafted rounds' 0.5, four edge-only rounds
+                                # weighed as a standard error of ~8 % of their rate, and drafting measured
+                                # 3-8 % slower ran on where the model favoured it
     explore_cost: float = 0.02  # share of the time exploring the worse arm may cost
     probe_rounds: int = 2       # drafted rounds per exploration: one catches up, one is measured
     fresh_rounds: int = 3       # ... of drafting never measured: one catches up, two are measured (one
@@ -356,7 +361,7 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     due, the call says ``retime`` (time the drafter while edge-only streams) instead."""
     r_edge = state.edge.rate(edge.rate, cfg.prior_rounds)
     r_spec = state.spec.rate(spec.rate, cfg.prior_rounds)
-    se = math.hypot(state.edge.stderr(r_edge, cfg.prior_rounds, cfg.prior_cv),
+    se = math.hypot(state.edge.stderr(r_edge, cfg.prior_rounds, cfg.edge_prior_cv),
                     state.spec.stderr(r_spec, cfg.prior_rounds, cfg.prior_cv))
     lead = r_spec - r_edge * (1 + cfg.margin)   # drafting's measured lead over edge-only
     if model_arm == SPEC:

@@ -540,6 +540,26 @@ def test_unlucky_rounds_do_not_override_a_model_that_is_right() -> None:
     assert lost(N.NetConfig(discount=0.8, confidence=0.0)) > 2 * careful
 
 
+def test_drafting_slightly_slower_than_edge_only_is_left_where_the_model_favours_it() -> None:
+    """Drafting at 0.92x edge-only's rate where the model predicts it 11 % ahead (its edge-only rate
+    10 % low, as the bench's slower host showed: 8.6 predicted where edge-only streamed at 9.4-9.8
+    tok/s), sessions of 96 tokens each starting from the device's net: edge-only rounds' rates vary
+    little, so a few of them outvote the model and the sessions run at >= 0.97x edge-only (10 seeded
+    runs of 300 s). Priced at a drafted round's spread (the control), four edge-only rounds weigh as
+    a standard error of ~8 %, drafting runs on, and the sessions lose ~5 %."""
+    def rate(cfg: N.NetConfig) -> float:
+        shares = []
+        for seed in range(10):
+            w = World(edge_rate=10, spec_rate=9.2, model_edge=9.0, model_spec=10.0, cfg=cfg, noise=0.1,
+                      seed=seed, session_tokens=96)
+            w.run(300)
+            shares.append(sum(x[2] for x in w.log) / w.seconds / 10)
+        return sum(shares) / len(shares)
+    kept = rate(CFG)
+    assert kept >= 0.97
+    assert rate(replace(CFG, edge_prior_cv=CFG.prior_cv)) < kept - 0.015
+
+
 def test_a_round_planned_ahead_counts_the_round_in_flight() -> None:
     """A drafted exploration of two rounds, its second planned while its first is verified (drafted
     ahead): the plan after that, made while the second is in flight, ends the exploration; without
