@@ -262,7 +262,7 @@ def _device_factory(cfg):
     from specdec.device.auto import AutoConfig, LinkTracker
     from specdec.device.factory import new_session
     return lambda drafter, hello: new_session(cfg, drafter, hello, LinkTracker(AutoConfig(
-        memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0, margin=-0.5, open_on_evidence=False), cold_start=False, edge_chunk_max=8,
+        memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0, margin=-0.5), cold_start=False, edge_chunk_max=8,
         edge_round_unpaid_s=0.0)))
 
 

@@ -23,7 +23,6 @@ from specdec.common import settings as S
 from specdec.common.modes import Mode
 from specdec.common.modeling import encode_prompt, vocab_fingerprint
 from specdec.device.auto import AutoConfig, AutoPolicy, LinkTracker
-from specdec.device.safety_net import NetConfig
 from specdec.device.parts import Observer, Planner, SessionParts
 from specdec.device.session import DraftSession
 from tests.support.parts import TO_THE_END, AheadToTheEnd
@@ -38,10 +37,8 @@ CONTROL_SESSIONS = 600   # both controls fall below p = 1e-9 at 800 sessions, ne
 # Every estimate the latest observation and no hysteresis: a policy that could see a round's own
 # draws would follow them round by round. Each session has a tracker of its own, so each would start
 # with a cold, edge-only round (decided before anything is drawn), which in these short sessions
-# leaves nothing to decide: off here, as is the net's edge-only opening where no drafted round was
-# measured yet (NetConfig.open_on_evidence), the same for a fresh tracker.
-SENSITIVE = dict(memory=0.0, hysteresis=0.0, lattice=8, ksqs_ks=(3,), cold_start=False,
-                 net=NetConfig(open_on_evidence=False))
+# leaves nothing to decide: off here.
+SENSITIVE = dict(memory=0.0, hysteresis=0.0, lattice=8, ksqs_ks=(3,), cold_start=False)
 
 
 @pytest.fixture(scope="module")

@@ -115,12 +115,12 @@ def test_rounds_switching_between_gumbel_and_none_give_the_same_tokens(models, e
 def test_mode_auto_choosing_gumbel_or_none_gives_the_same_tokens(models, edge_only) -> None:
     """The real controller, every estimate its latest observation, among gumbel rounds of any length
     and edge-only rounds (in process edge-only rounds cost next to nothing: it explores drafted rounds
-    at every chance here). No cold start nor edge-only opening (NetConfig.open_on_evidence): the first
-    round is drafted whatever the clock says (a cold start's edge-only first round left the only gumbel
-    round to the exploration's timing, and a loaded machine could leave a session without one)."""
+    at every chance here). No cold start: the first round is drafted whatever the clock says (a cold
+    start's edge-only first round left the only gumbel round to the exploration's timing, and a loaded
+    machine could leave a session without one)."""
     def factory(drafter, hello):
         config = AutoConfig(top_ks=(), ksqs_ks=(), dense=False, dssd=False, memory=0.0, hysteresis=0.0,
-                            net=NetConfig(explore_cost=1.0, open_on_evidence=False), cold_start=False)
+                            net=NetConfig(explore_cost=1.0), cold_start=False)
         policy = AutoPolicy(LinkTracker(config), hello, drafter.vocab_size, draft_ahead=True)
         session = DraftSession(drafter, hello, draft_ahead=True, policy=policy)
         session.modes = Counter()
@@ -140,7 +140,7 @@ def _runner_auto(reproducible: bool, modes: Counter):
     gets and drafting whenever it can pay (in process edge-only rounds cost next to nothing)."""
     def factory(drafter, hello):
         cfg = device_config(mode="auto", temperature=hello.temperature, reproducible=reproducible)
-        tracker = LinkTracker(AutoConfig(memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0, open_on_evidence=False), cold_start=False))
+        tracker = LinkTracker(AutoConfig(memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0), cold_start=False))
         session = new_session(cfg, drafter, hello, tracker)
         session.listeners.append(lambda event: modes.update([event.settings.mode.value]))
         return session

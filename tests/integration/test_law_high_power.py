@@ -63,7 +63,7 @@ def auto_switching(drafter, hello):
     (reproducible off), as sensitive as it gets and drafting whenever it might pay (in process
     edge-only rounds cost next to nothing): it switches mode and length round by round."""
     cfg = device_config(mode="auto", temperature=hello.temperature, reproducible=False)
-    tracker = LinkTracker(AutoConfig(memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0, open_on_evidence=False), cold_start=False))
+    tracker = LinkTracker(AutoConfig(memory=0.0, hysteresis=0.0, net=NetConfig(explore_cost=1.0), cold_start=False))
     session = new_session(cfg, drafter, hello, tracker)
     session.modes = Counter()
     session.listeners.append(lambda event: session.modes.update([event.settings.mode.value]))
