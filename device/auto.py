@@ -728,7 +728,7 @@ class AutoPolicy:
         instead): a round of ``edge_round_unpaid_s``, as few boundaries as that allows."""
         if chosen.candidate.mode is not Mode.NONE:
             return e.edge_chunk, False
-        if cold or (net is not None and net.held):  # (drafting may come next: the drafter reads the prompt)
+        if cold:
             return self.tracker.config.edge_chunk_min, True
         if net is not None and not net.spec_pays and net.edge_rate > 0:
             # drafting that cannot pay is timed, not explored: no round is cut for it, and few boundaries

@@ -97,12 +97,6 @@ class NetConfig:
     changed_rounds: float = 0.5  # drafted rounds measured before the drafter's cost stepped weigh at most
                                  # this many rounds (as the model's prediction, which knows the new cost):
                                  # they measured a drafter that no longer runs (drafter_changed)
-    open_on_evidence: bool = True  # a session opens drafted only where drafted rounds measured faster
-                                # by ``confidence`` standard errors (False: the model's arm, the tests'
-                                # control). A drafted opening reads the prompt into the drafter and drafts
-                                # before anything goes out, none of it ahead: at a drafter 1.0x the
-                                # target's cost per token it came 0.1-0.3 s after edge-only's same tokens;
-                                # edge-only opens at the edge's prefill while the drafter reads the prompt
     outlier: float = 3.0        # a round counts at most this many times what its arm's rounds take: an
                                 # outage met in flight (seconds on a recorded cellular link) would
                                 # otherwise set the arm's rate for many rounds, and it says nothing
@@ -203,8 +197,6 @@ class NetCall:
     spec_pays: bool = True  # drafting's best case beats edge-only (it is explored, not timed)
     retime: bool = False    # an exploration of drafting that cannot pay is due: time the drafter instead
     spec_ceiling: float = 0.0  # the best case ``spec_pays`` was judged by (ArmPrior.ceiling), tokens/s
-    held: bool = False      # a session's opening held to edge-only: drafting was not measured faster
-                            # (the drafter reads the prompt while it streams: open_on_evidence)
 
 
 @dataclass(frozen=True)
@@ -360,9 +352,7 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     is planned ahead of its verdict): it counts in the run, so an exploration runs its rounds, not one
     more drafted ahead. ``remaining``: the tokens the session still wants (None: not known); an
     exploration starts only if its rounds fit in them, since one cut short by the session's end pays
-    its switch and measures nothing. ``opening``: the round is a session's first; it is drafted only
-    where drafted rounds measured faster by ``confidence`` standard errors (``open_on_evidence``), else
-    edge-only opens (``NetCall.held``); no exploration
+    its switch and measures nothing. ``opening``: the round is a session's first; no exploration
     begins there or goes on from the session before: that round holds the prefill and stays out of
     every sum, so an exploration it began went unpriced (its catch-up, the drafter reading the prompt,
     uncounted) and never lengthened the losing streak. Explorations deferred by a session's end ran
@@ -386,16 +376,12 @@ def call(state: NetState, cfg: NetConfig, edge: ArmPrior, spec: ArmPrior, model_
     going_on = last == other and runs < probe_rounds(state, cfg, other)  # rounds not all run yet
     starting = last is not None and last != other and due <= 0 and fits(state, cfg, other, spec, remaining)
     pays = spec_pays(state, cfg, spec, r_edge)
-    held = opening and cfg.open_on_evidence and better == SPEC and lead - cfg.confidence * se <= 0
     if not opening and (going_on or (starting and (other == EDGE or pays))):
         arm, why = other, "explore"
-    elif held:
-        arm, why = EDGE, "net"
     else:
         arm, why = better, None if better == model_arm else "net"
     retime = arm == EDGE and other == SPEC and not pays and due <= 0
-    return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf, pays, retime, spec.ceiling,
-                   held)
+    return NetCall(arm, why, r_edge, r_spec, due if last == better else math.inf, pays, retime, spec.ceiling)
 
 
 def spec_pays(state: NetState, cfg: NetConfig, spec: ArmPrior, r_edge: float) -> bool:

@@ -224,13 +224,7 @@ def test_the_first_round_on_an_unknown_link_is_edge_only_and_the_drafter_catches
     # a device that knows the link (this process, or remembered) starts as its estimates say
     known = AutoPolicy(warm_tracker(), HELLO, V).choose()
     assert known.settings.mode is not Mode.NONE and known.choice["why"] is None
-    # without the cold start the net decides: with no drafted round measured, the session opens edge-only
-    # on its own rule (safety_net.NetConfig.open_on_evidence), and drafts there with that rule off
-    uncold = AutoPolicy(LinkTracker(AutoConfig(cold_start=False)), HELLO, V).choose()
-    assert uncold.choice["why"] == "net" and uncold.settings.mode is Mode.NONE
-    assert uncold.settings.edge_tokens == 8 and uncold.choice["catch_up"]   # the drafter reads the prompt
-    no_rule = AutoConfig(cold_start=False, net=replace(AutoConfig().net, open_on_evidence=False))
-    assert AutoPolicy(LinkTracker(no_rule), HELLO, V).choose().settings.mode is not Mode.NONE
+    assert AutoPolicy(LinkTracker(AutoConfig(cold_start=False)), HELLO, V).choose().settings.mode is not Mode.NONE
 
 
 def test_edge_only_rounds_measure_the_round_trip_by_their_first_token() -> None:
@@ -372,13 +366,13 @@ def test_a_drafter_that_slowed_is_left_after_the_round_that_showed_it() -> None:
     (~19 tok/s). Each forward samples the drafter's cost, so its first round steps the estimate, and the
     drafted rounds the device measured before (at 0.005) weigh half a round: the next round is
     edge-only. Controls: a round's mean alone takes three rounds to step it; the old rounds at their
-    full weight override the model, which has turned, back to drafting."""
+    full weight keep the net drafting after the model has turned (five more rounds here)."""
     modes = slowed_session(0.1)
     assert modes[0] is not Mode.NONE and modes[1] is Mode.NONE, modes
     per_round = slowed_session(0.1, per_forward=False)
     assert all(m is not Mode.NONE for m in per_round[:3]), per_round
     kept = slowed_session(0.1, changed_rounds=1e9)  # the net overrides the model back to drafting
-    assert kept[1] is not Mode.NONE, kept
+    assert sum(m is not Mode.NONE for m in kept[1:6]) >= 3, kept
 
 
 def test_only_a_step_of_the_drafter_makes_the_nets_drafted_rounds_stale() -> None:
@@ -433,11 +427,11 @@ def test_a_new_temperature_explores_drafting_at_once_only_where_it_could_pay(mon
     assert any(why == "explore" and mode is not Mode.NONE for mode, why in control[:3]), control
 
 
-def _spell_then_edge_only(streamed_rounds: int) -> tuple[LinkTracker, dict]:
+def _spell_then_edge_only(streamed_rounds: int) -> tuple[LinkTracker, Mode]:
     """A device that drafted on an 80 ms link (12 rounds, all accepted, drafting well ahead of
     edge-only), then met a bad spell: two rounds at 0.6 s (a slower link, by the fit's rule), then
     streamed ``streamed_rounds`` edge-only rounds of 32 tokens at 33 tok/s whose requests went ahead (no
-    round-trip sample; ~1.1 s each). The tracker and the choice of the next session's first round."""
+    round-trip sample; ~1.1 s each). The tracker and the mode of the next session's first round."""
     tracker = LinkTracker()
     policy = AutoPolicy(tracker, HELLO, V)
     s = DraftSettings(mode=Mode.TSLT, top_k=256, draft_len=4)
@@ -446,22 +440,15 @@ def _spell_then_edge_only(streamed_rounds: int) -> tuple[LinkTracker, dict]:
     e = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=32)
     for _ in range(streamed_rounds):
         commit(policy, e, replace(edge_only(32, per_token=0.03), token_interval_s=0.03), sent_ahead=True)
-    return tracker, AutoPolicy(tracker, HELLO, V).choose().choice
+    return tracker, AutoPolicy(tracker, HELLO, V).choose().settings.mode
 
 
 def test_a_session_after_a_bad_spell_streamed_edge_only_drafts_again() -> None:
     """The spell priced drafting below edge-only (the session right after it streams edge-only), and
     rounds sent ahead never measure the round trip; after ~3.5 s of them the round trip expected has
-    relaxed to the usual 80 ms, and the model favours drafting again for the next session (at the
-    spell's round trip drafting makes ~22 tok/s against edge-only's 33: without the relaxation it would
-    not). The net still holds what drafted rounds delivered through the spell, below the edge-only
-    rounds measured since: the session opens edge-only on that evidence, and drafting is explored
-    again (the net's reason)."""
+    relaxed to the usual 80 ms, and the next session drafts from its first round (at the spell's
+    round trip drafting makes ~22 tok/s against edge-only's 33: without the relaxation it would not)."""
     spell, right_after = _spell_then_edge_only(0)
-    assert spell.link.rtt_s() > 0.4 and right_after["mode"] == Mode.NONE.value
-    assert right_after["model_spec_tokens_per_s"] < right_after["model_edge_tokens_per_s"]
+    assert spell.link.rtt_s() > 0.4 and right_after is Mode.NONE
     relaxed, later = _spell_then_edge_only(3)
-    assert relaxed.link.rtt_s() == pytest.approx(0.08, abs=0.02)
-    assert later["model_spec_tokens_per_s"] > later["model_edge_tokens_per_s"]
-    assert later["mode"] != Mode.NONE.value or (later["why"] == "net"
-                                                and later["net_spec_tokens_per_s"] < later["net_edge_tokens_per_s"])
+    assert relaxed.link.rtt_s() == pytest.approx(0.08, abs=0.02) and later is not Mode.NONE

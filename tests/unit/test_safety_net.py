@@ -560,30 +560,6 @@ def test_drafting_slightly_slower_than_edge_only_is_left_where_the_model_favours
     assert rate(replace(CFG, edge_prior_cv=CFG.prior_cv)) < kept - 0.015
 
 
-def test_a_session_opens_drafted_only_where_drafted_rounds_measured_faster() -> None:
-    """A session's first round: drafted where the device's drafted rounds beat its edge-only ones by a
-    standard error (the margin in), edge-only (``held``) where they came out even, though the model
-    favours drafting and, past the opening, its pick runs on (the rounds do not contradict it).
-    Without ``open_on_evidence`` (the control) the model's pick opens either way."""
-    def state(spec_rate: float) -> N.NetState:
-        s = N.NetState()
-        for i in range(4):
-            s = N.observe(s, CFG, N.EDGE, 32, 32 / (10 * (1 + 0.02 * (i % 2))))
-        for i in range(12):
-            s = N.observe(s, CFG, N.SPEC, 4, 4 / (spec_rate * (1 + 0.1 * (i % 3 - 1))))
-        return N.start_from(s, CFG)
-    edge, spec = N.ArmPrior(32, 3.2), N.ArmPrior(4, 0.3)   # the model: drafting 13.3 tok/s, edge-only 10
-
-    def opening(s: N.NetState, cfg: N.NetConfig = CFG, first: bool = True) -> N.NetCall:
-        return N.call(s, cfg, edge, spec, N.SPEC, remaining=96, opening=first)
-    ahead, even = state(15.0), state(10.2)
-    assert opening(ahead).arm == N.SPEC and not opening(ahead).held
-    assert (opening(even).arm, opening(even).why, opening(even).held) == (N.EDGE, "net", True)
-    later = opening(even, first=False)   # (an exploration of edge-only may be due there: not the net's override)
-    assert not later.held and later.why != "net"
-    assert opening(even, replace(CFG, open_on_evidence=False)).arm == N.SPEC
-
-
 def test_a_round_planned_ahead_counts_the_round_in_flight() -> None:
     """A drafted exploration of two rounds, its second planned while its first is verified (drafted
     ahead): the plan after that, made while the second is in flight, ends the exploration; without
@@ -707,11 +683,11 @@ def test_a_drafter_that_slowed_is_not_excused_by_its_old_steady_rounds() -> None
     """Drafting at 20 tok/s against edge-only's 12 for two minutes of 96-token sessions, then at 8 (the
     model follows). Its steady rounds keep the faster past (they forget only as drafting runs), while
     each exploration loses. Excusing one loss (``forgive``), exploring the slowed drafter costs 1.0 %
-    of the next ten minutes (twelve seeds); excusing the whole streak (the control) kept the full share:
-    1.3 % (1.4 % with sessions opened drafted on the model's word: ``open_on_evidence`` off)."""
+    of the next ten minutes (four seeds); excusing the whole streak (the control) kept the full share:
+    1.4 %."""
     def lost(cfg: N.NetConfig) -> float:
         shares = []
-        for seed in range(12):
+        for seed in range(4):
             w = World(edge_rate=12, spec_rate=20, model_edge=12, model_spec=20, session_tokens=96, flatter=0.5,
                       cfg=cfg, seed=seed)
             w.run(120)
@@ -720,7 +696,7 @@ def test_a_drafter_that_slowed_is_not_excused_by_its_old_steady_rounds() -> None
             w.run(600)
             shares.append(w.lost_share(since=since))
         return sum(shares) / len(shares)
-    assert lost(CFG) < 0.85 * lost(replace(CFG, forgive=1000))
+    assert lost(CFG) < 0.8 * lost(replace(CFG, forgive=1000))
 
 
 def test_a_drafter_change_leaves_the_drafted_rounds_at_half_a_round_at_their_rate() -> None:
