@@ -27,12 +27,12 @@ from specdec.device.parts import Observer, Planner, SessionParts
 from specdec.device.session import DraftSession
 from tests.support.parts import TO_THE_END, AheadToTheEnd
 from specdec.testbed.tiny_models import make_close_drafter, make_model, make_sharpened_drafter
-from tests.support.laws import N_TOKENS, PROMPT, TEMPERATURE, exact_law
+from tests.support.laws import LAW_SESSIONS, N_TOKENS, PROMPT, TEMPERATURE, exact_law
 from tests.support.harness import device_config, load
 from tests.support.inprocess import run_seeds
 from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 
-NULL_SESSIONS = 600
+NULL_SESSIONS = LAW_SESSIONS  # the default tier's size: TV >= 0.18 seen (laws.py)
 CONTROL_SESSIONS = 600   # both controls fall below p = 1e-9 at 800 sessions, near 1e-4 at 400
 # Every estimate the latest observation and no hysteresis: a policy that could see a round's own
 # draws would follow them round by round. Each session has a tracker of its own, so each would start

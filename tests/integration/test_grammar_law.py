@@ -97,6 +97,7 @@ def test_a_tree_samples_the_grammars_law(twin, byte_pair) -> None:
     assert_lossless(counts, law, "tree <2,2>, regex + bias + presence")
 
 
+@pytest.mark.slow  # by default: test_a_resumed_session_under_a_grammar_draws_the_uninterrupted_tokens
 def test_a_resumed_session_samples_the_grammars_law(twin, byte_pair) -> None:
     counts, law, _ = law_counts(twin, *byte_pair, run_kw=dict(fault=cut_the_second_verdict), **LAW, **MODES["tslt"])
     assert_lossless(counts, law, "resumed on a fresh edge, regex + bias + presence")

@@ -1,6 +1,6 @@
 """Slow tier: exact-law tests that see a total variation of 0.02 (issue 44).
 
-The default tier's law tests (laws.LAW_SESSIONS = 600 sessions) see only gross biases. Here each
+The default tier's law tests (laws.LAW_SESSIONS = 400 sessions) see only gross biases. Here each
 mode's sessions, in process (the device's round loop against a real edge session: tests/support/
 inprocess.py), are as many as it takes for ANY law at total variation ``DETECT_TV`` from the target's
 exact law of its first three tokens to be rejected with probability >= ``POWER`` at the tests' cut:

@@ -142,6 +142,7 @@ def test_a_tree_samples_the_adjusted_law(twin, tiny_pair_v8) -> None:
     assert_lossless(counts, law, "tree <2,2>, bias + penalties + min-p")
 
 
+@pytest.mark.slow  # by default: test_a_resumed_session_draws_the_uninterrupted_tokens, token for token
 def test_a_resumed_session_samples_the_adjusted_law(twin, tiny_pair_v8) -> None:
     counts, law, results = law_counts(twin, *tiny_pair_v8, run_kw=dict(fault=cut_the_second_verdict),
                                       **LAW, **MODES["tslt"])

@@ -33,9 +33,11 @@ from tests.support.toy_models import P_VALUE_CUT, goodness_of_fit
 PROMPT = "w1 w2"
 N_TOKENS = 3
 TEMPERATURE = 1.0
-LAW_SESSIONS = 600            # default tier: every control below is rejected at p < 1e-9 here
-HIGH_POWER_SESSIONS = 1500    # slow tier: a bias of half the size is seen
-CONTROL_SESSIONS = 600        # a control whose bias is large needs no more
+# default tier: any law at TV >= 0.18 from the exact one is rejected with probability 0.9 (0.155 at 600
+# sessions, for 1.5x the time); every control of the default tier is rejected here too
+LAW_SESSIONS = 400
+HIGH_POWER_SESSIONS = 1500    # slow tier: TV >= 0.10
+CONTROL_SESSIONS = 400        # a control whose bias is large needs no more
 # A gross control, one whose chi-square at CONTROL_SESSIONS is in the hundreds or thousands (the
 # device drafting from another law than the packet it sends, TV ~0.4-0.8; a residual not renormalised;
 # tree siblings drawn without replacement), is rejected with a quarter of the sessions, far below the

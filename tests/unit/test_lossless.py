@@ -9,7 +9,7 @@ chi-square test (p-value cut 1e-4, fixed seeds) and a total-variation bound.
 Negative controls run the same harness on deliberately broken verifiers (defined here, never in
 the library) and assert that the test rejects them, so the harness demonstrably has power.
 
-Sizes: NUM_SEQS sequences per mode in the default run (keeps this file near a minute on a shared
+Sizes: NUM_SEQS sequences per mode in the default run (a few minutes for the file on a shared
 2-core machine); ``-m slow`` (``make test-slow``) repeats every mode with HIGH_POWER_SEQS.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ from tests.support import toy_models as tm
 VOCAB = 4
 PROMPT = [0, 1]
 N_TOKENS = 3  # 4**3 = 64 sequence cells
-NUM_SEQS = 3_000  # 1-3 s per mode on a shared 2-core machine; chi2 noncentrality grows linearly with it
+NUM_SEQS = 2_000  # ~5-15 s per mode on a shared 2-core machine; chi2 noncentrality grows linearly with it
 HIGH_POWER_SEQS = 20_000  # the slow-marked run of every mode
 CONTROL_SEQS = 1_000  # the gross breakages below are rejected at p < 1e-15 already at this size
 PAIR_SEED = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass
+from itertools import islice
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def test_control_one_shifted_uniform_changes_verdicts(upfront: bool) -> None:
     """The comparison's power: the same rounds verified with their uniforms shifted by one draw (a
     correction reading the accept test's uniform, say) give other verdicts in many rounds."""
     differ = total = 0
-    for cases in list(_batches(11))[:60]:
+    for cases in islice(_batches(11), 60):
         shifted = [c for c in cases if c.batched.kind is RoundKind.CHAIN and c.batched.law.temperature > 0]
         for c in shifted:
             u = c.batched.uniforms
@@ -220,7 +221,7 @@ def test_noise_drawn_ahead_gives_the_same_verdicts(how: str) -> None:
     other threads while the batch is verified (each draw by whichever thread asks first), and read
     from what they kept: every verdict as drawn where read."""
     rounds = drawn = 0
-    for cases in list(_batches(2027))[:120]:
+    for cases in islice(_batches(2027), 120):
         kept = [noise_kept(c.batched) for c in cases]
         threads = [threading.Thread(target=lambda r=r: draw_ahead(r, lambda: False)) for r in kept]
         if how == "before":
