@@ -41,7 +41,7 @@ system-deps:
 # built once.
 TEST_WORKERS ?= 2
 test: $(PB_OUT) system-deps
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow and not gpu" --durations=25 tests
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not slow and not gpu" --durations=25 tests
 
 # The slow tier: the high-power exact-law runs over gRPC, full fuzzing, the other resume paths.
 test-slow: $(PB_OUT)

@@ -13,6 +13,29 @@ from specdec.testbed import tiny_models
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The modules that cost the most (their tests' seconds summed, most first: `make test` prints the
+# slowest tests), handed to `make test`'s workers before the rest. xdist's own order for --dist
+# loadscope (the most tests first) left these few-test modules to the end, one worker finishing them
+# while the other idled; `make test` turns that order off (--no-loadscope-reorder) and keeps this one.
+HEAVY_FIRST = (
+    "tests/integration/test_draft_ahead.py", "tests/unit/test_lossless.py", "tests/integration/test_grammar_law.py",
+    "tests/integration/test_decisions_see_only_the_past.py", "tests/integration/test_target_law.py",
+    "tests/integration/test_lossless_in_process.py", "tests/integration/test_lossless_e2e.py",
+    "tests/integration/test_gumbel.py", "tests/integration/test_auto.py", "tests/unit/test_default_drafter.py",
+    "tests/integration/test_batching_e2e.py", "tests/tools/test_testbed.py", "tests/integration/test_fleet_proxy.py",
+    "tests/integration/test_metrics_prometheus.py", "tests/integration/test_run_ahead.py",
+    "tests/integration/test_tree_e2e.py", "tests/integration/test_cli.py", "tests/integration/test_fuzz.py",
+    "tests/integration/test_packaging.py", "tests/unit/test_verification.py", "tests/integration/test_fleet.py",
+    "tests/tools/test_gpu_check.py", "tests/integration/test_resume_lossless.py", "tests/integration/test_late_round.py",
+    "tests/integration/test_demo.py", "tests/integration/test_embedded_default.py", "tests/integration/test_resume.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """HEAVY_FIRST's modules first, in its order; every other test after them, as collected."""
+    rank = {module: i for i, module in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
 
 @pytest.fixture(scope="session")
 def tiny_pair_v8(tmp_path_factory) -> tuple[Path, Path]:

@@ -256,3 +256,11 @@ def test_generated_protobuf_is_not_committed() -> None:
 def test_proto_package_is_versioned() -> None:
     text = (ROOT / "proto" / "specdec" / "v1" / "speculative.proto").read_text()
     assert "package specdec.v1;" in text
+
+
+def test_the_modules_run_first_exist() -> None:
+    """tests/conftest.py's HEAVY_FIRST names modules by path: a renamed one would silently fall back to
+    the end of the run, where a long module keeps one worker busy alone."""
+    from tests.conftest import HEAVY_FIRST
+    missing = [module for module in HEAVY_FIRST if not (ROOT / module).is_file()]
+    assert not missing and len(set(HEAVY_FIRST)) == len(HEAVY_FIRST), missing
