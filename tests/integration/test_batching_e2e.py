@@ -93,9 +93,9 @@ def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache, 
 # Slow tier only: by default test_seeded_sessions_give_the_same_tokens_alone_and_eight_at_once checks
 # that batched sessions give exactly the tokens they give alone, whose law test_lossless_e2e checks.
 @pytest.mark.slow
-@pytest.mark.parametrize("num_sessions", [HIGH_POWER_SESSIONS], ids=["high-power"])
-def test_target_law_holds_with_eight_sessions_per_forward(tiny_pair_v8, num_sessions) -> None:
+def test_target_law_holds_with_eight_sessions_per_forward(tiny_pair_v8) -> None:
     target_dir, drafter_dir = tiny_pair_v8
+    num_sessions = HIGH_POWER_SESSIONS
     metrics = EdgeMetrics()
     cfg = device_config(temperature=TEMPERATURE, max_new_tokens=N_TOKENS, draft_len=2, mode="tslt", top_k=3)
 

@@ -130,8 +130,8 @@ def _moved_sessions(twin, pair, n: int, patches=(), lose_verdict: bool = False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [NUM_SESSIONS_SLOW])
-def test_sessions_moved_to_another_edge_keep_the_exact_law(twin, tiny_pair_v8, n) -> None:
+def test_sessions_moved_to_another_edge_keep_the_exact_law(twin, tiny_pair_v8) -> None:
+    n = NUM_SESSIONS_SLOW
     counts, law, moved = _moved_sessions(twin, tiny_pair_v8, n)
     assert moved >= MIN_MOVED_FRACTION * n, moved
     assert set(counts) <= set(law), "generated a sequence the target cannot produce"
