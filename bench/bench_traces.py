@@ -196,6 +196,12 @@ def print_tables(data: dict) -> None:
               f"edge-only on the same prompt and cell: geometric mean {fmt(n['geomean'], '.3f')}, per-session sd "
               f"{fmt(n['sd'], '.3f')} (log); a cell of {data['settings']['prompts']} prompts moves "
               f"~{fmt(n['cell_sd'], '.3f')} (1 sd) with no difference between the configurations")
+    sp = (n or {}).get("split")
+    if sp and sp["pairs"]:
+        print(f"  where the A/A pairs' time went ({sp['pairs']} pairs, auto / edge-only): time to first token "
+              f"{fmt(sp['ttft_ratio'], '.3f')}, median gap between streamed tokens {fmt(sp['gap_ratio'], '.3f')}; "
+              f"auto's round boundaries ({fmt(sp['boundaries_mean'], '.1f')} a session) cost "
+              f"{fmt(100 * sp['boundary_share'], '.1f')} % of its wall beyond a streamed gap")
     h = data.get("host_slowdowns")
     if h and h["slowed"]:
         where = ", ".join(f"{x['t_s']:.0f} s {x['cell']} p{x['prompt']} {x['config']} {x['median_gap_ms']:.0f} ms"

@@ -21,7 +21,10 @@ Definitions:
     did what edge-only did on the same prompt and stretch of the link, so their tokens/s against
     edge-only's differ only by the host (two processes on shared cores, a target forward whose time
     moves between sessions); the spread of that ratio over such pairs says how far a cell's ratio of
-    k prompts moves with no difference between the configurations: sd / sqrt(k);
+    k prompts moves with no difference between the configurations: sd / sqrt(k); and where the pairs'
+    time went: auto's time to first token and median gap between streamed tokens against edge-only's,
+    and what its round boundaries (an edge-only round asks for a chunk of tokens; edge-only streams
+    one round) cost beyond a streamed gap: what auto's edge-only rounds would lose by their own doing;
   * host slowdowns (a diagnostic): sessions whose edge-only tokens streamed SLOW_STREAM times the run's
     median gap or slower (each session's median gap between streamed tokens, over sessions with
     MIN_STREAMED_GAPS or more): a target forward takes the same time in every configuration, so a
@@ -172,10 +175,42 @@ def host_noise(sessions: list[dict], prompts: int) -> dict:
         if r is not None and r > 0:
             logs.append(math.log(r))
     if len(logs) < 2:
-        return {"pairs": len(logs), "geomean": None, "sd": None, "cell_sd": None}
+        return {"pairs": len(logs), "geomean": None, "sd": None, "cell_sd": None, "split": aa_split(sessions)}
     sd = statistics.stdev(logs)
     return {"pairs": len(logs), "geomean": math.exp(statistics.fmean(logs)), "sd": sd,
-            "cell_sd": sd / math.sqrt(max(1, prompts))}
+            "cell_sd": sd / math.sqrt(max(1, prompts)), "split": aa_split(sessions)}
+
+
+def aa_split(sessions: list[dict]) -> dict:
+    """Where the A/A pairs' time went (see the module's docstring), over the pairs whose sessions both
+    streamed: auto's time to first token / edge-only's and its median gap between streamed tokens /
+    edge-only's (geometric means), and what auto's round boundaries cost: each boundary's gap (the
+    last token of a round to the first of the next) less the session's median gap, summed per session,
+    as a share of the session's wall (mean over the pairs; edge-only's one round has no boundary)."""
+    by = {(s["cell"], s["config"], s["prompt"]): s for s in sessions}
+    ttft, gap, boundary, boundaries = [], [], [], []
+    for s in sessions:
+        other = by.get((s["cell"], "none", s["prompt"]))
+        if s["config"] != "auto" or not edge_only_rounds_only(s) or other is None:
+            continue
+        mine, theirs = session_metrics(s), session_metrics(other)
+        a, b = _streamed_gaps(s), _streamed_gaps(other)
+        if None in (mine["ttft"], theirs["ttft"]) or not (a and b) or mine["ttft"] <= 0 or theirs["ttft"] <= 0:
+            continue
+        ttft.append(mine["ttft"] / theirs["ttft"])
+        gap.append(statistics.median(a) / statistics.median(b))
+        edges = _boundary_gaps(s)
+        boundaries.append(len(edges))
+        boundary.append(sum(g - statistics.median(a) for g in edges) / mine["wall"])
+    return {"pairs": len(ttft), "ttft_ratio": geomean(ttft), "gap_ratio": geomean(gap),
+            "boundaries_mean": statistics.fmean(boundaries) if boundaries else None,
+            "boundary_share": statistics.fmean(boundary) if boundary else None}
+
+
+def _boundary_gaps(sess: dict) -> list[float]:
+    """Seconds from each round's last streamed token to the next round's first."""
+    rounds = [r["token_t"] for r in sess.get("extra", {}).get("timeline") or [] if r.get("token_t")]
+    return [b[0] - a[-1] for a, b in zip(rounds, rounds[1:])]
 
 
 def _streamed_gaps(sess: dict) -> list[float]:

@@ -150,6 +150,30 @@ def test_the_host_noise_pairs_only_auto_sessions_that_ran_edge_only_rounds_with_
     assert analyze.host_noise(sessions[:2], prompts=3)["sd"] is None  # one pair shows no spread
 
 
+def test_the_a_a_split_says_whether_auto_lost_at_the_start_in_the_stream_or_between_rounds() -> None:
+    def streamed(config: str, prompt: int, first: float, gap: float, rounds: tuple[int, ...], pause: float) -> dict:
+        t, timeline = 100.0 + first, []
+        for i, n in enumerate(rounds):
+            t += pause if i else 0.0
+            timeline.append({"mode": "none", "generated": n, "token_t": [t + k * gap for k in range(n)]})
+            t = timeline[-1]["token_t"][-1] + gap
+        end = timeline[-1]["token_t"][-1]
+        return {**session("a", config, prompt, sum(rounds), 10.0),
+                "extra": {"session_t0": 100.0, "session_t1": end, "timeline": timeline}}
+    # prompt 0: auto starts 1.5x later and streams 1.1x slower in two rounds, its boundary 0.3 s long
+    # against its own 0.11 s gap; prompt 1: the same as edge-only; prompt 2 drafted: left out
+    sessions = [streamed("none", 0, 0.4, 0.1, (20,), 0.0), streamed("auto", 0, 0.6, 0.11, (10, 10), 0.3 - 0.11),
+                streamed("none", 1, 0.4, 0.1, (20,), 0.0), streamed("auto", 1, 0.4, 0.1, (20,), 0.0),
+                streamed("none", 2, 0.4, 0.1, (20,), 0.0),
+                {**streamed("auto", 2, 0.1, 0.01, (20,), 0.0), "extra": {"timeline": [{"mode": "tslt", "generated": 20, "t_wall": 101.0}]}}]
+    split = analyze.host_noise(sessions, prompts=2)["split"]
+    assert split["pairs"] == 2
+    assert split["ttft_ratio"] == pytest.approx(math.sqrt(1.5)) and split["gap_ratio"] == pytest.approx(math.sqrt(1.1))
+    assert split["boundaries_mean"] == pytest.approx(0.5)
+    wall0 = 0.6 + 18 * 0.11 + 0.3  # 18 gaps within the rounds, one boundary
+    assert split["boundary_share"] == pytest.approx((0.3 - 0.11) / wall0 / 2)
+
+
 def test_host_slowdowns_are_the_sessions_that_streamed_far_slower_than_the_run() -> None:
     def streamed(cell: str, config: str, prompt: int, t0: float, gap: float, n: int = 30) -> dict:
         tokens = [t0 + i * gap for i in range(n)]
