@@ -111,7 +111,7 @@ def complete(session: "VerifierSession") -> bool:
     (``Hello.stop_ids``), where the device stops. Never while a DSSD rejection waits for its
     correction: the device may still ask for the residual it draws it from (a fallback), even where
     an accepted draft already ended the text (a draft that went on past end-of-sequence)."""
-    if session.awaits_correction:
+    if session._pending_reject is not None:  # the device holds the correction (its next draft carries it)
         return False
     if len(session.tokens) - session.prefix.prompt_len >= session.hello.max_new_tokens:
         return True
@@ -471,11 +471,6 @@ class VerifierSession:
         return Verdict(round_id=draft.round_id, num_accepted=len(result.accepted_nodes),
                        next_token=result.tokens[-1], accepted_nodes=tuple(result.accepted_nodes),
                        logprobs=self.prefix.tree_logprobs(rows, result.accepted_nodes, result.tokens))
-
-    @property
-    def awaits_correction(self) -> bool:
-        """A DSSD rejection's correction token is still with the device (its next draft carries it)."""
-        return self._pending_reject is not None
 
     def residual(self, request: ResidualRequest) -> ResidualReply:
         """DSSD fallback: p_j of the pending rejection (float64, exactly what was verified), as its head

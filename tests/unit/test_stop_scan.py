@@ -57,5 +57,5 @@ def test_a_session_waiting_for_its_dssd_correction_is_not_complete_at_an_accepte
     verdict = edge.verify(DraftBlock(1, (first, rejected), dssd_scalars=encode_dssd_scalars(
         torch.tensor([0.5, 1.0], dtype=torch.float64))))
     assert verdict.num_accepted == 1 and verdict.next_token is None  # a DSSD rejection after the stop id
-    assert edge.awaits_correction and not complete(edge)
+    assert not complete(edge)
     assert edge.residual(ResidualRequest(1)).round_id == 1  # the fallback the device may ask for
