@@ -161,47 +161,51 @@ def edge_only_rounds_only(sess: dict) -> bool:
     return bool(timeline) and all(r.get("mode") == "none" for r in timeline)
 
 
+def aa_pairs(sessions: list[dict]) -> list[tuple[dict, dict]]:
+    """(auto session, edge-only session) on the same cell and prompt, for each auto session whose rounds
+    were all edge-only rounds: the A/A pairs (see the module's docstring)."""
+    edge_only = {(s["cell"], s["prompt"]): s for s in sessions if s["config"] == "none"}
+    return [(s, edge_only[(s["cell"], s["prompt"])]) for s in sessions
+            if s["config"] == "auto" and edge_only_rounds_only(s) and (s["cell"], s["prompt"]) in edge_only]
+
+
 def host_noise(sessions: list[dict], prompts: int) -> dict:
     """The A/A comparison (see the module's docstring): over auto sessions that ran edge-only rounds
     only, their tokens/s / edge-only's on the same cell and prompt: the pairs, the ratios' geometric
     mean and the standard deviation of their logs (per session), and that over sqrt(``prompts``): how
-    far a cell's ratio moves with the host alone (one standard deviation)."""
-    tps = _tps_by_session(sessions)
+    far a cell's ratio moves with the host alone (one standard deviation); and :func:`aa_split`."""
+    pairs = aa_pairs(sessions)
     logs = []
-    for s in sessions:
-        if s["config"] != "auto" or not edge_only_rounds_only(s):
-            continue
-        r = ratio(tps[(s["cell"], "auto", s["prompt"])], tps.get((s["cell"], "none", s["prompt"])))
+    for auto, edge_only in pairs:
+        r = ratio(_tps(auto), _tps(edge_only))
         if r is not None and r > 0:
             logs.append(math.log(r))
+    split = aa_split(pairs)
     if len(logs) < 2:
-        return {"pairs": len(logs), "geomean": None, "sd": None, "cell_sd": None, "split": aa_split(sessions)}
+        return {"pairs": len(logs), "geomean": None, "sd": None, "cell_sd": None, "split": split}
     sd = statistics.stdev(logs)
     return {"pairs": len(logs), "geomean": math.exp(statistics.fmean(logs)), "sd": sd,
-            "cell_sd": sd / math.sqrt(max(1, prompts)), "split": aa_split(sessions)}
+            "cell_sd": sd / math.sqrt(max(1, prompts)), "split": split}
 
 
-def aa_split(sessions: list[dict]) -> dict:
+def aa_split(pairs: list[tuple[dict, dict]]) -> dict:
     """Where the A/A pairs' time went (see the module's docstring), over the pairs whose sessions both
     streamed: auto's time to first token / edge-only's and its median gap between streamed tokens /
     edge-only's (geometric means), and what auto's round boundaries cost: each boundary's gap (the
     last token of a round to the first of the next) less the session's median gap, summed per session,
     as a share of the session's wall (mean over the pairs; edge-only's one round has no boundary)."""
-    by = {(s["cell"], s["config"], s["prompt"]): s for s in sessions}
     ttft, gap, boundary, boundaries = [], [], [], []
-    for s in sessions:
-        other = by.get((s["cell"], "none", s["prompt"]))
-        if s["config"] != "auto" or not edge_only_rounds_only(s) or other is None:
-            continue
-        mine, theirs = session_metrics(s), session_metrics(other)
-        a, b = _streamed_gaps(s), _streamed_gaps(other)
-        if None in (mine["ttft"], theirs["ttft"]) or not (a and b) or mine["ttft"] <= 0 or theirs["ttft"] <= 0:
-            continue
+    for auto, edge_only in pairs:
+        mine, theirs = session_metrics(auto), session_metrics(edge_only)
+        a, b = _streamed_gaps(auto), _streamed_gaps(edge_only)
+        if not (a and b) or not all(t is not None and t > 0 for t in (mine["ttft"], theirs["ttft"])):
+            continue  # no stream, or no first token timed
+        streamed = statistics.median(a)
         ttft.append(mine["ttft"] / theirs["ttft"])
-        gap.append(statistics.median(a) / statistics.median(b))
-        edges = _boundary_gaps(s)
+        gap.append(streamed / statistics.median(b))
+        edges = _boundary_gaps(auto)
         boundaries.append(len(edges))
-        boundary.append(sum(g - statistics.median(a) for g in edges) / mine["wall"])
+        boundary.append(sum(g - streamed for g in edges) / mine["wall"])
     return {"pairs": len(ttft), "ttft_ratio": geomean(ttft), "gap_ratio": geomean(gap),
             "boundaries_mean": statistics.fmean(boundaries) if boundaries else None,
             "boundary_share": statistics.fmean(boundary) if boundary else None}
