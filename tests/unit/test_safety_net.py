@@ -733,3 +733,34 @@ def test_an_arm_that_cannot_pay_is_priced_within_its_best_case_over_the_rounds_i
     measured = replace(s, spec=N.Sums().plus(4, 4 / 12, CFG.discount))
     assert N.probe_wait_s(measured, CFG, N.SPEC, e, replace(sp, ceiling=1.0), 16, 12) == pytest.approx(
         N.probe_wait_s(measured, CFG, N.SPEC, e, replace(sp, ceiling=12.0), 16, 12))
+
+
+def test_drafting_the_model_now_predicts_faster_is_explored_soon_whatever_older_rounds_said() -> None:
+    """The drafted arm's rounds came from another text at draft length 1 (9 tok/s); the model, from this
+    text's acceptance, predicts drafting at 18.3 tok/s against edge-only's 12.6, and is right (18). The
+    net's sums outvote it (an edge-only session start), but the model's claim is explored within the
+    first 5 s (priced at the least: ``margin`` of a probe); priced as a loss (the control) it waits
+    ~20 s of edge-only. Then drafting runs on: over the first 40 s the session loses under half the
+    control's time to edge-only."""
+    def world(cfg: N.NetConfig) -> World:
+        w = World(edge_rate=12.6, spec_rate=18.0, model_edge=12.6, model_spec=18.3, cfg=cfg)
+        slow, edge = N.Sums(), N.Sums()
+        for _ in range(3):
+            slow = slow.plus(2, 2 / 9.0, cfg.discount)
+        for _ in range(4):
+            edge = edge.plus(EDGE_TOKENS, EDGE_TOKENS / 12.6, cfg.discount)
+        w.state = N.start_from(replace(N.NetState(), spec=slow, spec_steady=slow, edge=edge), cfg)
+        w.run(40)
+        return w
+
+    def first_drafted_s(w: World) -> float:
+        return next(sum(x[3] for x in w.log[:i]) for i, x in enumerate(w.log) if x[0] == N.SPEC)
+    w, control = world(CFG), world(replace(CFG, model_claims=False))
+    assert w.log[0][:2] == (N.EDGE, "net") and control.log[0][:2] == (N.EDGE, "net")
+    assert first_drafted_s(w) < 5.0 and w.log[-1][0] == N.SPEC, w.log[:6]
+    assert first_drafted_s(control) > 15.0, control.log[:12]
+    assert w.lost_share() < 0.5 * control.lost_share(), (w.lost_share(), control.lost_share())
+    # the claim costs what an exploration costs once it was measured to lose: the price is the measured one
+    lost = replace(w.state, spec_probe=N.Cost().plus(0.8, CFG.discount))
+    e, sp = w.prior(N.EDGE), w.prior(N.SPEC)
+    assert N.probe_wait_s(lost, CFG, N.SPEC, e, sp, 12.6, 11.0) == pytest.approx(0.8 / CFG.explore_cost)
