@@ -61,17 +61,28 @@ class Run:
         self.prompts = harness_plan.sample_texts(s.prompts)
         self.sessions: list[dict] = []
         self.errors: list[dict] = []
+        self.warmup: dict[str, dict] = {}   # config -> its warm-up session's record
         self.cells: dict[str, dict] = {}
         self.rows = 0  # balanced turn orders used so far (harness.plan.balanced)
 
     def warm_up(self, rig: Rig) -> None:
+        """One short session per config, untimed. Mode auto's memory starts from what its warm-up's rounds
+        measured, so those are kept (``warmup`` in the run's data: each config's record)."""
         rec = self.recs[0]
         rig.set_emulator(rec.emulator(rec.offsets_s[0], self.s.rtts_ms[0], self.s.queue))
         for name in self.configs:
             job = plan.Session("warmup", rec.name, 0, self.s.temperatures[0], name, 0, 0.0,
                                plan.links_plan.config_device(name, self.extra.get(name)))
-            rig.run([job.to_driver(self.prompts, WARMUP_TOKENS)],
-                    lambda line: self.errors.append(line) if "error" in line else None)
+
+            def on_line(line: dict, name: str = name) -> None:
+                if "record" in line:
+                    self.warmup[name] = line["record"]
+                elif "error" in line:
+                    self.errors.append(line)
+            rig.run([job.to_driver(self.prompts, WARMUP_TOKENS)], on_line)
+        auto = self.warmup.get("auto")
+        if auto is not None:
+            print("auto's warm-up: " + ", ".join(f"{r['mode']} {r['generated']} tok" for r in auto["rounds"]), flush=True)
 
     def one(self, rig: Rig, rec: plan.Recording, sess: plan.Session) -> None:
         wait_link_idle(rig)
@@ -409,7 +420,7 @@ def main(argv=None) -> int:
             "best_fixed": best, "best_fixed_why": best_why, "default": plan.DEFAULT,
             "recordings": [vars(r) for r in recs], "machine": harness_plan.machine_info(),
             "git": harness_plan.git_info(), "cells": run.cells, "sessions": run.sessions, "errors": run.errors,
-            "timing": {}}
+            "warmup": run.warmup, "timing": {}}
     t0 = time.perf_counter()
     try:
         if s.check_seconds > 0:
