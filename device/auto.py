@@ -891,6 +891,9 @@ def _explain(chosen: A.Prediction, e: A.Estimates, ranking: list[A.Prediction], 
         "probe_due_s": net.probe_due_s if net is not None and math.isfinite(net.probe_due_s) else None,
         "spec_lost": state.spec_lost if state is not None else None,
         "edge_lost": state.edge_lost if state is not None else None,
+        # what explorations of each arm were measured to cost (the least they are priced at)
+        "spec_probe_cost_s": state.spec_probe.mean() if state is not None else None,
+        "edge_probe_cost_s": state.edge_probe.mean() if state is not None else None,
         "spec_pays": net.spec_pays if net is not None else None,
         # what the best case and the learned scales were (why drafting was or was not explored)
         "spec_ceiling_tokens_per_s": net.spec_ceiling if net is not None else None,

@@ -147,8 +147,8 @@ def emit(obj: dict) -> None:
 AUTO_TIMELINE_KEYS = ("choice", "why", "predicted_tokens_per_s", "net_edge_tokens_per_s", "net_spec_tokens_per_s",
                       "rtt_s", "draft_s", "verify_base_s", "verify_per_token_s", "edge_token_s", "alpha_base",
                       "time_scale", "model_edge_tokens_per_s", "model_spec_tokens_per_s", "probe_due_s",
-                      "spec_lost", "edge_lost", "guess_rate", "spec_pays", "retime",
-                      "spec_ceiling_tokens_per_s", "time_scales", "encode_s", "uplink_bps", "downlink_bps",
+                      "spec_lost", "edge_lost", "spec_probe_cost_s", "edge_probe_cost_s", "guess_rate", "spec_pays",
+                      "retime", "spec_ceiling_tokens_per_s", "time_scales", "encode_s", "uplink_bps", "downlink_bps",
                       "shadow", "catch_up")
 
 

@@ -213,7 +213,7 @@ def test_the_timeline_keeps_auto_s_reason_and_the_net_s_arms_for_each_round() ->
               "net_spec_tokens_per_s": 9.5, "rtt_s": 0.04, "draft_s": 0.05, "verify_base_s": 0.1,
               "verify_per_token_s": 0.01, "edge_token_s": 0.07, "alpha_base": 0.9, "time_scale": 1.1, "runner_up": "none",
               "model_edge_tokens_per_s": 11.5, "model_spec_tokens_per_s": 12.0, "probe_due_s": None, "spec_lost": 1,
-              "edge_lost": 0, "guess_rate": 0.8, "spec_pays": True, "retime": None, "spec_ceiling_tokens_per_s": 20.0,
+              "edge_lost": 0, "spec_probe_cost_s": 0.3, "edge_probe_cost_s": 0.0, "guess_rate": 0.8, "spec_pays": True, "retime": None, "spec_ceiling_tokens_per_s": 20.0,
               "time_scales": {"tslt-256": 1.1}, "encode_s": {"tslt": 0.002},
               "uplink_bps": 2e6, "downlink_bps": None, "shadow": None, "catch_up": False}
     for round_plan in (SimpleNamespace(choice=choice), SimpleNamespace(choice=None)):  # auto, then a fixed mode
