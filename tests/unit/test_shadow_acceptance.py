@@ -89,3 +89,40 @@ def test_the_shadows_measured_cost_decides_whether_an_edge_only_round_shadows() 
     assert not policy._shadow_pays(call)
     assert policy._shadow_pays(replace(call, spec_ceiling=1.2 * 18))
     assert not policy._shadow_pays(replace(call, spec_ceiling=1.2 * 18, spec_pays=False))
+
+
+def known_link_drafting_measured_slow(shadow_s: float) -> LinkTracker:
+    """A device that streamed three edge-only rounds of a hard text at T = 0 (each shadow read costing
+    ``shadow_s`` a round) and measured two drafted rounds at 4 tok/s: its next session starts edge-only."""
+    tracker = LinkTracker()
+    first = AutoPolicy(tracker, hello(0.0), 49152)
+    for i in range(3):
+        first.observe(edge_round((0,) * 32, 1.7 * (i + 1), shadow_s=shadow_s))
+    d = N.NetConfig().discount
+    slow = N.Sums().plus(4, 1.0, d)
+    tracker.nets[0.0] = replace(tracker.nets[0.0], spec=slow.plus(4, 1.0, d), spec_steady=slow)
+    return tracker
+
+
+def test_a_sessions_rounds_planned_before_its_first_verdict_read_the_text_in_short_chunks() -> None:
+    """The plan of a round is made while the round before streams, so the rounds planned before a
+    session's first is committed cannot know what the shadow reads of this text: where they read it
+    they ask for ``edge_chunk_min`` tokens (the third round's plan then knows 8 of them), the rounds
+    after for the usual chunk. Where the shadow does not run (its measured cost exceeds what drafting
+    could gain), the first rounds are of the usual chunk too."""
+    cfg = LinkTracker().config
+    policy = AutoPolicy(known_link_drafting_measured_slow(shadow_s=0.0), hello(0.0), 49152)
+    first = policy.choose()
+    ahead = policy.choose(in_flight=first)
+    usual = first.choice["edge_chunk"]
+    assert usual > cfg.edge_chunk_min, "the usual chunk is the short one: nothing to tell apart"
+    for plan in (first, ahead):
+        assert plan.settings.mode is Mode.NONE and plan.choice.get("shadow"), plan.choice
+        assert plan.settings.edge_tokens == cfg.edge_chunk_min
+    policy.observe(edge_round((0,) * 32, 1.7))
+    later = policy.choose()
+    assert later.settings.mode is Mode.NONE and later.choice.get("shadow")
+    assert later.settings.edge_tokens == usual
+    unshadowed = AutoPolicy(known_link_drafting_measured_slow(shadow_s=32 * 0.5), hello(0.0), 49152).choose()
+    assert unshadowed.settings.mode is Mode.NONE and not unshadowed.choice.get("shadow")
+    assert unshadowed.settings.edge_tokens == usual
