@@ -635,6 +635,7 @@ class AutoPolicy:
         self.last: dict = {}          # that round's choice and the estimates behind it (JSON-able)
         self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
         self.rounds = 0               # committed rounds of this session
+        self.text_positions = 0       # ... and the positions of its text whose acceptance they measured
         self.net_config = N.with_discount(tracker.config.net, tracker.config.memory)
         self.net = tracker.net_start(hello.temperature)  # what each arm delivered (the safety net)
         self._drafter_changes = tracker.drafter_changes  # the drafter's cost steps this net has seen
@@ -663,7 +664,7 @@ class AutoPolicy:
         shadow = chosen.candidate.mode is Mode.NONE and e.greedy and (
             cold or (net is not None and self._shadow_pays(net)))
         chunk, catch_up = self._edge_chunk(chosen, net, e, cold)
-        if shadow and self.rounds == 0:
+        if shadow and self.text_positions < self.tracker.config.estimates.prior_weight:
             chunk = min(chunk, self.tracker.config.edge_chunk_min)   # (:meth:`_edge_chunk`: a new text)
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
         choice = _explain(chosen, e, ranking, why, chunk, catch_up, net, self.net)
@@ -729,14 +730,16 @@ class AutoPolicy:
         A chunk ends where the net's next exploration of drafted rounds becomes due, so that one long
         edge-only round cannot take the rest of a session; the drafter reads the tokens when a drafted
         round is expected next. Where drafting cannot pay no exploration falls due (the drafter is timed
-        instead): a round of ``edge_round_unpaid_s``, as few boundaries as that allows. A session's
-        rounds planned before its first is committed ask for ``edge_chunk_min`` where they read the
-        text (the shadow, :meth:`choose`): the next plan is made while the round before streams, so the
-        third round is the first whose plan knows this text's acceptance, and at the usual 32 tokens a
-        round a text easier than the device's last ones streamed 64 of its 96 tokens edge-only before
-        the model heard of it (held-out nyumets-lirr at T = 0: the session after the warm-up ran at
-        0.60x the best fixed setting, drafting at 15.5 tok/s predicted once it knew). A boundary costs
-        about a streamed token's gap (the next request goes ahead: bench-traces' A/A split)."""
+        instead): a round of ``edge_round_unpaid_s``, as few boundaries as that allows. Where they read
+        the text (the shadow, :meth:`choose`), a session's rounds ask for ``edge_chunk_min`` until its
+        committed rounds measured as many positions of its text as the acceptance prior weighs
+        (``prior_weight``): each round's plan is made while the round before streams, and the shadow
+        reads a round's last tokens in the next (it feeds ``CATCH_UP_MIN`` at a time, after the prompt),
+        so at the usual 32 tokens a round a text easier than the device's last ones streamed 64 of its
+        96 tokens edge-only before the model heard of it (held-out nyumets-lirr at T = 0: the session
+        after the warm-up ran at 0.60x the best fixed setting, drafting at 15.5 tok/s predicted once it
+        knew); at 8 tokens, 24. A boundary costs about a streamed token's gap (the next request goes
+        ahead: bench-traces' A/A split)."""
         if chosen.candidate.mode is not Mode.NONE:
             return e.edge_chunk, False
         if cold:
@@ -821,6 +824,7 @@ class AutoPolicy:
         self._observe_net(event, drafted, seconds, changed)
         self._drafted_last = drafted
         self.rounds += 1
+        self.text_positions += r.positions + len(r.shadow)
 
     def skip(self, event: RoundEvent) -> None:
         """A round auto learns nothing from (tokens the edge generated ahead through an outage or a

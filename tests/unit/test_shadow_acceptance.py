@@ -104,12 +104,12 @@ def known_link_drafting_measured_slow(shadow_s: float) -> LinkTracker:
     return tracker
 
 
-def test_a_sessions_rounds_planned_before_its_first_verdict_read_the_text_in_short_chunks() -> None:
-    """The plan of a round is made while the round before streams, so the rounds planned before a
-    session's first is committed cannot know what the shadow reads of this text: where they read it
-    they ask for ``edge_chunk_min`` tokens (the third round's plan then knows 8 of them), the rounds
-    after for the usual chunk. Where the shadow does not run (its measured cost exceeds what drafting
-    could gain), the first rounds are of the usual chunk too."""
+def test_a_sessions_first_rounds_read_the_text_in_short_chunks() -> None:
+    """The plan of a round is made while the round before streams, and the shadow reads a round's last
+    tokens in the next: where they read the text, a session's rounds ask for ``edge_chunk_min`` tokens
+    until its committed rounds measured as many of its positions as the acceptance prior weighs (one
+    shadowed position is not enough), the rounds after for the usual chunk. Where the shadow does not
+    run (its measured cost exceeds what drafting could gain), the first rounds are of the usual chunk."""
     cfg = LinkTracker().config
     policy = AutoPolicy(known_link_drafting_measured_slow(shadow_s=0.0), hello(0.0), 49152)
     first = policy.choose()
@@ -119,7 +119,10 @@ def test_a_sessions_rounds_planned_before_its_first_verdict_read_the_text_in_sho
     for plan in (first, ahead):
         assert plan.settings.mode is Mode.NONE and plan.choice.get("shadow"), plan.choice
         assert plan.settings.edge_tokens == cfg.edge_chunk_min
-    policy.observe(edge_round((0,) * 32, 1.7))
+    policy.observe(edge_round((0,), 1.7))   # the first round's shadow: the prompt, then one position
+    third = policy.choose()
+    assert third.settings.mode is Mode.NONE and third.settings.edge_tokens == cfg.edge_chunk_min
+    policy.observe(edge_round((0,) * 8, 3.4))
     later = policy.choose()
     assert later.settings.mode is Mode.NONE and later.choice.get("shadow")
     assert later.settings.edge_tokens == usual
