@@ -35,6 +35,9 @@ in), and plays the arms as a two-armed bandit:
   round of the arm it came back to, the seconds taken beyond what that arm's measured rate gives the
   same tokens. Costs the model of a probe leaves out are in it: a round drafted ahead while the
   probe's last was verified, an edge-only round cut short to make room for it, a return that waits.
+* drafting that the model now predicts faster than edge-only (:func:`claims`: its prediction holds this
+  text's acceptance, the arm's rounds other texts' and draft lengths') is explored at the least price,
+  ``margin`` of a probe, until explorations are measured to lose (then at what they cost, as above).
 * an arm whose explorations lost ``k`` times in a row is explored at ``explore_cost / (1 + k)`` (k up
   to ``backoff``): at a fixed share, exploring a drafter that never pays (one slower than the target)
   cost 2-4 % of the time for ever, where UCB's explorations of an arm measured worse thin out.
