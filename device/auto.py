@@ -663,9 +663,7 @@ class AutoPolicy:
         # the text's acceptance measured while it streams (where drafting could pay its cost)
         shadow = chosen.candidate.mode is Mode.NONE and e.greedy and (
             cold or (net is not None and self._shadow_pays(net)))
-        chunk, catch_up = self._edge_chunk(chosen, net, e, cold)
-        if shadow and self.text_positions < self.tracker.config.estimates.prior_weight:
-            chunk = min(chunk, self.tracker.config.edge_chunk_min)   # (:meth:`_edge_chunk`: a new text)
+        chunk, catch_up = self._edge_chunk(chosen, net, e, cold, shadow)
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
         choice = _explain(chosen, e, ranking, why, chunk, catch_up, net, self.net)
         if chosen.candidate.mode is Mode.NONE and (catch_up or (net is not None and net.retime)):
@@ -725,21 +723,29 @@ class AutoPolicy:
         return informative[0] if informative else None
 
     def _edge_chunk(self, chosen: A.Prediction, net: N.NetCall | None, e: A.Estimates,
-                    cold: bool) -> tuple[int, bool]:
-        """(tokens an edge-only round asks for, whether the drafter should catch up while it streams).
-        A chunk ends where the net's next exploration of drafted rounds becomes due, so that one long
-        edge-only round cannot take the rest of a session; the drafter reads the tokens when a drafted
-        round is expected next. Where drafting cannot pay no exploration falls due (the drafter is timed
-        instead): a round of ``edge_round_unpaid_s``, as few boundaries as that allows. Where they read
-        the text (the shadow, :meth:`choose`), a session's rounds ask for ``edge_chunk_min`` until its
-        committed rounds measured as many positions of its text as the acceptance prior weighs
-        (``prior_weight``): each round's plan is made while the round before streams, and the shadow
+                    cold: bool, shadow: bool) -> tuple[int, bool]:
+        """(tokens an edge-only round asks for, whether the drafter should catch up while it streams):
+        as the net's next exploration has it (:meth:`_net_chunk`), and where the round reads the text
+        (``shadow``), a session's rounds ask for ``edge_chunk_min`` at most until its committed rounds
+        measured as many positions of its text as the acceptance prior weighs (``prior_weight``): each round's plan is made while the round before streams, and the shadow
         reads a round's last tokens in the next (it feeds ``CATCH_UP_MIN`` at a time, after the prompt),
         so at the usual 32 tokens a round a text easier than the device's last ones streamed 64 of its
         96 tokens edge-only before the model heard of it (held-out nyumets-lirr at T = 0: the session
         after the warm-up ran at 0.60x the best fixed setting, drafting at 15.5 tok/s predicted once it
         knew); at 8 tokens, 24. A boundary costs about a streamed token's gap (the next request goes
         ahead: bench-traces' A/A split)."""
+        chunk, catch_up = self._net_chunk(chosen, net, e, cold)
+        if shadow and self.text_positions < self.tracker.config.estimates.prior_weight:
+            chunk = min(chunk, self.tracker.config.edge_chunk_min)
+        return chunk, catch_up
+
+    def _net_chunk(self, chosen: A.Prediction, net: N.NetCall | None, e: A.Estimates,
+                   cold: bool) -> tuple[int, bool]:
+        """(tokens, catch up) as the net has it. A chunk ends where the net's next exploration of
+        drafted rounds becomes due, so that one long edge-only round cannot take the rest of a session;
+        the drafter reads the tokens when a drafted round is expected next. Where drafting cannot pay no
+        exploration falls due (the drafter is timed instead): a round of ``edge_round_unpaid_s``, as few
+        boundaries as that allows."""
         if chosen.candidate.mode is not Mode.NONE:
             return e.edge_chunk, False
         if cold:

@@ -491,9 +491,9 @@ def claims(spec: ArmPrior, r_edge: float, cfg: NetConfig) -> bool:
     tok/s against edge-only's 12.6 and the arm's rounds, from the 8-token warm-up session before (its
     rounds drafted 1-3 tokens where it was logged), 11.0 (held-out nyumets-lirr at T = 0: two 96-token
     sessions ran edge-only at 0.63x and 0.98x the best fixed setting, where drafting ran at 1.33x
-    edge-only). The model can be wrong the other way: an
-    exploration that loses is priced (``priced_by_cost``), so a model that keeps claiming costs
-    ``explore_cost`` of the time, as any arm explored."""
+    edge-only). The model can be wrong the other way: an exploration that loses is priced
+    (``priced_by_cost``), so a model that keeps claiming costs ``explore_cost`` of the time, as any arm
+    explored."""
     return min(spec.rate, spec.ceiling) > (1 + cfg.margin) * r_edge
 
 
