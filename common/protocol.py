@@ -119,6 +119,7 @@ class Welcome:
     continues_late: bool = False  # continues a late round where the Hello asks (False: an older edge)
     continues_late_edge_only: bool = False  # ... and a late edge-only round (False: an older edge)
     ignores_eos: bool = False     # honours Hello.ignore_eos (False: an older edge)
+    token_probs: bool = False     # honours DraftBlock.token_probs (False: an older edge)
 
     def verifies(self, mode: Mode) -> bool:
         """Whether this edge takes rounds of ``mode`` (an edge that does not say: every mode but gumbel)."""
@@ -138,6 +139,7 @@ class DraftBlock:
     sent_ahead: bool = False                   # edge-only: sent before the last round's end (void after an EOS)
     run_ahead_ms: int = 0                      # > 0: the edge runs ahead if the next message is this late
     start: int = 0                             # sequence index of the round's first token; 0 = not stated
+    token_probs: bool = False                  # edge-only: each streamed token's log-probability, whatever the Hello asked
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,9 @@ class RoundRecord:
                                     # (how edge-only streams, everything in but the link's stalls;
                                     # 0: fewer than two arrived)
     stream_stall_s: float = 0.0     # edge-only rounds: seconds the link held the stream up (an outage)
-    shadow: tuple[int, ...] = ()    # edge-only rounds at T = 0: 1 where the drafter's greedy choice was the
-                                    # streamed token (mode auto's shadow acceptance), per token it read
+    shadow: tuple[float, ...] = ()  # edge-only rounds (mode auto's shadow acceptance), per token it read: at
+                                    # T = 0, 1 where the drafter's greedy choice was the streamed token;
+                                    # at T > 0, min(1, q/p) of it (edge_only.shadow_acceptance)
     shadow_s: float = 0.0           # ... seconds of the drafter's forwards that measured it
     shadow_fed: int = 0             # ... tokens those forwards read
 

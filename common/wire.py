@@ -138,6 +138,7 @@ def welcome_to_pb(w: P.Welcome) -> pb.EdgeMessage:
         forward_cost=[pb.CostPoint(tokens=t, seconds=sec) for t, sec in w.forward_cost],
         modes=[_MODE_TO_PB[m] for m in w.modes], adjusts_law=w.adjusts_law, continues_late=w.continues_late,
         continues_late_edge_only=w.continues_late_edge_only, ignores_eos=w.ignores_eos,
+        token_probs=w.token_probs,
     )
     if w.draft_len_hint is not None:
         msg.draft_len_hint = w.draft_len_hint
@@ -156,6 +157,7 @@ def welcome_from_pb(m: pb.Welcome) -> P.Welcome:
         draft_len_hint=m.draft_len_hint if m.HasField("draft_len_hint") else None,
         adjusts_law=m.adjusts_law, continues_late=m.continues_late,
         continues_late_edge_only=m.continues_late_edge_only, ignores_eos=m.ignores_eos,
+        token_probs=m.token_probs,
     )
 
 
@@ -169,7 +171,8 @@ def prompt_from_pb(m: pb.Prompt) -> P.Prompt:
 
 def draft_to_pb(d: P.DraftBlock) -> pb.DeviceMessage:
     msg = pb.Draft(round_id=d.round_id, distributions=list(d.distributions), dssd_scalars=d.dssd_scalars,
-                   tree_depth=d.tree_depth, sent_ahead=d.sent_ahead, run_ahead_ms=d.run_ahead_ms, start=d.start)
+                   tree_depth=d.tree_depth, sent_ahead=d.sent_ahead, run_ahead_ms=d.run_ahead_ms, start=d.start,
+                   token_probs=d.token_probs)
     if d.id_bits:
         msg.packed_ids, msg.id_bits = pack_ids(d.token_ids, d.id_bits), d.id_bits
     else:
@@ -193,7 +196,7 @@ def draft_from_pb(m: pb.Draft) -> P.DraftBlock:
         correction_token=m.correction_token if m.HasField("correction_token") else None,
         tree_depth=m.tree_depth,
         settings=settings_from_pb(m.settings) if m.HasField("settings") else None,
-        sent_ahead=m.sent_ahead, run_ahead_ms=m.run_ahead_ms, start=m.start,
+        sent_ahead=m.sent_ahead, run_ahead_ms=m.run_ahead_ms, start=m.start, token_probs=m.token_probs,
     )
 
 

@@ -413,7 +413,7 @@ class LinkTracker:
             if settings.mode is Mode.NONE:
                 if r.forward_s:  # the drafter timed while the round streamed (safety_net.NetCall.retime)
                     self._observe_drafter(r, catching_up=False)
-                if r.shadow and temperature == 0:
+                if r.shadow:
                     _observe_shadow(r.shadow, self.model(temperature), acceptance, gumbel)
                 if r.shadow_fed:
                     self.shadow_token_s.add(r.shadow_s / r.shadow_fed)
@@ -572,21 +572,33 @@ def shadow_rounds(hits: tuple[int, ...], depth: int) -> list[list[float]]:
     return out
 
 
-def _observe_shadow(hits: tuple[int, ...], side: "_ModelSide", acceptance: "SessionAcceptance | None",
+def shadow_rounds_sampled(values: tuple[float, ...], depth: int) -> list[list[float]]:
+    """At T > 0 the positions of a shadow (each an expected acceptance, edge_only.shadow_acceptance), in
+    rounds of ``depth``: no draft was drawn, so no position is known rejected where a round would end;
+    each depth's estimate gets the expected acceptance there, whatever came before it."""
+    return [list(values[i:i + depth]) for i in range(0, len(values), depth)]
+
+
+def _observe_shadow(shadow: tuple[float, ...], side: "_ModelSide", acceptance: "SessionAcceptance | None",
                     gumbel: "GumbelAcceptance | None") -> None:
-    """An edge-only round's shadow at T = 0 (edge_only.catch_up): the acceptance this text would
-    have given drafts, per the rounds they would have made (:func:`shadow_rounds`), taught to the exact
-    q's estimates and gumbel's alike (at T = 0 both accept a draft iff it is the target's argmax). Where
-    the session streams edge-only its estimate otherwise stays where its last drafted rounds left it (or
-    the device's long-run rate): an easy text was priced at another text's acceptance, and drafting that
-    ran 5-10 % faster than edge-only (TSLT-L8, ucc T = 0, the drafter at 1.0x) was never chosen."""
-    for values in shadow_rounds(hits, side.cfg.max_depth):
-        for ratio in (side.long, side.long_gumbel):
-            ratio.add(sum(values), len(values))
+    """An edge-only round's shadow (edge_only.catch_up): the acceptance this text would have given
+    drafts, per the rounds they would have made, taught to the exact q's estimates and gumbel's. At
+    T = 0 (:func:`shadow_rounds`) both accept a draft iff it is the target's argmax; at T > 0
+    (:func:`shadow_rounds_sampled`) each position's expected exact-q acceptance, and gumbel's through
+    the measured relation (autotune.race_from_exact) at ``cross_weight``, as an exact-q round teaches it.
+    Where the session streams edge-only its estimate otherwise stays where its last drafted rounds left
+    it (or the device's long-run rate): an easy text was priced at another text's acceptance, and
+    drafting that ran 5-10 % faster than edge-only (TSLT-L8, ucc T = 0, the drafter at 1.0x) was never
+    chosen."""
+    depth, w = side.cfg.max_depth, 1.0 if side.greedy else side.cfg.cross_weight
+    for exact in shadow_rounds(shadow, depth) if side.greedy else shadow_rounds_sampled(shadow, depth):
+        raced = [A.race_from_exact(v, side.greedy) for v in exact]
+        side.long.add(sum(exact), len(exact))
+        side.long_gumbel.add(w * sum(raced), w * len(raced))
         if acceptance is not None:
-            acceptance.add_positions(values)
+            acceptance.add_positions(exact)
         if gumbel is not None:
-            gumbel.add_positions(values)
+            gumbel.add_positions(raced, w)
 
 
 def first_token_wait(r: RoundRecord, settings: DraftSettings, sent_ahead: bool) -> float | None:
@@ -636,6 +648,7 @@ class AutoPolicy:
         self._drafted_last = False    # the last committed round was drafted (False at the start: catch-up)
         self.rounds = 0               # committed rounds of this session
         self.text_positions = 0       # ... and the positions of its text whose acceptance they measured
+        self.token_probs = False      # at T > 0, the edge streams each token's p (the shadow's measure)
         self.net_config = N.with_discount(tracker.config.net, tracker.config.memory)
         self.net = tracker.net_start(hello.temperature)  # what each arm delivered (the safety net)
         self._drafter_changes = tracker.drafter_changes  # the drafter's cost steps this net has seen
@@ -661,7 +674,7 @@ class AutoPolicy:
         probe = None if cold or (net is not None and net.why) else self._probe(pick, e)
         chosen = probe or pick
         # the text's acceptance measured while it streams (where drafting could pay its cost)
-        shadow = chosen.candidate.mode is Mode.NONE and e.greedy and (
+        shadow = chosen.candidate.mode is Mode.NONE and (e.greedy or self.token_probs) and (
             cold or (net is not None and self._shadow_pays(net)))
         chunk, catch_up = self._edge_chunk(chosen, net, e, cold, shadow)
         why = "cold" if cold else "probe" if probe else net.why if net is not None else None
@@ -783,6 +796,7 @@ class AutoPolicy:
         if self.current not in self.candidates:
             self.current = None
         self.tracker.observe_edge_cost(welcome.forward_cost)
+        self.token_probs = welcome.token_probs and self.hello.temperature > 0
 
     def _within(self, candidates: list[A.Candidate]) -> list[A.Candidate]:
         """The candidates this session may choose: the race rounds only where it must be reproducible

@@ -68,6 +68,22 @@ class DraftModel:
         next token is generated (not the prompt's: a session's first catch-up reads the prompt too), 1
         where the drafter's greedy choice there (its shaped logits' argmax) is that token, else 0. At
         T = 0 that is whether a draft there would have been accepted."""
+        start, rows = self._feed_rows(tokens, upto)
+        return [int(b == tokens[start + r]) for r, b in enumerate(rows.argmax(dim=-1).tolist())]
+
+    def feed_token_probs(self, tokens: list[int], upto: int) -> list[tuple[int, float]]:
+        """As :meth:`feed_agreement`, at T > 0: (sequence index, q of the token there) for each generated
+        token after a position fed, q the drafter's law as its drafts are drawn (:meth:`probs`)."""
+        start, rows = self._feed_rows(tokens, upto)
+        if not len(rows):
+            return []
+        ids = torch.tensor(tokens[start:start + len(rows)], dtype=torch.long)
+        q = self.probs(rows)[torch.arange(len(rows)), ids]  # [n]
+        return list(zip(range(start, start + len(rows)), q.tolist()))
+
+    def _feed_rows(self, tokens: list[int], upto: int) -> tuple[int, torch.Tensor]:
+        """Feed ``tokens[:upto]`` beyond the cache: (the sequence index of the first generated token a row
+        predicts, the shaped logits of the rows that predict generated tokens [n, V])."""
         c0 = self.lm.cache_len
         pending = tokens[c0:upto]
         assert pending and upto < len(tokens), (c0, upto, len(tokens))
@@ -75,7 +91,7 @@ class DraftModel:
         logits = self.lm.forward(pending, num_logits=len(pending))  # [n, V]
         rows = self.shaped(logits, tokens[:c0], [pending[:r + 1] for r in range(len(pending))])
         first = max(0, self.shaping.prompt_len - c0 - 1)  # rows before it predict the prompt's own tokens
-        return [int(b == tokens[c0 + r + 1]) for r, b in enumerate(rows.argmax(dim=-1).tolist()) if r >= first]
+        return c0 + first + 1, rows[first:]
 
     def shaped(self, logits: torch.Tensor,  # [n, V]
                seq: list[int], paths: list[list[int]] | None = None) -> torch.Tensor:  # [n, V]

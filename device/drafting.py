@@ -36,6 +36,9 @@ class Drafting:
         self.csqs = SessionThreshold()  # C-SQS's threshold across rounds (SQS Alg. 1)
         self._codecs: dict[DraftSettings, CodecConfig | None] = {}
         self._specs: dict[tuple[int, ...], TreeSpec] = {}
+        # at T > 0, log p of the tokens edge-only rounds streamed, by sequence index, until mode auto's
+        # shadow reads them (edge_only.catch_up)
+        self.edge_logp: dict[int, float] = {}
 
     def encode(self, q: torch.Tensor, settings: DraftSettings) -> EncodedQ:
         """The packet of q [V] with these settings, and the law the draft is drawn from (its decoding)."""

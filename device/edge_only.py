@@ -50,7 +50,9 @@ def _round(session: RoundHost, plan: RoundPlan, remaining: int, start: int, sent
     s = plan.settings
     s = replace(s, edge_tokens=asked(s.edge_tokens, remaining, plan.edge_tail))  # the edge must know when to stop
     plan = replace(plan, settings=s)
-    block = replace(session.block((), s), sent_ahead=sent_ahead)
+    # the shadow at T > 0 reads each token's p (catch_up); at T = 0 greedy agreement needs none
+    token_probs = bool((plan.choice or {}).get("shadow")) and session.drafting.model.temperature > 0
+    block = replace(session.block((), s), sent_ahead=sent_ahead, token_probs=token_probs)
     return RoundDraft(block=block, plan=plan, q_rows=[], theoretical_bits=0, support_sizes=[],
                       draft_seconds=0.0, encode_seconds=0.0, start=start, sent_ahead=sent_ahead)
 
@@ -192,10 +194,33 @@ def catch_up(session: RoundHost, stop: threading.Event, arrived: threading.Event
             model.feed(tokens[:target])
         else:
             fed, t0 = target - model.cache_len, time.perf_counter()
-            hits = model.feed_agreement(tokens, target)
+            values = (model.feed_agreement(tokens, target) if model.temperature == 0
+                      else shadow_values(model.feed_token_probs(tokens, target), session.drafting.edge_logp))
             shadow.shadow_s += time.perf_counter() - t0
             shadow.shadow_fed += fed
-            shadow.shadow.extend(hits)
+            shadow.shadow.extend(values)
+
+
+def shadow_values(qs: list[tuple[int, float]], logp: dict[int, float]) -> list[float]:
+    """At T > 0, each streamed token's :func:`shadow_acceptance` from the drafter's q of it (``qs``:
+    (sequence index, q(x))) and the edge's log p of it (``logp``, by sequence index: the tokens that
+    came with one; each read once, then dropped); a token without one (the edge generated it ahead,
+    or an older edge) is left out."""
+    out = []
+    for index, q in qs:
+        lp = logp.pop(index, None)
+        if lp is not None:
+            out.append(shadow_acceptance(q, lp))
+    return out
+
+
+def shadow_acceptance(q: float, logp: float) -> float:
+    """min(1, q(x) / p(x)) for a token x the target drew from p (its log-probability ``logp``): an
+    unbiased estimate of the acceptance a draft from q would have had at that position, since
+    E_{x~p} min(1, q(x)/p(x)) = sum_x min(p(x), q(x)) = 1 - TV(p, q) (Leviathan et al. 2023,
+    Corollary 3.6: the expected acceptance of speculative sampling). At T = 0 the shadow counts
+    greedy agreement instead."""
+    return min(1.0, q / math.exp(logp)) if logp > -math.inf else 1.0
 
 
 def time_drafter(session: RoundHost, stop: threading.Event, arrived: threading.Event,

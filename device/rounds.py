@@ -57,7 +57,8 @@ class RoundDraft:
     sent_ahead: bool = False        # edge-only: its request went out while the round before it streamed
     block_bytes: int = 0            # edge-only: the serialized size of its request, once sent
     continued_after: int = 0        # edge-only: tokens the edge generated ahead past its start, then continued it
-    shadow: list[int] = field(default_factory=list)  # edge-only at T = 0: the drafter's greedy agreement per token fed
+    # edge-only (the shadow): per token fed, the drafter's greedy agreement (T = 0) or min(1, q/p) (T > 0)
+    shadow: list[float] = field(default_factory=list)
     shadow_s: float = 0.0           # ... seconds of the forwards that measured it
     shadow_fed: int = 0             # ... tokens they read (the prompt's too, in a session's first)
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 from specdec.common import settings as S
 from specdec.common.modeling import LoadedModel
-from specdec.common.logprobs import TokenLogprob
+from specdec.common.logprobs import NO_LOGPROBS, TokenLogprob
 from specdec.common.protocol import DraftBlock, DraftSettings, Hello, ResidualReply, Verdict, Welcome
 from specdec.common.modes import Mode, RACE_MODES
 from specdec.common.stats import SpecStats
@@ -380,6 +380,10 @@ def _log_entry(event: RoundEvent, edge_hint: int | None) -> dict:
 def _append_edge_token(session: DraftSession, token: int, verdict: Verdict) -> None:
     """A token the edge generated (an edge-only round's, or ahead) appended to ``session``, with its
     log-probabilities where the Hello asked, and shown to the session's parts."""
+    if verdict.logprobs and session.hello.temperature > 0:
+        # before the token: the shadow's thread reads a token's p once it sees the token
+        session.drafting.edge_logp[len(session.tokens)] = verdict.logprobs[0].logprob
     session.tokens.append(token)
-    session.logprobs.extend(t.complete(token) for t in verdict.logprobs)
+    if session.hello.logprobs != NO_LOGPROBS:  # (a round may ask for them for the shadow alone)
+        session.logprobs.extend(t.complete(token) for t in verdict.logprobs)
     session.parts.observer.edge_token(token)

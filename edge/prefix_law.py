@@ -25,9 +25,12 @@ class PrefixLaw(Shaping):
             raise ValueError(f"prompt_len {prompt.prompt_len} beyond the {len(prompt.token_ids)} tokens sent")
         self.prompt_len = prompt.prompt_len or len(prompt.token_ids)
 
-    def asking(self, round_: ChainRound) -> ChainRound:
-        """The round with the session's logprobs request on it."""
-        return round_ if self.logprobs == NO_LOGPROBS else replace(round_, logprobs=self.logprobs)
+    def asking(self, round_: ChainRound, token_probs: bool = False) -> ChainRound:
+        """The round with the session's logprobs request on it (``token_probs``: at least the emitted
+        tokens' own, as an edge-only round may ask: Draft.token_probs)."""
+        if self.logprobs == NO_LOGPROBS:
+            return replace(round_, logprobs=0) if token_probs else round_
+        return replace(round_, logprobs=self.logprobs)
 
     def tree_logprobs(self, rows: torch.Tensor,  # [nodes, V] shaped logits, row n after node n
                       accepted: list[int], emitted: list[int]) -> tuple[TokenLogprob, ...]:

@@ -244,11 +244,11 @@ class VerifierSession:
         self.acceptance = Acceptance()  # of this device's drafts, for load-aware speculation
 
     def welcome(self) -> Welcome:
-        return Welcome(session_id=self.session_id, model_name=self.info.name,
-                       vocab_size=self.info.vocab_size, max_context=self.max_context,
-                       max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
-                       dssd_max_samples=self.limits.dssd_max_samples, continues_late=True, continues_late_edge_only=True,
-                       target_fingerprint=self.info.target_fingerprint, modes=tuple(Mode), adjusts_law=True, ignores_eos=True)
+        return Welcome(session_id=self.session_id, model_name=self.info.name, vocab_size=self.info.vocab_size,
+                       max_context=self.max_context, max_draft_len=self.limits.max_draft_len, max_k=self.limits.max_k,
+                       dssd_max_samples=self.limits.dssd_max_samples, target_fingerprint=self.info.target_fingerprint,
+                       modes=tuple(Mode), adjusts_law=True, continues_late=True, continues_late_edge_only=True,
+                       ignores_eos=True, token_probs=True)
 
     # -- prompt ----------------------------------------------------------------------------------
     def prefill(self, prompt: Prompt) -> None:
@@ -351,7 +351,7 @@ class VerifierSession:
             start = time.perf_counter()
             if len(self.tokens) + 1 > self.max_context:
                 raise LimitError(f"context limit {self.max_context} tokens reached", CONTEXT_FULL)
-            outcome = self._edge_token(round_start)
+            outcome = self._edge_token(round_start, draft.token_probs)
             token = outcome.next_token
             last = i + 1 == want or token in self.eos_token_ids or len(self.tokens) + 1 > self.max_context or complete(self)
             yield Verdict(round_id=draft.round_id, num_accepted=0, next_token=token, more=not last,
@@ -385,12 +385,12 @@ class VerifierSession:
         return Verdict(round_id=self.round_id, num_accepted=0, next_token=outcome.next_token, ahead=True,
                        verify_seconds=time.perf_counter() - start, logprobs=outcome.logprobs)
 
-    def _edge_token(self, round_start: int) -> RoundOutcome:
+    def _edge_token(self, round_start: int, token_probs: bool = False) -> RoundOutcome:
         """The target's next token alone (a gumbel race with no draft), appended (the cache stays one behind)."""
         offset = len(self.tokens) - round_start
         race = self.prefix.asking(gumbel_round(torch.empty(0, dtype=torch.long), self.law,
                                                lambda i: self.token_noise(round_start, offset + i),
-                                               **self.prefix.shape(self.tokens, [[]])))
+                                               **self.prefix.shape(self.tokens, [[]])), token_probs)
         outcome = self._verify(ForwardRequest(self.lm, self.tokens[self.lm.cache_len:], 1), race)
         self.tokens.append(outcome.next_token)
         return outcome

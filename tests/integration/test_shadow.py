@@ -1,13 +1,15 @@
-"""Mode auto's shadow acceptance at T = 0: while an edge-only round streams, the drafter reads the tokens in
-batched forwards (edge_only.catch_up) and notes, for each, whether its greedy choice was the token
-that followed. Checked against the drafter's own forward over the whole sequence (no cache), and end to end:
-shadowed edge-only rounds between drafted ones leave the drafter's cache as drafting expects it (the
-session is still the target's greedy decode)."""
+"""Mode auto's shadow acceptance: while an edge-only round streams, the drafter reads the tokens in batched
+forwards (edge_only.catch_up) and notes, for each, at T = 0 whether its greedy choice was the token that
+followed, at T > 0 min(1, q(x)/p(x)) with p(x) from the edge (Draft.token_probs). Checked against the
+drafter's (and the target's) own forward over the whole sequence (no cache), and end to end: shadowed
+edge-only rounds between drafted ones leave the drafter's cache as drafting expects it (the session is
+still the target's greedy decode; at T = 1, asking the edge for p changes no token)."""
 from __future__ import annotations
 
 import torch
 
 from specdec.common.modeling import encode_prompt
+from specdec.common.sampling import TargetLaw
 from specdec.common.settings import resolve as resolve_settings
 from specdec.device.draft_model import DraftModel
 from specdec.device.parts import Planner
@@ -82,3 +84,62 @@ def test_shadowed_edge_only_rounds_between_drafted_ones_keep_the_greedy_decode(a
     fed = [(r.shadow_fed, r.shadow_s, len(r.shadow)) for r in records if r.mode == "none"]
     assert all((n >= k and (s > 0) == (n > 0)) for n, s, k in fed) and fed[0][0] >= len(prompt), fed
     assert not any(r.shadow_fed or r.shadow_s for r in records if r.mode != "none")
+
+
+def full_probs(model, seq: list[int], temperature: float) -> torch.Tensor:  # [len(seq) - 1, V]
+    """Row j - 1: the model's law at ``temperature`` after seq[:j] (one forward, no cache)."""
+    with torch.inference_mode():
+        logits = model.model(torch.tensor([seq])).logits[0, :-1]
+    return TargetLaw(temperature).probs(logits)
+
+
+def test_at_t1_the_shadow_is_min_1_q_over_p_of_each_streamed_token_and_changes_no_token(accepting_pair_v512) -> None:
+    """Each value of a T = 1 shadow is min(1, q(x)/p(x)) of a generated token x, p the target's law
+    there as the edge sent it and q the drafter's (both recomputed here without a cache: a shifted
+    position, a swapped ratio or a p taken from the wrong row fails); the session that did not ask for
+    logprobs gets none; and the same seed with rounds that ask for no p gives the same tokens."""
+    target_dir, drafter_dir = accepting_pair_v512
+    drafter = load(str(drafter_dir))
+
+    def sessions(shadow: bool):
+        records = []
+
+        class Planner_(ShadowEveryOther):
+            def plan(self, hello, vocab_size, round_id):
+                plan = super().plan(hello, vocab_size, round_id)
+                return plan if shadow else RoundPlan(plan.settings)
+
+        def session_factory(d, hello, **kw):
+            session = with_parts(planner=Planner_())(d, hello, **kw)
+            session.listeners.append(lambda event: records.append(event.record))
+            return session
+
+        async def main():
+            async with edge(target_dir) as address:
+                cfg = device_config(mode="tslt", top_k=16, temperature=1.0, max_new_tokens=MAX_NEW, draft_ahead=False)
+                return await run_sessions(address, drafter, cfg, PROMPT, [5], session_factory)
+
+        [(tokens, _, session)] = run(main())
+        return tokens, session, records
+
+    tokens, session, records = sessions(shadow=True)
+    assert sessions(shadow=False)[0] == tokens
+    assert session.logprobs == []
+    prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
+    seq = prompt + tokens
+    p = full_probs(load(str(target_dir)), seq, 1.0)
+    q = full_probs(drafter, seq, 1.0)
+    x = torch.tensor(seq[1:])
+    rows = torch.arange(len(x))
+    truth = torch.clamp(q[rows, x] / p[rows, x], max=1.0).tolist()  # truth[j - 1]: the token at index j
+    values = [v for r in records if r.mode == "none" for v in r.shadow]
+    assert len(values) >= 12 and all(0.0 <= v <= 1.0 for v in values), values
+    assert any(v < 0.99 for v in values) and any(v > 0.5 for v in values), values  # not all 1 (nor all tiny)
+    # each shadow value matches the truth at some generated position, in order (a round's values are
+    # consecutive positions of the text)
+    generated = truth[len(prompt) - 1:]
+    for r in records:
+        if r.mode == "none" and r.shadow:
+            starts = [i for i in range(len(generated) - len(r.shadow) + 1)
+                      if all(abs(a - b) < 1e-3 for a, b in zip(r.shadow, generated[i:]))]
+            assert starts, (r.shadow, generated)

@@ -1,7 +1,8 @@
-"""Mode auto's shadow acceptance (device/auto.py ``shadow_rounds``, ``_observe_shadow``): at T = 0 an
-edge-only round's tokens, read by the drafter as they stream, say what acceptance the text would give
-drafts; the session's estimate follows them (the drafted rounds it is not running cannot), and only at
-T = 0, where agreeing with the argmax is acceptance."""
+"""Mode auto's shadow acceptance (device/auto.py ``shadow_rounds``, ``_observe_shadow``): an edge-only
+round's tokens, read by the drafter as they stream, say what acceptance the text would give drafts; the
+session's estimate follows them (the drafted rounds it is not running cannot). At T = 0 agreeing with the
+argmax is acceptance; at T > 0 each token x ~ p gives min(1, q(x)/p(x)) (edge_only.shadow_acceptance),
+with p from the edge (Draft.token_probs), an unbiased estimate of the position's acceptance."""
 from __future__ import annotations
 
 import math
@@ -10,11 +11,13 @@ from dataclasses import replace
 import pytest
 
 from specdec.common.modes import Mode
-from specdec.common.protocol import Hello
+from specdec.common.protocol import Hello, Welcome
 from specdec.common.settings import DraftSettings, resolve
 from specdec.common.stats import RoundRecord
 from specdec.device import safety_net as N
 from specdec.device.auto import AutoPolicy, LinkTracker, shadow_rounds
+from specdec.device.autotune import race_from_exact
+from specdec.device.edge_only import shadow_acceptance, shadow_values
 from specdec.device.rounds import RoundEvent, RoundPlan
 
 
@@ -25,12 +28,26 @@ def test_the_shadow_is_cut_where_a_chain_of_drafts_would_have_been() -> None:
     assert shadow_rounds((1, 1), 3) == [[1.0, 1.0]]  # a stretch that ended before the round would have
 
 
+def test_the_t1_shadow_value_is_an_unbiased_estimate_of_the_acceptance() -> None:
+    """Over x ~ p, min(1, q(x)/p(x)) averages to sum_x min(p, q), the expected acceptance of a draft
+    from q (Leviathan et al. 2023, Cor. 3.6), exactly: here 0.6, where the swapped ratio min(1, p/q)
+    would give 1.0."""
+    p = [0.5, 0.3, 0.2, 0.0]
+    q = [0.2, 0.3, 0.1, 0.4]
+    expected = sum(pi * shadow_acceptance(qi, math.log(pi)) for pi, qi in zip(p, q) if pi > 0)
+    assert expected == pytest.approx(sum(map(min, p, q))) and expected == pytest.approx(0.6)
+    assert sum(pi * min(1.0, pi / qi) for pi, qi in zip(p, q) if pi > 0) == pytest.approx(1.0)
+    # a token read once: its p is dropped after, one without a p (generated ahead) is left out
+    logp = {7: math.log(0.5), 9: math.log(0.25)}
+    assert shadow_values([(7, 0.25), (8, 0.9), (9, 0.5)], logp) == [0.5, 1.0] and logp == {}
+
+
 def hello(temperature: float) -> Hello:
     return Hello(vocab_fingerprint="x", vocab_size=49152, temperature=temperature,
                  draft=resolve({}, vocab_size=49152), seed=0, max_new_tokens=512)
 
 
-def edge_round(shadow: tuple[int, ...], t: float, shadow_s: float = 0.0) -> RoundEvent:
+def edge_round(shadow: tuple[float, ...], t: float, shadow_s: float = 0.0) -> RoundEvent:
     s = replace(DraftSettings(), mode=Mode.NONE, edge_tokens=32)
     r = RoundRecord(mode="none", drafted_tokens=0, positions=0, accepted=0, generated=32, uplink_bytes=30,
                     downlink_bytes=1000, shadow=shadow, shadow_s=shadow_s, shadow_fed=len(shadow),
@@ -39,7 +56,7 @@ def edge_round(shadow: tuple[int, ...], t: float, shadow_s: float = 0.0) -> Roun
                       edge_hint=None, t=t)
 
 
-def session_alpha(temperature: float, shadow: tuple[int, ...]) -> tuple[float, float]:
+def session_alpha(temperature: float, shadow: tuple[float, ...]) -> tuple[float, float]:
     """(the session's acceptance estimate, its gumbel one) after three edge-only rounds with ``shadow``."""
     policy = AutoPolicy(LinkTracker(), hello(temperature), 49152)
     for i in range(3):
@@ -48,7 +65,7 @@ def session_alpha(temperature: float, shadow: tuple[int, ...]) -> tuple[float, f
     return e.alpha_base, e.gumbel_alpha
 
 
-def test_an_easy_text_streamed_edge_only_raises_the_sessions_acceptance_at_t0_only() -> None:
+def test_an_easy_text_streamed_edge_only_raises_the_sessions_acceptance_at_t0() -> None:
     easy = (1,) * 31 + (0,)
     hard = (1, 0) * 16
     plain, _ = session_alpha(0.0, ())
@@ -56,13 +73,31 @@ def test_an_easy_text_streamed_edge_only_raises_the_sessions_acceptance_at_t0_on
     low, _ = session_alpha(0.0, hard)
     assert high > 0.9 > plain > low, (high, plain, low)  # the prior (0.8) moved each way by the text
     assert high_gumbel == pytest.approx(high, abs=0.02)   # at T = 0 the race's acceptance is the same event
-    assert session_alpha(1.0, easy)[0] == pytest.approx(session_alpha(1.0, ())[0])  # T = 1: no such evidence
 
 
-def test_an_edge_only_round_at_t0_shadows_only_where_drafting_could_pay() -> None:
+def test_at_t1_the_shadows_expected_acceptances_move_the_session_and_gumbel_follows_the_relation() -> None:
+    """At T = 1 each position's value is its expected exact-q acceptance (not a hit): 0.97 everywhere
+    moves the session up from the prior (0.8), 0.5 down; gumbel's estimate moves the same way, toward
+    the relation's value 1 - 1.3 (1 - a) and not past it (a shadow taught to gumbel as a hit would
+    pass it). A shadow ignored at T > 0 (as before Draft.token_probs) leaves both at their priors."""
+    plain, plain_gumbel = session_alpha(1.0, ())
+    high, high_gumbel = session_alpha(1.0, (0.97,) * 32)
+    low, low_gumbel = session_alpha(1.0, (0.5,) * 32)
+    assert high > 0.9 > plain > 0.7 > low, (high, plain, low)
+    assert plain_gumbel + 0.1 < high_gumbel <= race_from_exact(0.97) + 1e-9, (plain_gumbel, high_gumbel)
+    assert race_from_exact(0.5) - 1e-9 <= low_gumbel < plain_gumbel - 0.1, (plain_gumbel, low_gumbel)
+
+
+def test_an_edge_only_round_shadows_only_where_drafting_could_pay_and_at_t1_where_the_edge_sends_p() -> None:
     cold = AutoPolicy(LinkTracker(), hello(0.0), 49152).choose()
     assert cold.settings.mode is Mode.NONE and cold.choice.get("shadow")  # a new device's first round reads the text
-    assert not AutoPolicy(LinkTracker(), hello(1.0), 49152).choose().choice.get("shadow")
+    assert not AutoPolicy(LinkTracker(), hello(1.0), 49152).choose().choice.get("shadow")  # an edge with no p
+    policy = AutoPolicy(LinkTracker(), hello(1.0), 49152)
+    policy.observe_welcome(Welcome(session_id="s", model_name="m", vocab_size=49152, max_context=2048,
+                                   max_draft_len=16, max_k=4096,
+                                   modes=tuple(Mode), token_probs=True))
+    first = policy.choose()
+    assert first.settings.mode is Mode.NONE and first.choice.get("shadow"), first.choice
 
 
 def test_the_shadow_runs_only_where_drafting_could_gain_more_than_it_costs() -> None:

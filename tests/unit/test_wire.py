@@ -50,7 +50,8 @@ def test_welcome_round_trips_with_every_field() -> None:
                         max_k=512, resume_token=b"\x01\x02", resumed=True, dssd_max_samples=32,
                         target_fingerprint="fp", edge_name="edge-a",
                         forward_cost=((1, 0.0071), (8, 0.0072), (256, 0.0125)), modes=tuple(Mode), draft_len_hint=3,
-                        adjusts_law=True, continues_late=True, continues_late_edge_only=True, ignores_eos=True)
+                        adjusts_law=True, continues_late=True, continues_late_edge_only=True, ignores_eos=True,
+                        token_probs=True)
     for w in (welcome, replace(welcome, draft_len_hint=0), replace(welcome, draft_len_hint=None)):
         msg = pb.EdgeMessage.FromString(wire.welcome_to_pb(w).SerializeToString())
         assert wire.welcome_from_pb(msg.welcome) == w
@@ -59,6 +60,7 @@ def test_welcome_round_trips_with_every_field() -> None:
     assert not wire.welcome_from_pb(old).continues_late  # an edge before the field supersedes late rounds
     assert not wire.welcome_from_pb(old).continues_late_edge_only
     assert not wire.welcome_from_pb(old).ignores_eos  # an edge before the field ends rounds at EOS
+    assert not wire.welcome_from_pb(old).token_probs  # ... and sends no p with an edge-only round's tokens
 
 
 def test_a_hello_s_late_rounds_stop_ids_and_ignore_eos_survive_the_wire() -> None:
@@ -96,13 +98,15 @@ def test_a_gumbel_draft_carries_packed_ids_and_nothing_else() -> None:
     assert with_settings.settings.mode is Mode.GUMBEL and with_settings.token_ids == ids
 
 
-def test_an_edge_only_draft_sent_ahead_keeps_its_mark() -> None:
+def test_an_edge_only_draft_sent_ahead_and_asking_for_p_keeps_its_marks() -> None:
     from specdec.common.settings import DraftSettings
     block = P.DraftBlock(round_id=4, token_ids=(), settings=DraftSettings(mode=Mode.NONE, edge_tokens=8),
-                         sent_ahead=True)
+                         sent_ahead=True, token_probs=True)
     back, _ = _draft_through_wire(block)
     assert back.sent_ahead and (back.round_id, back.token_ids, back.settings.edge_tokens) == (4, (), 8)
+    assert back.token_probs
     assert not _draft_through_wire(replace(block, sent_ahead=False))[0].sent_ahead
+    assert not _draft_through_wire(replace(block, token_probs=False))[0].token_probs
 
 
 def test_a_round_s_start_and_run_ahead_and_the_verdicts_marks_survive_the_wire() -> None:
