@@ -78,6 +78,7 @@ class Estimates:
     encode_s: Mapping[Mode, float] = field(default_factory=dict)   # device: encode + decode per draft token
     decode_s: Mapping[Mode, float] = field(default_factory=dict)   # edge: payload decode per draft token
     queue_s: float = 0.0                    # edge: wait for its worker per forward
+    link_measured: bool = True              # rtt_s and uplink_bps rest on a round (not the prior: rtt 0)
     guess_rate: float = 0.7                 # P(bonus guessed right | all accepted): drafting ahead
     dssd_fallback_rate: float = 0.05        # P(a DSSD rejection needs the full p_j) ...
     dssd_fallback_bytes: float = 0.0        # ... and what that p_j costs downlink

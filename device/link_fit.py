@@ -86,6 +86,7 @@ class LinkFit:
         self.rounds_since_rate = 0                                   # rounds since a goodput sample
         self.fitted_rtts = collections.deque(maxlen=config.usual_window)  # the round trip of each fit
         self.unmeasured_s = 0.0                                      # seconds since a round measured it
+        self.measured = False                                        # the fit rests on a round (or a remembered link)
 
     def rtt_s(self) -> float:
         """The round trip a round expects now: the fit's, relaxed toward the usual one for the seconds
@@ -153,6 +154,7 @@ class LinkFit:
         if changed:  # small rounds cannot tell a new round trip from a new goodput: probe soon
             self.rounds_since_rate = max(self.rounds_since_rate, c.probe_every - c.probe_after_change)
         self.fit = (rtt, min(rate, self.uplink_bps() * c.rate_growth, FAST_LINK_BPS))
+        self.measured = True
         return False
 
     def _stalled(self, bits: float, network: float) -> bool:
@@ -186,6 +188,7 @@ class LinkFit:
     def restore(self, s: TS.LinkState) -> None:
         """Start from a remembered link (device/tracker_state.py)."""
         self.fit = (s.rtt_s, s.uplink_bps)
+        self.measured = True
         if s.measured_up_bits:
             self.sizes_sent.append(s.measured_up_bits)
         if s.downlink_bps is not None:
