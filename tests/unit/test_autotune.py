@@ -1004,3 +1004,35 @@ def test_the_long_run_gumbel_rate_is_remembered_with_the_rest() -> None:
     old = {**state["models"], "temperatures": {k: {n: v for n, v in m.items() if n != "long_gumbel"}
                                                for k, m in state["models"]["temperatures"].items()}}
     LinkTracker().restore(TS.from_json({"models": old}))  # a memory from before gumbel reads as none of it
+
+
+def test_rounds_modelled_before_the_link_was_measured_teach_no_time_scale_nor_does_the_first_rounds_encode() -> None:
+    """A device's first drafted rounds are modelled with the link's round trip at its prior, 0: their
+    wall time (a round trip more than modelled) teaches their kind no scale, which would otherwise
+    price that kind 1.3x slow for as long as it did not run again (0.07-0.09 s modelled, 0.20 s
+    measured: a bench's warm-up). Once a round measured the link, a round's time teaches its scale
+    again. And the session's first round, which catches the drafter up, teaches no encode cost (the
+    first calls' setup: 15 ms a token against 1 ms after); a round after it does."""
+    t = LinkTracker()
+    policy = AutoPolicy(t, HELLO, HELLO.vocab_size)
+    c = A.Candidate(Mode.GUMBEL, 1)
+    s = resolve(dict(mode="gumbel", draft_len=1), vocab_size=HELLO.vocab_size)
+
+    def drafted(encode_s: float, elapsed_s: float) -> None:
+        e = t.estimates(1.0, HELLO.vocab_size)
+        r = RoundRecord(mode="gumbel", drafted_tokens=1, positions=1, accepted=1, generated=2, uplink_bytes=40,
+                        downlink_bytes=20, draft_forwards=2, phases={"draft": 0.06, "encode": encode_s, "network": 0.09,
+                                                                     "queue": 0.0, "decode": 0.0, "verify": 0.1})
+        CLOCK[0] += elapsed_s
+        policy.observe(RoundEvent(record=r, plan=RoundPlan(s, decision=AutoDecision(c, e)), new_tokens=(),
+                                  q_stats=(), guess=None, elapsed_s=elapsed_s, edge_hint=None, t=CLOCK[0]))
+
+    assert not t.estimates(1.0, HELLO.vocab_size).link_measured
+    drafted(0.015, 0.2)   # the session's first: catches up
+    assert Mode.GUMBEL not in t.encode_s
+    drafted(0.001, 0.2)   # modelled before any round measured the link (this one measures it)
+    assert c.codec_key not in t.time_scale
+    assert t.encode_s[Mode.GUMBEL].value == pytest.approx(0.001)
+    assert t.estimates(1.0, HELLO.vocab_size).link_measured
+    drafted(0.001, 0.6)   # three times what it was modelled at, now with a round trip in the model
+    assert t.time_scale[c.codec_key].value > 1.0
