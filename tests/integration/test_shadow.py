@@ -29,7 +29,7 @@ def greedy_agreement(drafter, seq: list[int]) -> list[int]:
 
 
 def test_the_agreement_of_a_batched_feed_is_the_drafters_greedy_choice_at_each_position(accepting_pair_v512) -> None:
-    target, drafter = load(str(accepting_pair_v512[0])), load(str(accepting_pair_v512[1]))
+    drafter = load(str(accepting_pair_v512[1]))
     prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
     seq = prompt + target_greedy(accepting_pair_v512[0], prompt, MAX_NEW)  # a text the drafter half agrees with
     expected = greedy_agreement(drafter, seq)
@@ -45,31 +45,44 @@ def test_the_agreement_of_a_batched_feed_is_the_drafters_greedy_choice_at_each_p
 
 
 class ShadowEveryOther(Planner):
-    """Edge-only rounds of 12 tokens that shadow, and TSLT rounds of 3 drafts, by turns."""
+    """Edge-only rounds of 12 tokens (that shadow, unless ``shadow`` is off), and TSLT rounds of 3
+    drafts, by turns."""
+
+    def __init__(self, shadow: bool = True):
+        self.shadow = shadow
 
     def plan(self, hello, vocab_size, round_id):
         if round_id % 2 == 0:
             return RoundPlan(resolve_settings(dict(mode="none", edge_tokens=12), vocab_size=vocab_size),
-                             choice={"shadow": True})
+                             choice={"shadow": True} if self.shadow else None)
         return RoundPlan(resolve_settings(dict(mode="tslt", top_k=16, draft_len=3), vocab_size=vocab_size))
 
 
-def test_shadowed_edge_only_rounds_between_drafted_ones_keep_the_greedy_decode(accepting_pair_v512) -> None:
-    target_dir, drafter_dir = accepting_pair_v512
+def shadowed_session(pair, temperature: float, seed: int, shadow: bool = True):
+    """One session of :class:`ShadowEveryOther` rounds against a real edge: (tokens, session, round records)."""
+    target_dir, drafter_dir = pair
     drafter = load(str(drafter_dir))
     records = []
 
     def session_factory(d, hello, **kw):
-        session = with_parts(planner=ShadowEveryOther())(d, hello, **kw)
+        session = with_parts(planner=ShadowEveryOther(shadow))(d, hello, **kw)
         session.listeners.append(lambda event: records.append(event.record))
         return session
 
     async def main():
         async with edge(target_dir) as address:
-            cfg = device_config(mode="tslt", top_k=16, temperature=0.0, max_new_tokens=MAX_NEW, draft_ahead=False)
-            return await run_sessions(address, drafter, cfg, PROMPT, [0], session_factory)
+            cfg = device_config(mode="tslt", top_k=16, temperature=temperature, max_new_tokens=MAX_NEW,
+                                draft_ahead=False)
+            return await run_sessions(address, drafter, cfg, PROMPT, [seed], session_factory)
 
     [(tokens, _, session)] = run(main())
+    return tokens, session, records
+
+
+def test_shadowed_edge_only_rounds_between_drafted_ones_keep_the_greedy_decode(accepting_pair_v512) -> None:
+    target_dir, drafter_dir = accepting_pair_v512
+    drafter = load(str(drafter_dir))
+    tokens, _, records = shadowed_session(accepting_pair_v512, 0.0, 0)
     prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
     assert tokens == target_greedy(target_dir, prompt, MAX_NEW)
     shadows = [r.shadow for r in records if r.mode == "none"]
@@ -100,30 +113,8 @@ def test_at_t1_the_shadow_is_min_1_q_over_p_of_each_streamed_token_and_changes_n
     logprobs gets none; and the same seed with rounds that ask for no p gives the same tokens."""
     target_dir, drafter_dir = accepting_pair_v512
     drafter = load(str(drafter_dir))
-
-    def sessions(shadow: bool):
-        records = []
-
-        class Planner_(ShadowEveryOther):
-            def plan(self, hello, vocab_size, round_id):
-                plan = super().plan(hello, vocab_size, round_id)
-                return plan if shadow else RoundPlan(plan.settings)
-
-        def session_factory(d, hello, **kw):
-            session = with_parts(planner=Planner_())(d, hello, **kw)
-            session.listeners.append(lambda event: records.append(event.record))
-            return session
-
-        async def main():
-            async with edge(target_dir) as address:
-                cfg = device_config(mode="tslt", top_k=16, temperature=1.0, max_new_tokens=MAX_NEW, draft_ahead=False)
-                return await run_sessions(address, drafter, cfg, PROMPT, [5], session_factory)
-
-        [(tokens, _, session)] = run(main())
-        return tokens, session, records
-
-    tokens, session, records = sessions(shadow=True)
-    assert sessions(shadow=False)[0] == tokens
+    tokens, session, records = shadowed_session(accepting_pair_v512, 1.0, 5)
+    assert shadowed_session(accepting_pair_v512, 1.0, 5, shadow=False)[0] == tokens
     assert session.logprobs == []
     prompt = encode_prompt(drafter.tokenizer, PROMPT, raw=True)
     seq = prompt + tokens
