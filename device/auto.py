@@ -743,8 +743,9 @@ class AutoPolicy:
         """(tokens an edge-only round asks for, whether the drafter should catch up while it streams):
         as the net's next exploration has it (:meth:`_net_chunk`), and where the round reads the text
         (``shadow``), a session's rounds ask for ``edge_chunk_min`` at most until its committed rounds
-        measured as many positions of its text as the acceptance prior weighs (``prior_weight``): each round's plan is made while the round before streams, and the shadow
-        reads a round's last tokens in the next (it feeds ``CATCH_UP_MIN`` at a time, after the prompt),
+        measured as many positions of its text as the acceptance prior weighs (``prior_weight``): each
+        round's plan is made while the round before streams, and the shadow reads a round's last tokens
+        in the next (it feeds ``CATCH_UP_MIN`` at a time, after the prompt),
         so at the usual 32 tokens a round a text easier than the device's last ones streamed 64 of its
         96 tokens edge-only before the model heard of it (held-out nyumets-lirr at T = 0: the session
         after the warm-up ran at 0.60x the best fixed setting, drafting at 15.5 tok/s predicted once it
