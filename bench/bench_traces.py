@@ -5,7 +5,7 @@ vs the links grid's best fixed configuration vs ``mode auto`` (issue 35, item 2)
     make bench-traces ARGS=--quick           # a few minutes: RTT 80 ms, 2 prompts x 48 tokens per cell
     .venv/bin/python -m specdec.bench.bench_traces [--quick] [--traces DIR] [--only NAME,...] [--rtts 40,80]
         [--temperatures 0,1] [--prompts N] [--max-new-tokens N] [--queue 150kb|100pkt] [--check-seconds S]
-        [--ignore-eos] [--replot DIR]
+        [--ignore-eos] [--control] [--replot DIR]
 
 Needs root (network namespaces). One edge-server and one device driver for the whole run, in two
 namespaces (the harness rig's "emulated" link, bench/harness/rig.py) with no tbf: the userspace
@@ -178,7 +178,9 @@ def print_tables(data: dict) -> None:
                   f"{ms(v.get('device_cpu_per_token')):>4}  end {ms(v.get('end_wait_p50')):>4}/{ms(v.get('end_wait_max')):>5}")
         s = c["summary"]
         print(f"  auto / best fixed {fmt(s['auto_vs_best_fixed'])}, / edge-only {fmt(s['auto_vs_edge_only'])}, "
-              f"/ default {fmt(s['auto_vs_default'])}")
+              f"/ default {fmt(s['auto_vs_default'])}"
+              + (f"; control: edge-only again / edge-only {fmt(s['control_vs_edge_only'])}"
+                 if s.get("control_vs_edge_only") is not None else ""))
         per_prompt = sorted((r["prompt"], r["vs_best_fixed"]) for r in data.get("regret", []) if r["cell"] == name)
         if per_prompt:
             print("  auto / cell's best fixed per prompt: " + ", ".join(f"p{p} {fmt(v)}" for p, v in per_prompt))
@@ -279,6 +281,7 @@ def analyze_all(data: dict) -> None:
     data["regret_summary"] = analyze.regret_summary(data["regret"])
     data["never_loses_goals"] = analyze.never_loses_goals(data["cells"], data["regret"])
     data["host_noise"] = analyze.host_noise(data["sessions"], data["settings"]["prompts"])
+    data["control"] = analyze.control_goals(data["cells"], data["sessions"])
     data["host_slowdowns"] = analyze.host_slowdowns(data["sessions"])
     data["finish_line"] = analyze.finish_line(data["cells"], data["sessions"], trace_outages(data["recordings"]),
                                               best, plan.DEFAULT)
@@ -314,6 +317,12 @@ def finish(data: dict, out: Path) -> None:
         print_tables(data)
         print_goals("issue 35 goals", data["goals"])
         print_goals("issue 46 goals (auto never loses)", data["never_loses_goals"])
+        control = data.get("control")
+        if control:
+            print_goals(f"the control: issue 46's goals against edge-only with edge-only run again in auto's place "
+                        f"(the host alone; {control['sessions']} sessions, geometric mean {fmt(control['geomean'], '.3f')}, "
+                        f"per-session sd {fmt(control['sd'], '.3f')} (log), a cell's ratio "
+                        f"~{fmt(control['cell_sd'], '.3f')} (1 sd))", control["goals"])
         fl = data["finish_line"]
         if fl["split_prompts"]:
             print_goals(f"the same without the {fl['split_prompts']} prompt(s) an outage of {fl['outage_s']:g} s or more "
@@ -344,6 +353,9 @@ def parse_args(argv=None):
                    "--drafter-costs, costs below the drafter's natural one, e.g. 0.3)")
     p.add_argument("--ignore-eos", action="store_true", help="every session goes on past end-of-sequence "
                    "tokens to --max-new-tokens (equal lengths at T > 0, where texts differ)")
+    p.add_argument("--control", action="store_true", help="run edge-only a second time in each cell: its "
+                   "ratio to edge-only is the host's noise, and the summary judges issue 46's goals with it in "
+                   "auto's place (what a goal at that precision can tell apart in this run)")
     p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
     return p.parse_args(argv)
 
@@ -372,6 +384,8 @@ def settings_from(a) -> plan.Settings:
         kw["drafter_costs"] = costs
     if a.ignore_eos:
         kw["ignore_eos"] = True
+    if a.control:
+        kw["control"] = True
     if a.target_slowdown is not None:
         if not 1 <= a.target_slowdown <= MAX_TARGET_SLOWDOWN:
             raise ValueError(f"--target-slowdown: in [1, {MAX_TARGET_SLOWDOWN:g}], got {a.target_slowdown:g}")
@@ -404,7 +418,7 @@ def main(argv=None) -> int:
         print(f"bench-traces: no trace in {folder} matches --only {a.only}", file=sys.stderr)
         return 2
     best, best_why = plan.best_fixed_of_links_grid()
-    configs = ["none", plan.DEFAULT, best, "auto"]
+    configs = ["none", plan.DEFAULT, best, "auto"] + ([analyze.CONTROL] if s.control else [])
     extra = {"auto": {"round_log": True}}
     stamp = harness_plan.stamp(s.quick)
     out = harness_plan.run_dir(RESULTS, stamp)

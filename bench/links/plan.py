@@ -23,7 +23,8 @@ DEFAULT_CONFIG = "tslt256-L4"  # today's fixed default: TSLT K = 256, L = 4 (the
 # (dense fp16 sends ~100 KB per position: ~6 s per round at 0.5 Mbit/s).
 PRUNE_FACTOR = 4.0
 
-# name -> (role, DeviceConfig overrides). Roles: none (edge-only), fixed, auto.
+# name -> (role, DeviceConfig overrides). Roles: none (edge-only), fixed, auto, control (edge-only run
+# a second time beside the first: what the host alone moves a ratio, bench-traces --control).
 CONFIGS: dict[str, tuple[str, dict]] = {
     "none": ("none", {"mode": "none"}),
     "tslt256-L4": ("fixed", {"mode": "tslt", "top_k": 256, "draft_len": 4}),
@@ -35,6 +36,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "gumbel-L4": ("fixed", {"mode": "gumbel", "draft_len": 4}),
     "gumbel-L8": ("fixed", {"mode": "gumbel", "draft_len": 8}),
     "auto": ("auto", {"mode": "auto"}),
+    "edge-only-again": ("control", {"mode": "none"}),
     # mode auto without gumbel among its candidates (its own memory of the link): the A/B of issue 37
     "auto-nogumbel": ("auto", {"mode": "auto", "auto_config": {"gumbel": False}}),
     # mode auto free to choose any round (factory.DeviceConfig.reproducible off, as for a daemon request

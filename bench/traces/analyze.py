@@ -25,6 +25,13 @@ Definitions:
     time went: auto's time to first token and median gap between streamed tokens against edge-only's,
     and what its round boundaries (an edge-only round asks for a chunk of tokens; edge-only streams
     one round) cost beyond a streamed gap: what auto's edge-only rounds would lose by their own doing;
+  * the control (``--control``, a diagnostic): edge-only run a second time in each cell (CONTROL), on
+    the same prompts, seeds and stretches of the link as the first, its order balanced with the others:
+    the same tokens the same way, so its ratio to edge-only is the host alone, measured in the run it
+    qualifies rather than inferred from auto's edge-only sessions (which carry auto's own round
+    boundaries, and exist only where auto chose edge-only); issue 46's goals against edge-only, judged
+    with the control in auto's place, say whether a goal at that precision can be told from the host's
+    noise at all in this run;
   * host slowdowns (a diagnostic): sessions whose edge-only tokens streamed SLOW_STREAM times the run's
     median gap or slower (each session's median gap between streamed tokens, over sessions with
     MIN_STREAMED_GAPS or more): a target forward takes the same time in every configuration, so a
@@ -59,6 +66,7 @@ FINISH_LINE_OUTAGE_S = 0.5
 # gap moves 2-5 % between a quiet host's sessions; a link stall moves a session's gaps, not its median.
 SLOW_STREAM = 1.2
 MIN_STREAMED_GAPS = 20  # gaps a session's median needs to say how it streamed
+CONTROL = "edge-only-again"  # the control's configuration (links.plan.CONFIGS: edge-only, run again)
 GOALS = {
     "auto_vs_best_geomean": ("auto >= 1.0x the links grid's best fixed, geometric mean over traces and round trips", 1.0),
     "auto_vs_best_every_trace": ("auto >= 0.95x the links grid's best fixed on every trace", 0.95),
@@ -109,9 +117,10 @@ def config_stats(sessions: list[dict]) -> dict[str, dict]:
 def cell_summary(stats: dict[str, dict], best_fixed: str, default: str) -> dict:
     tps = {n: v["tps"] for n, v in stats.items()}
     auto = tps.get("auto")
-    fixed = {n: v for n, v in tps.items() if n not in ("auto", "none") and v is not None}
+    fixed = {n: v for n, v in tps.items() if n not in ("auto", "none", CONTROL) and v is not None}
     cell_best = max(fixed, key=fixed.get) if fixed else None
     return {"tps": tps, "auto_vs_best_fixed": ratio(auto, tps.get(best_fixed)),
+            "control_vs_edge_only": ratio(tps.get(CONTROL), tps.get("none")),
             "auto_vs_edge_only": ratio(auto, tps.get("none")), "auto_vs_default": ratio(auto, tps.get(default)),
             "best_fixed_vs_edge_only": ratio(tps.get(best_fixed), tps.get("none")),
             "cell_best_fixed": cell_best, "auto_vs_cell_best_fixed": ratio(auto, fixed.get(cell_best))}
@@ -245,6 +254,36 @@ def host_slowdowns(sessions: list[dict]) -> dict:
     slowed = [{"t_s": t - t0, "cell": s["cell"], "prompt": s["prompt"], "config": s["config"], "median_gap_ms": 1e3 * m}
               for t, s, m in sorted(medians, key=lambda x: x[0]) if m >= SLOW_STREAM * run]
     return {"median_gap_ms": 1e3 * run, "slowed": slowed}
+
+
+def control_goals(cells: dict[str, dict], sessions: list[dict]) -> dict:
+    """Issue 46's goals against edge-only judged with the control (CONTROL: edge-only run again) in
+    auto's place: the host alone against the goals' precision (see the module's docstring). Also the
+    spread of the control's session ratios: the per-session standard deviation of their logs, and that
+    over the root of a cell's prompts (one cell's ratio moves that much, 1 sd, with no difference at
+    all). Empty where the run had no control."""
+    cell_ratios = {k: c["summary"].get("control_vs_edge_only") for k, c in cells.items()}
+    if all(v is None for v in cell_ratios.values()):
+        return {}
+    tps = _tps_by_session(sessions)
+    per_session = {f"{s['cell']} p{s['prompt']}": ratio(tps[(s["cell"], CONTROL, s["prompt"])],
+                                                          tps.get((s["cell"], "none", s["prompt"])))
+                   for s in sessions if s["config"] == CONTROL}
+    logs = [math.log(r) for r in per_session.values() if r is not None and r > 0]
+    prompts = max((s["prompt"] + 1 for s in sessions if s["config"] == CONTROL), default=1)
+    sd = statistics.stdev(logs) if len(logs) > 1 else None
+    out = {}
+    for key, label, values in (("auto_vs_edge_only_every_cell", "edge-only again >= {t:g}x edge-only on every cell",
+                                cell_ratios),
+                               ("auto_session_vs_edge_only", "no edge-only-again session below {t:g}x edge-only",
+                                per_session)):
+        threshold = NEVER_LOSES_GOALS[key][1]
+        v, where = _worst(values)
+        below = sum(1 for x in values.values() if x is not None and x < threshold)
+        out[key] = goal(label.format(t=threshold), v, threshold, f"worst {where}; {below} of {len(values)} below")
+    return {"goals": out, "sessions": len(logs), "sd": sd,
+            "cell_sd": sd / math.sqrt(prompts) if sd is not None else None,
+            "geomean": math.exp(statistics.fmean(logs)) if logs else None}
 
 
 def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, dict]:

@@ -73,6 +73,8 @@ class Settings:
     # race text (auto, edge-only) and a sampled one (a fixed chain mode) end at different lengths, and a
     # shorter session weighs its first token's wait more
     ignore_eos: bool = False
+    # edge-only run a second time in each cell (analyze.CONTROL): the host's noise measured in the run
+    control: bool = False
 
     @classmethod
     def preset(cls, quick: bool) -> "Settings":

@@ -150,6 +150,43 @@ def test_the_host_noise_pairs_only_auto_sessions_that_ran_edge_only_rounds_with_
     assert analyze.host_noise(sessions[:2], prompts=3)["sd"] is None  # one pair shows no spread
 
 
+def test_the_control_is_edge_only_again_judged_by_the_goals_in_auto_s_place_and_no_fixed_setting() -> None:
+    c = analyze.CONTROL
+    sessions = [session("a", "none", 0, 100, 10.0), session("a", c, 0, 100, 11.0), session("a", "fixA", 0, 100, 12.0),
+                session("a", "none", 1, 100, 10.0), session("a", c, 1, 100, 9.0), session("a", "fixA", 1, 100, 12.0),
+                session("b", "none", 0, 100, 10.0), session("b", c, 0, 100, 10.4), session("b", "fixA", 0, 100, 30.0)]
+    cells = {}
+    for name in ("a", "b"):
+        stats = analyze.config_stats([s for s in sessions if s["cell"] == name])
+        cells[name] = {"name": name, "summary": analyze.cell_summary(stats, "fixA", "fixA")}
+    # the control is no fixed setting: cell b's best fixed stays the slower fixA, not the control
+    assert cells["b"]["summary"]["cell_best_fixed"] == "fixA"
+    assert cells["a"]["summary"]["control_vs_edge_only"] == pytest.approx(20 / 20)
+    assert cells["b"]["summary"]["control_vs_edge_only"] == pytest.approx(10 / 10.4)
+    control = analyze.control_goals(cells, sessions)
+    cell_goal, session_goal = control["goals"]["auto_vs_edge_only_every_cell"], control["goals"]["auto_session_vs_edge_only"]
+    # the host alone puts cell b at 0.96x edge-only: a 0.97 goal misses on noise in this run
+    assert cell_goal["pass"] is False and cell_goal["value"] == pytest.approx(10 / 10.4)
+    assert "worst b" in cell_goal["where"] and "1 of 2 below" in cell_goal["where"]
+    assert session_goal["pass"] and session_goal["value"] == pytest.approx(10 / 11)
+    logs = [math.log(10 / 11), math.log(10 / 9), math.log(10 / 10.4)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    assert control["sessions"] == 3 and control["sd"] == pytest.approx(sd)
+    assert control["cell_sd"] == pytest.approx(sd / math.sqrt(2))  # two prompts a cell
+    no_control = [s for s in sessions if s["config"] != c]
+    stats = analyze.config_stats(no_control)
+    assert analyze.control_goals({"a": {"summary": analyze.cell_summary(stats, "fixA", "fixA")}}, no_control) == {}
+
+
+def test_the_control_flag_adds_edge_only_again_to_the_run() -> None:
+    s = bench_traces.settings_from(bench_traces.parse_args(["--control"]))
+    assert s.control and not bench_traces.settings_from(bench_traces.parse_args([])).control
+    assert plan.role(analyze.CONTROL) == "control"
+    control = plan.cell_sessions(plan.Recording("t", "u", "d", 100.0, (10.0,)), 40, 0.0, [analyze.CONTROL], {})[0]
+    assert device_config("e:1", control.device).draft["mode"] == "none"
+
+
 def test_the_a_a_split_says_whether_auto_lost_at_the_start_in_the_stream_or_between_rounds() -> None:
     def streamed(config: str, prompt: int, first: float, gap: float, rounds: tuple[int, ...], pause: float) -> dict:
         t, timeline = 100.0 + first, []
