@@ -179,7 +179,8 @@ def print_tables(data: dict) -> None:
         s = c["summary"]
         print(f"  auto / best fixed {fmt(s['auto_vs_best_fixed'])}, / edge-only {fmt(s['auto_vs_edge_only'])}, "
               f"/ default {fmt(s['auto_vs_default'])}"
-              + (f"; control: edge-only again / edge-only {fmt(s['control_vs_edge_only'])}"
+              + (f"; control: edge-only again / edge-only {fmt(s['control_vs_edge_only'])}, "
+                 f"auto / both edge-only runs {fmt(s.get('auto_vs_both_edge_only'))}"
                  if s.get("control_vs_edge_only") is not None else ""))
         per_prompt = sorted((r["prompt"], r["vs_best_fixed"]) for r in data.get("regret", []) if r["cell"] == name)
         if per_prompt:

@@ -164,7 +164,7 @@ def test_the_control_is_edge_only_again_judged_by_the_goals_in_auto_s_place_and_
     assert cells["a"]["summary"]["control_vs_edge_only"] == pytest.approx(20 / 20)
     assert cells["b"]["summary"]["control_vs_edge_only"] == pytest.approx(10 / 10.4)
     control = analyze.control_goals(cells, sessions)
-    cell_goal, session_goal = control["goals"]["auto_vs_edge_only_every_cell"], control["goals"]["auto_session_vs_edge_only"]
+    cell_goal, session_goal = control["goals"]["control_every_cell"], control["goals"]["control_session"]
     # the host alone puts cell b at 0.96x edge-only: a 0.97 goal misses on noise in this run
     assert cell_goal["pass"] is False and cell_goal["value"] == pytest.approx(10 / 10.4)
     assert "worst b" in cell_goal["where"] and "1 of 2 below" in cell_goal["where"]
@@ -174,6 +174,13 @@ def test_the_control_is_edge_only_again_judged_by_the_goals_in_auto_s_place_and_
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
     assert control["sessions"] == 3 and control["sd"] == pytest.approx(sd)
     assert control["cell_sd"] == pytest.approx(sd / math.sqrt(2))  # two prompts a cell
+    assert control["goals"]["auto_vs_pooled_every_cell"]["value"] is None  # no auto in these cells
+    with_auto = [*sessions, session("b", "auto", 0, 100, 10.0)]
+    stats = analyze.config_stats([s for s in with_auto if s["cell"] == "b"])
+    summary = analyze.cell_summary(stats, "fixA", "fixA")
+    # against edge-only's two runs pooled: 200 tokens in 20.4 s
+    assert summary["auto_vs_both_edge_only"] == pytest.approx(10 / (200 / 20.4))
+    assert summary["auto_vs_edge_only"] == pytest.approx(1.0)
     no_control = [s for s in sessions if s["config"] != c]
     stats = analyze.config_stats(no_control)
     assert analyze.control_goals({"a": {"summary": analyze.cell_summary(stats, "fixA", "fixA")}}, no_control) == {}
