@@ -324,6 +324,12 @@ def finish(data: dict, out: Path) -> None:
                         f"(the host alone; {control['sessions']} sessions, geometric mean {fmt(control['geomean'], '.3f')}, "
                         f"per-session sd {fmt(control['sd'], '.3f')} (log), a cell's ratio "
                         f"~{fmt(control['cell_sd'], '.3f')} (1 sd))", control["goals"])
+            print("  pooled over each round trip, temperature and drafter cost (geometric mean of the session ratios "
+                  "to edge-only on the same prompt, +- its standard error):")
+            for group, by in control.get("groups", {}).items():
+                print(f"    {group:<20} " + "   ".join(
+                    f"{name} {fmt(v['geomean'], '.3f')} +- {fmt(v['se'], '.3f')} (n = {v['sessions']})"
+                    for name, v in sorted(by.items())))
         fl = data["finish_line"]
         if fl["split_prompts"]:
             print_goals(f"the same without the {fl['split_prompts']} prompt(s) an outage of {fl['outage_s']:g} s or more "

@@ -298,7 +298,29 @@ def control_goals(cells: dict[str, dict], sessions: list[dict]) -> dict:
         out[key] = goal(label.format(t=threshold), v, threshold, f"worst {where}; {below} of {len(values)} below")
     return {"goals": out, "sessions": len(logs), "sd": sd,
             "cell_sd": sd / math.sqrt(prompts) if sd is not None else None,
-            "geomean": math.exp(statistics.fmean(logs)) if logs else None}
+            "geomean": math.exp(statistics.fmean(logs)) if logs else None, "groups": pooled_ratios(sessions)}
+
+
+def pooled_ratios(sessions: list[dict]) -> dict[str, dict]:
+    """Per round trip, temperature and drafter cost, over every cell and prompt of it: auto's and the
+    control's tokens/s against edge-only's on the same prompt and cell, as the geometric mean of the
+    session ratios with its standard error (of the logs' mean, as a share): many more sessions than a
+    cell's, so a loss of a few % can be told from the host's noise, which the control's own ratio
+    shows in the same sessions."""
+    tps = _tps_by_session(sessions)
+    logs: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for s in sessions:
+        if s["config"] not in ("auto", CONTROL):
+            continue
+        r = ratio(tps[(s["cell"], s["config"], s["prompt"])], tps.get((s["cell"], "none", s["prompt"])))
+        if r is not None and r > 0:
+            cost = s.get("drafter_cost")
+            group = (f"{s.get('rtt_ms', 0):g} ms T{s['temperature']:g}"
+                     + (f" draft {cost:g}x" if isinstance(cost, (int, float)) else ""))
+            logs[group][s["config"]].append(math.log(r))
+    return {g: {config: {"sessions": len(xs), "geomean": math.exp(statistics.fmean(xs)),
+                         "se": statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None}
+                for config, xs in by.items()} for g, by in sorted(logs.items())}
 
 
 def never_loses_goals(cells: dict[str, dict], regret: list[dict]) -> dict[str, dict]:

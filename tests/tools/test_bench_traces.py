@@ -181,6 +181,14 @@ def test_the_control_is_edge_only_again_judged_by_the_goals_in_auto_s_place_and_
     # against edge-only's two runs pooled: 200 tokens in 20.4 s
     assert summary["auto_vs_both_edge_only"] == pytest.approx(10 / (200 / 20.4))
     assert summary["auto_vs_edge_only"] == pytest.approx(1.0)
+    # pooled over the cells of a round trip, temperature and drafter cost: the sessions' ratios
+    slow = [{**x, "rtt_ms": 40.0, "drafter_cost": 1.0} for x in with_auto]
+    groups = analyze.pooled_ratios(slow)
+    assert list(groups) == ["40 ms T0 draft 1x"]
+    g = groups["40 ms T0 draft 1x"]
+    assert g[c]["sessions"] == 3 and g[c]["geomean"] == pytest.approx(math.exp(mean))
+    assert g[c]["se"] == pytest.approx(sd / math.sqrt(3))
+    assert g["auto"] == {"sessions": 1, "geomean": pytest.approx(1.0), "se": None}
     no_control = [s for s in sessions if s["config"] != c]
     stats = analyze.config_stats(no_control)
     assert analyze.control_goals({"a": {"summary": analyze.cell_summary(stats, "fixA", "fixA")}}, no_control) == {}
