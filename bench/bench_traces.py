@@ -5,7 +5,7 @@ vs the links grid's best fixed configuration vs ``mode auto`` (issue 35, item 2)
     make bench-traces ARGS=--quick           # a few minutes: RTT 80 ms, 2 prompts x 48 tokens per cell
     .venv/bin/python -m specdec.bench.bench_traces [--quick] [--traces DIR] [--only NAME,...] [--rtts 40,80]
         [--temperatures 0,1] [--prompts N] [--max-new-tokens N] [--queue 150kb|100pkt] [--check-seconds S]
-        [--ignore-eos] [--control] [--replot DIR]
+        [--ignore-eos] [--control] [--replot DIR] [--matrix DIR [DIR ...]]
 
 Needs root (network namespaces). One edge-server and one device driver for the whole run, in two
 namespaces (the harness rig's "emulated" link, bench/harness/rig.py) with no tbf: the userspace
@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from specdec.bench.harness import plan as harness_plan  # noqa: E402
 from specdec.bench.harness.analyze import fmt, print_goals  # noqa: E402
 from specdec.bench.harness.rig import Rig, shaping_available  # noqa: E402
-from specdec.bench.traces import analyze, plan  # noqa: E402
+from specdec.bench.traces import analyze, matrix, plan  # noqa: E402
 from specdec.testbed.traces import load_trace  # noqa: E402
 from specdec.testbed.units import parse_queue  # noqa: E402
 
@@ -340,6 +340,34 @@ def finish(data: dict, out: Path) -> None:
     print(f"results: {out}")
 
 
+def print_matrix_of(dirs: list[Path]) -> int:
+    """Print issue 46's matrix over the runs in ``dirs`` (each holding a bench_traces.json.gz)."""
+    runs = []
+    for d in dirs:
+        path = d / "bench_traces.json.gz"
+        if not path.is_file():
+            print(f"bench-traces: no bench_traces.json.gz in {d}", file=sys.stderr)
+            return 2
+        data = json.loads(gzip.open(path).read())
+        runs.append((f"{d.parent.name}/{d.name} ({str(data['git']['revision'])[:7]}, {data['started']})", data))
+    outages = [trace_outages([_found(r) for r in data["recordings"]]) for _, data in runs]
+    matrix.print_matrix(matrix.matrix(runs, outages))
+    return 0
+
+
+def _found(recording: dict) -> dict:
+    """A run's recording with its trace files where they are here: as the run named them, else the
+    same names in the folders the bench reads (a run made in another checkout); left as it was (and so
+    without outages) where neither is."""
+    if Path(recording["up"]).is_file() and Path(recording["down"]).is_file():
+        return recording
+    for folder in (*plan.TRACE_SETS, *plan.DEFAULT_TRACES):
+        up, down = folder / Path(recording["up"]).name, folder / Path(recording["down"]).name
+        if up.is_file() and down.is_file():
+            return {**recording, "up": str(up), "down": str(down)}
+    return recording
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -364,6 +392,8 @@ def parse_args(argv=None):
                    "ratio to edge-only is the host's noise, and the summary judges issue 46's goals with it in "
                    "auto's place (what a goal at that precision can tell apart in this run)")
     p.add_argument("--replot", type=Path, default=None, help="redo analysis and plots of a finished run's dir")
+    p.add_argument("--matrix", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="issue 46's goals over finished runs' dirs together (bench/traces/matrix.py)")
     return p.parse_args(argv)
 
 
@@ -402,6 +432,8 @@ def settings_from(a) -> plan.Settings:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.matrix:
+        return print_matrix_of(a.matrix)
     if a.replot:
         data = json.loads(gzip.open(a.replot / "bench_traces.json.gz").read())
         finish(data, a.replot)

@@ -23,6 +23,8 @@ from specdec.testbed.traces import load_trace, trace_pairs
 # The traces shipped beside the repository (the project's shared folder), looked for from where the
 # benchmark runs (make: the repository root) and from the source tree.
 DEFAULT_TRACES = (Path("../shared/traces"), Path(__file__).resolve().parents[2] / "../shared/traces")
+# The repository's own trace sets (issue 46): held out from every constant, and the tuning set beside them.
+TRACE_SETS = (Path(__file__).resolve().parent / "heldout", Path(__file__).resolve().parent / "tuning")
 LINKS_RESULTS = Path(__file__).resolve().parents[2] / "docs/bench/links/bench_links.json.gz"
 # The fixed configuration that was best in most grid cells of the committed links run (r6: TSLT K = 256
 # L = 8 in 21 of 32), used when that run is not at hand.
