@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from pathlib import PurePath
 
 from specdec.bench.traces import analyze
 from specdec.bench.harness.analyze import fmt
@@ -109,13 +110,15 @@ def verdict(ratio: float | None, z: float | None, threshold: float) -> str:
 
 
 def group_logs(data: dict) -> dict[str, dict[str, list[float]]]:
-    """{round trip, temperature and drafter cost: {auto / control: the sessions' log ratios to edge-only}}."""
+    """{trace set, round trip, temperature and drafter cost: {auto / control: the sessions' log ratios to
+    edge-only}}; the trace set is the run's folder's name (the held-out and tuning sets apart)."""
     tps = analyze._tps_by_session(data["sessions"])
+    folder = PurePath(str(data.get("traces_folder", ""))).name
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for s in data["sessions"]:
         if s["config"] in ("auto", analyze.CONTROL) and (r := analyze._vs_edge_only(tps, s)) is not None and r > 0:
-            out[f"{s.get('rtt_ms', 0):g} ms T{s['temperature']:g} {cost_label(s.get('drafter_cost'))}"][s["config"]].append(
-                math.log(r))
+            group = f"{folder} {s.get('rtt_ms', 0):g} ms T{s['temperature']:g} {cost_label(s.get('drafter_cost'))}"
+            out[group.strip()][s["config"]].append(math.log(r))
     return out
 
 
@@ -123,7 +126,7 @@ def matrix(runs: list[tuple[str, dict]], outages: list[dict] | None = None) -> d
     """Issue 46's goals over every cell of ``runs`` ((label, run) pairs): the rows, the goals' worst values
     and how many cells or sessions miss each (auto's and the control's), the same over the prompts not
     split at the finish line (``outages``: each run's recordings' outages, where known), and the
-    session ratios pooled per round trip, temperature and drafter cost over the runs (geometric mean +-
+    session ratios pooled per trace set, round trip, temperature and drafter cost over the runs (geometric mean +-
     standard error)."""
     outages = outages or [{} for _ in runs]
     rows = [row for (label, data), out in zip(runs, outages) for row in cell_rows(label, data, out)]
@@ -187,10 +190,10 @@ def print_matrix(m: dict) -> None:
     if m["split_prompts"]:
         _print_goals(f"the same without the {m['split_prompts']} prompt(s) split at the finish line (a diagnostic: "
                      "the goals above are the verdict)", m["goals_kept"])
-    print("\npooled per round trip, temperature and drafter cost over the runs (geometric mean of the session "
+    print("\npooled per trace set, round trip, temperature and drafter cost over the runs (geometric mean of the session "
           "ratios to edge-only +- its standard error)")
     for group, by in m["pooled"].items():
-        print(f"  {group:<22} " + "   ".join(f"{name} {fmt(v['geomean'], '.3f')} +- {fmt(v['se'], '.3f')} "
+        print(f"  {group:<30} " + "   ".join(f"{name} {fmt(v['geomean'], '.3f')} +- {fmt(v['se'], '.3f')} "
                                             f"(n = {v['sessions']})" for name, v in by.items()))
 
 

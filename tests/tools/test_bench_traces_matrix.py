@@ -23,7 +23,7 @@ def session(cell: str, config: str, prompt: int, wall: float, tokens: int = 100,
 def run(sessions: list[dict], prompts: int = 3) -> dict:
     cells = {s["cell"]: {"name": s["cell"], "trace": "t", "rtt_ms": 40.0, "temperature": 0.0, "drafter_cost": None}
              for s in sessions}
-    return {"cells": cells, "sessions": sessions, "best_fixed": "fixA", "default": "fixA",
+    return {"cells": cells, "sessions": sessions, "best_fixed": "fixA", "default": "fixA", "traces_folder": "/x/heldout",
             "settings": {"prompts": prompts}, "git": {"revision": "abcdef0123"}, "started": "20261202-000000",
             "recordings": []}
 
@@ -59,12 +59,15 @@ def test_a_cell_below_the_line_is_a_loss_only_beyond_the_host_s_noise() -> None:
     assert g["pass"] is False and g["cells"] == 3 and len(g["below"]) == 2
     assert g["losses"] == ["quiet: a"] and g["control_cells"] == 3 and g["control_below"] == 1  # noisy a: 30/31
     assert m["goals"]["auto_session_vs_edge_only"]["pass"]  # 0.95 over the 0.8 line
-    # pooled over both runs: one group (40 ms, T = 0, the drafter as it runs), every session of each
-    pooled = m["pooled"]["40 ms T0 natural"]
+    # pooled over both runs: one group (the trace set, 40 ms, T = 0, the drafter as it runs), every session of each
+    pooled = m["pooled"]["heldout 40 ms T0 natural"]
     assert pooled["auto"]["sessions"] == 9 and pooled[C]["sessions"] == 9
     autos = [math.log(0.95)] * 6 + [math.log(1.25)] * 3
     assert pooled["auto"]["geomean"] == pytest.approx(math.exp(sum(autos) / 9))
     assert m["split_prompts"] == 0
+    tuning = {**noisy, "traces_folder": "/x/tuning"}
+    assert sorted(matrix.matrix([("quiet", quiet), ("tuning", tuning)])["pooled"]) == [
+        "heldout 40 ms T0 natural", "tuning 40 ms T0 natural"]  # the sets apart
 
 
 def test_without_a_control_the_noise_is_the_a_a_pairs_or_none() -> None:
