@@ -109,3 +109,13 @@ def test_the_matrix_flag_reads_each_run_dir_and_says_which_one_is_missing(tmp_pa
     assert "1 of 1 cells below; the control: 1 of 1 below" in out
     assert bench_traces.main(["--matrix", str(d), str(tmp_path / "nowhere")]) == 2
     assert "no bench_traces.json.gz in" in capsys.readouterr().err
+
+
+def test_a_run_made_in_another_checkout_finds_its_traces_by_name_in_the_bench_s_sets() -> None:
+    moved = {"name": "nyumets-subwayQ", "up": "/elsewhere/heldout/nyumets-subwayQ.up",
+             "down": "/elsewhere/heldout/nyumets-subwayQ.down"}
+    found = bench_traces._found(moved)
+    assert found["up"].endswith("bench/traces/heldout/nyumets-subwayQ.up") and found["down"].endswith(".down")
+    assert bench_traces.trace_outages([found])["nyumets-subwayQ"]  # its outages, read from the repository's copy
+    gone = {"name": "x", "up": "/elsewhere/x.up", "down": "/elsewhere/x.down"}
+    assert bench_traces._found(gone) == gone and bench_traces.trace_outages([gone]) == {}
