@@ -140,20 +140,20 @@ def _tps(sess: dict) -> float | None:
     return ratio(m["tokens"], m["wall"])
 
 
-def _tps_by_session(sessions: list[dict]) -> dict[tuple, float | None]:
+def tps_by_session(sessions: list[dict]) -> dict[tuple, float | None]:
     """{(cell, config, prompt): tokens/s}: what a session is compared with on the same prompt and cell."""
     return {(s["cell"], s["config"], s["prompt"]): _tps(s) for s in sessions}
 
 
-def _vs_edge_only(tps: dict[tuple, float | None], sess: dict) -> float | None:
-    """``sess``'s tokens/s over edge-only's on the same cell and prompt (``tps``: :func:`_tps_by_session`)."""
+def vs_edge_only(tps: dict[tuple, float | None], sess: dict) -> float | None:
+    """``sess``'s tokens/s over edge-only's on the same cell and prompt (``tps``: :func:`tps_by_session`)."""
     return ratio(tps[(sess["cell"], sess["config"], sess["prompt"])], tps.get((sess["cell"], "none", sess["prompt"])))
 
 
 def session_regret(cells: dict[str, dict], sessions: list[dict]) -> list[dict]:
     """Per auto session: its tokens/s against edge-only's and the cell's best fixed setting's on the same
     prompt and stretch of the link (same cell, same prompt), and against the better of the two."""
-    tps = _tps_by_session(sessions)
+    tps = tps_by_session(sessions)
     out = []
     for s in sessions:
         if s["config"] != "auto":
@@ -281,8 +281,8 @@ def control_goals(cells: dict[str, dict], sessions: list[dict]) -> dict:
     cell_ratios = {k: c["summary"].get("control_vs_edge_only") for k, c in cells.items()}
     if all(v is None for v in cell_ratios.values()):
         return {}
-    tps = _tps_by_session(sessions)
-    per_session = {f"{s['cell']} p{s['prompt']}": _vs_edge_only(tps, s) for s in sessions if s["config"] == CONTROL}
+    tps = tps_by_session(sessions)
+    per_session = {f"{s['cell']} p{s['prompt']}": vs_edge_only(tps, s) for s in sessions if s["config"] == CONTROL}
     logs = [math.log(r) for r in per_session.values() if r is not None and r > 0]
     prompts = max((s["prompt"] + 1 for s in sessions if s["config"] == CONTROL), default=1)
     sd = statistics.stdev(logs) if len(logs) > 1 else None
@@ -309,13 +309,13 @@ def pooled_ratios(sessions: list[dict], tps: dict[tuple, float | None] | None = 
     control's tokens/s against edge-only's on the same prompt and cell, as the geometric mean of the
     session ratios with its standard error (of the logs' mean, as a share): many more sessions than a
     cell's, so a loss of a few % can be told from the host's noise, which the control's own ratio
-    shows in the same sessions. ``tps``: :func:`_tps_by_session` of ``sessions``, if at hand."""
-    tps = tps if tps is not None else _tps_by_session(sessions)
+    shows in the same sessions. ``tps``: :func:`tps_by_session` of ``sessions``, if at hand."""
+    tps = tps if tps is not None else tps_by_session(sessions)
     logs: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for s in sessions:
         if s["config"] not in ("auto", CONTROL):
             continue
-        r = _vs_edge_only(tps, s)
+        r = vs_edge_only(tps, s)
         if r is not None and r > 0:
             cost = s.get("drafter_cost")
             group = (f"{s.get('rtt_ms', 0):g} ms T{s['temperature']:g}"

@@ -47,9 +47,9 @@ def analyzed_cells(data: dict) -> dict[str, dict]:
 def run_noise(data: dict) -> tuple[float | None, str]:
     """(per-session sd of log ratios to edge-only with no difference, its source): the control's where
     the run had one, else the A/A pairs' (auto sessions that ran edge-only rounds only)."""
-    tps = analyze._tps_by_session(data["sessions"])
+    tps = analyze.tps_by_session(data["sessions"])
     logs = [math.log(r) for s in data["sessions"] if s["config"] == analyze.CONTROL
-            if (r := analyze._vs_edge_only(tps, s)) is not None and r > 0]
+            if (r := analyze.vs_edge_only(tps, s)) is not None and r > 0]
     if len(logs) > 1:
         return statistics.stdev(logs), "control"
     aa = analyze.host_noise(data["sessions"], data["settings"].get("prompts", 1))
@@ -67,7 +67,7 @@ def cell_rows(label: str, data: dict, outages: dict[str, list[tuple[float, float
     kept = [s for s in data["sessions"] if (s["cell"], s["prompt"]) not in splits]
     kept_cells = analyzed_cells({**data, "sessions": kept})
     kept_regret = analyze.session_regret(kept_cells, kept)
-    tps = analyze._tps_by_session(data["sessions"])
+    tps = analyze.tps_by_session(data["sessions"])
     sd, source = run_noise(data)
     threshold = analyze.NEVER_LOSES_GOALS["auto_vs_edge_only_every_cell"][1]
     rows = []
@@ -78,7 +78,7 @@ def cell_rows(label: str, data: dict, outages: dict[str, list[tuple[float, float
         se = sd / math.sqrt(prompts) if sd is not None and prompts else None
         z = (math.log(auto / threshold) / se) if auto and se else None
         controls = [r for x in data["sessions"] if x["cell"] == name and x["config"] == analyze.CONTROL
-                    if (r := analyze._vs_edge_only(tps, x)) is not None]
+                    if (r := analyze.vs_edge_only(tps, x)) is not None]
         rows.append({"run": label, "cell": name, "rtt_ms": c.get("rtt_ms"), "temperature": c.get("temperature"),
                      "cost": cost_label(c.get("drafter_cost")), "prompts": prompts, "auto_vs_edge_only": auto,
                      "control_vs_edge_only": s.get("control_vs_edge_only"),
@@ -112,11 +112,11 @@ def verdict(ratio: float | None, z: float | None, threshold: float) -> str:
 def group_logs(data: dict) -> dict[str, dict[str, list[float]]]:
     """{trace set, round trip, temperature and drafter cost: {auto / control: the sessions' log ratios to
     edge-only}}; the trace set is the run's folder's name (the held-out and tuning sets apart)."""
-    tps = analyze._tps_by_session(data["sessions"])
+    tps = analyze.tps_by_session(data["sessions"])
     folder = PurePath(str(data.get("traces_folder", ""))).name
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for s in data["sessions"]:
-        if s["config"] in ("auto", analyze.CONTROL) and (r := analyze._vs_edge_only(tps, s)) is not None and r > 0:
+        if s["config"] in ("auto", analyze.CONTROL) and (r := analyze.vs_edge_only(tps, s)) is not None and r > 0:
             group = f"{folder} {s.get('rtt_ms', 0):g} ms T{s['temperature']:g} {cost_label(s.get('drafter_cost'))}"
             out[group.strip()][s["config"]].append(math.log(r))
     return out
