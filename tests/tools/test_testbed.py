@@ -83,12 +83,20 @@ def _loopback_process(*cmd: str) -> procs.ReadyProcess:
     return procs.ReadyProcess(list(cmd), name=cmd[2], env=procs.child_env())
 
 
+# Scheduling priority (nice) of a rate test's own processes (probe ends, delay emulator), above the suite's
+# other worker: the emulator stands in for the kernel's netem, which no user process starves. Beside the
+# fuzzer's and Prometheus's tests, all three transfers a direction measured 1.72-1.75 of 2 Mbit/s (a clean
+# clone's run) and 3.57-3.60 of 4; at this priority, beside the same tests, 1.90-1.91 and 3.78-3.82.
+FAVOURED_NICE = -10
+
+
 def _measure(address: str, up_bytes: int, down_bytes: int, probes: int, ns: str | None = None,
-             transfers: int = 1) -> dict:
+             transfers: int = 1, nice: int = 0) -> dict:
     cmd = procs.python_module("specdec.testbed.probe", "measure", "--connect", address, "--up-bytes", str(up_bytes),
                               "--down-bytes", str(down_bytes), "--probes", str(probes), "--transfers", str(transfers))
     cmd = netns.in_ns(ns, *cmd) if ns else cmd
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=procs.child_env())
+    favour = (lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)) if nice else None
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=procs.child_env(), preexec_fn=favour)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -153,9 +161,12 @@ def test_testbed_rate_and_delay_are_what_a_transfer_measures() -> None:
         try:
             port = procs.start_probe_server(tb, started)
             address = procs.device_side_address(tb, port, started)
+            for p in started:  # (`ip netns exec` execs the command: its pid is the program's)
+                os.setpriority(os.PRIO_PROCESS, p.proc.pid, FAVOURED_NICE)
             # The fastest of 3 transfers a direction: the least delay's reason (testbed/probe.py); one
             # transfer under the suite's other worker measured 1.77 and 3.02 Mbit/s here (CI).
-            m = _measure(address, 500_000, 1_000_000, probes=12, ns=tb.pair.device_ns, transfers=3)
+            m = _measure(address, 500_000, 1_000_000, probes=12, ns=tb.pair.device_ns, transfers=3,
+                         nice=FAVOURED_NICE)
         finally:
             procs.stop_all(started)
     print("transfers (bit/s): " + ", ".join(f"{side} {[round(t['bps']) for t in m[f'{side}_transfers']]}"
