@@ -195,7 +195,7 @@ def print_tables(data: dict) -> None:
               f"{cal['target_token_s'] * 1e3:.1f} ms per token"
               + (f" (its forwards slowed {slowed:g}x)" if slowed != 1 else "")
               + f": drafter cost {cal['drafter_cost']:.2f}x; slowed to "
-              + ", ".join(f"{cost_label(c)} (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
+              + ", ".join(f"{plan.cost_label(c)} (+{d * 1e3:.0f} ms per forward)" for c, d in cal["delays_s"].items()))
     r = data.get("regret_summary")
     if r:
         print("\nper auto session (same cell and prompt): p5 / p50 / p95 (min) over "
@@ -263,12 +263,6 @@ def trace_outages(recordings: list[dict], min_s: float = analyze.FINISH_LINE_OUT
         except ValueError:
             continue
     return out
-
-
-def cost_label(cost: float | str | None) -> str:
-    """A drafter cost as --drafter-costs spells it (None, or "null" once a run's JSON is read back:
-    the drafter as it runs)."""
-    return "natural" if cost in (None, "null") else f"{float(cost):g}x"
 
 
 def analyze_all(data: dict) -> None:

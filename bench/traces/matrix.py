@@ -22,17 +22,12 @@ import statistics
 from collections import defaultdict
 from pathlib import PurePath
 
-from specdec.bench.traces import analyze
+from specdec.bench.traces import analyze, plan
 from specdec.bench.harness.analyze import fmt
 
 # A cell's shortfall below the 0.97 line larger than this many standard errors is a loss the host's noise
 # does not explain (one-sided, ~2 % by chance in a cell where auto is at the line).
 SIGNIFICANT_Z = -2.0
-
-
-def cost_label(cost) -> str:
-    """A session's drafter cost as --drafter-costs spells it (None: the drafter as it runs)."""
-    return "natural" if cost in (None, "null") else f"{float(cost):g}x"
 
 
 def analyzed_cells(data: dict) -> dict[str, dict]:
@@ -80,7 +75,7 @@ def cell_rows(label: str, data: dict, outages: dict[str, list[tuple[float, float
         controls = [r for x in data["sessions"] if x["cell"] == name and x["config"] == analyze.CONTROL
                     if (r := analyze.vs_edge_only(tps, x)) is not None]
         rows.append({"run": label, "cell": name, "rtt_ms": c.get("rtt_ms"), "temperature": c.get("temperature"),
-                     "cost": cost_label(c.get("drafter_cost")), "prompts": prompts, "auto_vs_edge_only": auto,
+                     "cost": plan.cost_label(c.get("drafter_cost")), "prompts": prompts, "auto_vs_edge_only": auto,
                      "control_vs_edge_only": s.get("control_vs_edge_only"),
                      "auto_vs_cell_best_fixed": s.get("auto_vs_cell_best_fixed"),
                      "worst_session": min((r["vs_edge_only"] for r in regret
@@ -117,7 +112,7 @@ def group_logs(data: dict) -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for s in data["sessions"]:
         if s["config"] in ("auto", analyze.CONTROL) and (r := analyze.vs_edge_only(tps, s)) is not None and r > 0:
-            group = f"{folder} {s.get('rtt_ms', 0):g} ms T{s['temperature']:g} {cost_label(s.get('drafter_cost'))}"
+            group = f"{folder} {s.get('rtt_ms', 0):g} ms T{s['temperature']:g} {plan.cost_label(s.get('drafter_cost'))}"
             out[group.strip()][s["config"]].append(math.log(r))
     return out
 

@@ -35,6 +35,12 @@ DEFAULT = links_plan.DEFAULT_CONFIG   # the fixed default: TSLT K = 256, L = 4
 SESSION_ROOM_S = 30.0
 
 
+def cost_label(cost: float | str | None) -> str:
+    """A drafter cost as --drafter-costs spells it (None, or "null" once a run's JSON is read back:
+    the drafter as it runs)."""
+    return "natural" if cost in (None, "null") else f"{float(cost):g}x"
+
+
 def best_fixed_of_links_grid(path: Path = LINKS_RESULTS) -> tuple[str, str]:
     """(config, why): the fixed configuration best in most grid cells of the committed links run."""
     try:

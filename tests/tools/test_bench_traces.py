@@ -293,7 +293,7 @@ def test_the_held_out_and_tuning_sets_are_trace_pairs_apart_from_each_other_and_
 
 def test_a_drafter_cost_is_printed_as_the_flag_spells_it() -> None:
     """The calibration line names the natural drafter 'natural' (not 'Nonex'), in a run and read back."""
-    from specdec.bench.bench_traces import cost_label
+    cost_label = plan.cost_label
     assert [cost_label(c) for c in (None, 0.6, 1.0)] == ["natural", "0.6x", "1x"]
     assert [cost_label(c) for c in json.loads(json.dumps({None: 0, 1.5: 0}))] == ["natural", "1.5x"]
 
