@@ -311,16 +311,32 @@ def pooled_ratios(sessions: list[dict], tps: dict[tuple, float | None] | None = 
     cell's, so a loss of a few % can be told from the host's noise, which the control's own ratio
     shows in the same sessions. ``tps``: :func:`tps_by_session` of ``sessions``, if at hand."""
     tps = tps if tps is not None else tps_by_session(sessions)
+    return pooled_summary(pooled_logs(sessions, tps, _pooled_group))
+
+
+def _pooled_group(s: dict) -> str:
+    cost = s.get("drafter_cost")
+    return (f"{s.get('rtt_ms', 0):g} ms T{s['temperature']:g}"
+            + (f" draft {cost:g}x" if isinstance(cost, (int, float)) else ""))
+
+
+def pooled_logs(sessions: list[dict], tps: dict[tuple, float | None],
+                group_of) -> dict[str, dict[str, list[float]]]:
+    """{``group_of(session)``: {auto / the control: its sessions' log ratios to edge-only on the same cell
+    and prompt}} (``tps``: :func:`tps_by_session` of ``sessions``)."""
     logs: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for s in sessions:
         if s["config"] not in ("auto", CONTROL):
             continue
         r = vs_edge_only(tps, s)
         if r is not None and r > 0:
-            cost = s.get("drafter_cost")
-            group = (f"{s.get('rtt_ms', 0):g} ms T{s['temperature']:g}"
-                     + (f" draft {cost:g}x" if isinstance(cost, (int, float)) else ""))
-            logs[group][s["config"]].append(math.log(r))
+            logs[group_of(s)][s["config"]].append(math.log(r))
+    return logs
+
+
+def pooled_summary(logs: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
+    """Per group (sorted) and configuration: the sessions, the geometric mean of their ratios and its
+    standard error (of the logs' mean)."""
     return {g: {config: {"sessions": len(xs), "geomean": math.exp(statistics.fmean(xs)),
                          "se": statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None}
                 for config, xs in by.items()} for g, by in sorted(logs.items())}

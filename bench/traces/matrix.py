@@ -39,10 +39,10 @@ def analyzed_cells(data: dict) -> dict[str, dict]:
     return out
 
 
-def run_noise(data: dict) -> tuple[float | None, str]:
+def run_noise(data: dict, tps: dict[tuple, float | None]) -> tuple[float | None, str]:
     """(per-session sd of log ratios to edge-only with no difference, its source): the control's where
-    the run had one, else the A/A pairs' (auto sessions that ran edge-only rounds only)."""
-    tps = analyze.tps_by_session(data["sessions"])
+    the run had one, else the A/A pairs' (auto sessions that ran edge-only rounds only); ``tps``:
+    :func:`analyze.tps_by_session` of the run's sessions."""
     logs = [math.log(r) for s in data["sessions"] if s["config"] == analyze.CONTROL
             if (r := analyze.vs_edge_only(tps, s)) is not None and r > 0]
     if len(logs) > 1:
@@ -51,19 +51,21 @@ def run_noise(data: dict) -> tuple[float | None, str]:
     return aa["sd"], "A/A"
 
 
-def cell_rows(label: str, data: dict, outages: dict[str, list[tuple[float, float]]] | None = None) -> list[dict]:
+def cell_rows(label: str, data: dict, outages: dict[str, list[tuple[float, float]]] | None = None,
+              tps: dict[tuple, float | None] | None = None) -> list[dict]:
     """One row per cell of a run: auto's and the control's ratios to edge-only, auto's to the cell's best
     fixed, the worst auto and control sessions, how far auto is from the 0.97 line in standard errors,
     and with ``outages`` (the run's recordings' outages, :func:`analyze.finish_line_splits`) the cell's
-    prompts split at the finish line and auto's ratios over the others (``kept``)."""
+    prompts split at the finish line and auto's ratios over the others (``kept``); ``tps``:
+    :func:`analyze.tps_by_session` of its sessions, if at hand."""
     cells = analyzed_cells(data)
     regret = analyze.session_regret(cells, data["sessions"])
     splits = analyze.finish_line_splits(data["sessions"], outages or {})
     kept = [s for s in data["sessions"] if (s["cell"], s["prompt"]) not in splits]
     kept_cells = analyzed_cells({**data, "sessions": kept})
     kept_regret = analyze.session_regret(kept_cells, kept)
-    tps = analyze.tps_by_session(data["sessions"])
-    sd, source = run_noise(data)
+    tps = tps if tps is not None else analyze.tps_by_session(data["sessions"])
+    sd, source = run_noise(data, tps)
     threshold = analyze.NEVER_LOSES_GOALS["auto_vs_edge_only_every_cell"][1]
     rows = []
     for name, c in cells.items():
@@ -104,17 +106,14 @@ def verdict(ratio: float | None, z: float | None, threshold: float) -> str:
     return "loss" if z is not None and z < SIGNIFICANT_Z else "noise"
 
 
-def group_logs(data: dict) -> dict[str, dict[str, list[float]]]:
-    """{trace set, round trip, temperature and drafter cost: {auto / control: the sessions' log ratios to
-    edge-only}}; the trace set is the run's folder's name (the held-out and tuning sets apart)."""
-    tps = analyze.tps_by_session(data["sessions"])
+def group_logs(data: dict, tps: dict[tuple, float | None]) -> dict[str, dict[str, list[float]]]:
+    """:func:`analyze.pooled_logs` per trace set, round trip, temperature and drafter cost; the trace set is
+    the run's folder's name (the held-out and tuning sets apart)."""
     folder = PurePath(str(data.get("traces_folder", ""))).name
-    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for s in data["sessions"]:
-        if s["config"] in ("auto", analyze.CONTROL) and (r := analyze.vs_edge_only(tps, s)) is not None and r > 0:
-            group = f"{folder} {s.get('rtt_ms', 0):g} ms T{s['temperature']:g} {plan.cost_label(s.get('drafter_cost'))}"
-            out[group.strip()][s["config"]].append(math.log(r))
-    return out
+
+    def group_of(s: dict) -> str:
+        return f"{folder} {s.get('rtt_ms', 0):g} ms T{s['temperature']:g} {plan.cost_label(s.get('drafter_cost'))}".strip()
+    return analyze.pooled_logs(data["sessions"], tps, group_of)
 
 
 def matrix(runs: list[tuple[str, dict]], outages: list[dict] | None = None) -> dict:
@@ -124,15 +123,14 @@ def matrix(runs: list[tuple[str, dict]], outages: list[dict] | None = None) -> d
     session ratios pooled per trace set, round trip, temperature and drafter cost over the runs (geometric mean +-
     standard error)."""
     outages = outages or [{} for _ in runs]
-    rows = [row for (label, data), out in zip(runs, outages) for row in cell_rows(label, data, out)]
+    tps = [analyze.tps_by_session(data["sessions"]) for _, data in runs]
+    rows = [row for (label, data), out, t in zip(runs, outages, tps) for row in cell_rows(label, data, out, t)]
     logs: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for _, data in runs:
-        for group, by in group_logs(data).items():
+    for (_, data), t in zip(runs, tps):
+        for group, by in group_logs(data, t).items():
             for config, xs in by.items():
                 logs[group][config].extend(xs)
-    pooled = {g: {config: {"sessions": len(xs), "geomean": math.exp(statistics.fmean(xs)),
-                           "se": statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None}
-                  for config, xs in sorted(by.items())} for g, by in sorted(logs.items())}
+    pooled = analyze.pooled_summary({g: dict(sorted(by.items())) for g, by in logs.items()})
     return {"rows": rows, "goals": matrix_goals(rows), "pooled": pooled,
             "split_prompts": sum(len(r["split"]) for r in rows),
             "goals_kept": matrix_goals(rows, kept=True)}
