@@ -220,6 +220,9 @@ def parse_args(argv=None):
     p.add_argument("--draft-ms", type=float, help="replayed devices' drafting time per token")
     p.add_argument("--edge-args", help="extra edge-server flags for the capacity cells, one string "
                    "(the A/B's other arm: --edge-args='--cuda-graphs off')")
+    p.add_argument("--variant-args", help="an A/B in one run: a second batched edge with these flags more "
+                   "(one string), its batched and edge-only cells beside the first's at each N "
+                   "(--variant-args='--verify-overlap off')")
     return p, p.parse_args(argv)
 
 
@@ -241,6 +244,8 @@ def plan_from(p, a) -> Plan:
             cap = replace(cap, draft_ms=a.draft_ms)
         if a.edge_args:
             cap = replace(cap, edge_args=cap.edge_args + tuple(shlex.split(a.edge_args)))
+        if a.variant_args is not None:
+            cap = replace(cap, variant_args=tuple(shlex.split(a.variant_args)))
         plan = replace(plan, capacity=cap, budget_s=a.budget_s or plan.budget_s)
     except ValueError as exc:
         p.error(str(exc))
@@ -339,6 +344,10 @@ def summary(data: dict, say) -> None:
                 v, goal = g["value"], g["goal"]
                 ok = None if v is None else (v <= goal if "over_floor" in key or "32x5" in key else v >= goal)
                 say(f"  [{'n/a' if ok is None else 'PASS' if ok else 'MISS'}] {key}: {_fmt(v)} (goal {goal})")
+        for n, ratios in m.get("capacity", {}).get("over_variant", {}).items():
+            say(f"  A/B at N = {n}, tok/s over the variant's ({' '.join(m['capacity']['settings']['variant_args'])}): "
+                + ", ".join(f"{k} {_fmt(v)}" for k, v in ratios.items()))
+
         for layout, d in m.get("phases", {}).items():
             say(f"  verification of one batched round ({layout}), ms batched / per session on the device / "
                 "on the host: " + "; ".join(

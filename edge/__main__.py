@@ -10,7 +10,7 @@ from specdec.common.modeling import DTYPES, LoadedModel, ModelSpec, load_model, 
 from specdec.common.runtime import (MAX_MESSAGE_BYTES, OneLineParser, apply_threads, bounded, is_loopback,
                                     retain_freed_memory, run_async)
 from specdec.edge.admission import AdmissionSettings
-from specdec.edge.batching import CUDA_GRAPHS, DEVICE_DEFAULTS, KV_CACHES, BatchSettings
+from specdec.edge.batching import CUDA_GRAPHS, DEVICE_DEFAULTS, KV_CACHES, VERIFY_OVERLAP, BatchSettings
 from specdec.edge.noise_ahead import NOISE_AHEAD
 from specdec.edge.server import EdgeConfig, TlsConfig, serve
 from specdec.edge.verifier import EdgeLimits
@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "the batched forward runs, instead of the scheduler after it (host work that a GPU forward "
                    "leaves the cores free for, and a CPU forward does not); auto = on on CUDA, off on CPU "
                    "(default: %(default)s)")
+    p.add_argument("--verify-overlap", choices=VERIFY_OVERLAP, default="auto",
+                   help="verify a batched forward's rounds on a thread of their own while the next forward runs "
+                   "for the sessions not waiting on them, instead of between forwards (verification is mostly "
+                   "host work, which leaves a GPU idle; a CPU forward needs the same cores); auto = on on CUDA, "
+                   "off on CPU (default: %(default)s)")
     p.add_argument("--max-sessions", type=bounded(int, 1), default=64,
                    help="sessions held at once, detached ones waiting for a resume included")
     admit = AdmissionSettings()
@@ -110,8 +115,9 @@ def config_from_args(a) -> EdgeConfig:
                                   queue=a.admission_queue, wait_s=a.admission_wait_ms / 1000)
     batching = BatchSettings(enabled=not a.no_batching, max_batch_tokens=a.max_batch_tokens,
                              wait_s=None if a.batch_wait_ms is None else a.batch_wait_ms / 1000,
-                             kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs, noise_ahead=a.noise_ahead)
-    if batching.enabled or a.cuda_graphs == "on" or a.noise_ahead == "on":
+                             kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs, noise_ahead=a.noise_ahead,
+                             verify_overlap=a.verify_overlap)
+    if batching.enabled or "on" in (a.cuda_graphs, a.noise_ahead, a.verify_overlap):
         batching.resolved(resolve_device(a.device))  # a bad combination fails here, before the model loads
     return EdgeConfig(model=spec, host=a.host, port=a.port, metrics_port=a.metrics_port,
                       workers=a.workers, batching=batching, limits=limits, admission=admission, tls=tls,

@@ -22,7 +22,14 @@ runs it through :func:`specdec.edge.batched.forward_batch`:
 - the rounds drafted in a forward are verified together right after it, as batch tensor work
   (:func:`specdec.edge.verify_batch.verify_rounds`): each session gets its verdict, not its logits,
   and only the verdicts (a few integers a round) leave the target's device. If that fails, each round
-  is verified alone, so again only the culprit's session sees the error.
+  is verified alone, so again only the culprit's session sees the error;
+- with ``verify_overlap`` on (CUDA's default), a forward's rounds are verified on a thread of their
+  own (:class:`_Behind`) while this thread starts the next forward for the sessions not waiting on
+  it: verification is mostly host work (the packets' rows, each round's checks, the transfers of its
+  decisions), and run between forwards it leaves the GPU idle (the ~8B edge's forwards took 55-65 % of
+  an N = 32 cell on an H200, docs/gpu.md). The device runs the forwards in the order they were
+  started and the verification on a stream of its own; every verdict is the one it would be without
+  overlap (the rounds draw from their own streams, whichever thread verifies them).
 
 No grpc and no clock inside the math: timing here is only for the scheduling decision and the
 metrics the observer receives.
@@ -30,6 +37,7 @@ metrics the observer receives.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -58,6 +66,7 @@ class DeviceDefaults:
     kv_cache: str      # "slots" or "per-session" (edge/slots.py, edge/batched.py)
     cuda_graphs: str   # "on" or "off": chain forwards of KV slots replayed from CUDA graphs (edge/slots.py)
     noise_ahead: str   # "on" or "off": a round's noise drawn by its session while the forward runs (edge/noise_ahead.py)
+    verify_overlap: str  # "on" or "off": a forward's rounds verified while the next forward runs (_Behind)
 
 
 DEVICE_DEFAULTS = {
@@ -65,9 +74,9 @@ DEVICE_DEFAULTS = {
     # that full has long stopped being cheap per token. A wait of a draft packet's decode time or so;
     # a session that needs longer is not waited for. Per-session caches: memory
     # follows each session's length, and copying them costs little next to a CPU forward.
-    # Noise ahead: off, since the cores a session's thread would draw on run the forward.
+    # Noise ahead and verification overlap: off, since the cores they would run on run the forward.
     "cpu": DeviceDefaults(max_batch_tokens=256, wait_s=0.002, kv_cache="per-session", cuda_graphs="off",
-                          noise_ahead="off"),
+                          noise_ahead="off", verify_overlap="off"),
     # A GPU reads its weights once per forward whatever the batch: an 8B model's forward of 256
     # tokens costs ~1.9x one of a single token (vLLM on an H100), so 64 sessions x 8 tokens fit in
     # one forward; a prefill chunk of 512 tokens holds the others' rounds for ~2-3 forwards. KV
@@ -75,11 +84,13 @@ DEVICE_DEFAULTS = {
     # CUDA graphs: a forward of a few tokens a session is launch-bound (an ~8B one 21-24 ms eager,
     # 8-11 ms replayed on an H200: docs/gpu.md). Noise ahead: the host's cores idle while the GPU
     # runs the forward, and the race noise of 32 sessions' rounds is more host work than the forward.
+    # Verification overlap: the same idle host, and a GPU idle while the host verifies.
     "cuda": DeviceDefaults(max_batch_tokens=512, wait_s=0.002, kv_cache="slots", cuda_graphs="on",
-                           noise_ahead="on"),
+                           noise_ahead="on", verify_overlap="on"),
 }
 KV_CACHES = ("auto", "slots", "per-session")
 CUDA_GRAPHS = ("auto", "on", "off")
+VERIFY_OVERLAP = ("auto", "on", "off")
 # A session that ran a forward this recently is load: a round trip plus drafting is ~0.05-0.5 s.
 ACTIVE_WINDOW_S = 1.0
 # A session due back is waited for up to this share of its usual gap after it was due (jitter of
@@ -107,6 +118,7 @@ class BatchSettings:
     kv_cache: str = "auto"                          # slots | per-session | auto: the device's default
     cuda_graphs: str = "auto"                       # on | off | auto: on with slots on CUDA
     noise_ahead: str = "auto"                       # on | off | auto: the device's default
+    verify_overlap: str = "auto"                    # on | off | auto: the device's default
 
     def resolved(self, device: torch.device | str) -> "BatchSettings":
         """These settings with every default filled in for ``device`` (DEVICE_DEFAULTS)."""
@@ -116,14 +128,20 @@ class BatchSettings:
             raise ValueError(f"cuda_graphs must be one of {list(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
         if self.noise_ahead not in NOISE_AHEAD:
             raise ValueError(f"noise_ahead must be one of {list(NOISE_AHEAD)}, got {self.noise_ahead!r}")
+        if self.verify_overlap not in VERIFY_OVERLAP:
+            raise ValueError(f"verify_overlap must be one of {list(VERIFY_OVERLAP)}, got {self.verify_overlap!r}")
         kind = torch.device(device).type
         d = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         out = replace(self, max_batch_tokens=self.max_batch_tokens or d.max_batch_tokens,
                       wait_s=d.wait_s if self.wait_s is None else self.wait_s,
                       kv_cache=d.kv_cache if self.kv_cache == "auto" else self.kv_cache,
-                      noise_ahead=d.noise_ahead if self.noise_ahead == "auto" else self.noise_ahead)
+                      noise_ahead=d.noise_ahead if self.noise_ahead == "auto" else self.noise_ahead,
+                      verify_overlap=self.verify_overlap if self.verify_overlap != "auto"
+                      else d.verify_overlap if self.enabled else "off")
         if self.noise_ahead == "on" and not out.enabled:
             raise ValueError("noise ahead is drawn while a batched forward runs: it needs batching")
+        if self.verify_overlap == "on" and not out.enabled:
+            raise ValueError("verification overlaps the next batched forward: it needs batching")
         if self.cuda_graphs == "auto":
             return replace(out, cuda_graphs=d.cuda_graphs if out.kv_cache == "slots" and out.enabled else "off")
         if self.cuda_graphs == "on" and (kind != "cuda" or out.kv_cache != "slots" or not out.enabled):
@@ -215,6 +233,83 @@ class _Pending:
     round: ChainRound | None = None  # the round drafted in this forward, verified right after it
 
 
+class _Stopwatch:
+    """A forward's time on its device: on CUDA between two events on the forward's stream (the next
+    forward may be started before this one has run, so the host's clock would time the queue), on a
+    CPU the host's clock (the forward has run when its call returns)."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self.start = time.perf_counter()
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None
+        if self._events is not None:
+            self._events[0].record()
+        self._seconds = 0.0
+
+    def stop(self) -> None:
+        """Right after the forward's work is started (its logits included)."""
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self.start
+
+    @property
+    def ended(self) -> "torch.cuda.Event | None":
+        """The event the device passes once the forward has run (None on a CPU)."""
+        return None if self._events is None else self._events[1]
+
+    def wait(self) -> float:
+        """Wait until the device has run the forward; its seconds there."""
+        if self._events is None:
+            return self._seconds
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
+@dataclass
+class _Job:
+    """One forward started: its requests, their results (logits, on the device), what it ran as."""
+    batch: list[_Pending]
+    results: list[torch.Tensor]
+    clock: _Stopwatch
+    static: bool      # run in static shapes (KV slots)
+    graph: str        # BatchStats.graph
+
+
+class _Behind:
+    """Verification behind the next forward (``verify_overlap``, module docstring): a thread that
+    finishes the started forwards in order (``finish(job)``: wait for its device, verify its rounds,
+    answer), while the scheduler's thread starts the next. On CUDA it verifies on a stream of its own,
+    which waits for the job's forward only: on the forward's stream its work would queue behind the
+    next forward."""
+
+    def __init__(self, finish: Callable[[_Job], None], device: torch.device):
+        self._finish = finish
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="verify-behind", daemon=True)
+        self._thread.start()
+
+    def put(self, job: _Job) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Finish the jobs put so far, then stop (from the scheduler's thread, as it ends)."""
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self._stream is None:
+                self._finish(job)
+                continue
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(job.clock.ended)
+                self._finish(job)
+                # the results' memory was the forward stream's: nothing may still read it once freed
+                self._stream.synchronize()
+
+
 class ForwardScheduler:
     """Runs the target forwards of many sessions, batched; thread-safe, blocking :meth:`forward`."""
 
@@ -235,7 +330,10 @@ class ForwardScheduler:
         self.cost = CostCurve()  # seconds per forward by tokens: calibrated, then refreshed by every forward
         self._busy: deque[tuple[float, float]] = deque()  # (end, seconds) of forwards in the window
         self.arrivals = Arrivals()  # by id(CachedLM), under _cond: who is due back, and when
+        self._flight: set[int] = set()  # under _cond: sessions (id(CachedLM)) in a forward not yet answered
         self._load_lock = threading.Lock()
+        self._device = torch.device(device)
+        self._behind = _Behind(self._finish, self._device) if settings.verify_overlap == "on" else None
         self._thread = threading.Thread(target=self._loop, name="forward-scheduler", daemon=True)
         self._thread.start()
 
@@ -341,11 +439,6 @@ class ForwardScheduler:
                 return None
             return best_draft_len(sessions, alpha, self.cost, max_len)
 
-    def _note_load(self, tokens: int, seconds: float) -> None:
-        with self._load_lock:
-            self.cost.observe(tokens, seconds)
-            self._busy.append((time.perf_counter(), seconds))
-
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
@@ -354,11 +447,14 @@ class ForwardScheduler:
 
     # -- the scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            self._run(batch)
+        while (batch := self._next_batch()) is not None:
+            for job in self._launch(batch):
+                if self._behind is not None:
+                    self._behind.put(job)
+                else:
+                    self._finish(job)
+        if self._behind is not None:
+            self._behind.close()
 
     def _next_batch(self) -> list[_Pending] | None:
         with self._cond:
@@ -382,18 +478,13 @@ class ForwardScheduler:
         tokens = sum(p.request.num_tokens for p in self._pending)
         if tokens >= self.settings.max_batch_tokens:
             return now, True
-        pending = {id(p.request.lm) for p in self._pending}
-        wait_for = self.arrivals.worth_waiting_for(now, pending, lambda joining: self._saving(tokens, joining))
+        # a session in a forward not yet answered (verify_overlap) cannot hand in before its answer
+        away = {id(p.request.lm) for p in self._pending} | self._flight
+        with self._load_lock:  # a copy: the verifying thread may refresh the curve meanwhile
+            cost = CostCurve(dict(self.cost.seconds)) if self.cost.seconds else None
+        wait_for = self.arrivals.worth_waiting_for(now, away, lambda joining: _saving(cost, tokens, joining))
         deadline = max(self._pending[0].since + self.settings.wait_s, wait_for or 0.0)
-        return deadline, len(self._pending) >= self._working and wait_for is None
-
-    def _saving(self, pending_tokens: int, joining_tokens: int) -> float:
-        """Seconds one forward over both saves over two: c(a) + c(b) - c(a + b)."""
-        with self._load_lock:
-            if not self.cost.seconds:
-                return 0.0
-            c = self.cost
-            return c(pending_tokens) + c(joining_tokens) - c(pending_tokens + joining_tokens)
+        return deadline, len(self._pending) >= self._working - len(self._flight) and wait_for is None
 
     def _take(self) -> list[_Pending]:
         """Oldest first, up to max_batch_tokens (at least one request); a cache that cannot be
@@ -409,43 +500,67 @@ class ForwardScheduler:
                 break
             batch.append(self._pending.popleft())
             tokens += nxt.num_tokens
+        self._flight.update(id(p.request.lm) for p in batch)
         return batch
 
-    def _run(self, batch: list[_Pending]) -> None:
-        start = time.perf_counter()
-        counts = _pool_counts(self.pool)
+    def _launch(self, batch: list[_Pending]) -> list[_Job]:
+        """Start ``batch``'s forward (on a GPU its work is queued, not yet run); if it fails, its
+        requests one by one, so that only the culprit's session gets the error."""
+        clock, counts = _Stopwatch(self._device), _pool_counts(self.pool)
         try:
             results = forward_batch([p.request for p in batch], self._workspace)
-            wait_for_device(results[0])  # the forward's time, not its launch's (GPU work is queued)
+            clock.stop()
         except Exception as exc:  # noqa: BLE001 - one session's bad request must not fail the others
             if len(batch) == 1:
-                batch[0].future.set_exception(exc)
-                return
+                self._answer(batch, [exc])
+                return []
             log.warning("batched forward of %d sessions failed; running them one by one", len(batch))
-            for p in batch:
-                self._run([p])
+            return [job for p in batch for job in self._launch([p])]
+        static, replays, captures, failures = (b - a for a, b in zip(counts, _pool_counts(self.pool)))
+        return [_Job(batch, results, clock, static > 0,
+                     "captured" if captures else "replayed" if replays else "failed" if failures else "")]
+
+    def _finish(self, job: _Job) -> None:
+        """Once ``job``'s forward has run: verify its rounds, answer its sessions, note the load."""
+        try:
+            seconds = job.clock.wait()
+            answers, verified = _answers(job.batch, job.results)
+        except Exception as exc:  # noqa: BLE001 - the device failed: its sessions get the error, not a hang
+            log.exception("a forward of %d sessions failed on its device", len(job.batch))
+            self._answer(job.batch, [exc] * len(job.batch))
             return
-        seconds = time.perf_counter() - start
-        answers, verified = _answers(batch, results)
+        self._answer(job.batch, answers)
+        tokens = sum(p.request.num_tokens for p in job.batch)
+        with self._load_lock:
+            self.cost.observe(tokens, seconds)
+            self._busy.append((time.perf_counter(), seconds))
+        if self._observer is not None:
+            self._observer(BatchStats(sessions=len(job.batch), tokens=tokens,
+                                      queue_seconds=tuple(job.clock.start - p.since for p in job.batch),
+                                      forward_seconds=seconds, verify_seconds=verified,
+                                      rounds=sum(p.round is not None for p in job.batch), static=job.static,
+                                      graph=job.graph))
+
+    def _answer(self, batch: list[_Pending], answers: list) -> None:
+        """Each request's answer (a result, or the exception its session gets)."""
         with self._cond:  # before the answers: a session may hand in its next forward at once
             end = time.perf_counter()
             for p in batch:
                 self.arrivals.forward_ended(id(p.request.lm), end)
+                self._flight.discard(id(p.request.lm))
+            self._cond.notify_all()
         for p, answer in zip(batch, answers):
             if isinstance(answer, BaseException):
                 p.future.set_exception(answer)
             else:
                 p.future.set_result(answer)
-        tokens = sum(p.request.num_tokens for p in batch)
-        self._note_load(tokens, seconds)
-        if self._observer is not None:
-            static, replays, captures, failures = (b - a for a, b in zip(counts, _pool_counts(self.pool)))
-            self._observer(BatchStats(sessions=len(batch), tokens=tokens,
-                                      queue_seconds=tuple(start - p.since for p in batch),
-                                      forward_seconds=seconds, verify_seconds=verified,
-                                      rounds=sum(p.round is not None for p in batch), static=static > 0,
-                                      graph="captured" if captures else "replayed" if replays
-                                      else "failed" if failures else ""))
+
+
+def _saving(c: CostCurve | None, pending_tokens: int, joining_tokens: int) -> float:
+    """Seconds one forward over both saves over two: c(a) + c(b) - c(a + b) (0 before calibration)."""
+    if c is None:
+        return 0.0
+    return c(pending_tokens) + c(joining_tokens) - c(pending_tokens + joining_tokens)
 
 
 def _pool_counts(pool: SlotPool | None) -> tuple[int, int, int, int]:

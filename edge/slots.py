@@ -268,7 +268,10 @@ class SlotPool:
         for r in batch:
             ids[r.lm.slot][:r.num_tokens] = r.new_ids
         positions = [list(range(s, s + width)) for s in starts]
-        inputs = torch.tensor([ids, positions], dtype=torch.long).to(self.device, non_blocking=True)
+        inputs = torch.tensor([ids, positions], dtype=torch.long)
+        if torch.device(self.device).type == "cuda":  # pinned: the copy queues behind a running forward, not waits for it
+            inputs = inputs.pin_memory()
+        inputs = inputs.to(self.device, non_blocking=True)
         if timer is not None:
             timer.mark("inputs")
         self._grow(rows, max(starts) + width)

@@ -31,6 +31,7 @@ from specdec.bench.capacity.scripts import EdgeOnlyScript, GreedyScript
 from specdec.bench.harness.rig import Edge
 
 WARMUP_TOKENS = 6
+VARIANT = "variant"  # the edge of Settings.variant_args, and its cells' "edge"
 EDGE_COMMON = ("--max-sessions", "160", "--max-sessions-per-principal", "0")  # all clients are one host
 
 
@@ -45,13 +46,18 @@ class Settings:
     draft_max: int                   # tokens per proposal (longest round the advice may allow)
     draft_ms: float                  # device drafting time per token
     edge_args: tuple[str, ...] = ()  # extra edge-server flags (e.g. --kv-cache slots on the CPU smoke run)
+    variant_args: tuple[str, ...] | None = None  # an A/B's other arm in the same run: a second batched
+                                                 # edge with these flags more, its batched and edge-only
+                                                 # cells beside the first's (e.g. --verify-overlap off)
 
 
 def start_edges(model_dir: Path, device: str, dtype: str, s: Settings) -> dict[str, Edge]:
-    """A batched and a --no-batching edge-server of the model, started at once (loading an 8B
-    model takes each ~10-30 s), with /metrics; torch threads: the edge's own choice."""
+    """A batched and a --no-batching edge-server of the model (and the variant's batched one), started
+    at once (loading an 8B model takes each ~10-30 s), with /metrics; torch threads: the edge's own choice."""
     common = ("--model", str(model_dir), "--device", device, "--dtype", dtype, *EDGE_COMMON, *s.edge_args)
     kinds = {"batched": common, "unbatched": (*common, "--no-batching")}
+    if s.variant_args is not None:
+        kinds[VARIANT] = (*common, *s.variant_args)
     with ThreadPoolExecutor(len(kinds)) as pool:
         futures = {k: pool.submit(Edge, *args, threads=0, metrics=True) for k, args in kinds.items()}
         edges, failed = {}, None
@@ -145,6 +151,8 @@ def run(model_dir: Path, tokenizer, device: str, dtype: str, prompts: list[list[
             e.stop()
         out["edge_logs"] = {k: [line.rstrip() for line in list(e.lines)[-20:]] for k, e in edges.items()}
     out["goals"] = goals(out["cells"])
+    if s.variant_args is not None:
+        out["over_variant"] = over_variant(out["cells"])
     return out
 
 
@@ -158,13 +166,21 @@ def _edge_greedy_paths(address: str, hello_none, prompts: list[list[int]], token
 
 
 def _cells(s: Settings) -> list[dict]:
-    """Per N (in ``s.ns`` order): batched and --no-batching at each acceptance, edge-only once."""
+    """Per N (in ``s.ns`` order): batched and --no-batching at each acceptance, edge-only once; with a
+    variant, its batched cells and edge-only right after (the two arms' cells of one N back to back)."""
     out = []
     for n in s.ns:
         for a in s.alphas:
             out += [{"n": n, "mode": "batched", "alpha": a}, {"n": n, "mode": "unbatched", "alpha": a}]
         out.append({"n": n, "mode": "edge-only", "alpha": None})
+        if s.variant_args is not None:
+            out += [{"n": n, "mode": "batched", "alpha": a, "edge": VARIANT} for a in s.alphas]
+            out.append({"n": n, "mode": "edge-only", "alpha": None, "edge": VARIANT})
     return out
+
+
+def _edge_of(cell: dict) -> str:
+    return "unbatched" if cell["mode"] == "unbatched" else cell.get("edge", "batched")
 
 
 def _clients(cell: dict, tables, hello, hello_none, prompts, tokens: int) -> list[list]:
@@ -178,7 +194,9 @@ def _clients(cell: dict, tables, hello, hello_none, prompts, tokens: int) -> lis
 def _warm_up(addresses, edges, tables, hello, hello_none, prompts) -> None:
     """First-use costs (kernels, allocators, the slot pool's growth) land here, not in a cell."""
     alpha = next(iter(tables))
-    for mode, edge in (("batched", "batched"), ("unbatched", "unbatched"), ("edge-only", "batched")):
+    runs = [("batched", "batched"), ("unbatched", "unbatched"), ("edge-only", "batched")]
+    runs += [("batched", VARIANT), ("edge-only", VARIANT)] if VARIANT in addresses else []
+    for mode, edge in runs:
         clients = _clients({"n": 2, "mode": mode, "alpha": alpha}, tables, hello, hello_none, prompts, WARMUP_TOKENS)
         run_async(replay.run_cell(addresses[edge], clients, "replay" if mode != "edge-only" else "edge-only"))
 
@@ -187,10 +205,10 @@ def _measure(cell: dict, edges, addresses, tables, hello, hello_none, prompts, s
     """One cell, after the same cell once unmeasured on the batched edge (``cold``: its figures): a
     serving edge captured the CUDA graphs of its batch shapes (~0.2 s each on an ~8B model) long ago,
     and a cell of a few seconds would otherwise mostly time those captures."""
-    edge = "unbatched" if cell["mode"] == "unbatched" else "batched"
+    edge = _edge_of(cell)
     kind = "edge-only" if cell["mode"] == "edge-only" else "replay"
     cold = None
-    if edge == "batched":
+    if edge != "unbatched":
         cold = _run_cell(cell, edges[edge], addresses[edge], kind, tables, hello, hello_none, prompts, s)
     return {**_run_cell(cell, edges[edge], addresses[edge], kind, tables, hello, hello_none, prompts, s),
             "cold": cold and {k: cold[k] for k in ("stats", "batch")}}
@@ -216,6 +234,7 @@ def _acceptance(sessions: list[dict]) -> float | None:
 def _line(c: dict) -> str:
     st, b = c.get("stats", {}), c.get("batch", {})
     alpha = f" a={c['alpha']}" if c["alpha"] is not None else ""
+    alpha += f" ({c['edge']})" if c.get("edge") else ""
     batch = f", {b['mean_sessions']:.1f} sessions/{b['mean_tokens']:.0f} tokens per forward" if b.get("available") else ""
     if b.get("static_forwards"):
         g = b.get("graphs", {})
@@ -230,18 +249,34 @@ def _line(c: dict) -> str:
             + (f", errors {c['errors']}" if c.get("errors") else ""))
 
 
+def _tps(cells: list[dict], n: int, mode: str, alpha: float | None, edge: str | None = None) -> float | None:
+    for c in cells:
+        if c["n"] == n and c["mode"] == mode and c["alpha"] == alpha and c.get("edge") == edge and "stats" in c:
+            return c["stats"].get("aggregate_tps")
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def goals(cells: list[dict], n: int = 32, alpha: float = 0.8) -> dict:
     """The issue's capacity goals at N = 32, acceptance 0.8: batched >= 10x --no-batching, >= 3x edge-only."""
-    def tps(mode, a):
-        for c in cells:
-            if c["n"] == n and c["mode"] == mode and c["alpha"] == a and "stats" in c:
-                return c["stats"].get("aggregate_tps")
-        return None
-    batched, unbatched, edge_only = tps("batched", alpha), tps("unbatched", alpha), tps("edge-only", None)
-    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
-    return {"batched_over_unbatched": {"value": ratio(batched, unbatched), "goal": 10.0},
-            "batched_over_edge_only": {"value": ratio(batched, edge_only), "goal": 3.0},
+    batched = _tps(cells, n, "batched", alpha)
+    return {"batched_over_unbatched": {"value": _ratio(batched, _tps(cells, n, "unbatched", alpha)), "goal": 10.0},
+            "batched_over_edge_only": {"value": _ratio(batched, _tps(cells, n, "edge-only", None)), "goal": 3.0},
             "where": f"N = {n}, acceptance {alpha}"}
+
+
+def over_variant(cells: list[dict]) -> dict[str, dict[str, float | None]]:
+    """The A/B: by N, the first arm's tokens/s over the variant's, batched (by acceptance) and edge-only."""
+    out: dict[str, dict[str, float | None]] = {}
+    for n in sorted({c["n"] for c in cells if c.get("edge") == VARIANT}):
+        pairs = [(f"batched a={c['alpha']}", "batched", c["alpha"]) for c in cells
+                 if c["n"] == n and c.get("edge") == VARIANT and c["mode"] == "batched"]
+        out[str(n)] = {name: _ratio(_tps(cells, n, mode, a), _tps(cells, n, mode, a, VARIANT))
+                       for name, mode, a in [*pairs, ("edge-only", "edge-only", None)]}
+    return out
 
 
 def dump(obj) -> str:

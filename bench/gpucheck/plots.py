@@ -66,7 +66,7 @@ def _cost_b(ax, m: dict) -> None:
 
 
 def _capacity(ax, m: dict) -> None:
-    cells = [c for c in m.get("capacity", {}).get("cells", []) if "stats" in c]
+    cells = [c for c in m.get("capacity", {}).get("cells", []) if "stats" in c and not c.get("edge")]  # no A/B arm
     for mode, color in MODES:
         alphas = sorted({c["alpha"] for c in cells if c["mode"] == mode}, key=lambda a: -1 if a is None else a)
         for a, style in zip(alphas, ("-", "--")):

@@ -46,8 +46,10 @@ def mean_batch(metrics: EdgeMetrics) -> tuple[float, float]:
 @pytest.mark.parametrize("kv_cache", ["per-session", "slots", "slots-static"])
 def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache, monkeypatch) -> None:
     """Both layouts of the sessions' KV caches (each session's own, or a row of one preallocated
-    cache: edge/slots.py, the GPU's default); slots-static: the chain forwards in the static shapes
-    that the GPU's CUDA graphs replay, run eagerly (only a GPU replays a graph: tests/gpu)."""
+    cache: edge/slots.py, the GPU's default); slots-static: the GPU's serving path as far as a CPU
+    runs it, the chain forwards in the static shapes that the GPU's CUDA graphs replay, run eagerly
+    (only a GPU replays a graph: tests/gpu), and each forward's rounds verified while the next
+    forward runs (verify_overlap)."""
     target_dir, drafter_dir = accepting_pair_v512
     metrics = EdgeMetrics()
     pools = []
@@ -57,8 +59,9 @@ def test_every_mode_at_once_equals_target_greedy(accepting_pair_v512, kv_cache, 
                             lambda *a, **kw: pools.append(slots.SlotPool(*a, **{**kw, "static": "eager"})) or pools[-1])
 
     async def main():
-        async with edge(target_dir, metrics=metrics,
-                        batching=BatchSettings(kv_cache=kv_cache.removesuffix("-static"))) as address:
+        overlap = "on" if kv_cache == "slots-static" else "auto"
+        async with edge(target_dir, metrics=metrics, batching=BatchSettings(
+                kv_cache=kv_cache.removesuffix("-static"), verify_overlap=overlap)) as address:
             jobs = [run_sessions(address, drafter_dir, device_config(temperature=0.0, max_new_tokens=MAX_NEW, **kw),
                                  prompt, [0]) for kw in MIXED.values() for prompt in PROMPTS]
             return await asyncio.gather(*jobs)
@@ -122,9 +125,12 @@ def test_batching_flags_derive_from_the_settings_and_bad_values_exit_with_one_li
     assert edge_cli.config_from_args(parse([])).batching == BatchSettings()
     cfg = edge_cli.config_from_args(parse(["--no-batching", "--max-batch-tokens", "64", "--batch-wait-ms", "0"]))
     assert cfg.batching == BatchSettings(enabled=False, max_batch_tokens=64, wait_s=0.0)
+    cfg = edge_cli.config_from_args(parse(["--verify-overlap", "on", "--noise-ahead", "off"]))
+    assert cfg.batching == BatchSettings(verify_overlap="on", noise_ahead="off")
     assert_edge_flags_rejected(capsys, (["--max-batch-tokens", "0"], ["--batch-wait-ms", "-1"],
                                         ["--batch-wait-ms", "nan"], ["--batch-wait-ms", "inf"],
-                                        ["--max-batch-tokens", "x"]))
+                                        ["--max-batch-tokens", "x"], ["--verify-overlap", "yes"],
+                                        ["--no-batching", "--verify-overlap", "on"]))
 
 
 # The edge's advice in the order its verdicts give it: shorter than the device's L = 4, edge-only,
@@ -295,8 +301,9 @@ def test_seeded_sessions_give_the_same_tokens_alone_and_eight_at_once(accepting_
 
 
 def _tokens_with_noise_ahead(target_dir, drafter_dir, cfg) -> list:
-    """The eight sessions at once on an edge whose sessions draw their noise while the forwards run;
-    fails unless they drew some there (else the comparison would test nothing)."""
+    """The eight sessions at once on an edge whose sessions draw their noise while the forwards run
+    and whose rounds are verified while the next forward runs (a GPU edge's defaults); fails unless
+    they drew some there (else the comparison would test nothing)."""
     from specdec.edge import batching
     drawn = []
 
@@ -307,7 +314,7 @@ def _tokens_with_noise_ahead(target_dir, drafter_dir, cfg) -> list:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(batching, "draw_ahead", counting)
         tokens, modes, batch = _seeded_tokens(target_dir, drafter_dir, cfg, len(SEEDED), lambda: None,
-                                              batching=BatchSettings(noise_ahead="on"))
+                                              batching=BatchSettings(noise_ahead="on", verify_overlap="on"))
     print(f"noise ahead, eight at once, {batch:.2f} sessions per forward: {sum(drawn)} draws ahead in "
           f"{len(drawn)} rounds, rounds by mode {dict(modes)}")
     assert batch > 1.5 and sum(drawn) > len(drawn) // 2, (batch, sum(drawn), len(drawn))

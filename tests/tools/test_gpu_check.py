@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_cpu_smoke_run_measures_every_stage(tmp_path) -> None:
+    """With an A/B's variant arm: the CPU's batched edge verifying each forward's rounds while the next
+    one runs (CUDA's default), its cells beside the default's."""
     out = tmp_path / "out"
-    proc = subprocess.run(["sh", str(ROOT / "bench" / "gpu_check_device.sh"), "--cpu-smoke", "--out", str(out)],
+    proc = subprocess.run(["sh", str(ROOT / "bench" / "gpu_check_device.sh"), "--cpu-smoke", "--out", str(out),
+                           "--variant-args=--verify-overlap on"],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -37,7 +40,9 @@ def test_the_cpu_smoke_run_measures_every_stage(tmp_path) -> None:
     assert capacity["identity"]["edge_only_equals_target_alone"] is True
     settings = capacity["settings"]
     cells = capacity["cells"]
-    assert len(cells) == len(settings["ns"]) * (2 * len(settings["alphas"]) + 1)
+    assert settings["variant_args"] == ["--verify-overlap", "on"]
+    assert len(cells) == len(settings["ns"]) * (3 * len(settings["alphas"]) + 2)
+    assert sum(c.get("edge") == "variant" for c in cells) == len(settings["ns"]) * (len(settings["alphas"]) + 1)
     for c in cells:
         assert c["stats"]["aggregate_tps"] > 0 and c["divergences"] == 0 and not c["errors"], c
         if c["mode"] != "unbatched":
@@ -45,6 +50,10 @@ def test_the_cpu_smoke_run_measures_every_stage(tmp_path) -> None:
         if c["mode"] != "edge-only":
             assert 0.5 < c["acceptance"] <= 1.0, c  # proposals built at 0.8 per position
     assert set(m["goals"]) >= {"one_5_token_forward_over_floor", "32x5_over_1x5", "capacity_batched_over_unbatched"}
+    ab = capacity["over_variant"]
+    assert set(ab) == {str(n) for n in settings["ns"]}
+    assert all(set(r) == {"batched a=0.8", "edge-only"} and all(v > 0 for v in r.values()) for r in ab.values()), ab
+    assert "A/B at N = 1, tok/s over the variant's (--verify-overlap on): batched a=0.8 " in proc.stdout
     png = (out / "gpu_check.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
@@ -95,5 +104,8 @@ def test_edge_args_reach_the_capacity_edges_and_a_bad_flag_is_one_line() -> None
 
     p, a = parse_args(["--cpu-smoke", "--edge-args=--cuda-graphs off --batch-wait-ms 1"])
     assert plan_from(p, a).capacity.edge_args == ("--kv-cache", "slots", "--cuda-graphs", "off", "--batch-wait-ms", "1")
+    assert plan_from(p, a).capacity.variant_args is None
+    p, a = parse_args(["--cpu-smoke", "--variant-args=--verify-overlap off"])
+    assert plan_from(p, a).capacity.variant_args == ("--verify-overlap", "off")
     proc = subprocess.run([sys.executable, "-m", "specdec.bench.gpu_check", "--ns", "x"], capture_output=True, text=True)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1

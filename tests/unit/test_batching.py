@@ -347,6 +347,13 @@ def test_a_released_slot_is_reused_from_empty_and_an_ended_session_cannot_forwar
 
 
 # ------------------------------------------------------------------------------------- scheduler
+@pytest.fixture(params=["off", "on"])
+def overlap(request) -> str:
+    """The scheduler verifies a forward's rounds before the next forward (off, a CPU's default) or
+    on a thread of their own while the next one runs (on, CUDA's default): the same answers."""
+    return request.param
+
+
 def run_threads(scheduler: ForwardScheduler, jobs) -> list:
     """Each job in its own 'session' thread inside scheduler.working(); results in job order."""
     results: list = [None] * len(jobs)
@@ -374,11 +381,11 @@ def four_twins(model, gen: torch.Generator) -> tuple[list, list[list[int]]]:
     return [twins(model, ids(gen, 3 + i)) for i in range(4)], [ids(gen, 2 + i) for i in range(4)]
 
 
-def test_scheduler_runs_ready_sessions_in_one_forward(model):
+def test_scheduler_runs_ready_sessions_in_one_forward(model, overlap):
     gen = torch.Generator().manual_seed(3)
     stats = []
     # A long window: the forward must start because all four handed in, not because time ran out.
-    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0), observer=stats.append)
+    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0, verify_overlap=overlap), observer=stats.append)
     try:
         pairs, news = four_twins(model, gen)
         out = run_threads(scheduler, [lambda b=b, n=n: scheduler.forward(ForwardRequest(b, n, len(n)))
@@ -391,10 +398,11 @@ def test_scheduler_runs_ready_sessions_in_one_forward(model):
         torch.testing.assert_close(a.forward(n, len(n)), y, atol=ATOL, rtol=0)
 
 
-def test_scheduler_caps_tokens_oldest_first_and_chunks_long_prompts(model):
+def test_scheduler_caps_tokens_oldest_first_and_chunks_long_prompts(model, overlap):
     gen = torch.Generator().manual_seed(4)
     stats = []
-    scheduler = ForwardScheduler(BatchSettings(max_batch_tokens=8, wait_s=0.0), observer=stats.append)
+    scheduler = ForwardScheduler(BatchSettings(max_batch_tokens=8, wait_s=0.0, verify_overlap=overlap),
+                                 observer=stats.append)
     try:
         a, b = twins(model, [])
         prompt = ids(gen, 21)  # 3 chunks of <= 8
@@ -421,9 +429,9 @@ def test_scheduler_takes_requests_in_arrival_order_within_the_cap(model):
     assert all(s.tokens <= 6 for s in stats)
 
 
-def test_a_failing_request_fails_only_its_own_session(model):
+def test_a_failing_request_fails_only_its_own_session(model, overlap):
     gen = torch.Generator().manual_seed(6)
-    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0))
+    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0, verify_overlap=overlap))
     try:
         good, _ = twins(model, ids(gen, 3))
         bad, _ = twins(model, ids(gen, 3))
@@ -447,10 +455,10 @@ def _round(draft: list[int], gen: torch.Generator, noise=None) -> ChainRound:
     return gumbel_round(torch.tensor(draft), TargetLaw(1.0), noise or (lambda i: rows[i]))
 
 
-def test_the_rounds_of_a_forward_are_verified_together_as_each_alone(model):
+def test_the_rounds_of_a_forward_are_verified_together_as_each_alone(model, overlap):
     gen = torch.Generator().manual_seed(8)
     stats = []
-    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0), observer=stats.append)
+    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0, verify_overlap=overlap), observer=stats.append)
     try:
         pairs, drafts = four_twins(model, gen)
         rounds = [_round(d, gen) for d in drafts]
@@ -464,10 +472,10 @@ def test_the_rounds_of_a_forward_are_verified_together_as_each_alone(model):
         assert o == verify_alone(ForwardRequest(a, [1, *d], len(d) + 1), r)
 
 
-def test_a_round_failing_verification_fails_only_its_own_session(model):
+def test_a_round_failing_verification_fails_only_its_own_session(model, overlap):
     gen = torch.Generator().manual_seed(9)
     stats = []
-    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0), observer=stats.append)
+    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0, verify_overlap=overlap), observer=stats.append)
     try:
         (ref, good), (_, bad) = twins(model, ids(gen, 3)), twins(model, ids(gen, 3))
         draft = ids(gen, 2)
@@ -482,21 +490,80 @@ def test_a_round_failing_verification_fails_only_its_own_session(model):
     assert out[0] == verify_alone(ForwardRequest(ref, [1, *draft], 3), fine)
 
 
-def test_stopped_scheduler_refuses_work(model):
-    scheduler = ForwardScheduler(BatchSettings())
+def test_with_overlap_the_next_forward_runs_while_a_forward_s_rounds_are_verified(model, overlap):
+    """Session A's round is held in verification (its race noise waits for a signal); session B hands
+    in a forward meanwhile. With overlap B's forward runs while A's round is still being verified
+    (its answer follows A's verdict: forwards are answered in order), and without waiting for A,
+    which cannot hand in before its verdict (a 30 s batch window would hold it otherwise); without
+    overlap (the control) B's forward waits for A's verification to end."""
+    gen = torch.Generator().manual_seed(10)
+    scheduler = ForwardScheduler(BatchSettings(wait_s=30.0, verify_overlap=overlap))
+    (ref_a, a), (ref_b, b) = twins(model, ids(gen, 3)), twins(model, ids(gen, 4))
+    draft, news = ids(gen, 2), ids(gen, 2)
+    rows = [torch.rand(VOCAB, generator=gen, dtype=torch.float64) + 0.01 for _ in range(len(draft) + 1)]
+    verifying, release = threading.Event(), threading.Event()
+
+    def held(i):
+        verifying.set()
+        release.wait(timeout=30)
+        return rows[i]
+
+    out: dict = {}
+
+    def session(name, work):
+        with scheduler.working():
+            out[name] = work()
+
+    sa = threading.Thread(target=session, args=("a", lambda: scheduler.verify(
+        ForwardRequest(a, [1, *draft], 3), gumbel_round(torch.tensor(draft), TargetLaw(1.0), held))))
+    sb = threading.Thread(target=session, args=("b", lambda: scheduler.forward(ForwardRequest(b, news, 1))))
+    try:
+        sa.start()
+        assert verifying.wait(timeout=30)
+        sb.start()
+        deadline = time.perf_counter() + 2.0
+        while b.cache_len == 4 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        ran_while_held = b.cache_len == 4 + len(news)
+        release.set()
+        sa.join(timeout=30)
+        sb.join(timeout=30)
+    finally:
+        release.set()
+        scheduler.stop()
+    assert ran_while_held == (overlap == "on")
+    torch.testing.assert_close(ref_b.forward(news, 1), out["b"], atol=ATOL, rtol=0)
+    alone = gumbel_round(torch.tensor(draft), TargetLaw(1.0), lambda i: rows[i])
+    assert out["a"] == verify_alone(ForwardRequest(ref_a, [1, *draft], 3), alone)
+
+
+def test_verification_overlaps_the_next_forward_where_the_forward_leaves_the_host_idle() -> None:
+    assert BatchSettings().resolved("cpu").verify_overlap == "off"
+    assert BatchSettings().resolved("cuda").verify_overlap == "on"
+    assert BatchSettings(enabled=False).resolved("cuda").verify_overlap == "off"
+    assert BatchSettings(verify_overlap="on").resolved("cpu").verify_overlap == "on"
+    assert BatchSettings(verify_overlap="off").resolved("cuda").verify_overlap == "off"
+    with pytest.raises(ValueError, match="needs batching"):
+        BatchSettings(enabled=False, verify_overlap="on").resolved("cpu")
+    with pytest.raises(ValueError, match="verify_overlap must be one of"):
+        BatchSettings(verify_overlap="yes").resolved("cpu")
+
+
+def test_stopped_scheduler_refuses_work(model, overlap):
+    scheduler = ForwardScheduler(BatchSettings(verify_overlap=overlap))
     scheduler.stop()
     lm, _ = twins(model, [3])
     with pytest.raises(RuntimeError, match="shutting down"):
         scheduler.forward(ForwardRequest(lm, [4], 1))
 
 
-def test_sessions_due_back_are_waited_for_so_they_do_not_fall_into_lockstep(model):
+def test_sessions_due_back_are_waited_for_so_they_do_not_fall_into_lockstep(model, overlap):
     """Two sessions whose gap between forwards (20 ms: round trip and drafting) is shorter than a
     forward: without waiting for the one due back, each forward would serve one of them while the
     other waits. With the join window they share forwards once the scheduler has seen their gaps."""
     gen = torch.Generator().manual_seed(7)
     stats = []
-    scheduler = ForwardScheduler(BatchSettings(wait_s=0.0), observer=stats.append)
+    scheduler = ForwardScheduler(BatchSettings(wait_s=0.0, verify_overlap=overlap), observer=stats.append)
     scheduler.cost = CostCurve({1: 0.2, 256: 0.2})  # flat: one shared forward saves a whole 0.2 s
     try:
         lms = [twins(model, ids(gen, 3))[1] for _ in range(2)]

@@ -161,22 +161,18 @@ def test_on_an_h100_the_advice_drafts_long_and_stays_long_under_load() -> None:
 def test_on_an_h100_the_scheduler_waits_for_sessions_due_back() -> None:
     """Batching wide: on a flat curve one shared forward saves nearly a whole forward (~7.5 ms here),
     so a session due back sooner than that is waited for, and one due later is not."""
-    scheduler = ForwardScheduler(BatchSettings(wait_s=0.0))
-    try:
-        scheduler.cost = H100_8B
-        saving = scheduler._saving(31 * 8, 8)
-        assert saving == pytest.approx(H100_8B(1) - 21.0e-6, rel=1e-6)  # c(a) + c(b) - c(a + b)
-        now = time.perf_counter()
-        for due_in, waits in ((0.005, True), (0.020, False)):
-            gap = 0.010 + due_in  # its last forward ended 10 ms ago
-            arrivals = batching.Arrivals()
-            arrivals.done, arrivals.gap, arrivals.size = {1: now - 0.010}, {1: gap}, {1: 8}
-            until = arrivals.worth_waiting_for(now, set(), lambda joining: scheduler._saving(31 * 8, joining))
-            assert (until is not None) == waits, due_in
-            if waits:
-                assert until == pytest.approx(now + due_in + batching.DUE_TOLERANCE * gap)
-    finally:
-        scheduler.stop()
+    saving = batching._saving(H100_8B, 31 * 8, 8)
+    assert saving == pytest.approx(H100_8B(1) - 21.0e-6, rel=1e-6)  # c(a) + c(b) - c(a + b)
+    assert batching._saving(None, 31 * 8, 8) == 0.0  # before calibration nothing is worth waiting for
+    now = time.perf_counter()
+    for due_in, waits in ((0.005, True), (0.020, False)):
+        gap = 0.010 + due_in  # its last forward ended 10 ms ago
+        arrivals = batching.Arrivals()
+        arrivals.done, arrivals.gap, arrivals.size = {1: now - 0.010}, {1: gap}, {1: 8}
+        until = arrivals.worth_waiting_for(now, set(), lambda joining: batching._saving(H100_8B, 31 * 8, joining))
+        assert (until is not None) == waits, due_in
+        if waits:
+            assert until == pytest.approx(now + due_in + batching.DUE_TOLERANCE * gap)
 
 
 def test_the_scheduler_defaults_follow_the_device() -> None:
